@@ -1,0 +1,130 @@
+"""The engine's one narrow interface: submit a request, read a stream of text deltas, cancel.
+
+Everything that crosses it is plain data (strings, numbers, lists, dicts), so a
+later engine daemon can carry it as msgpack over a websocket without callers
+changing. ``Engine`` is the protocol; ``engine.local.LocalEngine`` runs in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from engine.errors import FimbleError
+from engine.speculative import DecodeOptions
+
+__all__ = ["CompletionRequest", "Delta", "CompletionResult", "CompletionStream", "DecodeOptions", "Engine"]
+
+
+@dataclass
+class CompletionRequest:
+    prefix: str
+    suffix: str = ""
+    options: DecodeOptions = field(default_factory=DecodeOptions)
+    # Which document this is for: the key of its KV cache (issue 5). None: no reuse.
+    document_id: str | None = None
+    # Trim the prefix (from the left) and suffix (from the right) to fit the context
+    # instead of failing with PromptError.
+    truncate: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Delta:
+    """New text since the previous delta. The last delta has ``finished`` set."""
+
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | eos | cancelled | context | error
+    error: str | None = None
+
+
+@dataclass
+class CompletionResult:
+    text: str
+    finish_reason: str
+    tokens: int
+    stats: dict
+
+
+class CompletionStream:
+    """Deltas of one request, readable from asyncio (``async for``) or a thread (``for``)."""
+
+    def __init__(self, request_id: int, loop: asyncio.AbstractEventLoop | None,
+                 on_delta: Callable[[Delta], None] | None = None,
+                 on_cancel: Callable[[], None] | None = None):
+        self.id = request_id
+        self._cancel = threading.Event()
+        self._on_delta, self._on_cancel = on_delta, on_cancel
+        self._loop = loop
+        self._async_q: asyncio.Queue[Delta] | None = asyncio.Queue() if loop else None
+        self._sync_q: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        self.result: CompletionResult | None = None
+        self.text = ""
+
+    # -- producer side (engine worker thread) --------------------------------------
+    def push(self, delta: Delta) -> None:
+        self.text += delta.text
+        if self._on_delta is not None:  # forwarded elsewhere (the engine process writes it to a pipe)
+            self._on_delta(delta)
+        elif self._loop is not None and self._async_q is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._async_q.put_nowait, delta)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+        else:
+            self._sync_q.put(delta)
+
+    # -- consumer side ------------------------------------------------------------
+    def cancel(self) -> None:
+        """Stop decoding at the engine's next step; the stream ends with finish_reason 'cancelled'."""
+        self._cancel.set()
+        if self._on_cancel is not None:
+            self._on_cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def __iter__(self) -> Iterator[Delta]:
+        if self._async_q is not None:
+            raise RuntimeError("this stream was submitted from an event loop: use 'async for'")
+        while True:
+            delta = self._sync_q.get()
+            _raise_if_error(delta)
+            yield delta
+            if delta.finished:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        if self._async_q is None:
+            raise RuntimeError("this stream was submitted outside an event loop: use 'for'")
+        while True:
+            delta = await self._async_q.get()
+            _raise_if_error(delta)
+            yield delta
+            if delta.finished:
+                return
+
+    def collect(self) -> str:
+        """Block until the end; return the whole text."""
+        return "".join(d.text for d in self)
+
+
+def _raise_if_error(delta: Delta) -> None:
+    if delta.finish_reason == "error":
+        raise FimbleError(delta.error or "completion failed")
+
+
+class Engine(Protocol):
+    def submit(self, request: CompletionRequest) -> CompletionStream: ...
+
+    def counters(self) -> dict: ...
+
+    def close(self) -> None: ...

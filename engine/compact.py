@@ -1,0 +1,283 @@
+"""fimble's own compact transformer for the Llama / Qwen2 / Mistral family.
+
+In the spirit of gpt-fast: plain tensors, no per-call framework overhead, and a
+KV cache preallocated once and addressed by absolute position. Writing position
+``p`` overwrites slot ``p``; rolling back is only a change of ``KVCache.length``
+(a pointer move, never a copy). Shapes inside one step depend only on the number
+of new tokens, so a later CUDA-graph decode path can capture the one-token step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.errors import ModelLoadError
+
+# model_type values whose HF config and weight names this module understands.
+SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
+
+
+@dataclass(frozen=True)
+class CompactConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> CompactConfig:
+        """Read a Hugging Face ``config.json`` dict; raise if it needs features we lack."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(f"compact runtime does not support model_type {model_type!r}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"compact runtime needs hidden_act 'silu', got {cfg.get('hidden_act')!r}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
+        if rope_type not in ("default", None):
+            raise ModelLoadError(f"compact runtime does not support rope type {rope_type!r}")
+        theta = rope.get("rope_theta") if rope else None
+        theta = theta or cfg.get("rope_theta") or 10000.0
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rope_theta=float(theta),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama may via attention_bias.
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        )
+
+
+class KVCache:
+    """Preallocated keys/values for one sequence, addressed by absolute position.
+
+    ``length`` is the number of valid positions. Rollback lowers it; the stale
+    slots are simply overwritten by the next forward pass.
+    """
+
+    def __init__(self, cfg: CompactConfig, max_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (cfg.num_layers, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}, cache holds {self.length}")
+        self.length = length
+
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() * 2
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Apply rotary embedding in HF's half-split layout. x: [heads, T, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: CompactConfig):
+        super().__init__()
+        self.cfg = cfg
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # q, k and v projections fused into one matmul: fewer kernel launches per step.
+        self.qkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.splits = (q_dim, kv_dim, kv_dim)
+
+    def forward(self, x: Tensor, layer: int, cache: KVCache, start: int,
+                cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        q, k, v = self.qkv(self.attn_norm(x)).split(self.splits, dim=-1)
+        q = rotate(q.view(t, cfg.num_heads, cfg.head_dim).transpose(0, 1), cos, sin)
+        k = rotate(k.view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1), cos, sin)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        end = start + t
+        cache.keys[layer, :, start:end] = k
+        cache.values[layer, :, start:end] = v
+        keys, values = cache.keys[layer, :, :end], cache.values[layer, :, :end]
+        attn = F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+            enable_gqa=cfg.num_kv_heads != cfg.num_heads,
+        )[0]
+        x = x + self.o_proj(attn.transpose(0, 1).reshape(t, -1))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class CompactTransformer(nn.Module):
+    """Decoder-only transformer over one sequence at a time (batch 1)."""
+
+    def __init__(self, cfg: CompactConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._rope_len = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        max_len = max_len or self.cfg.max_position_embeddings
+        self._ensure_rope(max_len)
+        return KVCache(self.cfg, max_len, self.dtype, self.device)
+
+    def _ensure_rope(self, length: int) -> None:
+        # One cos/sin table for every position, built once: no trig in the step.
+        if length <= self._rope_len:
+            return
+        pos = torch.arange(length, device=self.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rope_cos, self.rope_sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        self._rope_len = length
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, cache: KVCache, start: int | None = None,
+                num_logits: int = 1) -> Tensor:
+        """Run ``tokens`` (1-D) at positions ``start..``; return logits of the last ``num_logits``.
+
+        ``start`` defaults to ``cache.length``: appending. The cache's length becomes
+        ``start + len(tokens)``. Returns float32 logits, shape [num_logits, vocab].
+        """
+        start = cache.length if start is None else start
+        t = tokens.shape[0]
+        end = start + t
+        if start > cache.length:
+            raise ValueError(f"position {start} leaves a gap after cache length {cache.length}")
+        if end > cache.max_len:
+            raise ValueError(f"sequence of {end} tokens exceeds the cache's {cache.max_len}")
+        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        mask = None
+        if t > 1:
+            # Query i (at position start+i) sees keys 0..start+i.
+            mask = torch.ones(t, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, i, cache, start, cos, sin, mask)
+        cache.length = end
+        num_logits = min(num_logits, t)
+        return self.lm_head(self.norm(x[t - num_logits:])).float()
+
+
+# HF parameter names -> ours. q/k/v and gate/up are fused after loading.
+def _convert_hf_state(hf: dict[str, Tensor], cfg: CompactConfig) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {"embed.weight": hf["model.embed_tokens.weight"],
+                              "norm.weight": hf["model.norm.weight"]}
+    out["lm_head.weight"] = hf["model.embed_tokens.weight"] if cfg.tie_word_embeddings \
+        else hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out[f"layers.{i}.qkv.weight"] = torch.cat(
+            [hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"]])
+        if cfg.attention_bias:
+            out[f"layers.{i}.qkv.bias"] = torch.cat(
+                [hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"]])
+        out[f"layers.{i}.o_proj.weight"] = hf[a + "o_proj.weight"]
+        m = p + "mlp."
+        out[f"layers.{i}.gate_up.weight"] = torch.cat([hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
+        out[f"layers.{i}.down.weight"] = hf[m + "down_proj.weight"]
+        out[f"layers.{i}.attn_norm.weight"] = hf[p + "input_layernorm.weight"]
+        out[f"layers.{i}.mlp_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+    return out
+
+
+def _read_safetensors(folder: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no .safetensors weights in {folder}")
+    state: dict[str, Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as exc:  # corrupt or truncated file
+            raise ModelLoadError(f"cannot read weights {f.name}: {exc}") from None
+    return state
+
+
+def load_compact(folder: Path, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> CompactTransformer:
+    cfg_dict = json.loads((folder / "config.json").read_text())
+    cfg = CompactConfig.from_hf_dict(cfg_dict)
+    state = _read_safetensors(folder)
+    try:
+        converted = _convert_hf_state(state, cfg)
+    except KeyError as exc:
+        raise ModelLoadError(f"weights in {folder} lack tensor {exc.args[0]}") from None
+    with torch.device("meta"):
+        model = CompactTransformer(cfg)
+    model = model.to_empty(device=device)
+    try:
+        model.load_state_dict({k: v.to(dtype) for k, v in converted.items()}, strict=False)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"weights in {folder} do not match config.json: {str(exc).splitlines()[0]}") from None
+    model = model.to(dtype)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim))
+    model.inv_freq = inv_freq
+    model.eval()
+    return model
+
+
+def param_count(cfg: CompactConfig) -> int:
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    qkv = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_layer = qkv + cfg.num_heads * cfg.head_dim * d + 3 * d * f + 2 * d
+    head = 0 if cfg.tie_word_embeddings else v * d
+    return v * d + cfg.num_layers * per_layer + d + head
+
+
+__all__ = ["CompactConfig", "CompactTransformer", "KVCache", "load_compact", "param_count",
+           "SUPPORTED_MODEL_TYPES"]

@@ -1,0 +1,128 @@
+"""Drafters propose the next few tokens; the target model verifies them in one pass.
+
+- ``ModelDrafter``: a small model with its own position-addressed KV cache.
+- ``NgramDrafter``: prompt lookup. Finds the latest earlier occurrence of the
+  last n tokens in the prompt (prefix and suffix), the text generated so far and
+  recent completions, and proposes what followed it. No model, no cost.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.sampling import distribution
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    # Per-token proposal distributions [k, V] for sampled drafts; None when deterministic.
+    probs: Tensor | None = None
+
+
+class ModelDrafter:
+    """Autoregressive drafting with a small model; stops early below a confidence gate."""
+
+    name = "model"
+
+    def __init__(self, runtime, max_len: int):
+        self.runtime = runtime
+        self.cache = runtime.new_cache(max_len)
+        self.ids: list[int] = []  # tokens whose keys/values sit in self.cache, in order
+
+    def reset(self) -> None:
+        self.cache.rollback(0)
+        self.ids = []
+
+    def _sync(self, context: list[int]) -> Tensor:
+        """Make the cache hold ``context``; return the logits after its last token."""
+        limit = min(len(self.ids), len(context) - 1)  # always re-run at least the last token
+        if self.ids[:limit] == context[:limit]:  # the usual case, compared in C
+            common = limit
+        else:
+            common = 0
+            while common < limit and self.ids[common] == context[common]:
+                common += 1
+        self.cache.rollback(common)
+        new = torch.tensor(context[common:], dtype=torch.long, device=self.runtime.device)
+        logits = self.runtime(new, self.cache, common, 1)[-1]
+        self.ids = list(context)
+        return logits
+
+    def propose(self, context: list[int], k: int, temperature: float, top_p: float,
+                gate: float, gen: torch.Generator | None) -> Draft:
+        logits = self._sync(context)
+        tokens: list[int] = []
+        probs: list[Tensor] = []
+        greedy = temperature <= 0
+        for i in range(k):
+            if greedy:
+                conf = torch.softmax(logits, -1)
+                tok = int(conf.argmax())
+                if i > 0 and float(conf[tok]) < gate:
+                    break
+            else:
+                q = distribution(logits, temperature, top_p)
+                tok = int(torch.multinomial(q, 1, generator=gen).item())
+                if i > 0 and float(q.max()) < gate:
+                    break
+                probs.append(q)
+            tokens.append(tok)
+            if i + 1 < k:
+                logits = self.runtime(torch.tensor([tok], device=self.runtime.device), self.cache, None, 1)[-1]
+                self.ids.append(tok)
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting over the context and recent completions.
+
+    Token sequences are searched as int32 byte strings with ``bytes.rfind``: a scan
+    in C over a few thousand tokens takes microseconds, with no index to build.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, history: int = 16):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.recent: deque[bytes] = deque(maxlen=history)
+
+    def reset(self) -> None:
+        pass  # stateless between calls apart from the remembered completions
+
+    def remember(self, completion: list[int]) -> None:
+        """Keep a finished completion to draft from in later requests."""
+        if completion:
+            self.recent.append(array("i", completion).tobytes())
+
+    def propose(self, context: list[int], k: int, temperature: float = 0.0, top_p: float = 1.0,
+                gate: float = 0.0, gen: torch.Generator | None = None) -> Draft:
+        buf = array("i", context).tobytes()
+        for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
+            pattern = buf[-4 * n:]
+            # An occurrence must end before the last token, so that something follows it.
+            found = _rfind_aligned(buf, pattern, 4 * (len(context) - 1))
+            if found is not None:
+                return Draft(_tokens(buf, found + 4 * n, k))
+            for past in reversed(self.recent):
+                found = _rfind_aligned(past, pattern, len(past) - 4)
+                if found is not None:
+                    return Draft(_tokens(past, found + 4 * n, k))
+        return Draft([])
+
+
+def _rfind_aligned(buf: bytes, pattern: bytes, end: int) -> int | None:
+    """Byte offset of the last token-aligned occurrence of ``pattern`` ending at or before ``end``."""
+    pos = buf.rfind(pattern, 0, end)
+    while pos > 0 and pos % 4:
+        pos = buf.rfind(pattern, 0, pos + len(pattern) - 1)
+    return pos if pos >= 0 and pos % 4 == 0 else None
+
+
+def _tokens(buf: bytes, offset: int, k: int) -> list[int]:
+    return array("i", buf[offset: offset + 4 * k]).tolist()

@@ -1,0 +1,135 @@
+"""Load a local Hugging Face causal-LM folder: tokenizer, FIM template and a runtime.
+
+Nothing is downloaded: transformers runs with ``local_files_only`` and the hub
+is switched offline. ``trust_remote_code`` stays off unless the caller asks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.compact import SUPPORTED_MODEL_TYPES, CompactConfig, load_compact
+from engine.errors import ModelLoadError
+from engine.fim import FimTemplate, detect_template, template_by_name
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
+DEFAULT_TARGET = REPO_MODELS / "fimble-target"
+DEFAULT_DRAFT = REPO_MODELS / "fimble-draft"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    folder: Path
+    runtime: object  # CompactTransformer or HFModel: both take (tokens, cache, start, num_logits)
+    tokenizer: object
+    template: FimTemplate | None
+    stop_ids: set[int] = field(default_factory=set)
+    max_len: int = 2048
+    backend: str = "compact"
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def token_id(self, token: str) -> int | None:
+        tid = self.tokenizer.convert_tokens_to_ids(token)
+        return None if tid is None or tid == self.tokenizer.unk_token_id else int(tid)
+
+
+def _read_config(folder: Path) -> dict:
+    if not folder.exists():
+        raise ModelLoadError(f"model folder {folder} does not exist")
+    if not folder.is_dir():
+        raise ModelLoadError(f"model path {folder} is not a folder")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"{folder} has no config.json: not a Hugging Face model folder")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{cfg_path} is corrupt: {exc}") from None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise ModelLoadError(f"{cfg_path} has no model_type")
+    return cfg
+
+
+def _load_tokenizer(folder: Path, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot load the tokenizer in {folder}: {first}") from None
+
+
+def _stop_ids(tokenizer, template: FimTemplate | None, cfg: dict) -> set[int]:
+    ids: set[int] = set()
+    eos = cfg.get("eos_token_id", tokenizer.eos_token_id)
+    for e in eos if isinstance(eos, list) else [eos]:
+        if e is not None:
+            ids.add(int(e))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for tok in template.stop_tokens if template else ():
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if tid is not None and tid != tokenizer.unk_token_id:
+            ids.add(int(tid))
+    return ids
+
+
+def _hf_runtime(folder: Path, cfg: dict, dtype: torch.dtype, device: str, trust_remote_code: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.hf_backend import HFModel
+
+    try:
+        AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError) as exc:
+        raise ModelLoadError(f"unknown architecture {cfg.get('model_type')!r} in {folder}: "
+                             f"{str(exc).splitlines()[0]}") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load {folder} through transformers: {str(exc).splitlines()[0]}") from None
+    return HFModel(model.to(device), cfg.get("max_position_embeddings", 2048))
+
+
+def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               backend: str = "auto", template: str | None = None,
+               trust_remote_code: bool = False) -> LoadedModel:
+    """Load a model folder. ``backend``: "auto" (compact where supported), "compact" or "hf"."""
+    folder = Path(folder).expanduser()
+    cfg = _read_config(folder)
+    tokenizer = _load_tokenizer(folder, trust_remote_code)
+    use_compact = backend == "compact" or (backend == "auto" and cfg["model_type"] in SUPPORTED_MODEL_TYPES)
+    if use_compact:
+        try:
+            CompactConfig.from_hf_dict(cfg)
+        except ModelLoadError:
+            if backend == "compact":
+                raise
+            use_compact = False
+    if use_compact:
+        runtime = load_compact(folder, dtype=dtype, device=device)
+    else:
+        runtime = _hf_runtime(folder, cfg, dtype, device, trust_remote_code)
+    fim = template_by_name(template) if template else detect_template(set(tokenizer.get_vocab()))
+    return LoadedModel(
+        name=folder.name, folder=folder, runtime=runtime, tokenizer=tokenizer, template=fim,
+        stop_ids=_stop_ids(tokenizer, fim, cfg), max_len=int(cfg.get("max_position_embeddings", 2048)),
+        backend="compact" if use_compact else "hf",
+    )

@@ -1,0 +1,222 @@
+"""The engine in a child process, spoken to with msgpack over its stdin/stdout.
+
+Why a process: the decode loop runs fastest in a main thread (see engine/local.py),
+the editor-facing server stays free of torch, and this is the same message
+format a shared engine daemon will speak over a websocket.
+
+Messages (each one msgpack map):
+  client -> engine: {op: submit, id, request} | {op: cancel, id} | {op: counters, id} | {op: close}
+  engine -> client: {op: ready, info} | {op: fatal, error} | {op: delta, id, delta}
+                    | {op: result, id, result} (sent just before the final delta) | {op: counters, id, counters}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import asdict
+from pathlib import Path
+
+import msgpack
+
+from engine.api import CompletionRequest, CompletionResult, CompletionStream, DecodeOptions, Delta
+from engine.errors import FimbleError
+
+
+def request_from_dict(d: dict) -> CompletionRequest:
+    opts = dict(d.get("options") or {})
+    if "stop" in opts:
+        opts["stop"] = tuple(opts["stop"])
+    return CompletionRequest(prefix=d.get("prefix", ""), suffix=d.get("suffix", ""),
+                             options=DecodeOptions(**opts), document_id=d.get("document_id"),
+                             truncate=bool(d.get("truncate", False)))
+
+
+# -- engine side ----------------------------------------------------------------------------
+def serve(args: argparse.Namespace) -> int:
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # stray prints from libraries must not corrupt the message stream
+    write_lock = threading.Lock()
+
+    def send(msg: dict) -> None:
+        data = msgpack.packb(msg, use_bin_type=True)
+        with write_lock:
+            out.write(data)
+            out.flush()
+
+    try:
+        from engine.local import open_engine
+
+        engine = open_engine(args.model, args.draft, device=args.device, template=args.template,
+                             trust_remote_code=args.trust_remote_code, use_draft=not args.no_draft,
+                             start_thread=False)
+    except FimbleError as exc:
+        send({"op": "fatal", "error": str(exc)})
+        return 1
+    send({"op": "ready", "info": engine.info()})
+    streams: dict[int, CompletionStream] = {}
+
+    def reader() -> None:
+        unpacker = msgpack.Unpacker(raw=False)
+        stdin = sys.stdin.buffer
+        while chunk := stdin.read1(65536):
+            unpacker.feed(chunk)
+            for msg in unpacker:
+                op, rid = msg.get("op"), msg.get("id")
+                if op == "submit":
+                    def forward(delta: Delta, rid: int = rid) -> None:
+                        stream = streams.get(rid)
+                        if delta.finished:
+                            streams.pop(rid, None)
+                            if stream is not None and stream.result is not None:
+                                send({"op": "result", "id": rid, "result": asdict(stream.result)})
+                        send({"op": "delta", "id": rid, "delta": asdict(delta)})
+                    try:
+                        req = request_from_dict(msg["request"])
+                    except (TypeError, KeyError) as exc:
+                        send({"op": "delta", "id": rid,
+                              "delta": asdict(Delta("", True, "error", f"bad request: {exc}"))})
+                        continue
+                    streams[rid] = engine.submit(req, on_delta=forward)
+                elif op == "cancel" and rid in streams:
+                    streams[rid].cancel()
+                elif op == "counters":
+                    send({"op": "counters", "id": rid, "counters": engine.counters()})
+                elif op == "close":
+                    break
+        engine.close()  # stdin closed: the client is gone
+
+    threading.Thread(target=reader, name="fimble-engine-reader", daemon=True).start()
+    engine.serve_forever()
+    return 0
+
+
+# -- client side ----------------------------------------------------------------------------
+class EngineProcess:
+    """An ``Engine`` whose model runs in a child process. Same API as ``LocalEngine``."""
+
+    def __init__(self, model: str | Path | None = None, draft: str | Path | None = None, *,
+                 device: str = "cpu", template: str | None = None, no_draft: bool = False,
+                 trust_remote_code: bool = False, startup_timeout: float = 120.0):
+        cmd = [sys.executable, "-m", "engine.process", "--device", device]
+        for flag, value in (("--model", model), ("--draft", draft), ("--template", template)):
+            if value:
+                cmd += [flag, str(value)]
+        if no_draft:
+            cmd.append("--no-draft")
+        if trust_remote_code:
+            cmd.append("--trust-remote-code")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._ids = itertools.count(1)
+        self._streams: dict[int, CompletionStream] = {}
+        self._pending_counters: dict[int, tuple[threading.Event, list]] = {}
+        self._write_lock = threading.Lock()
+        self._ready = threading.Event()
+        self.info: dict = {}
+        self.error: str | None = None
+        self._reader = threading.Thread(target=self._read, name="fimble-engine-client", daemon=True)
+        self._reader.start()
+        if not self._ready.wait(startup_timeout) or self.error:
+            self.close()
+            raise FimbleError(self.error or f"engine did not start within {startup_timeout:.0f}s")
+
+    def _send(self, msg: dict) -> None:
+        data = msgpack.packb(msg, use_bin_type=True)
+        with self._write_lock:
+            try:
+                assert self._proc.stdin is not None
+                self._proc.stdin.write(data)
+                self._proc.stdin.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                self.error = self.error or "engine process has exited"
+
+    def _read(self) -> None:
+        unpacker = msgpack.Unpacker(raw=False)
+        assert self._proc.stdout is not None
+        while chunk := self._proc.stdout.read1(65536):
+            unpacker.feed(chunk)
+            for msg in unpacker:
+                self._dispatch(msg)
+        # The process is gone: end every open stream rather than leave a caller waiting.
+        self.error = self.error or f"engine process exited with code {self._proc.wait()}"
+        self._ready.set()
+        for rid, stream in list(self._streams.items()):
+            stream.push(Delta("", True, "error", self.error))
+            self._streams.pop(rid, None)
+        for event, _ in self._pending_counters.values():
+            event.set()
+
+    def _dispatch(self, msg: dict) -> None:
+        op = msg.get("op")
+        if op == "ready":
+            self.info = msg.get("info", {})
+            self._ready.set()
+        elif op == "fatal":
+            self.error = msg.get("error", "engine failed to start")
+            self._ready.set()
+        elif op == "result" and msg["id"] in self._streams:
+            self._streams[msg["id"]].result = CompletionResult(**msg["result"])
+        elif op == "delta":
+            stream = self._streams.get(msg["id"])
+            if stream is not None:
+                delta = Delta(**msg["delta"])
+                if delta.finished:
+                    self._streams.pop(msg["id"], None)
+                stream.push(delta)
+        elif op == "counters" and msg["id"] in self._pending_counters:
+            event, box = self._pending_counters.pop(msg["id"])
+            box.append(msg["counters"])
+            event.set()
+
+    # -- Engine API ------------------------------------------------------------------------
+    def submit(self, request: CompletionRequest) -> CompletionStream:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        rid = next(self._ids)
+        stream = CompletionStream(rid, loop, on_cancel=lambda: self._send({"op": "cancel", "id": rid}))
+        if self.error:
+            stream.push(Delta("", True, "error", self.error))
+            return stream
+        self._streams[rid] = stream
+        self._send({"op": "submit", "id": rid, "request": request.to_dict()})
+        return stream
+
+    def counters(self, timeout: float = 5.0) -> dict:
+        rid = next(self._ids)
+        event, box = threading.Event(), []
+        self._pending_counters[rid] = (event, box)
+        self._send({"op": "counters", "id": rid})
+        event.wait(timeout)
+        return box[0] if box else {}
+
+    def close(self) -> None:
+        self._send({"op": "close"})
+        try:
+            if self._proc.stdin:
+                self._proc.stdin.close()
+            self._proc.wait(timeout=5)
+        except (subprocess.TimeoutExpired, OSError):
+            self._proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="fimble engine process (msgpack over stdio)")
+    ap.add_argument("--model")
+    ap.add_argument("--draft")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--template")
+    ap.add_argument("--no-draft", action="store_true")
+    ap.add_argument("--trust-remote-code", action="store_true")
+    return serve(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

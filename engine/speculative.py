@@ -1,0 +1,163 @@
+"""The decode loop: draft a block, verify it with one target forward pass, keep what agrees.
+
+State between steps: ``ids`` holds the prompt and every committed output token.
+The target's KV cache holds all of ``ids`` except the last token, which is fed
+with the next block. A rejected suffix of a block is dropped by rolling the
+cache's length back (a pointer move, see engine/compact.py).
+
+Greedy: keep the longest drafted prefix that equals the target's argmax, plus
+the target's own next token. Output equals plain greedy decoding.
+Sampling: speculative sampling (engine/sampling.py). Output is distributed as
+plain sampling from the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.drafters import Draft, ModelDrafter, NgramDrafter
+from engine.sampling import accept_draft_token, distribution, draw, residual
+
+
+@dataclass
+class DecodeOptions:
+    """Per-request decoding knobs. Issue 4's syntax policy sets these per cursor context."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    drafter: str = "auto"  # "auto" (n-gram, else draft model) | "model" | "ngram" | "none"
+    gamma: int = 4  # initial draft block length
+    max_gamma: int = 12
+    adaptive_gamma: bool = True
+    confidence_gate: float = 0.3  # the draft model stops drafting below this top probability
+    stop: tuple[str, ...] = ()  # stop strings (not included in the output)
+    max_lines: int = 0  # 0: no limit; 1: single line
+    seed: int | None = None
+
+    def validate(self) -> None:
+        from engine.errors import PromptError
+
+        if self.max_tokens < 1:
+            raise PromptError("max_tokens must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise PromptError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.drafter not in ("auto", "model", "ngram", "none"):
+            raise PromptError(f"unknown drafter {self.drafter!r}: use auto, model, ngram or none")
+        if self.gamma < 0 or self.max_gamma < 1:
+            raise PromptError("gamma must be >= 0 and max_gamma >= 1")
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_tokens: int = 0  # positions run through the target (prefill excluded)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens committed per verify step (accepted drafts + the target's own token)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+class SpeculativeDecoder:
+    def __init__(self, runtime, cache, stop_ids: set[int], options: DecodeOptions,
+                 model_drafter: ModelDrafter | None = None, ngram_drafter: NgramDrafter | None = None):
+        self.runtime, self.cache = runtime, cache
+        self.stop_ids = stop_ids
+        self.opt = options
+        self.model_drafter = model_drafter if options.drafter in ("auto", "model") else None
+        self.ngram_drafter = ngram_drafter if options.drafter in ("auto", "ngram") else None
+        self.gamma = options.gamma
+        self.gen = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
+        self.ids: list[int] = []
+        self.output: list[int] = []
+        self.done = False
+        self.finish_reason: str | None = None
+        self.stats = StepStats()
+
+    # -- token choice ---------------------------------------------------------
+    def _choose(self, logits: Tensor) -> int:
+        if self.opt.temperature <= 0:
+            return int(logits.argmax())
+        return draw(distribution(logits, self.opt.temperature, self.opt.top_p), self.gen)
+
+    def _commit(self, tokens: list[int]) -> list[int]:
+        """Append tokens to the output, stopping at a stop token or the token budget."""
+        kept = []
+        for t in tokens:
+            if t in self.stop_ids:
+                self.done, self.finish_reason = True, "stop"
+                break
+            kept.append(t)
+            if len(self.output) + len(kept) >= self.opt.max_tokens:
+                self.done, self.finish_reason = True, "length"
+                break
+        self.output.extend(kept)
+        return kept
+
+    # -- the loop ---------------------------------------------------------------
+    def prefill(self, prompt: list[int], reuse: int = 0) -> list[int]:
+        """Run the prompt (its first ``reuse`` positions are already in the cache); return the first token."""
+        tokens = torch.tensor(prompt[reuse:], dtype=torch.long, device=self.runtime.device)
+        logits = self.runtime(tokens, self.cache, reuse, 1)[-1]
+        first = self._choose(logits)
+        self.ids = list(prompt) + [first]
+        return self._commit([first])
+
+    def _draft(self) -> Draft:
+        k = self.gamma if self.opt.gamma > 0 else 0
+        k = min(k, self.opt.max_tokens - len(self.output), self.cache.max_len - len(self.ids))
+        if k <= 0:
+            return Draft([])
+        if self.ngram_drafter is not None:
+            draft = self.ngram_drafter.propose(self.ids, k)
+            if len(draft.tokens) >= 2 or self.model_drafter is None:
+                return draft
+        if self.model_drafter is not None:
+            return self.model_drafter.propose(self.ids, k, self.opt.temperature, self.opt.top_p,
+                                              self.opt.confidence_gate, self.gen)
+        return Draft([])
+
+    def step(self) -> list[int]:
+        """One verify pass. Returns the tokens it committed (possibly none if it stopped)."""
+        if self.done:
+            return []
+        if len(self.ids) >= self.cache.max_len:
+            self.done, self.finish_reason = True, "context"
+            return []
+        draft = self._draft()
+        k = len(draft.tokens)
+        start = len(self.ids) - 1
+        block = torch.tensor([self.ids[-1]] + draft.tokens, dtype=torch.long, device=self.runtime.device)
+        logits = self.runtime(block, self.cache, start, k + 1)
+        new = self._verify(draft, logits)
+        n_accepted = len(new) - 1
+        self.cache.rollback(start + 1 + n_accepted)  # keep the fed token and the accepted drafts
+        self.ids.extend(new)
+        self.stats.steps += 1
+        self.stats.drafted += k
+        self.stats.accepted += n_accepted
+        self.stats.target_tokens += k + 1
+        if self.opt.adaptive_gamma and k:
+            self.gamma = min(self.opt.max_gamma, self.gamma + 2) if n_accepted == k else max(1, self.gamma - 1)
+        return self._commit(new)
+
+    def _verify(self, draft: Draft, logits: Tensor) -> list[int]:
+        d = draft.tokens
+        if self.opt.temperature <= 0:
+            best = logits.argmax(-1).tolist()
+            n = 0
+            while n < len(d) and d[n] == best[n]:
+                n += 1
+            return d[:n] + [best[n]]
+        p = distribution(logits, self.opt.temperature, self.opt.top_p)
+        for i, tok in enumerate(d):
+            q = draft.probs[i] if draft.probs is not None else None
+            if not accept_draft_token(p[i], q, tok, self.gen):
+                return d[:i] + [draw(residual(p[i], q, tok), self.gen)]
+        return d + [draw(p[len(d)], self.gen)]

@@ -1,0 +1,52 @@
+"""Shared fixtures: the embedded models, and tiny random models built from a config (no download)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET_DIR = REPO / "models" / "fimble-target"
+DRAFT_DIR = REPO / "models" / "fimble-draft"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def build_tiny_model(folder: Path, model_type: str = "llama", vocab_size: int = 8192, seed: int = 0,
+                     with_tokenizer: bool = True, **overrides) -> Path:
+    """A random Llama/Qwen2/Mistral folder in HF format. initializer_range ~1 keeps outputs varied."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               initializer_range=1.0, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0)
+    cfg.update(overrides)
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # make norms and biases non-trivial too, so every weight is checked
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    if with_tokenizer:
+        for f in TOKENIZER_FILES:
+            shutil.copy(TARGET_DIR / f, folder / f)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def embedded_target():
+    from engine.loader import load_model
+
+    return load_model(TARGET_DIR)
+
+
+@pytest.fixture(scope="session")
+def embedded_draft():
+    from engine.loader import load_model
+
+    return load_model(DRAFT_DIR)
