@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-from engine.errors import FimbleError
+from engine.errors import error_from_name
 from engine.speculative import DecodeOptions
 
 __all__ = ["CompletionRequest", "Delta", "CompletionResult", "CompletionStream", "DecodeOptions", "Engine"]
@@ -30,6 +30,8 @@ class CompletionRequest:
     # Trim the prefix (from the left) and suffix (from the right) to fit the context
     # instead of failing with PromptError.
     truncate: bool = False
+    # Token healing (engine/healing.py): re-type the prompt's ragged last token.
+    heal: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -43,6 +45,7 @@ class Delta:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | eos | cancelled | context | error
     error: str | None = None
+    error_type: str | None = None  # the FimbleError subclass, e.g. "PromptError"
 
 
 @dataclass
@@ -119,7 +122,7 @@ class CompletionStream:
 
 def _raise_if_error(delta: Delta) -> None:
     if delta.finish_reason == "error":
-        raise FimbleError(delta.error or "completion failed")
+        raise error_from_name(delta.error_type, delta.error or "completion failed")
 
 
 class Engine(Protocol):

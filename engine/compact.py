@@ -138,7 +138,8 @@ class Block(nn.Module):
         keys, values = cache.keys[layer, :, :end], cache.values[layer, :, :end]
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
-            enable_gqa=cfg.num_kv_heads != cfg.num_heads,
+            # A fresh prefill is plainly causal: the fused kernel needs no mask tensor.
+            is_causal=mask is None and t > 1, enable_gqa=cfg.num_kv_heads != cfg.num_heads,
         )[0]
         x = x + self.o_proj(attn.transpose(0, 1).reshape(t, -1))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
@@ -199,7 +200,7 @@ class CompactTransformer(nn.Module):
             raise ValueError(f"sequence of {end} tokens exceeds the cache's {cache.max_len}")
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         mask = None
-        if t > 1:
+        if t > 1 and start > 0:
             # Query i (at position start+i) sees keys 0..start+i.
             mask = torch.ones(t, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
         x = self.embed(tokens)

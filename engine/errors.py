@@ -11,3 +11,9 @@ class ModelLoadError(FimbleError):
 
 class PromptError(FimbleError):
     """The request cannot be served: empty prompt, prompt longer than the context, ..."""
+
+
+def error_from_name(name: str | None, message: str) -> FimbleError:
+    """Rebuild an error that crossed the stream (or a process boundary) by its class name."""
+    kinds = {cls.__name__: cls for cls in (FimbleError, ModelLoadError, PromptError)}
+    return kinds.get(name or "", FimbleError)(message)

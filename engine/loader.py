@@ -35,6 +35,7 @@ class LoadedModel:
     stop_ids: set[int] = field(default_factory=set)
     max_len: int = 2048
     backend: str = "compact"
+    _token_index: object = None
 
     @property
     def vocab_size(self) -> int:
@@ -42,6 +43,15 @@ class LoadedModel:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    @property
+    def token_index(self):
+        """Token texts for healing (engine/healing.py), built on first use."""
+        if self._token_index is None:
+            from engine.healing import TokenIndex
+
+            self._token_index = TokenIndex(self.tokenizer)
+        return self._token_index
 
     def token_id(self, token: str) -> int | None:
         tid = self.tokenizer.convert_tokens_to_ids(token)
@@ -69,10 +79,13 @@ def _load_tokenizer(folder: Path, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot load the tokenizer in {folder}: {first}") from None
+    # fimble windows prompts itself; silence transformers' warning about long inputs.
+    tok.model_max_length = 1 << 30
+    return tok
 
 
 def _stop_ids(tokenizer, template: FimTemplate | None, cfg: dict) -> set[int]:

@@ -20,6 +20,7 @@ from engine.api import CompletionRequest, CompletionResult, CompletionStream, De
 from engine.detok import IncrementalDetokenizer, StopRules
 from engine.drafters import ModelDrafter, NgramDrafter
 from engine.errors import FimbleError, PromptError
+from engine.healing import split_heal
 from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load_model
 from engine.speculative import SpeculativeDecoder
 
@@ -40,6 +41,7 @@ class LocalEngine:
         self._cached_ids: list[int] = []  # tokens whose keys/values are in self.cache
         self.model_drafter = ModelDrafter(draft.runtime, draft.max_len) if draft else None
         self.ngram_drafter = NgramDrafter()
+        _ = target.token_index  # build it now, not on the first keystroke
         self._ids = itertools.count(1)
         self._queue: queue.Queue[tuple[CompletionRequest, CompletionStream] | None] = queue.Queue()
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
@@ -115,17 +117,24 @@ class LocalEngine:
             self._serve(request, stream)
         except FimbleError as exc:
             self._count("failed")
-            stream.push(Delta("", True, "error", str(exc)))
+            stream.push(Delta("", True, "error", str(exc), type(exc).__name__))
         except Exception as exc:  # never let one request kill the worker
             self._count("failed")
             stream.push(Delta("", True, "error", f"internal error: {type(exc).__name__}: {exc}"))
 
-    def build_prompt(self, request: CompletionRequest) -> list[int]:
-        """Token ids of the FIM prompt, each piece tokenised on its own."""
+    def build_prompt(self, request: CompletionRequest) -> tuple[list[int], str]:
+        """Token ids of the FIM prompt, each piece tokenised on its own, and the healed text."""
         if not request.prefix and not request.suffix:
             raise PromptError("empty prompt: both prefix and suffix are empty")
         t = self.target
-        prefix, suffix = t.encode(request.prefix), t.encode(request.suffix)
+        prefix = t.encode(request.prefix)
+        heal = ""
+        if request.heal and prefix:
+            last = t.tokenizer.decode(prefix[-1:], clean_up_tokenization_spaces=False)
+            kept, heal = split_heal(request.prefix, last)
+            if heal:
+                prefix = t.encode(kept)
+        suffix = t.encode(request.suffix)
         budget = t.max_len - request.options.max_tokens - 8
         if len(prefix) + len(suffix) > budget:
             if not request.truncate:
@@ -145,7 +154,7 @@ class LocalEngine:
                 ids.extend(t.encode(text[:-2]) + prefix)
             else:
                 ids.extend(t.encode(text[:-2]) + suffix)
-        return ids
+        return ids, heal
 
     def _reusable(self, prompt: list[int]) -> int:
         """Length of the longest cached prefix of ``prompt`` (at least one token is always re-run)."""
@@ -165,11 +174,12 @@ class LocalEngine:
             return
         opt = request.options
         opt.validate()
-        prompt = self.build_prompt(request)
+        prompt, heal = self.build_prompt(request)
         t_prompt = time.perf_counter()
         reuse = self._reusable(prompt)
         decoder = SpeculativeDecoder(self.target.runtime, self.cache, self.target.stop_ids, opt,
-                                     self.model_drafter, self.ngram_drafter)
+                                     self.model_drafter, self.ngram_drafter, heal,
+                                     self.target.token_index if heal else None)
         self._cached_ids = []  # the cache is about to change; valid again after prefill
         first = decoder.prefill(prompt, reuse)
         self._count("tokens_prefilled", len(prompt) - reuse)
@@ -183,7 +193,7 @@ class LocalEngine:
         while True:
             self._count("tokens_generated", len(new_tokens))
             detok.add(new_tokens)
-            text, hit = rules.cut(detok.text)
+            text, hit = rules.cut(_unheal(detok.text, heal))
             if hit:
                 reason = "stop"
             safe = len(text) if (hit or decoder.done) else rules.safe_length(text)
@@ -199,7 +209,7 @@ class LocalEngine:
             self._count("decode_steps")
         if decoder.done and not reason:
             detok.flush()
-            text, _ = rules.cut(detok.text)
+            text, _ = rules.cut(_unheal(detok.text, heal))
             if len(text) > shown:
                 stream.push(Delta(text[shown:]))
                 shown = len(text)
@@ -220,6 +230,13 @@ class LocalEngine:
         self._count("cancelled" if reason == "cancelled" else "completed")
         stream.result = CompletionResult(text, reason, tokens, stats)
         stream.push(Delta("", True, reason))
+
+
+def _unheal(text: str, heal: str) -> str:
+    """The generated text minus the healed part that the document already has."""
+    if len(text) <= len(heal):
+        return ""
+    return text[len(heal):]
 
 
 def open_engine(model: str | Path | None = None, draft: str | Path | None = None, *, device: str = "cpu",

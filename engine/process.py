@@ -34,7 +34,7 @@ def request_from_dict(d: dict) -> CompletionRequest:
         opts["stop"] = tuple(opts["stop"])
     return CompletionRequest(prefix=d.get("prefix", ""), suffix=d.get("suffix", ""),
                              options=DecodeOptions(**opts), document_id=d.get("document_id"),
-                             truncate=bool(d.get("truncate", False)))
+                             truncate=bool(d.get("truncate", False)), heal=bool(d.get("heal", True)))
 
 
 # -- engine side ----------------------------------------------------------------------------

@@ -66,7 +66,8 @@ class StepStats:
 
 class SpeculativeDecoder:
     def __init__(self, runtime, cache, stop_ids: set[int], options: DecodeOptions,
-                 model_drafter: ModelDrafter | None = None, ngram_drafter: NgramDrafter | None = None):
+                 model_drafter: ModelDrafter | None = None, ngram_drafter: NgramDrafter | None = None,
+                 forced: str = "", token_index=None):
         self.runtime, self.cache = runtime, cache
         self.stop_ids = stop_ids
         self.opt = options
@@ -79,12 +80,26 @@ class SpeculativeDecoder:
         self.done = False
         self.finish_reason: str | None = None
         self.stats = StepStats()
+        # Token healing (engine/healing.py): text the first tokens must re-type.
+        self.forced = forced if token_index is not None else ""
+        self.token_index = token_index
 
     # -- token choice ---------------------------------------------------------
     def _choose(self, logits: Tensor) -> int:
+        if self.forced:
+            mask = torch.full_like(logits, float("-inf"))
+            allowed = self.token_index.allowed(self.forced)
+            if allowed:
+                mask[allowed] = 0.0
+                logits = logits + mask
         if self.opt.temperature <= 0:
-            return int(logits.argmax())
-        return draw(distribution(logits, self.opt.temperature, self.opt.top_p), self.gen)
+            tok = int(logits.argmax())
+        else:
+            tok = draw(distribution(logits, self.opt.temperature, self.opt.top_p), self.gen)
+        if self.forced:
+            text = self.token_index.text.get(tok, "")
+            self.forced = self.forced[len(text):] if self.forced.startswith(text) and text else ""
+        return tok
 
     def _commit(self, tokens: list[int]) -> list[int]:
         """Append tokens to the output, stopping at a stop token or the token budget."""
@@ -130,7 +145,8 @@ class SpeculativeDecoder:
         if len(self.ids) >= self.cache.max_len:
             self.done, self.finish_reason = True, "context"
             return []
-        draft = self._draft()
+        # While healing, tokens are constrained one at a time: no drafting.
+        draft = Draft([]) if self.forced else self._draft()
         k = len(draft.tokens)
         start = len(self.ids) - 1
         block = torch.tensor([self.ids[-1]] + draft.tokens, dtype=torch.long, device=self.runtime.device)
@@ -149,6 +165,8 @@ class SpeculativeDecoder:
 
     def _verify(self, draft: Draft, logits: Tensor) -> list[int]:
         d = draft.tokens
+        if not d:
+            return [self._choose(logits[-1])]
         if self.opt.temperature <= 0:
             best = logits.argmax(-1).tolist()
             n = 0

@@ -1,0 +1,61 @@
+"""Token healing: the cursor rarely sits on a token boundary the model saw in training.
+
+A prefix ending in indentation ("...:\\n        ") or mid-word ("os.pa") tokenises
+into a last token the model would almost never have been followed by what comes
+next. So we take that tail off the prompt and make the first generated tokens
+re-type it: each must start with the removed text, or be a prefix of it. The
+removed text is then cut from what is shown. Plain and speculative decoding
+apply the same constraint, so their outputs stay identical.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+MAX_HEAL_CHARS = 24
+
+
+class TokenIndex:
+    """Each token's text, searchable by prefix. Built once per model, lazily."""
+
+    def __init__(self, tokenizer):
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        texts: list[tuple[str, int]] = []
+        self.text: dict[int, str] = {}
+        # One batched call into the Rust tokenizer: decoding 100k+ tokens one by one takes seconds.
+        decoded = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=True,
+                                         clean_up_tokenization_spaces=False)
+        for tid, t in enumerate(decoded):
+            if tid in special:
+                continue
+            # Tokens that are part of a multi-byte character never match plain text.
+            if t and "\ufffd" not in t:
+                texts.append((t, tid))
+                self.text[tid] = t
+        texts.sort()
+        self._sorted_texts = [t for t, _ in texts]
+        self._sorted_ids = [i for _, i in texts]
+        self._by_text: dict[str, list[int]] = {}
+        for t, i in texts:
+            self._by_text.setdefault(t, []).append(i)
+
+    def allowed(self, forced: str) -> list[int]:
+        """Tokens that keep the output consistent with ``forced``: a prefix of it, or starting with it."""
+        ids = [i for n in range(1, len(forced)) for i in self._by_text.get(forced[:n], ())]
+        lo = bisect.bisect_left(self._sorted_texts, forced)
+        hi = bisect.bisect_left(self._sorted_texts, forced + "\U0010ffff")
+        return ids + self._sorted_ids[lo:hi]
+
+
+def split_heal(prefix: str, last_token_text: str | None) -> tuple[str, str]:
+    """(prefix to prompt with, text the completion must start with)."""
+    line_start = prefix.rfind("\n") + 1
+    tail = prefix[line_start:]
+    if tail and not tail.strip() and line_start > 0:
+        # Cursor on indentation: end the prompt at the line break, as line-aligned training did.
+        return prefix[:line_start], tail
+    t = last_token_text
+    if t and len(t) <= MAX_HEAL_CHARS and len(t) < len(prefix) and prefix.endswith(t) and t.isascii() \
+            and "\n" not in t:
+        return prefix[: -len(t)], t
+    return prefix, ""

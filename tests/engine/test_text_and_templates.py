@@ -1,0 +1,93 @@
+"""Detokenisation, stop rules, FIM templates, healing and the n-gram drafter."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TARGET_DIR
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.detok import IncrementalDetokenizer, StopRules
+from engine.drafters import NgramDrafter
+from engine.fim import TEMPLATES, detect_template
+from engine.healing import split_heal
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TARGET_DIR)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=80))
+def test_streamed_text_round_trips_and_never_splits_a_character(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add([i]) for i in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces if "\ufffd" not in text)
+
+
+def test_multibyte_character_split_across_tokens(tokenizer):
+    text = "s = '😀✓é'"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text) - 3, "the emoji should span several byte-level tokens"
+    detok = IncrementalDetokenizer(tokenizer)
+    out = [detok.add([i]) for i in ids]
+    assert "".join(out) == text and not any("\ufffd" in p for p in out)
+
+
+def test_stop_rules_cut_and_hold_back():
+    rules = StopRules(stop=("\ndef ",), max_lines=2)
+    assert rules.cut("a\nb\nc") == ("a\nb", True)
+    assert rules.cut("x = 1\nde") == ("x = 1\nde", False)
+    assert rules.cut("x = 1\ndef g():") == ("x = 1", True)
+    assert rules.safe_length("x = 1\nde") == len("x = 1")
+
+
+@pytest.mark.parametrize("name,tokens", [
+    ("fimble", ["<|fim_pre|>", "<|fim_suf|>", "<|fim_mid|>"]),
+    ("qwen2.5-coder", ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]),
+    ("starcoder2", ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]),
+    ("deepseek-coder", ["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"]),
+    ("codestral", ["[PREFIX]", "[SUFFIX]", "[MIDDLE]"]),
+    ("codellama", ["▁<PRE>", "▁<SUF>", "▁<MID>"]),
+])
+def test_template_detected_from_special_tokens(name, tokens):
+    vocab = {"a", "b", *tokens}
+    assert detect_template(vocab).name == name
+
+
+def test_embedded_model_gets_suffix_first_template(tokenizer):
+    t = detect_template(set(tokenizer.get_vocab()))
+    assert t.name == "fimble" and t.order == "spm"
+    assert t.build("PRE", "SUF") == "<|fim_suf|>SUF<|fim_pre|>PRE<|fim_mid|>"
+    assert TEMPLATES["qwen2.5-coder"].build("P", "S") == "<|fim_prefix|>P<|fim_suffix|>S<|fim_middle|>"
+
+
+def test_unknown_vocab_has_no_template():
+    assert detect_template({"a", "b"}) is None
+
+
+def test_healing_splits_indentation_and_ragged_words():
+    assert split_heal("if x:\n        ", "\n        ") == ("if x:\n", "        ")
+    assert split_heal("os.pa", "pa") == ("os.", "pa")
+    assert split_heal("x = 1\n", "\n") == ("x = 1\n", "")  # a line start needs no healing
+
+
+def test_ngram_drafter_copies_from_context_and_history():
+    d = NgramDrafter(max_ngram=3)
+    ctx = [1, 2, 3, 4, 5, 6, 9, 9, 1, 2, 3]
+    assert d.propose(ctx, 3).tokens == [4, 5, 6]
+    assert d.propose([7, 8], 2).tokens == []
+    d.remember([7, 8, 10, 11])
+    assert d.propose([0, 7, 8], 2).tokens == [10, 11]
+
+
+def test_ngram_drafter_ignores_misaligned_byte_matches():
+    # 256 = bytes 00 01 00 00; a byte-level match straddling two tokens must not count.
+    d = NgramDrafter(max_ngram=1)
+    assert d.propose([65536, 1, 256], 2).tokens == []
