@@ -27,7 +27,6 @@ from training.fim_samples import EOT, SPECIAL_TOKENS, assemble, make_sample
 VOCAB_SIZE = 8192
 SEQ_LEN = 4096
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a dry run of the script
-COMPILE = False
 
 # Sized on the 2-core CPU machine with engine/compact.py (see models/MODEL_CARD.md):
 # the largest shape that decodes >= 150 tok/s and prefills 512 tokens in <= 150 ms.
@@ -133,18 +132,6 @@ def train_model(name: str, config, train_stream, held_stream, seed: int, budget_
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(DEVICE)
     params = sum(p.numel() for p in model.parameters())
-    forward = model
-    if COMPILE and DEVICE == "cuda":
-        try:  # about 1.5x faster steps; fall back to eager if this stack cannot compile it
-            forward = torch.compile(model)
-            x = torch.zeros(batch, SEQ_LEN, dtype=torch.long, device=DEVICE)
-            with torch.autocast(DEVICE, dtype=torch.bfloat16):
-                forward(input_ids=x).logits.float().mean().backward()
-            model.zero_grad(set_to_none=True)
-            log(f"{name}: compiled")
-        except Exception as exc:
-            log(f"{name}: torch.compile failed ({type(exc).__name__}: {exc}); running eager")
-            forward = model
     log(f"{name}: {params / 1e6:.2f}M parameters, batch {batch}x{SEQ_LEN}, budget {budget_s:.0f}s")
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=DEVICE == "cuda")
@@ -171,7 +158,7 @@ def train_model(name: str, config, train_stream, held_stream, seed: int, budget_
             g["lr"] = lr
         x, y = next(data)
         with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda"):
-            logits = forward(input_ids=x).logits
+            logits = model(input_ids=x).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -232,12 +219,10 @@ def main() -> None:
     ap.add_argument("--draft-steps", type=int)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-files", type=int, help="for a quick dry run")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the model (GPU)")
     ap.add_argument("--pack", type=Path, help="also write each model as tar parts here")
     ap.add_argument("--seq-len", type=int, default=SEQ_LEN, help="smaller only for a quick dry run")
     args = ap.parse_args()
     globals()["SEQ_LEN"] = args.seq_len
-    globals()["COMPILE"] = args.compile
     random.seed(args.seed)
     np.random.seed(args.seed)
     t0 = time.time()

@@ -26,7 +26,7 @@ from engine.syntax.brackets import BracketGuard, fit_to_line_rest, seed_closable
 from engine.syntax.context import CursorContext, classify
 from engine.syntax.document import SyntaxDocument
 from engine.syntax.languages import is_indent_scoped
-from engine.syntax.lexer import FrameKind, Scanner, spec_for
+from engine.syntax.lexer import Frame, FrameKind, Scanner, spec_for
 
 _MAX_PARSES = 40  # bound on candidate reparses in the syntax stage
 _TOKEN_EDGE = re.compile(r"\w+|\s+|[^\w\s]")
@@ -77,7 +77,7 @@ def validate_completion(
     return ValidationResult(text, reason, cursor_byte, end)
 
 
-def _seeded(ctx: CursorContext) -> list:
+def _seeded(ctx: CursorContext) -> list[Frame]:
     return seed_closable(ctx.frames, ctx.byte_offset, len(ctx.closers_after.encode("utf-8")))
 
 
