@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from engine.errors import error_from_name
-from engine.speculative import DecodeOptions
+from engine.options import DecodeOptions
 
 __all__ = ["CompletionRequest", "Delta", "CompletionResult", "CompletionStream", "DecodeOptions", "Engine"]
 

@@ -47,15 +47,30 @@ class TokenIndex:
         return ids + self._sorted_ids[lo:hi]
 
 
-def split_heal(prefix: str, last_token_text: str | None) -> tuple[str, str]:
-    """(prefix to prompt with, text the completion must start with)."""
+def split_heal(prefix: str, last_token_text: str | None) -> tuple[str, str, bool]:
+    """(prefix to prompt with, text taken off, whether decoding must be constrained to re-type it).
+
+    Indentation is taken off without a constraint: the model writes the line's indentation
+    itself, fully speculatively, and the engine drops the leading blanks of the first line,
+    since the cursor already sits after them. A ragged word ("os.pa") must be re-typed
+    exactly, so the first tokens are constrained, one verify step each.
+    """
     line_start = prefix.rfind("\n") + 1
     tail = prefix[line_start:]
     if tail and not tail.strip() and line_start > 0:
         # Cursor on indentation: end the prompt at the line break, as line-aligned training did.
-        return prefix[:line_start], tail
+        return prefix[:line_start], tail, False
     t = last_token_text
     if t and len(t) <= MAX_HEAL_CHARS and len(t) < len(prefix) and prefix.endswith(t) and t.isascii() \
-            and "\n" not in t:
-        return prefix[: -len(t)], t
-    return prefix, ""
+            and "\n" not in t and t.strip():
+        return prefix[: -len(t)], t, True
+    return prefix, "", False
+
+
+def unheal(text: str, heal: str, constrained: bool) -> str:
+    """The generated text minus what the document already has before the cursor."""
+    if not heal:
+        return text
+    if constrained:
+        return text[len(heal):] if len(text) > len(heal) else ""
+    return text.lstrip(" \t")

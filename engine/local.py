@@ -20,7 +20,7 @@ from engine.api import CompletionRequest, CompletionResult, CompletionStream, De
 from engine.detok import IncrementalDetokenizer, StopRules
 from engine.drafters import ModelDrafter, NgramDrafter
 from engine.errors import FimbleError, PromptError
-from engine.healing import split_heal
+from engine.healing import split_heal, unheal
 from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load_model
 from engine.speculative import SpeculativeDecoder
 
@@ -122,16 +122,16 @@ class LocalEngine:
             self._count("failed")
             stream.push(Delta("", True, "error", f"internal error: {type(exc).__name__}: {exc}"))
 
-    def build_prompt(self, request: CompletionRequest) -> tuple[list[int], str]:
-        """Token ids of the FIM prompt, each piece tokenised on its own, and the healed text."""
+    def build_prompt(self, request: CompletionRequest) -> tuple[list[int], str, bool]:
+        """Token ids of the FIM prompt (each piece tokenised on its own), and the healing (healing.py)."""
         if not request.prefix and not request.suffix:
             raise PromptError("empty prompt: both prefix and suffix are empty")
         t = self.target
         prefix = t.encode(request.prefix)
-        heal = ""
+        heal, constrained = "", False
         if request.heal and prefix:
             last = t.tokenizer.decode(prefix[-1:], clean_up_tokenization_spaces=False)
-            kept, heal = split_heal(request.prefix, last)
+            kept, heal, constrained = split_heal(request.prefix, last)
             if heal:
                 prefix = t.encode(kept)
         suffix = t.encode(request.suffix)
@@ -154,7 +154,7 @@ class LocalEngine:
                 ids.extend(t.encode(text[:-2]) + prefix)
             else:
                 ids.extend(t.encode(text[:-2]) + suffix)
-        return ids, heal
+        return ids, heal, constrained
 
     def _reusable(self, prompt: list[int]) -> int:
         """Length of the longest cached prefix of ``prompt`` (at least one token is always re-run)."""
@@ -174,12 +174,12 @@ class LocalEngine:
             return
         opt = request.options
         opt.validate()
-        prompt, heal = self.build_prompt(request)
+        prompt, heal, constrained = self.build_prompt(request)
         t_prompt = time.perf_counter()
         reuse = self._reusable(prompt)
         decoder = SpeculativeDecoder(self.target.runtime, self.cache, self.target.stop_ids, opt,
-                                     self.model_drafter, self.ngram_drafter, heal,
-                                     self.target.token_index if heal else None)
+                                     self.model_drafter, self.ngram_drafter, heal if constrained else "",
+                                     self.target.token_index if constrained else None)
         self._cached_ids = []  # the cache is about to change; valid again after prefill
         first = decoder.prefill(prompt, reuse)
         self._count("tokens_prefilled", len(prompt) - reuse)
@@ -193,7 +193,7 @@ class LocalEngine:
         while True:
             self._count("tokens_generated", len(new_tokens))
             detok.add(new_tokens)
-            text, hit = rules.cut(_unheal(detok.text, heal))
+            text, hit = rules.cut(unheal(detok.text, heal, constrained))
             if hit:
                 reason = "stop"
             safe = len(text) if (hit or decoder.done) else rules.safe_length(text)
@@ -209,7 +209,7 @@ class LocalEngine:
             self._count("decode_steps")
         if decoder.done and not reason:
             detok.flush()
-            text, _ = rules.cut(_unheal(detok.text, heal))
+            text, _ = rules.cut(unheal(detok.text, heal, constrained))
             if len(text) > shown:
                 stream.push(Delta(text[shown:]))
                 shown = len(text)
@@ -230,13 +230,6 @@ class LocalEngine:
         self._count("cancelled" if reason == "cancelled" else "completed")
         stream.result = CompletionResult(text, reason, tokens, stats)
         stream.push(Delta("", True, reason))
-
-
-def _unheal(text: str, heal: str) -> str:
-    """The generated text minus the healed part that the document already has."""
-    if len(text) <= len(heal):
-        return ""
-    return text[len(heal):]
 
 
 def open_engine(model: str | Path | None = None, draft: str | Path | None = None, *, device: str = "cpu",

@@ -47,7 +47,8 @@ def test_speculative_greedy_equals_plain_greedy(embedded_target, embedded_draft)
 
     mismatches, ties, accepted = [], 0, {"model": [], "ngram": [], "auto": []}
     for prefix, suffix in fim_prompts(N_PROMPTS, window=800):
-        prompt, heal = engine.build_prompt(CompletionRequest(prefix, suffix))
+        prompt, heal, constrained = engine.build_prompt(CompletionRequest(prefix, suffix))
+        heal = heal if constrained else ""
         cache.rollback(0)
         plain, _ = decode(target, cache, prompt, heal, "none", None, None)
         for name in ("model", "ngram", "auto"):

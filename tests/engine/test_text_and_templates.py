@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from engine.detok import IncrementalDetokenizer, StopRules
 from engine.drafters import NgramDrafter
 from engine.fim import TEMPLATES, detect_template
-from engine.healing import split_heal
+from engine.healing import split_heal, unheal
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +73,11 @@ def test_unknown_vocab_has_no_template():
 
 
 def test_healing_splits_indentation_and_ragged_words():
-    assert split_heal("if x:\n        ", "\n        ") == ("if x:\n", "        ")
-    assert split_heal("os.pa", "pa") == ("os.", "pa")
-    assert split_heal("x = 1\n", "\n") == ("x = 1\n", "")  # a line start needs no healing
+    assert split_heal("if x:\n        ", "\n        ") == ("if x:\n", "        ", False)
+    assert split_heal("os.pa", "pa") == ("os.", "pa", True)
+    assert split_heal("x = 1\n", "\n") == ("x = 1\n", "", False)  # a line start needs no healing
+    assert unheal("        return x", "        ", False) == "return x"
+    assert unheal("path)", "pa", True) == "th)"
 
 
 def test_ngram_drafter_copies_from_context_and_history():

@@ -1,0 +1,34 @@
+"""Per-request decoding options: plain data, no torch, so the LSP process can build requests cheaply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import PromptError
+
+
+@dataclass
+class DecodeOptions:
+    """Per-request decoding knobs. Issue 4's syntax policy sets these per cursor context."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    drafter: str = "auto"  # "auto" (n-gram, else draft model) | "model" | "ngram" | "none"
+    gamma: int = 4  # initial draft block length
+    max_gamma: int = 12
+    adaptive_gamma: bool = True
+    confidence_gate: float = 0.3  # the draft model stops drafting below this top probability
+    stop: tuple[str, ...] = ()  # stop strings (not included in the output)
+    max_lines: int = 0  # 0: no limit; 1: single line
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise PromptError("max_tokens must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise PromptError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.drafter not in ("auto", "model", "ngram", "none"):
+            raise PromptError(f"unknown drafter {self.drafter!r}: use auto, model, ngram or none")
+        if self.gamma < 0 or self.max_gamma < 1:
+            raise PromptError("gamma must be >= 0 and max_gamma >= 1")

@@ -1,0 +1,237 @@
+"""Shape a streamed completion into what the editor shows: where to stop, what to show, what to replace.
+
+    from engine.postprocess import CompletionShaper
+    shaper = CompletionShaper(doc, cursor_byte)          # at request time (snapshots the doc)
+    for delta in stream:                                 # while the engine streams
+        stop = shaper.feed(delta.text)
+        if stop is not None:                             # a closer past the completion's scope:
+            stream.cancel()                              # stop decoding, show text[:stop]
+            break
+    shaped = shaper.finish()                             # -> ShapedCompletion
+    # show shaped.text, replacing shaped.replace_start..replace_end (bytes) or shaped.range (LSP)
+
+API (all of it):
+
+- `CompletionShaper(doc, cursor_byte, context=None, encoding="utf-16", snapshot=True)`.
+  `doc` is an engine.syntax.SyntaxDocument, `cursor_byte` a UTF-8 byte offset. The shaper
+  takes a snapshot of the document (the caller may keep editing its own), and classifies the
+  cursor unless `context` (a CursorContext for that cursor, e.g. from `decide`) is given.
+  `encoding` is the LSP position encoding used for `ShapedCompletion.range`.
+- `feed(chunk) -> int | None`: add streamed text. Returns None while generation may go on, or
+  the character index (into all the text fed so far) where the completion must stop: the
+  first closer that would close a bracket or string the completion did not open and may not
+  close (engine.syntax.BracketGuard). Once stopped it keeps returning that index; text fed
+  after it is ignored.
+- `text` / `stopped` / `stop`: the accepted text so far, and whether / where it stopped.
+- `finish(text=None) -> ShapedCompletion`: end of generation. Runs the guard's lookahead,
+  then `validate_completion` (bracket, duplicate-line, scope-end and syntax cuts), whose
+  replace range comes from `fit_to_line_rest`: when the completion re-types the closers the
+  editor auto-inserted after the cursor (or the whole rest of the line), the range covers
+  them so nothing is shown twice. Python then gets one more stage (below). Pass `text` to
+  shape a complete text without streaming it.
+
+Python stage ("python_syntax"): tree-sitter-python accepts things CPython rejects: a block
+header with an empty body (`if x:` followed by a line at the same indentation), a dedent to a
+width no enclosing block has. On HumanEval single-line infilling those were most of the shown
+completions that broke the program (bench/quality.py). So for Python the text is also checked
+with CPython's own parser, on the tree-sitter segment around the cursor (top-level statements,
+~150 lines, so the cost stays bounded): the completion passes when the segment then parses, or
+its first error lies below the lines the completion touches (cursor line to the end of the
+last inserted line) at or after where the document's old first error was, and the message
+blames no inserted line (as "expected an indented block after 'if' statement on line N"
+does); an error above the cursor line means the code above is broken and nothing can be
+judged. Otherwise the text is cut back to the longest run of whole lines that passes, or
+dropped.
+
+`ShapedCompletion` fields: `text` (may be ""; show nothing then), `replace_start` and
+`replace_end` (document bytes), `range` (((line, char), (line, char)) in `encoding`),
+`cut_reason` (None, "bracket", "duplicate_line", "scope_end", "syntax_error", "python_syntax"
+or "dropped"),
+`raw` (the text before shaping) and `context` (the ContextKind value at the cursor).
+
+Costs: `feed` is a lexical scan of the new chunk (microseconds); `finish` reparses the
+document with the completion inserted a few times at most (validate_completion caps it).
+Thread-safety: one shaper per request; it owns its snapshot, so it may run on any thread.
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+import re
+import warnings
+from dataclasses import dataclass
+
+from engine.syntax.brackets import BracketGuard, fit_to_line_rest, seed_closable
+from engine.syntax.context import CursorContext, classify
+from engine.syntax.document import SyntaxDocument
+from engine.syntax.languages import is_indent_scoped
+from engine.syntax.validate import validate_completion
+
+__all__ = ["CompletionShaper", "ShapedCompletion"]
+
+
+@dataclass(frozen=True)
+class ShapedCompletion:
+    text: str  # what to show ("" = nothing)
+    replace_start: int  # document byte offset: the cursor
+    replace_end: int  # document byte offset: cursor + re-typed rest of line
+    range: tuple[tuple[int, int], tuple[int, int]]  # the same as LSP (line, character) positions
+    cut_reason: str | None  # why the raw text was shortened; None if it was not
+    raw: str  # the streamed text before shaping
+    context: str  # ContextKind value at the cursor
+
+
+class CompletionShaper:
+    """Streaming stop rule + final validation for one completion at one cursor. See module doc."""
+
+    def __init__(
+        self,
+        doc: SyntaxDocument,
+        cursor_byte: int,
+        context: CursorContext | None = None,
+        encoding: str = "utf-16",
+        snapshot: bool = True,
+    ) -> None:
+        self.doc = doc.snapshot() if snapshot else doc
+        self.cursor = max(0, min(cursor_byte, len(self.doc.bytes)))
+        if context is None or context.byte_offset != self.cursor:
+            context = classify(self.doc, self.cursor)
+        self.context = context
+        self.encoding = encoding
+        frames = seed_closable(context.frames, self.cursor, len(context.closers_after.encode("utf-8")))
+        self._guard = BracketGuard(self.doc.language_id, frames)
+        self._raw = ""
+        self._finished: ShapedCompletion | None = None
+        self._py_base: tuple[int, int | None] | None | bool = False  # False: not computed yet
+
+    # -- streaming -------------------------------------------------------------------------------
+    def feed(self, chunk: str) -> int | None:
+        """Add streamed text; the char index to stop at, or None while it may go on."""
+        if self._guard.stop is not None or not chunk:
+            return self._guard.stop
+        self._raw += chunk
+        return self._guard.feed(chunk)
+
+    @property
+    def stopped(self) -> bool:
+        return self._guard.stop is not None
+
+    @property
+    def stop(self) -> int | None:
+        return self._guard.stop
+
+    @property
+    def text(self) -> str:
+        """The streamed text accepted so far (cut at the stop once stopped)."""
+        return self._guard.text
+
+    def _position(self, byte: int) -> tuple[int, int]:
+        return self.doc.position_at_byte(byte, self.encoding)
+
+    # -- the end ---------------------------------------------------------------------------------
+    def finish(self, text: str | None = None) -> ShapedCompletion:
+        """Shape the whole completion (`text`, or what was fed) into what the editor shows."""
+        if text is not None:
+            if self._raw:
+                raise ValueError("finish(text) is for a shaper that was not fed")
+            self.feed(text)
+        if self._finished is not None:
+            return self._finished
+        self._guard.finish()
+        guarded = self._guard.text
+        lang = self.doc.language_id
+        result = validate_completion(self.doc, self.cursor, guarded, lang, self.context)
+        shown = result.text if result.text.strip() else ""
+        reason = result.cut_reason.value if result.cut_reason is not None else None
+        if guarded != self._raw and reason is None:
+            reason = "bracket"  # the guard cut while streaming; validation had nothing more
+        end = result.replace_end if shown else self.cursor
+        if shown and self.doc.has_tree and is_indent_scoped(lang):
+            checked = self._python_cut(shown, end)
+            if checked != shown:
+                shown, reason = checked, "python_syntax" if checked else "dropped"
+                ext = fit_to_line_rest(shown, self.context.line_suffix, lang)[1] if shown else 0
+                end = self.cursor + len(self.context.line_suffix[:ext].encode("utf-8"))
+        self._finished = ShapedCompletion(
+            text=shown,
+            replace_start=self.cursor,
+            replace_end=end,
+            range=(self._position(self.cursor), self._position(end)),
+            cut_reason=reason,
+            raw=self._raw,
+            context=self.context.kind.value,
+        )
+        return self._finished
+
+    # -- the Python stage -------------------------------------------------------------------------
+    def _python_cut(self, text: str, end: int) -> str:
+        """`text`, or its longest whole-line prefix that CPython accepts here ("" if none)."""
+        if self._python_ok(text, end):
+            return text
+        lines = text.split("\n")
+        for n in range(len(lines) - 1, 0, -1):
+            head = "\n".join(lines[:n]).rstrip()
+            if not head.strip():
+                break
+            ext = fit_to_line_rest(head, self.context.line_suffix, self.doc.language_id)[1]
+            if self._python_ok(head, self.cursor + len(self.context.line_suffix[:ext].encode("utf-8"))):
+                return head
+        return ""
+
+    def _python_ok(self, text: str, end: int) -> bool:
+        data = self.doc.bytes
+        starts = [a for a, _ in self.doc.segment_ranges()] or [0]
+        i = max(0, bisect.bisect_right(starts, self.cursor) - 1)
+        seg_start = starts[i]
+        seg_end = max(starts[i + 1] if i + 1 < len(starts) else len(data), end)
+        before = data[seg_start : self.cursor].decode("utf-8", errors="replace")
+        after = data[end:seg_end].decode("utf-8", errors="replace")
+        if self._py_base is False:
+            self._py_base = _first_python_error(before + data[self.cursor : seg_end].decode("utf-8", "replace"))
+        new = _first_python_error(before + text + after)
+        if new is None:
+            return True
+        pos, blamed = new
+        lo, hi = len(before), len(before) + len(text)
+        first_line = before.count("\n") + 1
+        if blamed is not None and first_line <= blamed <= first_line + text.count("\n"):
+            return False  # e.g. "expected an indented block after 'if' statement on line N"
+        line_start = before.rfind("\n") + 1
+        rest = after.find("\n")
+        touched_end = hi + (len(after) if rest < 0 else rest)
+        old = self._py_base
+        if pos < line_start:
+            return True  # the code above the cursor line is broken: nothing to judge by
+        if pos <= touched_end:
+            # On a line the completion touches: its fault, unless the very same error sat left
+            # of the cursor before (a broken line the completion cannot mend).
+            return bool(old) and pos < lo and old[0] == pos
+        if not old:
+            return False  # the document parsed before: any error now is the completion's
+        shift = len(text) - len(data[self.cursor : end].decode("utf-8", errors="replace"))
+        return pos - shift >= old[0]  # an error further down that the old one masked
+
+
+_BLAMED_LINE = re.compile(r"on line (\d+)")
+
+
+def _first_python_error(source: str) -> tuple[int, int | None] | None:
+    """(char offset of CPython's first syntax error, line number its message blames) or None."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SyntaxWarning for invalid escapes and the like
+            ast.parse(source)
+        return None
+    except SyntaxError as exc:
+        line = max(1, exc.lineno or 1)
+        starts = [0]
+        for m in re.finditer("\n", source):
+            starts.append(m.end())
+            if len(starts) > line:
+                break
+        base = starts[line - 1] if line - 1 < len(starts) else len(source)
+        m = _BLAMED_LINE.search(exc.msg or "")
+        return min(len(source), base + max(0, (exc.offset or 1) - 1)), (int(m.group(1)) if m else None)
+    except (ValueError, RecursionError, MemoryError):
+        return None

@@ -1,0 +1,1 @@
+"""The fimble language server: LSP in front of the local completion engine (see PROTOCOL.md)."""

@@ -1,0 +1,175 @@
+"""``fimble`` command line: ``lsp`` (the server), ``complete FILE:LINE:COL`` and ``bench-lsp``.
+
+User errors print one line, ``fimble: <message>``, and exit with status 2: no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path
+
+from engine.errors import FimbleError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("FIMBLE_MODEL") or None,
+                   help="model folder (default: $FIMBLE_MODEL, else the embedded model)")
+    p.add_argument("--draft", default=os.environ.get("FIMBLE_DRAFT") or None, help="draft model folder")
+    p.add_argument("--no-draft", action="store_true", help="decode without a draft model")
+    p.add_argument("--device", default="cpu")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fimble", description="Local code completion over LSP")
+    ap.add_argument("--version", action="version", version="fimble 0.1.0")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    lsp = sub.add_parser("lsp", help="run the language server (stdio unless --tcp/--ws)")
+    lsp.add_argument("--stdio", action="store_true", help="talk over stdin/stdout (the default)")
+    lsp.add_argument("--tcp", metavar="HOST:PORT", help="serve one client over TCP (host defaults to 127.0.0.1)")
+    lsp.add_argument("--ws", metavar="HOST:PORT", help="serve one client over WebSocket text frames")
+    lsp.add_argument("--log-level", default=os.environ.get("FIMBLE_LOG", "WARNING"))
+    lsp.add_argument("--log-file", help="log here instead of stderr")
+    _add_model_args(lsp)
+
+    comp = sub.add_parser("complete", help="print a completion at FILE:LINE:COL (1-based)")
+    comp.add_argument("spec", metavar="FILE:LINE:COL")
+    comp.add_argument("--max-tokens", type=int, default=64)
+    comp.add_argument("--max-lines", type=int, default=8)
+    comp.add_argument("--drafter", default="auto", choices=("auto", "model", "ngram", "none"))
+    comp.add_argument("--stats", action="store_true", help="print decode statistics to stderr")
+    _add_model_args(comp)
+
+    sub.add_parser("bench-lsp", help="headless LSP latency benchmark (bench/lsp_latency.py; --help for its options)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench-lsp"]:  # everything after it, --help included, is the benchmark's
+        try:
+            return run_bench(argv[1:])
+        except FimbleError as exc:
+            print(f"fimble: {exc}", file=sys.stderr)
+            return 2
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "lsp":
+            return run_lsp(args)
+        return run_complete(args)
+    except FimbleError as exc:
+        print(f"fimble: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+# -- lsp -------------------------------------------------------------------------------------
+def run_lsp(args: argparse.Namespace) -> int:
+    from lsp_server.server import create_server
+    from lsp_server.settings import Settings
+    from lsp_server.transports import parse_address, serve
+
+    level = getattr(logging, str(args.log_level).upper(), None)
+    if not isinstance(level, int):
+        raise FimbleError(f"unknown log level {args.log_level!r}")
+    logging.basicConfig(level=level, filename=args.log_file, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # An editor cancelling a request that has just been answered is normal, not worth a warning.
+    logging.getLogger("pygls.protocol.json_rpc").addFilter(
+        lambda record: not record.getMessage().startswith("Cancel notification for unknown message id"))
+    for addr in (args.tcp, args.ws):
+        if addr:
+            try:
+                parse_address(addr)
+            except ValueError as exc:
+                raise FimbleError(str(exc)) from None
+    defaults = dataclasses.replace(Settings(), model=args.model, draft=args.draft, no_draft=args.no_draft,
+                                   device=args.device)
+    serve(create_server(defaults), tcp=args.tcp, ws=args.ws)
+    return 0
+
+
+# -- complete --------------------------------------------------------------------------------
+def parse_spec(spec: str) -> tuple[Path, int, int]:
+    """FILE:LINE:COL -> (path, line, col), both 1-based. The file name may itself contain ':'."""
+    parts = spec.rsplit(":", 2)
+    if len(parts) != 3 or not parts[0]:
+        raise FimbleError(f"expected FILE:LINE:COL, got {spec!r}")
+    try:
+        line, col = int(parts[1]), int(parts[2])
+    except ValueError:
+        raise FimbleError(f"LINE and COL must be numbers in {spec!r}") from None
+    if line < 1 or col < 1:
+        raise FimbleError(f"LINE and COL are 1-based: got {line}:{col}")
+    return Path(parts[0]), line, col
+
+
+def read_source(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FimbleError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise FimbleError(f"{path}: is a directory") from None
+    except OSError as exc:
+        raise FimbleError(f"{path}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FimbleError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
+def run_complete(args: argparse.Namespace) -> int:
+    from lsp_server.documents import Document
+    from lsp_server.prompt import build_context, clean
+    from lsp_server.settings import Settings
+
+    path, line, col = parse_spec(args.spec)
+    doc = Document(uri=path.resolve().as_uri(), text=read_source(path))
+    if line > len(doc.lines):
+        raise FimbleError(f"{path} has {len(doc.lines)} lines; line {line} is past the end")
+    width = len(doc.line_text(line - 1))
+    if col > width + 1:
+        raise FimbleError(f"line {line} of {path} has {width} characters; column {col} is past its end")
+    if args.max_tokens < 1:
+        raise FimbleError("--max-tokens must be at least 1")
+    s = Settings()
+    ctx = build_context(doc, line - 1, col - 1, s.prefix_chars, s.suffix_chars)
+
+    # Loaded only now: bad input above fails fast, without importing torch.
+    from engine.api import CompletionRequest, DecodeOptions
+    from engine.local import open_engine
+
+    engine = open_engine(args.model, args.draft, device=args.device, use_draft=not args.no_draft, start_thread=False)
+    opts = DecodeOptions(max_tokens=args.max_tokens, max_lines=args.max_lines, drafter=args.drafter)
+    result = engine.complete(CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=opts, truncate=True))
+    sys.stdout.write(result.text if result.text.endswith("\n") else result.text + "\n")
+    if args.stats:
+        st = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.stats.items()}
+        print(f"fimble: {result.finish_reason}, {result.tokens} tokens, {st}", file=sys.stderr)
+    engine.close()
+    return 0
+
+
+# -- bench-lsp -------------------------------------------------------------------------------
+def run_bench(argv: list[str]) -> int:
+    path = REPO / "bench" / "lsp_latency.py"
+    if not path.is_file():
+        raise FimbleError(f"{path} not found: bench-lsp needs a source checkout")
+    spec = importlib.util.spec_from_file_location("fimble_bench_lsp_latency", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return int(module.main(argv) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

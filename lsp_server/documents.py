@@ -1,0 +1,162 @@
+"""Open documents as line lists, kept in sync under incremental edits.
+
+Why not pygls' workspace documents: they re-split the whole text on every access (one
+10 MB file and 20k keystrokes would cost minutes) and split lines on characters that are
+not LSP line breaks (U+2028, form feed, ...). Here only ``\\n``, ``\\r\\n`` and ``\\r``
+end a line, an edit touches only the lines it spans, and the total length is tracked so
+"what was typed since" checks cost one window, not one document.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from lsp_server.positions import UTF16, PositionError, from_codepoints, to_codepoints
+
+_BREAK = re.compile(r"(\r\n|\r|\n)")
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines with their terminators; the last line has none (and may be empty)."""
+    parts = _BREAK.split(text)
+    lines = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
+    lines.append(parts[-1])
+    return lines
+
+
+def strip_eol(line: str) -> str:
+    if line.endswith("\n"):
+        return line[:-2] if line.endswith("\r\n") else line[:-1]
+    return line[:-1] if line.endswith("\r") else line
+
+
+@dataclass
+class Document:
+    uri: str
+    text: str = ""
+    version: int = 0
+    language_id: str = ""
+    lines: list[str] = field(init=False)
+    length: int = field(init=False)
+    # Start (line, column) of the prompt's prefix window: kept stable so the engine's KV
+    # cache keeps matching (see lsp_server/prompt.py); None = choose afresh.
+    window: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        self.set_text(self.text)
+        self.text = ""  # the lines are the truth; don't keep a second copy
+
+    def set_text(self, text: str) -> None:
+        self.lines = split_lines(text)
+        self.length = len(text)
+        self.window = None
+
+    @property
+    def source(self) -> str:
+        return "".join(self.lines)
+
+    # -- positions ---------------------------------------------------------------------------
+    def line_text(self, line: int) -> str:
+        return strip_eol(self.lines[line])
+
+    def to_cp(self, line: int, units: int, encoding: str = UTF16, *, lenient: bool = False) -> tuple[int, int]:
+        """(line, code point column) of a client position.
+
+        Raises PositionError for a line past the end and for a column inside a character,
+        unless ``lenient`` (edits: clamp to the end, round down inside a character; an edit
+        can't be refused, and that is the closest text a broken client can mean).
+        """
+        if line < 0 or units < 0:
+            raise PositionError(f"negative position {line}:{units}")
+        if line >= len(self.lines):
+            if not lenient:
+                raise PositionError(f"line {line} is past the end of the document ({len(self.lines)} lines)")
+            last = len(self.lines) - 1
+            return last, len(self.line_text(last))
+        return line, to_codepoints(self.line_text(line), units, encoding, strict=not lenient)
+
+    def from_cp(self, line: int, col: int, encoding: str = UTF16) -> tuple[int, int]:
+        return line, from_codepoints(self.line_text(line), col, encoding)
+
+    # -- reading -----------------------------------------------------------------------------
+    def text_between(self, start: tuple[int, int], end: tuple[int, int]) -> str:
+        (l0, c0), (l1, c1) = start, end
+        if l0 == l1:
+            return self.lines[l0][c0:c1]
+        return self.lines[l0][c0:] + "".join(self.lines[l0 + 1:l1]) + self.lines[l1][:c1]
+
+    def text_from(self, start: tuple[int, int], n: int) -> str:
+        """Up to ``n`` characters from ``start``."""
+        line, col = start
+        parts: list[str] = []
+        got = 0
+        while line < len(self.lines) and got < n:
+            piece = self.lines[line][col:col + n - got]
+            parts.append(piece)
+            got += len(piece)
+            line, col = line + 1, 0
+        return "".join(parts)
+
+    # -- editing -----------------------------------------------------------------------------
+    def apply_edit(self, start: tuple[int, int], end: tuple[int, int], text: str) -> None:
+        """Replace the code-point range [start, end) with ``text``."""
+        if end < start:
+            start, end = end, start
+        l0, c0 = start
+        l1, c1 = end
+        removed = len(self.text_between((l0, c0), (l1, c1)))
+        head, tail = self.lines[l0][:c0], self.lines[l1][c1:]
+        # Re-split a region that also covers a neighbouring lone "\r" when the edit puts a
+        # "\n" right after it: the two become one line break, as the client counts them.
+        first, last = l0, l1
+        if c0 == 0 and l0 > 0 and self.lines[l0 - 1].endswith("\r") and (text + tail).startswith("\n"):
+            first -= 1
+            head = self.lines[first]
+        if (head + text + tail).endswith("\r") and last + 1 < len(self.lines) \
+                and self.lines[last + 1].startswith("\n"):
+            last += 1
+            tail += self.lines[last]
+        new_lines = split_lines(head + text + tail)
+        if last + 1 < len(self.lines):
+            new_lines.pop()  # the empty piece after the region's final line break: the next line starts there
+        self.lines[first:last + 1] = new_lines
+        self.length += len(text) - removed
+        self._move_window(first, l1, len(new_lines) - (last - first + 1))
+
+    def _move_window(self, first: int, last: int, line_delta: int) -> None:
+        """Keep the prompt window on the same text when lines above it change."""
+        if self.window is None:
+            return
+        wl, _ = self.window
+        if last < wl:
+            self.window = (wl + line_delta, self.window[1])
+        elif first <= wl:
+            self.window = None  # the edit touches the window's first line: choose again
+
+
+class DocumentStore:
+    """Open documents by URI."""
+
+    def __init__(self) -> None:
+        self._docs: dict[str, Document] = {}
+
+    def open(self, uri: str, text: str, version: int, language_id: str) -> Document:
+        doc = Document(uri, text, version, language_id)
+        self._docs[uri] = doc
+        return doc
+
+    def get(self, uri: str) -> Document | None:
+        return self._docs.get(uri)
+
+    def close(self, uri: str) -> Document | None:
+        return self._docs.pop(uri, None)
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    def __iter__(self):
+        return iter(self._docs.values())
+
+
+__all__ = ["Document", "DocumentStore", "PositionError", "split_lines", "strip_eol"]

@@ -1,0 +1,96 @@
+"""One engine decode, anchored at one cursor context, and the text it has produced so far.
+
+Requests don't own generations: a request either starts one or attaches to one whose
+anchor plus the text typed since matches (type-through). The generation keeps running
+after the first request is answered, so later keystrokes are answered from its text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lsp_server.prompt import Context
+
+FINISHED_OK = ("stop", "eos", "length")
+_ids = itertools.count(1)
+
+
+def first_line_end(text: str) -> int:
+    """Index of the newline that ends the first line with content, or -1."""
+    i = text.find("\n")
+    while i != -1 and not text[:i].strip():
+        i = text.find("\n", i + 1)
+    return i
+
+
+class Generation:
+    def __init__(self, ctx: Context, stream: Any, t_request: float, build_ms: float):
+        self.id = next(_ids)
+        self.ctx = ctx
+        self.stream = stream
+        self.text = ""
+        self.done = False
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.shown = 0  # characters of ``text`` sent to the client (answers and deltas)
+        self.waiting = 0  # requests waiting for an answer from it
+        self.tokens = 0  # from the engine's result
+        self.accounted = False  # its tokens are counted as shown / never shown
+        self.prefetched = False  # started by a keystroke, before any request asked
+        self.t_request = t_request  # when the request that started it arrived
+        self.t_submit = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_first_line: float | None = None
+        self.t_done: float | None = None
+        self.build_ms = build_ms
+        self.listeners: list[Callable[[Generation], None]] = []
+        self._waiters: list[asyncio.Future] = []
+
+    @property
+    def usable(self) -> bool:
+        """Whether its text may serve later requests (a cancelled or failed decode may stop mid-thought)."""
+        return not self.done or self.finish_reason in FINISHED_OK
+
+    def cancel(self) -> None:
+        if not self.done and not self.stream.cancelled:
+            self.stream.cancel()
+
+    def add_text(self, text: str) -> None:
+        now = time.perf_counter()
+        self.text += text
+        if self.t_first is None and text:
+            self.t_first = now
+        if self.t_first_line is None and first_line_end(self.text) != -1:
+            self.t_first_line = now
+
+    def finish(self, reason: str | None, error: str | None = None) -> None:
+        self.done = True
+        self.finish_reason = reason or "error"
+        self.error = error
+        self.t_done = time.perf_counter()
+
+    def changed(self) -> None:
+        """Wake everyone waiting for more text (or the end)."""
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+        for listener in list(self.listeners):
+            listener(self)
+
+    async def wait_change(self, timeout: float | None) -> None:
+        if self.done:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)

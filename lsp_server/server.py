@@ -1,0 +1,243 @@
+"""The language server: LSP methods wired to the document store, the completer and the stats.
+
+Handlers stay thin: they convert positions (the negotiated encoding) and shapes, then
+call the modules that do the work. Nothing here touches the model directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+import time
+from typing import Any
+
+from lsprotocol import types
+from pygls.exceptions import JsonRpcInvalidParams
+from pygls.lsp.server import LanguageServer
+
+from lsp_server.completer import Answer, Completer, RequestInfo
+from lsp_server.documents import Document, DocumentStore, PositionError
+from lsp_server.engine_host import EngineHost
+from lsp_server.positions import ENCODINGS, UTF16, advance
+from lsp_server.protocol import FimbleProtocol, plain
+from lsp_server.settings import Settings
+from lsp_server.stats import Stats
+from lsp_server.telemetry import ACCEPT_COMMAND, Telemetry
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+_WORD_TAIL = re.compile(r"\w*$")
+
+
+class FimbleServer(LanguageServer):
+    def __init__(self, defaults: Settings | None = None):
+        super().__init__("fimble", VERSION, protocol_cls=FimbleProtocol,
+                         text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
+        self.defaults = defaults or Settings.from_env()  # CLI flags / environment
+        self.settings = self.defaults
+        self.docs = DocumentStore()
+        self.host = EngineHost()
+        self.stats = Stats()
+        self.telemetry = Telemetry(self.stats)
+        self.completer = Completer(self.docs, self.host, self.stats, self.telemetry, self.protocol.notify)
+        self._reported_error: str | None = None
+
+    @property
+    def encoding(self) -> str:
+        try:
+            enc = self.workspace.position_encoding
+        except RuntimeError:  # before initialize
+            return UTF16
+        value = getattr(enc, "value", enc)
+        return value if value in ENCODINGS else UTF16
+
+    # -- helpers for handlers ----------------------------------------------------------------
+    def cursor(self, uri: str, pos: types.Position) -> tuple[Document, tuple[int, int]] | None:
+        """The open document and the code-point cursor, or None (unknown URI, line past the end).
+
+        A column inside a character is a client bug we can name: InvalidParams.
+        """
+        doc = self.docs.get(uri)
+        if doc is None or pos.line >= len(doc.lines):
+            return None
+        if not self.settings.enabled_for(doc.language_id):
+            return None
+        try:
+            return doc, doc.to_cp(pos.line, pos.character, self.encoding)
+        except PositionError as exc:
+            raise JsonRpcInvalidParams(f"Invalid Params: {exc}") from None
+
+    def client_position(self, doc: Document, cursor: tuple[int, int]) -> types.Position:
+        line, units = doc.from_cp(*cursor, self.encoding)
+        return types.Position(line=line, character=units)
+
+    def apply_settings(self, options: Any) -> None:
+        """Merge wire options; a null model or draft means the server's default (CLI / environment)."""
+        s = self.settings.merged(plain(options))
+        self.settings = dataclasses.replace(s, model=s.model or self.defaults.model,
+                                            draft=s.draft or self.defaults.draft)
+
+    def report_engine_error(self) -> None:
+        """Tell the user once per distinct engine error (every keystroke would be noise)."""
+        if self.host.error and self.host.error != self._reported_error:
+            self._reported_error = self.host.error
+            self.window_show_message(types.ShowMessageParams(types.MessageType.Error, f"fimble: {self.host.error}"))
+
+    async def answer(self, uri: str, pos: types.Position, token: Any, invoked: bool, *,
+                     stream: bool) -> tuple[Document, Answer] | None:
+        t0 = time.perf_counter()
+        target = self.cursor(uri, pos)
+        if target is None:
+            return None
+        doc, cursor = target
+        req = RequestInfo(self.protocol.msg_id, token, {"line": pos.line, "character": pos.character}, t0, invoked)
+        answer = await self.completer.complete(doc, cursor, self.settings, req, stream=stream)
+        self.report_engine_error()
+        return None if answer is None else (doc, answer)
+
+
+def create_server(defaults: Settings | None = None) -> FimbleServer:
+    ls = FimbleServer(defaults)
+    _register(ls)
+    return ls
+
+
+def _register(ls: FimbleServer) -> None:
+    """Every handler takes the server as ``ls`` (pygls injects it by that name)."""
+    @ls.feature(types.INITIALIZE)
+    def initialize(ls: FimbleServer, params: types.InitializeParams) -> None:
+        ls.apply_settings(params.initialization_options)
+        experimental = params.capabilities.experimental
+        if isinstance(experimental, dict) and (experimental.get("fimble") or {}).get("completionDelta"):
+            ls.settings = ls.settings.merged({"streaming": True})
+
+    @ls.feature(types.INITIALIZED)
+    def initialized(ls: FimbleServer, params: types.InitializedParams) -> None:
+        if ls.settings.preload:
+            ls.host.configure(ls.settings)  # load the model now, not on the first keystroke
+
+    @ls.feature(types.SHUTDOWN)
+    async def shutdown(ls: FimbleServer, params: None) -> None:
+        if ls.completer.active is not None:
+            ls.completer.active.cancel()
+        await ls.host.close()
+
+    @ls.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
+    def did_change_configuration(ls: FimbleServer, params: types.DidChangeConfigurationParams) -> None:
+        ls.apply_settings(params.settings)
+        if ls.settings.preload or ls.host.state != "stopped":
+            ls.host.configure(ls.settings)  # restarts the engine if the model changed
+
+    # -- documents ---------------------------------------------------------------------------
+    @ls.feature(types.TEXT_DOCUMENT_DID_OPEN)
+    def did_open(ls: FimbleServer, params: types.DidOpenTextDocumentParams) -> None:
+        td = params.text_document
+        ls.docs.open(td.uri, td.text, td.version, td.language_id)
+
+    @ls.feature(types.TEXT_DOCUMENT_DID_CHANGE)
+    def did_change(ls: FimbleServer, params: types.DidChangeTextDocumentParams) -> None:
+        doc = ls.docs.get(params.text_document.uri)
+        if doc is None:
+            log.warning("didChange for a document that is not open: %s", params.text_document.uri)
+            return
+        enc = ls.encoding
+        cursor = None  # where the cursor is after one plain insertion (typing)
+        for change in params.content_changes:
+            rng = getattr(change, "range", None)
+            if rng is None:
+                doc.set_text(change.text)
+                continue
+            start = doc.to_cp(rng.start.line, rng.start.character, enc, lenient=True)
+            end = doc.to_cp(rng.end.line, rng.end.character, enc, lenient=True)
+            doc.apply_edit(start, end, change.text)
+            if len(params.content_changes) == 1 and start == end and change.text:
+                cursor = advance(*start, change.text)
+        doc.version = params.text_document.version
+        ls.completer.document_changed(doc, cursor, ls.settings)
+
+    @ls.feature(types.TEXT_DOCUMENT_DID_CLOSE)
+    def did_close(ls: FimbleServer, params: types.DidCloseTextDocumentParams) -> None:
+        if ls.docs.close(params.text_document.uri) is not None:
+            ls.completer.document_closed(params.text_document.uri)
+
+    # -- completions -------------------------------------------------------------------------
+    @ls.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
+    async def inline_completion(ls: FimbleServer, params: types.InlineCompletionParams) -> types.InlineCompletionList:
+        ls.stats.count("requests_inline")
+        invoked = params.context.trigger_kind == types.InlineCompletionTriggerKind.Invoked
+        got = await ls.answer(params.text_document.uri, params.position, params.work_done_token, invoked,
+                              stream=ls.settings.streaming)
+        if got is None:
+            return types.InlineCompletionList(items=[])
+        doc, answer = got
+        pos = ls.client_position(doc, answer.cursor)
+        item = types.InlineCompletionItem(
+            insert_text=answer.text, range=types.Range(pos, pos),
+            command=types.Command(title="Accept completion", command=ACCEPT_COMMAND, arguments=[answer.completion_id]))
+        return types.InlineCompletionList(items=[item])
+
+    @ls.feature(types.TEXT_DOCUMENT_COMPLETION, types.CompletionOptions(resolve_provider=False))
+    async def completion(ls: FimbleServer, params: types.CompletionParams) -> types.CompletionList:
+        ls.stats.count("requests_completion")
+        invoked = params.context is None or params.context.trigger_kind == types.CompletionTriggerKind.Invoked
+        got = await ls.answer(params.text_document.uri, params.position, params.work_done_token, invoked,
+                              stream=False)
+        if got is None:
+            return types.CompletionList(is_incomplete=True, items=[])
+        doc, answer = got
+        line, col = answer.cursor
+        # Replace the word before the cursor, so the client's filter (the word) matches the item.
+        word = _WORD_TAIL.search(doc.line_text(line)[:col]).group()
+        start = ls.client_position(doc, (line, col - len(word)))
+        end = ls.client_position(doc, answer.cursor)
+        new_text = word + answer.text
+        label = new_text.strip().splitlines()[0][:80] if new_text.strip() else new_text
+        item = types.CompletionItem(
+            label=label, kind=types.CompletionItemKind.Text, detail="fimble", sort_text="0", filter_text=new_text,
+            insert_text_format=types.InsertTextFormat.PlainText,
+            text_edit=types.TextEdit(range=types.Range(start, end), new_text=new_text),
+            command=types.Command(title="Accept completion", command=ACCEPT_COMMAND, arguments=[answer.completion_id]))
+        # Incomplete: the client asks again as the user types, and type-through answers that.
+        return types.CompletionList(is_incomplete=True, items=[item])
+
+    # -- telemetry ---------------------------------------------------------------------------
+    @ls.feature("textDocument/didShowCompletion")
+    def did_show(ls: FimbleServer, params: Any) -> None:
+        ls.telemetry.did_show(plain(params))
+
+    @ls.feature("textDocument/didPartiallyAcceptCompletion")
+    def did_partially_accept(ls: FimbleServer, params: Any) -> None:
+        ls.telemetry.did_partially_accept(plain(params))
+
+    @ls.command(ACCEPT_COMMAND)
+    def accept(ls: FimbleServer, *args: Any) -> None:
+        ls.telemetry.accept(plain(args[0]) if args else None)
+
+    # -- fimble's own requests ---------------------------------------------------------------
+    @ls.feature("fimble/stats")
+    async def stats(ls: FimbleServer, params: Any) -> dict:
+        snap = ls.stats.snapshot()
+        snap["engine"] = {**ls.host.info(), "counters": await ls.host.counters()}
+        snap["tokens"] = {k: ls.stats.counters[k] for k in ("tokens_generated", "tokens_shown", "tokens_never_shown")}
+        snap["tokens"].update(ls.completer.pending_accounting())
+        snap["tables"] = {
+            "documents": len(ls.docs), "pygls_request_futures": len(ls.protocol._request_futures),
+            "pygls_result_types": len(ls.protocol._result_types), "telemetry_items": len(ls.telemetry),
+            "asyncio_tasks": len(asyncio.all_tasks()), **ls.completer.tables(),
+        }
+        snap["settings"] = {"streaming": ls.settings.streaming, "maxLines": ls.settings.max_lines,
+                            "maxTokens": ls.settings.max_tokens, "model": ls.settings.model,
+                            "encoding": ls.encoding}
+        return snap
+
+    @ls.feature("fimble/debug/document")
+    def debug_document(ls: FimbleServer, params: Any) -> dict | None:
+        params = plain(params)
+        uri = params.get("uri") if isinstance(params, dict) else None
+        doc = ls.docs.get(uri) if isinstance(uri, str) else None
+        if doc is None:
+            return None
+        return {"uri": doc.uri, "version": doc.version, "text": doc.source, "lines": len(doc.lines),
+                "length": doc.length}

@@ -1,0 +1,90 @@
+"""``fimble/completionDelta``: stream a request's text-so-far to clients that asked for it.
+
+A subscription ties one request to one generation at an offset (the characters the user
+had already typed through). It is valid for one document version: any edit of the
+document ends it, so a delta never applies to text the client no longer has. Every
+subscription ends with exactly one notification that has ``done: true``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lsp_server.generation import Generation
+
+METHOD = "fimble/completionDelta"
+
+
+@dataclass(eq=False)
+class Subscription:
+    gen: Generation
+    offset: int
+    request_id: Any
+    token: Any
+    completion_id: str
+    uri: str
+    version: int
+    position: dict  # the request's position, client units
+    cached: bool
+    sent: int = -1  # length of the text last sent
+    closed: bool = False
+    listener: Callable[[Generation], None] | None = field(default=None, repr=False)
+
+
+class DeltaStreamer:
+    def __init__(self, notify: Callable[[str, dict], None]):
+        self._notify = notify
+        self._by_uri: dict[str, list[Subscription]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._by_uri.values())
+
+    def subscribe(self, sub: Subscription) -> None:
+        """Start streaming; any older subscription on the same document is superseded."""
+        self.end_document(sub.uri, "superseded")
+        self._by_uri[sub.uri] = [sub]
+        sub.listener = lambda gen: self._on_change(sub)
+        sub.gen.listeners.append(sub.listener)
+        self._on_change(sub)  # text already there (a type-through hit) goes out at once
+
+    def live(self, gen: Generation) -> int:
+        return sum(1 for subs in self._by_uri.values() for s in subs if s.gen is gen and not s.closed)
+
+    def end(self, sub: Subscription, reason: str) -> None:
+        if sub.closed:
+            return
+        sub.closed = True
+        if sub.listener in sub.gen.listeners:
+            sub.gen.listeners.remove(sub.listener)
+        subs = self._by_uri.get(sub.uri)
+        if subs and sub in subs:
+            subs.remove(sub)
+            if not subs:
+                del self._by_uri[sub.uri]
+        # Ended early (edit, newer request, cancel): repeat what the client has, add nothing.
+        upto = None if sub.gen.done and reason == sub.gen.finish_reason else sub.offset + max(sub.sent, 0)
+        self._send(sub, sub.gen.text[sub.offset:upto], True, reason)
+
+    def end_document(self, uri: str, reason: str) -> None:
+        for sub in list(self._by_uri.get(uri, ())):
+            self.end(sub, reason)
+
+    def _on_change(self, sub: Subscription) -> None:
+        gen = sub.gen
+        if gen.done:
+            self.end(sub, gen.finish_reason or "stop")
+            return
+        text = gen.text[sub.offset:]
+        if len(text) > sub.sent and text:
+            self._send(sub, text, False, None)
+
+    def _send(self, sub: Subscription, text: str, done: bool, reason: str | None) -> None:
+        sub.sent = len(text)
+        sub.gen.shown = max(sub.gen.shown, sub.offset + len(text))
+        self._notify(METHOD, {
+            "requestId": sub.request_id, "token": sub.token, "completionId": sub.completion_id, "uri": sub.uri,
+            "version": sub.version, "position": sub.position, "text": text, "done": done,
+            "finishReason": reason, "cached": sub.cached,
+        })

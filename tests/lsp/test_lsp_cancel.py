@@ -1,0 +1,142 @@
+"""Cancellation and a free event loop, checked through the engine's counters rather than timing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import pytest_lsp
+from lsp_helpers import (
+    CLIENTS,
+    SERVER_CMD,
+    SERVER_ENV,
+    Deltas,
+    change,
+    configure,
+    init_params,
+    inline,
+    items_of,
+    open_doc,
+    server_text,
+    stats,
+)
+from lsprotocol import types
+from pygls.exceptions import JsonRpcRequestCancelled
+from pytest_lsp import ClientServerConfig, LanguageClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+# A long repetitive line: models keep going on it, so a 400-token decode runs for seconds.
+LONG = "import math\n\nPRIMES = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, "
+LONG_CURSOR = (2, len(LONG.splitlines()[2]))
+
+
+@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVER_CMD, server_env=SERVER_ENV),
+                    params=CLIENTS, scope="module")
+async def client(request, lsp_client: LanguageClient):
+    lsp_client.deltas = Deltas(lsp_client)
+    # answerAt=end: the request stays open for the whole decode, so there is something to cancel.
+    # No prefetch: an edit must not start a decode of its own while we watch the counters.
+    await lsp_client.initialize_session(init_params(request.param, {"maxTokens": 400, "maxLines": 0,
+                                                                    "answerAt": "end", "prefetch": False}))
+    yield
+    await lsp_client.shutdown_session()
+
+
+async def _counters(client: LanguageClient) -> dict:
+    """The engine's counters (waiting for the engine to be up: it loads in the background)."""
+    deadline = time.perf_counter() + 60
+    while not (counters := (await stats(client))["engine"]["counters"]):
+        assert time.perf_counter() < deadline, "engine did not start"
+        await asyncio.sleep(0.1)
+    return counters
+
+
+async def _until(pred, timeout: float = 20.0, step: float = 0.05) -> None:
+    deadline = time.perf_counter() + timeout
+    while not await pred():
+        assert time.perf_counter() < deadline, "condition not reached"
+        await asyncio.sleep(step)
+
+
+async def _decoding_stopped(client: LanguageClient, cancelled_before: int) -> dict:
+    """Wait for the engine to count the cancellation, then check it takes no more steps."""
+    async def counted() -> bool:
+        return (await _counters(client))["cancelled"] > cancelled_before
+    await _until(counted)
+    first = await _counters(client)
+    await asyncio.sleep(0.4)
+    second = await _counters(client)
+    assert second["decode_steps"] == first["decode_steps"], "the engine kept decoding after the cancel"
+    assert second["tokens_generated"] == first["tokens_generated"]
+    return second
+
+
+async def _start_long(client: LanguageClient, uri: str, rid: str) -> asyncio.Task:
+    task = asyncio.ensure_future(inline(client, uri, *LONG_CURSOR, msg_id=rid))
+    await client.deltas.wait(lambda p: p["requestId"] == rid and p["text"])  # it is decoding now
+    assert not task.done()
+    return task
+
+
+async def test_cancel_request_stops_decoding(client: LanguageClient):
+    uri = f"file:///tmp/fimble-cancel/{id(client)}/a.py"
+    open_doc(client, uri, LONG)
+    before = await _counters(client)
+    rid = f"long-{id(client)}"
+    task = await _start_long(client, uri, rid)
+    client.cancel_request(types.CancelParams(id=rid))
+    with pytest.raises(JsonRpcRequestCancelled):
+        await task
+    after = await _decoding_stopped(client, before["cancelled"])
+    assert after["tokens_generated"] - before["tokens_generated"] < 400
+    assert client.deltas.of(rid)[-1]["done"] and client.deltas.of(rid)[-1]["finishReason"] == "cancelled"
+
+
+async def test_newer_request_cancels_older_decode(client: LanguageClient):
+    uri = f"file:///tmp/fimble-cancel/{id(client)}/b.py"
+    open_doc(client, uri, LONG + "\n\nx = math.")
+    before = await _counters(client)
+    old = await _start_long(client, uri, f"old-{id(client)}")
+    await configure(client, maxTokens=8)
+    new = await inline(client, uri, 4, len("x = math."))  # same document, other place: a new decode
+    await _decoding_stopped(client, before["cancelled"])
+    await old  # answered with what it had, not left hanging
+    assert isinstance(new, types.InlineCompletionList)
+    await configure(client, maxTokens=400)
+
+
+async def test_diverging_edit_cancels_decode_and_drops_stale_answer(client: LanguageClient):
+    uri = f"file:///tmp/fimble-cancel/{id(client)}/c.py"
+    open_doc(client, uri, LONG)
+    before = await _counters(client)
+    old = await _start_long(client, uri, f"edit-{id(client)}")
+    change(client, uri, 2, (0, 0), (0, 0), "# edited\n")  # not typing along the completion
+    await _decoding_stopped(client, before["cancelled"])
+    assert items_of(await old) == []  # computed for version 1, which is gone: dropped, never shown wrong
+    assert (await stats(client))["counters"]["cancelled_by_edit"] >= 1
+
+
+async def test_event_loop_stays_free_while_decoding(client: LanguageClient):
+    uri = f"file:///tmp/fimble-cancel/{id(client)}/d.py"
+    other = f"file:///tmp/fimble-cancel/{id(client)}/e.py"
+    open_doc(client, uri, LONG)
+    open_doc(client, other, "def add(a, b):\n    return \n")
+    old = await _start_long(client, uri, f"busy-{id(client)}")
+    worst = 0.0
+    for _ in range(5):  # the server answers while the engine decodes
+        t = time.perf_counter()
+        s = await stats(client)
+        worst = max(worst, time.perf_counter() - t)
+        assert s["tables"]["active"] == 1
+    assert worst < 1.0, f"fimble/stats took {worst:.3f}s during a decode"
+    await configure(client, maxTokens=8)
+    t = time.perf_counter()
+    change(client, other, 2, (1, 11), (1, 11), "a")
+    result = await inline(client, other, 1, 12)
+    assert isinstance(result, types.InlineCompletionList)
+    assert time.perf_counter() - t < 15
+    await old
+    assert (await server_text(client, other))["text"].startswith("def add(a, b):\n    return a")
+    await configure(client, maxTokens=400)

@@ -1,0 +1,135 @@
+"""A generic client (no streaming): early answer, decoding continued in the background, version safety."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import pytest_lsp
+from lsp_helpers import (
+    SAMPLE,
+    SERVER_CMD,
+    SERVER_ENV,
+    Deltas,
+    change,
+    configure,
+    init_params,
+    inline,
+    items_of,
+    open_doc,
+    stats,
+)
+from lsprotocol import types
+from pytest_lsp import ClientServerConfig, LanguageClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+DOC = SAMPLE.replace("        print(key, config[key])", "        print(key, ")
+CURSOR = (DOC.splitlines().index("        print(key, "), len("        print(key, "))
+
+
+@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVER_CMD, server_env=SERVER_ENV),
+                    params=["visual-studio-code"], scope="module")
+async def client(request, lsp_client: LanguageClient):
+    lsp_client.deltas = Deltas(lsp_client)
+    await lsp_client.initialize_session(init_params(request.param, {
+        "streaming": False, "maxTokens": 48, "maxLines": 0, "earlyAnswerMs": 1, "prefetch": False}))
+    yield
+    await lsp_client.shutdown_session()
+
+
+async def _idle(client: LanguageClient) -> dict:
+    deadline = time.perf_counter() + 60
+    while (s := await stats(client))["tables"]["active"]:
+        assert time.perf_counter() < deadline
+        await asyncio.sleep(0.05)
+    return s
+
+
+async def test_early_answer_then_background_decode_feeds_type_through(client: LanguageClient):
+    uri = "file:///tmp/fimble-generic/a.py"
+    open_doc(client, uri, DOC)
+    answer = items_of(await inline(client, uri, *CURSOR))[0].insert_text
+    assert client.deltas.items == []  # a generic client gets no custom notifications
+    s = await _idle(client)  # the decode went on after the answer
+    assert s["engine"]["counters"]["tokens_generated"] > len(answer) // 8
+    # Type the answer through: the rest comes from the cache, without the model.
+    line, col = CURSOR
+    change(client, uri, 2, CURSOR, CURSOR, answer)
+    for ch in answer:
+        line, col = (line + 1, 0) if ch == "\n" else (line, col + 1)
+    before = (await stats(client))["engine"]["counters"]["submitted"]
+    rest = items_of(await inline(client, uri, line, col))
+    after = await stats(client)
+    assert rest, "the background decode produced more than the early answer showed"
+    assert after["cache"]["typethrough_hits"] >= 1
+    assert after["engine"]["counters"]["submitted"] == before  # no model call
+    assert after["latency_ms"]["cache_answer"]["count"] >= 1
+
+
+async def test_stale_answer_is_rebased_onto_what_was_typed(client: LanguageClient):
+    uri = "file:///tmp/fimble-generic/b.py"
+    await configure(client, answerAt="end", maxTokens=64, streaming=True)  # watch the stream, answer at the end
+    open_doc(client, uri, DOC)
+    rid = "rebase-1"
+    task = asyncio.ensure_future(inline(client, uri, *CURSOR, msg_id=rid))
+    deltas = await client.deltas.wait(lambda p: p["requestId"] == rid and p["text"])
+    first = next(p["text"] for p in deltas if p["requestId"] == rid and p["text"])
+    typed = first[0]
+    change(client, uri, 2, CURSOR, CURSOR, typed)  # the user types what is being suggested
+    items = items_of(await task)
+    await _idle(client)
+    s = await stats(client)
+    if task.done() and s["counters"].get("stale_rebased", 0):
+        assert items, "rebased answers keep the rest of the completion"
+        line, col = (CURSOR[0] + 1, 0) if typed == "\n" else (CURSOR[0], CURSOR[1] + 1)
+        assert items[0].range.start == types.Position(line, col)
+    else:  # the decode ended before the edit arrived: then the answer is for the version it was asked on
+        assert items and items[0].range.start == types.Position(*CURSOR)
+    await configure(client, answerAt="line", maxTokens=48, streaming=False)
+
+
+async def test_engine_crash_is_survived(client: LanguageClient):
+    uri = "file:///tmp/fimble-generic/c.py"
+    open_doc(client, uri, DOC)
+    s = await _idle(client)
+    pid = s["engine"]["pid"]
+    assert pid
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.perf_counter() + 30
+    while (await stats(client))["engine"]["state"] == "ready" and time.perf_counter() < deadline:
+        await asyncio.sleep(0.05)  # until the server has noticed
+    result = await inline(client, uri, *CURSOR)  # restarts the engine, then answers
+    assert isinstance(result, types.InlineCompletionList)
+    s = await stats(client)
+    assert s["engine"]["restarts"] == 1 and s["engine"]["pid"] != pid and s["engine"]["state"] == "ready"
+
+
+async def test_debounce_drops_a_request_overtaken_by_a_newer_one(client: LanguageClient):
+    uri = "file:///tmp/fimble-generic/d.py"
+    open_doc(client, uri, DOC.replace("print(key, ", "print(ke"))
+    await configure(client, debounceMs=300)
+    line = CURSOR[0]
+    first = asyncio.ensure_future(inline(client, uri, line, len("        print(k"), invoked=False))
+    await asyncio.sleep(0.05)
+    second = await inline(client, uri, line, len("        print(ke"), invoked=False)
+    assert items_of(await first) == []  # never reached the model
+    assert isinstance(second, types.InlineCompletionList)
+    assert (await stats(client))["counters"]["debounced"] >= 1
+    await configure(client, debounceMs=0)
+
+
+async def test_model_setting_restarts_the_engine_and_reports_errors(client: LanguageClient, tmp_path):
+    uri = "file:///tmp/fimble-generic/e.py"
+    open_doc(client, uri, DOC)
+    await configure(client, model=str(tmp_path / "no-such-model"))
+    assert items_of(await inline(client, uri, *CURSOR)) == []  # no model: an empty answer, not a crash
+    s = await stats(client)
+    assert s["engine"]["state"] == "error" and "does not exist" in s["engine"]["error"]
+    assert any("does not exist" in m.message for m in client.messages)  # told once via showMessage
+    await configure(client, model=None)  # back to the default model
+    assert isinstance(await inline(client, uri, *CURSOR), types.InlineCompletionList)
+    assert (await stats(client))["engine"]["state"] == "ready"

@@ -1,0 +1,118 @@
+"""Unit tests of the pure pieces: position encodings, the line store, prompt windows, typed-since, settings."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lsp_server.documents import Document, split_lines
+from lsp_server.positions import PositionError, advance, from_codepoints, to_codepoints
+from lsp_server.prompt import build_context, typed_since
+
+LINE = "a😀é日b"  # 5 code points: 1, 4, 2, 3, 1 UTF-8 bytes; 😀 is 2 UTF-16 units
+
+
+@pytest.mark.parametrize("encoding, units, col", [
+    ("utf-16", 0, 0), ("utf-16", 1, 1), ("utf-16", 3, 2), ("utf-16", 4, 3), ("utf-16", 6, 5), ("utf-16", 99, 5),
+    ("utf-8", 1, 1), ("utf-8", 5, 2), ("utf-8", 7, 3), ("utf-8", 10, 4), ("utf-8", 11, 5),
+    ("utf-32", 2, 2), ("utf-32", 5, 5), ("utf-32", 7, 5),
+])
+def test_to_codepoints(encoding, units, col):
+    assert to_codepoints(LINE, units, encoding) == col
+    if units <= {"utf-16": 6, "utf-8": 11, "utf-32": 5}[encoding]:
+        assert from_codepoints(LINE, col, encoding) == units
+
+
+@pytest.mark.parametrize("encoding, units", [("utf-16", 2), ("utf-8", 2), ("utf-8", 4), ("utf-8", 6), ("utf-8", 9)])
+def test_inside_a_character_is_an_error(encoding, units):
+    with pytest.raises(PositionError):
+        to_codepoints(LINE, units, encoding)
+    assert to_codepoints(LINE, units, encoding, strict=False) < len(LINE)
+
+
+def test_lone_surrogates_count_as_one_utf16_unit():
+    line = "x\udcffy"
+    assert to_codepoints(line, 2, "utf-16") == 2
+    assert from_codepoints(line, 3, "utf-8") == 5
+
+
+def test_advance():
+    assert advance(3, 4, "ab") == (3, 6)
+    assert advance(3, 4, "ab\ncd") == (4, 2)
+    assert advance(3, 4, "a\r\n\r\nb") == (5, 1)
+
+
+def _offset(text: str, line: int, col: int) -> int:
+    lines = split_lines(text)
+    return sum(len(x) for x in lines[:line]) + col
+
+
+pieces = st.sampled_from(["a", "b", " ", "\n", "\r\n", "\r", "é", "😀", "日", "\u2028", "\t"])
+texts = st.lists(pieces, max_size=30).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts, st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 40), st.integers(0, 40),
+                                 texts), max_size=8))
+def test_edits_match_a_whole_string_reference(text, edits):
+    doc = Document("u", text)
+    ref = text
+    for a, b, c, d, new in edits:
+        lines = split_lines(ref)
+        l0, l1 = sorted((a % len(lines), c % len(lines)))
+        c0 = b % (len(doc.line_text(l0)) + 1)
+        c1 = d % (len(doc.line_text(l1)) + 1)
+        if (l0, c0) > (l1, c1):
+            c0, c1 = c1, c0
+        start, end = _offset(ref, l0, c0), _offset(ref, l1, c1)
+        ref = ref[:start] + new + ref[end:]
+        doc.apply_edit((l0, c0), (l1, c1), new)
+        assert doc.source == ref
+        assert doc.lines == split_lines(ref)
+        assert doc.length == len(ref)
+
+
+def test_prefix_window_is_stable_while_typing_and_jumps_rarely():
+    text = "".join(f"line {i} = {i * 7}\n" for i in range(400))
+    doc = Document("u", text)
+    last = len(doc.lines) - 1
+    first = build_context(doc, last, 0, 1000, 200)
+    windows = {first.window}
+    for i in range(300):  # type 300 characters at the end
+        doc.apply_edit((last, i), (last, i), "x")
+        ctx = build_context(doc, last, i + 1, 1000, 200)
+        windows.add(ctx.window)
+        assert ctx.prefix.endswith("x" * (i + 1)) and len(ctx.prefix) <= 1000
+    assert len(windows) <= 2  # one jump at most in 300 characters with a 1000-character budget
+
+
+def test_suffix_ignores_typing_at_the_cursor():
+    doc = Document("u", "def f():\n    return 1\n\nprint(f())\n")
+    before = build_context(doc, 1, 4, 1000, 200)
+    doc.apply_edit((1, 4), (1, 4), "x = 2\n    ")
+    after = build_context(doc, 2, 4, 1000, 200)
+    assert before.suffix == after.suffix == "return 1\n\nprint(f())\n"
+
+
+def test_typed_since():
+    doc = Document("u", "def f():\n    return \n")
+    ctx = build_context(doc, 1, 11, 1000, 200)
+    doc.apply_edit((1, 11), (1, 11), "x +")
+    assert typed_since(doc, ctx) == "x +"
+    doc.apply_edit((1, 13), (1, 14), "")  # backspace
+    assert typed_since(doc, ctx) == "x "
+    doc.apply_edit((0, 0), (0, 0), "#")  # an edit elsewhere: not typing at the cursor
+    assert typed_since(doc, ctx) is None
+
+
+def test_settings_merge():
+    from lsp_server.settings import Settings
+
+    s = Settings().merged({"fimble": {"maxLines": 2, "enable": {"markdown": False}, "drafter": "bogus",
+                                      "maxTokens": "many", "somebodyElses": 1, "model": None}})
+    assert s.max_lines == 2 and s.max_tokens == 64 and s.drafter == "auto" and s.model is None
+    assert s.enabled_for("python") and not s.enabled_for("markdown")
+    assert not s.merged({"enable": False}).enabled_for("python")
+    assert s.merged({"model": "/m"}).engine_key() != s.engine_key()
+    assert Settings().merged(None) == Settings()
