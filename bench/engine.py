@@ -124,7 +124,7 @@ def main() -> None:
     builder = LocalEngine(target, None, start_thread=False)
     prompts = []
     for source, prefix, suffix in make_prompts(n_prompts, args.seed):
-        ids, _ = builder.build_prompt(CompletionRequest(prefix, suffix, heal=False))
+        ids, _, _ = builder.build_prompt(CompletionRequest(prefix, suffix, heal=False))
         prompts.append((source, ids))
     model_drafter = ModelDrafter(draft.runtime, draft.max_len)
     ngram = NgramDrafter(history=0)

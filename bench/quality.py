@@ -1,27 +1,62 @@
 """Completion quality on HumanEval infilling: execution-based pass@1, exact match, parse errors.
 
-    python bench/quality.py [--quick] [--set single-line|random-span|both] [--json PATH]
+    python bench/quality.py [--quick] [--set single-line|random-span|context-lines|both|all]
+                            [--variants raw,policy] [--sweep] [--procs N] [--json PATH]
 
-Each problem's prompt/suffix goes to the engine (greedy, embedded model by default);
-the program prompt + completion + suffix + tests runs in a sandboxed subprocess
-(isolated mode, temp dir, memory and CPU limits, timeout). The last line is the
-headline: pass@1 per set.
+Sets (from /work/shared/data/humaneval-infilling, or --data DIR):
+- single-line:   HumanEval single-line infilling (the cursor on an empty line, one line asked).
+- random-span:   HumanEval random-span infilling (light): a span anywhere, possibly many lines.
+- context-lines: derived from the same programs and tests, because the two sets above put the
+  cursor almost only at statement starts: per task, one cursor in each of comment, docstring
+  (string), import, attribute chain, call arguments, parameters and mid-statement (where the
+  program has one), the rest of the line to fill. Pass@1 in comments and docstrings only says
+  the program still runs; exact match and edit similarity carry the quality there.
+
+Variants:
+- raw:    the engine alone: greedy, 96 tokens, one line for single-line/context-lines (the task
+          asks for one line), no line limit for random-span; the text is used as it comes.
+- policy: engine.policy.decide() on the cursor's syntax context picks the DecodeOptions; the
+          streamed text goes through engine.postprocess.CompletionShaper (bracket guard, then
+          validate_completion + fit_to_line_rest) and what it shows is what is scored. Sets
+          that ask for one line cap every decision at one line (as an editor's maxLines would).
+--sweep adds every candidate in CANDIDATES: the policy with one group of contexts changed
+(temperature, gamma, confidence gate, line rules), run only on that group's problems; its JSON
+has the per-candidate, per-context table the defaults in engine/policy.py were chosen from.
+
+Cursor documents: single-line problems are classified as an editor sees them, on the empty line
+auto-indented like the previous line (one level more after a `:`); the model gets exactly the
+dataset's prompt and suffix in every variant, so raw and policy answer the same question.
+
+Metrics, per set, variant and cursor context: pass@1 (prompt + completion + suffix + tests run in
+a sandboxed subprocess: isolated mode, temp dir, memory and CPU limits, timeout), exact match,
+edit similarity (difflib ratio against the canonical middle), shown (non-empty), parse-ok: the
+share of shown completions that add no parse error by Python's own parser (single-line and
+context-lines: the whole program parses; random-span, where a partial span is legitimate: the
+program parses or its first syntax error lies after the inserted text, i.e. the completion is a
+viable prefix), mean accepted tokens per verify step and decode ms per token after the first
+(the prompt's prefill is left out: variants of one problem share its KV cache). Exact match keeps
+leading whitespace (indentation is syntax in Python). The last line is the headline.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import gzip
 import json
+import multiprocessing as mp
 import os
 import random
+import re
 import resource
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,13 +65,204 @@ sys.path.insert(0, str(REPO))
 DATA = REPO.parent / "shared" / "data" / "humaneval-infilling"
 SETS = {"single-line": "HumanEval-SingleLineInfilling.jsonl.gz",
         "random-span": "HumanEval-RandomSpanInfillingLight.jsonl.gz"}
+ALL_SETS = ("single-line", "random-span", "context-lines")
+RAW_MAX_TOKENS = 96
+LINE_KINDS = ("comment", "string", "import", "attribute_chain", "call_args", "parameters", "mid_statement")
+
+# Context groups the sweep varies together, and the candidates tried for each. A candidate row
+# is an override row (engine.policy field -> value) applied to every context of its group.
+GROUPS = {
+    "prose": ("comment", "string"),
+    "code-line": ("import", "attribute_chain", "call_args", "parameters", "mid_statement"),
+    "block": ("block_start", "block_body", "top_level"),
+}
+_SAMPLED = {"t0.2": {"temperature": 0.2, "top_p": 0.95}, "t0.3": {"temperature": 0.3, "top_p": 0.95},
+            "t0.7": {"temperature": 0.7, "top_p": 0.95}}
+CANDIDATES: dict[str, dict[str, dict]] = {
+    "prose": {"greedy-g2": {"gamma": 2}, "greedy-g4": {"gamma": 4}, "greedy-g8": {"gamma": 8},
+              "gate0.3": {"confidence_gate": 0.3}, **_SAMPLED},
+    "code-line": {"greedy-g2": {"gamma": 2}, "greedy-g4": {"gamma": 4}, "greedy-g8": {"gamma": 8}, **_SAMPLED},
+    "block": {"greedy-g4": {"gamma": 4}, "greedy-g8": {"gamma": 8}, "t0.2": _SAMPLED["t0.2"],
+              "t0.7": _SAMPLED["t0.7"], "one-line": {"multiline": False},
+              "multi-nostop": {"stop": ()}, "multi-3": {"max_lines": 3}},
+}
 
 
-def load_set(name: str, data_dir: Path) -> list[dict]:
+# -- problems ------------------------------------------------------------------------------------
+@dataclass
+class Problem:
+    set: str
+    task_id: str
+    prompt: str  # what the model gets before the cursor
+    suffix: str  # ... and after it
+    middle: str  # the canonical fill
+    join: str  # put between the completion and the suffix in the program ("\n" for single-line)
+    test: str
+    entry_point: str
+    doc_text: str  # the editor's document (validation): completion goes in at `cursor`
+    cursor: int  # UTF-8 byte offset
+    ctx_text: str  # the document the cursor context is classified in (auto-indent for single-line)
+    ctx_cursor: int
+    one_line: bool  # the task asks for one line
+    viable_prefix: bool  # parse-ok rule: a partial fill is legitimate (random spans)
+    context: str = ""  # filled by classify_problems
+    mid_line: bool = False
+
+    def program(self, middle: str) -> str:
+        return self.prompt + middle + self.join + self.suffix
+
+    def runnable(self, middle: str) -> str:
+        return self.program(middle) + "\n" + self.test + f"\ncheck({self.entry_point})\n"
+
+
+def load_rows(name: str, data_dir: Path) -> list[dict]:
     path = data_dir / SETS[name]
     if not path.exists():
         sys.exit(f"quality: {path} not found (pass --data DIR)")
     return [json.loads(line) for line in gzip.open(path, "rt")]
+
+
+def _nbytes(s: str) -> int:
+    return len(s.encode("utf-8"))
+
+
+def single_line_problems(rows: list[dict]) -> list[Problem]:
+    out = []
+    for r in rows:
+        p, s = r["prompt"], r["suffix"]
+        lines = [ln for ln in p.split("\n") if ln.strip()]
+        prev = lines[-1] if lines else ""
+        indent = prev[: len(prev) - len(prev.lstrip())] + ("    " if prev.rstrip().endswith(":") else "")
+        out.append(Problem("single-line", r["task_id"], p, s, r["canonical_solution"].rstrip("\n"), "\n",
+                           r["test"], r["entry_point"], p + "\n" + s, _nbytes(p), p + indent + "\n" + s,
+                           _nbytes(p + indent), one_line=True, viable_prefix=False))
+    return out
+
+
+def random_span_problems(rows: list[dict]) -> list[Problem]:
+    return [Problem("random-span", r["task_id"], r["prompt"], r["suffix"], r["canonical_solution"], "",
+                    r["test"], r["entry_point"], r["prompt"] + r["suffix"], _nbytes(r["prompt"]),
+                    r["prompt"] + r["suffix"], _nbytes(r["prompt"]), one_line=False, viable_prefix=True)
+            for r in rows]
+
+
+_CURSOR_SPOTS = re.compile(r"(?<=\w\.)(?=\w)|\((?=[^)\s])|#\s*\w+ |(?:import|from) |(?:=|return|\+|-|\*|if|in) |\w+ ")
+
+
+def context_line_problems(rows: list[dict]) -> list[Problem]:
+    """One rest-of-line problem per (task, context kind), from the single-line set's programs."""
+    from engine.syntax import SyntaxDocument, classify
+
+    programs: dict[str, dict] = {}
+    for r in rows:
+        base = r["task_id"].split("/")[2]
+        programs.setdefault(base, r)
+    out = []
+    for base, r in sorted(programs.items(), key=lambda kv: int(kv[0])):
+        text = r["prompt"] + r["canonical_solution"] + r["suffix"]
+        doc = SyntaxDocument("python", text)
+        spots: dict[str, list[int]] = defaultdict(list)
+        for m in _CURSOR_SPOTS.finditer(text):
+            pos = m.end()
+            eol = text.find("\n", pos)
+            rest = text[pos: eol if eol >= 0 else len(text)]
+            if not rest.strip() or len(rest) > 80:
+                continue
+            kind = classify(doc, _nbytes(text[:pos])).kind.value
+            if kind in LINE_KINDS:
+                spots[kind].append(pos)
+        rng = random.Random(f"context-lines/{base}")
+        for kind in LINE_KINDS:
+            if not spots[kind]:
+                continue
+            pos = rng.choice(spots[kind])
+            eol = text.find("\n", pos)
+            eol = len(text) if eol < 0 else eol
+            prompt, middle, suffix = text[:pos], text[pos:eol], text[eol:]
+            out.append(Problem("context-lines", f"ContextLines/HumanEval/{base}/{kind}", prompt, suffix, middle, "",
+                               r["test"], r["entry_point"], prompt + suffix, _nbytes(prompt), prompt + suffix,
+                               _nbytes(prompt), one_line=True, viable_prefix=False))
+    return out
+
+
+def classify_problems(problems: list[Problem]) -> None:
+    from engine.syntax import SyntaxDocument, classify
+
+    for p in problems:
+        ctx = classify(SyntaxDocument("python", p.ctx_text), p.ctx_cursor)
+        p.context, p.mid_line = ctx.kind.value, not ctx.at_line_end
+
+
+def load_problems(sets: list[str], data_dir: Path, limit: int | None) -> list[Problem]:
+    single = load_rows("single-line", data_dir)
+    out: list[Problem] = []
+    for name in sets:
+        if name == "single-line":
+            probs = single_line_problems(single)
+        elif name == "random-span":
+            probs = random_span_problems(load_rows("random-span", data_dir))
+        else:
+            probs = context_line_problems(single)
+        if limit and limit < len(probs):
+            probs = random.Random(0).sample(probs, limit)
+        out.extend(probs)
+    classify_problems(out)
+    return out
+
+
+# -- variants ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    policy: bool  # False: raw
+    group: str | None = None  # sweep candidates: only problems in this context group
+    row: tuple = ()  # sweep candidates: the override row, as sorted items
+
+
+def variants_for(names: list[str], sweep: bool) -> list[Variant]:
+    out = [Variant(n, n == "policy") for n in names]
+    if sweep:
+        for group, cands in CANDIDATES.items():
+            for cname, row in cands.items():
+                out.append(Variant(f"{group}:{cname}", True, group, tuple(sorted(row.items()))))
+    return out
+
+
+def options_for(p: Problem, v: Variant):
+    """(DecodeOptions, decision dict or None) for a problem under a variant; None if not run."""
+    from engine.policy import DEFAULTS, decide_for_context
+    from engine.speculative import DecodeOptions
+
+    seed = zlib.crc32(f"{p.task_id}/{v.name}".encode())
+    if not v.policy:
+        return DecodeOptions(max_tokens=RAW_MAX_TOKENS, max_lines=1 if p.one_line else 0, seed=seed), None
+    overrides = None
+    if v.group is not None:
+        if p.context not in GROUPS[v.group]:
+            return None
+        row = dict(v.row)
+        overrides = {ctx: row for ctx in GROUPS[v.group]}
+        overrides["mid_line"] = dict(DEFAULTS["mid_line"])  # a group row never lifts the mid-line rule
+    decision = decide_for_context(p.context, mid_line=p.mid_line, overrides=overrides)
+    if p.one_line:
+        decision = replace(decision, multiline=False)
+    return decision.to_options(seed=seed), decision.to_dict()
+
+
+# -- running -------------------------------------------------------------------------------------
+_ENGINE = None
+_PASS_CACHE: dict[int, bool] = {}
+
+
+def _init_worker(model: str | None, threads: int) -> None:
+    global _ENGINE
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    from engine.local import open_engine
+
+    _ENGINE = open_engine(model, use_draft=True, start_thread=False)
 
 
 def _limits() -> None:
@@ -46,13 +272,18 @@ def _limits() -> None:
 
 def passes(program: str, timeout: float = 10.0) -> bool:
     """Run a program in a throwaway directory; True when it exits 0 in time."""
+    key = zlib.crc32(program.encode()) ^ (len(program) << 32)
+    if key in _PASS_CACHE:
+        return _PASS_CACHE[key]
     with tempfile.TemporaryDirectory() as tmp:
         try:
             proc = subprocess.run([sys.executable, "-I", "-c", program], cwd=tmp, capture_output=True,
                                   timeout=timeout, preexec_fn=_limits, env={"PATH": os.environ.get("PATH", "")})
+            ok = proc.returncode == 0
         except subprocess.TimeoutExpired:
-            return False
-        return proc.returncode == 0
+            ok = False
+    _PASS_CACHE[key] = ok
+    return ok
 
 
 def parses(code: str) -> bool:
@@ -63,73 +294,245 @@ def parses(code: str) -> bool:
         return False
 
 
-def program_for(row: dict, middle: str) -> str:
-    return row["prompt"] + middle + row["suffix"] + "\n" + row["test"] + f"\ncheck({row['entry_point']})\n"
+def adds_no_parse_error(p: Problem, shown: str) -> bool:
+    """See the module doc: whole program parses, or (random spans) the first error is after the fill."""
+    program = p.program(shown)
+    try:
+        ast.parse(program)
+        return True
+    except (SyntaxError, ValueError) as exc:
+        if not p.viable_prefix or not isinstance(exc, SyntaxError) or exc.lineno is None:
+            return False
+        lines = program.split("\n")
+        at = sum(len(ln) + 1 for ln in lines[: exc.lineno - 1]) + max(0, (exc.offset or 1) - 1)
+        return at >= len(p.prompt) + len(shown.rstrip())
 
 
-def complete_all(rows: list[dict], set_name: str, engine, max_tokens: int) -> list[tuple[str, dict]]:
-    from engine.api import CompletionRequest, DecodeOptions
+def run_one(job: tuple[int, Problem, str, object, bool]) -> dict:
+    from engine.api import CompletionRequest
 
-    out = []
-    for i, row in enumerate(rows):
-        # Single-line infilling asks for one line; random spans may cross lines.
-        opts = DecodeOptions(max_tokens=max_tokens, max_lines=1 if set_name == "single-line" else 0)
-        result = engine.complete(CompletionRequest(row["prompt"], row["suffix"], opts))
-        text = result.text + ("\n" if set_name == "single-line" else "")
-        out.append((text, result.stats))
-        if (i + 1) % 50 == 0:
-            print(f"  {set_name}: {i + 1}/{len(rows)} completed", file=sys.stderr, flush=True)
+    job_id, p, variant, opts, shape = job
+    # Completions remembered by the n-gram drafter would let a variant draft from another
+    # variant's answer to the same problem: every job starts with none.
+    _ENGINE.ngram_drafter.recent.clear()
+    t0 = time.perf_counter()
+    result = _ENGINE.complete(CompletionRequest(p.prompt, p.suffix, opts))
+    ms = (time.perf_counter() - t0) * 1e3
+    shown, cut = result.text, None
+    if shape:
+        from engine.postprocess import CompletionShaper
+        from engine.syntax import SyntaxDocument
+
+        shaper = CompletionShaper(SyntaxDocument("python", p.doc_text), p.cursor, snapshot=False)
+        shaper.feed(result.text)
+        shaped = shaper.finish()
+        shown, cut = shaped.text, shaped.cut_reason
+    if p.one_line and not shape:
+        shown = shown.split("\n")[0]
+    s = result.stats
+    return {"job": job_id, "set": p.set, "task_id": p.task_id, "variant": variant, "context": p.context,
+            "mid_line": p.mid_line,
+            "raw_text": result.text, "shown": shown, "cut": cut, "ms": ms, "tokens": result.tokens,
+            "decode_ms": s["total_ms"] - s["first_token_ms"],
+            "steps": s["steps"], "accepted": s["accepted"], "drafted": s["drafted"],
+            "pass": passes(p.runnable(shown)),
+            "exact": shown.rstrip() == p.middle.rstrip(),  # indentation counts in Python
+            "edit_sim": difflib.SequenceMatcher(None, shown.strip(), p.middle.strip()).ratio(),
+            "is_shown": bool(shown.strip()),
+            "parse_ok": adds_no_parse_error(p, shown) if shown.strip() else None}
+
+
+def run_jobs(jobs: list, procs: int, model: str | None) -> list[dict]:
+    done: list[dict] = []
+    t0 = time.time()
+    if procs <= 1:
+        _init_worker(model, 1)
+        results = map(run_one, jobs)
+        pool = None
+    else:
+        pool = mp.get_context("spawn").Pool(procs, _init_worker, (model, 1))
+        results = pool.imap_unordered(run_one, jobs, chunksize=2)
+    for i, r in enumerate(results, 1):
+        done.append(r)
+        if i % 100 == 0 or i == len(jobs):
+            print(f"  {i}/{len(jobs)} completions ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+    if pool is not None:
+        pool.close()
+        pool.join()
+    return done
+
+
+# -- aggregation ---------------------------------------------------------------------------------
+def summarize(rs: list[dict]) -> dict:
+    n = len(rs)
+    if not n:
+        return {"problems": 0}
+    shown = [r for r in rs if r["is_shown"]]
+    steps = sum(r["steps"] for r in rs)
+    return {"problems": n, "pass@1": sum(r["pass"] for r in rs) / n, "exact_match": sum(r["exact"] for r in rs) / n,
+            "edit_sim": sum(r["edit_sim"] for r in rs) / n, "shown": len(shown) / n,
+            "shown_n": len(shown), "shown_parse_ok_n": sum(1 for r in shown if r["parse_ok"]),
+            "shown_parse_ok": (sum(1 for r in shown if r["parse_ok"]) / len(shown)) if shown else None,
+            "mean_accepted": (sum(r["accepted"] for r in rs) + steps) / steps if steps else 0.0,
+            "ms_per_token": sum(r["decode_ms"] for r in rs) / max(1, sum(r["tokens"] - 1 for r in rs if r["tokens"])),
+            "mean_ms": sum(r["ms"] for r in rs) / n}
+
+
+def by(rs: list[dict], *keys: str) -> dict:
+    out: dict = defaultdict(list)
+    for r in rs:
+        out[tuple(r[k] for k in keys)].append(r)
     return out
 
 
-def evaluate(rows: list[dict], completions: list[str], workers: int) -> dict:
-    with ThreadPoolExecutor(workers) as pool:
-        passed = list(pool.map(lambda rc: passes(program_for(rc[0], rc[1])), zip(rows, completions, strict=True)))
-    exact = [c.strip() == r["canonical_solution"].strip() for r, c in zip(rows, completions, strict=True)]
-    broken = [not parses(r["prompt"] + c + r["suffix"]) for r, c in zip(rows, completions, strict=True)]
-    n = len(rows)
-    return {"problems": n, "pass@1": sum(passed) / n, "exact_match": sum(exact) / n,
-            "adds_parse_error": sum(broken) / n}
+def _fmt(v) -> str:
+    return "    -" if v is None else f"{v:5.3f}"
+
+
+def print_table(title: str, rows: list[tuple[str, ...]], stats: list[dict]) -> None:
+    print(f"\n{title}")
+    print(f"{'':44s} {'n':>5s} {'pass@1':>6s} {'exact':>6s} {'edit':>6s} {'shown':>6s} {'prsOK':>6s} "
+          f"{'acc/st':>6s} {'ms/tok':>6s}")
+    for label, s in zip(rows, stats, strict=True):
+        print(f"{' '.join(label):44s} {s['problems']:5d} {_fmt(s['pass@1']):>6s} {_fmt(s['exact_match']):>6s} "
+              f"{_fmt(s['edit_sim']):>6s} {_fmt(s['shown']):>6s} {_fmt(s['shown_parse_ok']):>6s} "
+              f"{s['mean_accepted']:6.2f} {s['ms_per_token']:6.1f}")
+
+
+def choose(candidates: dict[str, dict], rows: dict[str, dict]) -> str:
+    """The candidate a group's defaults should take, by the rule engine/policy.py states.
+
+    Eligible: pass@1 not below the current defaults' ('policy') and shown parse-ok >= 99%.
+    Greedy candidates differ only in speed (lossless decoding: same text), so the greedy pick is
+    the fastest (decode ms per token, then mean accepted). A sampled candidate replaces it only
+    when it beats it strictly on pass@1 or exact match: determinism (the same context gives the
+    same suggestion) is worth more than an edit-similarity tie.
+    """
+    base = candidates["policy"]["pass@1"]
+
+    def eligible(name: str) -> bool:
+        s = candidates[name]
+        return bool(s.get("problems")) and s["pass@1"] >= base and (s["shown_parse_ok"] or 1.0) >= 0.99
+
+    def sampled(name: str) -> bool:
+        return rows.get(name, {}).get("temperature", 0) > 0
+
+    names = [n for n in candidates if eligible(n)] or ["policy"]
+    greedy = [n for n in names if not sampled(n)] or ["policy"]
+    pick = min(greedy, key=lambda n: (round(candidates[n]["ms_per_token"], 1), -candidates[n]["mean_accepted"]))
+    for n in names:
+        s, g = candidates[n], candidates[pick]
+        if sampled(n) and (s["pass@1"], s["exact_match"]) > (g["pass@1"], g["exact_match"]):
+            pick = n
+    return pick
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a random sample of 60 problems per set")
-    ap.add_argument("--set", choices=["single-line", "random-span", "both"], default="both")
-    ap.add_argument("--limit", type=int)
+    ap.add_argument("--quick", action="store_true", help="a random sample of 20 problems per set")
+    ap.add_argument("--set", choices=[*ALL_SETS, "both", "all"], default="all")
+    ap.add_argument("--variants", default="raw,policy", help="comma-separated: raw, policy")
+    ap.add_argument("--sweep", action="store_true", help="also run every policy candidate (CANDIDATES)")
+    ap.add_argument("--limit", type=int, help="problems per set (default: all; 20 with --quick)")
     ap.add_argument("--model")
     ap.add_argument("--data", type=Path, default=DATA)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--procs", type=int, default=min(2, os.cpu_count() or 1),
+                    help="worker processes, one engine and one torch thread each")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    from engine.local import open_engine
 
-    engine = open_engine(args.model, use_draft=True, start_thread=False)
-    names = list(SETS) if args.set == "both" else [args.set]
-    results = {}
-    for name in names:
-        rows = load_set(name, args.data)
-        limit = args.limit or (60 if args.quick else None)
-        if limit and limit < len(rows):
-            rows = random.Random(0).sample(rows, limit)
-        t0 = time.time()
-        done = complete_all(rows, name, engine, args.max_tokens)
-        texts = [t for t, _ in done]
-        res = evaluate(rows, texts, args.workers)
-        res["seconds"] = time.time() - t0
-        res["mean_first_token_ms"] = sum(s["first_token_ms"] for _, s in done) / len(done)
-        results[name] = {"raw": res}
-    print(f"\n{'set':12s} {'variant':8s} {'problems':>8s} {'pass@1':>7s} {'exact':>7s} {'parse err':>9s}")
-    for name, variants in results.items():
-        for variant, r in variants.items():
-            print(f"{name:12s} {variant:8s} {r['problems']:8d} {r['pass@1']:7.3f} {r['exact_match']:7.3f} "
-                  f"{r['adds_parse_error']:9.3f}")
+    sets = list(ALL_SETS) if args.set == "all" else list(SETS) if args.set == "both" else [args.set]
+    limit = args.limit or (20 if args.quick else None)
+    t0 = time.time()
+    problems = load_problems(sets, args.data, limit)
+    variants = variants_for([v for v in args.variants.split(",") if v], args.sweep)
+    # One job per distinct (problem, options, shaping): candidates that leave a problem's options
+    # as the policy has them reuse the policy's result.
+    jobs, wanted = [], []  # wanted: (problem index, variant, job key)
+    index: dict[tuple, int] = {}
+    decisions: dict[str, dict] = {}
+    for i, p in enumerate(problems):
+        for v in variants:
+            got = options_for(p, v)
+            if got is None:
+                continue
+            opts, decision = got
+            if decision is not None:
+                decisions.setdefault(f"{v.name}/{p.context}{'/mid_line' if p.mid_line else ''}", decision)
+            key = (i, repr(replace(opts, seed=None) if opts.temperature == 0 else opts), v.policy)
+            if key not in index:
+                index[key] = len(jobs)
+                jobs.append((len(jobs), p, v.name, opts, v.policy))
+            wanted.append((i, v, index[key]))
+    print(f"quality: {len(problems)} problems, {len(variants)} variants, {len(jobs)} completions, "
+          f"{args.procs} procs", file=sys.stderr, flush=True)
+    done = run_jobs(jobs, args.procs, args.model)
+    by_job = {r["job"]: r for r in done}
+    records = [{**by_job[j], "variant": v.name, "group": v.group} for _, v, j in wanted]
+    elapsed = time.time() - t0
+
+    main_recs = [r for r in records if r["group"] is None]
+    results: dict = {"seconds": elapsed, "problems": {s: sum(1 for p in problems if p.set == s) for s in sets},
+                     "sets": {}, "contexts": {}, "candidates": {}, "decisions": decisions}
+    labels, stats = [], []
+    for (s, v), rs in sorted(by(main_recs, "set", "variant").items()):
+        results["sets"].setdefault(s, {})[v] = summarize(rs)
+        labels.append((s, v))
+        stats.append(results["sets"][s][v])
+    for (v,), rs in sorted(by(main_recs, "variant").items()):
+        results["sets"].setdefault("all", {})[v] = summarize(rs)
+        labels.append(("all", v))
+        stats.append(results["sets"]["all"][v])
+    print_table("per set", labels, stats)
+    clabels, cstats = [], []
+    for (s, c, v), rs in sorted(by(main_recs, "set", "context", "variant").items()):
+        results["contexts"].setdefault(s, {}).setdefault(c, {})[v] = summarize(rs)
+        clabels.append((s, c, v))
+        cstats.append(results["contexts"][s][c][v])
+    print_table("per cursor context", clabels, cstats)
+
+    if args.sweep:
+        base = [r for r in records if r["variant"] == "policy"]
+        slabels, sstats = [], []
+        for group, cands in CANDIDATES.items():
+            in_group = [r for r in base if r["context"] in GROUPS[group]]
+            if not in_group:
+                continue
+            table = {"policy": summarize(in_group)}
+            per_ctx = {"policy": {c: summarize(rs) for (c,), rs in by(in_group, "context").items()}}
+            per_set = {"policy": {s: summarize(rs) for (s,), rs in by(in_group, "set").items()}}
+            for cname in cands:
+                rs = [r for r in records if r["variant"] == f"{group}:{cname}"]
+                table[cname] = summarize(rs)
+                per_ctx[cname] = {c: summarize(x) for (c,), x in by(rs, "context").items()}
+                per_set[cname] = {s: summarize(x) for (s,), x in by(rs, "set").items()}
+            for cname, s in table.items():
+                slabels.append((group, cname))
+                sstats.append(s)
+            results["candidates"][group] = {"contexts": GROUPS[group], "rows": CANDIDATES[group], "all": table,
+                                            "per_context": per_ctx, "per_set": per_set, "best": choose(table, cands)}
+        print_table("sweep: candidates per context group (pooled over sets; 'policy' = current defaults)",
+                    slabels, sstats)
+        print("best per group: " + ", ".join(f"{g} {c['best']}" for g, c in results["candidates"].items()))
+
+    from engine.policy import policy_table
+
+    results["policy_table"] = policy_table()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
-    print("headline: " + ", ".join(f"{n} pass@1 {v['raw']['pass@1']:.3f}" for n, v in results.items()))
+        args.json.write_text(json.dumps({**results, "records": records}, indent=1, default=str))
+    print(f"\n({elapsed:.0f}s)")
+    heads = []
+    for s in sets:
+        got = results["sets"].get(s, {})
+        if "raw" in got and "policy" in got:
+            heads.append(f"{s} pass@1 raw {got['raw']['pass@1']:.3f} -> policy {got['policy']['pass@1']:.3f}")
+    tot = results["sets"].get("all", {})
+    parse = [f"{v} {100 * s['shown_parse_ok']:.1f}% of {s['shown_n']}" for v, s in tot.items()
+             if s.get("shown_parse_ok") is not None]
+    print("headline: " + "; ".join(heads) + "; shown completions adding no parse error: " + ", ".join(parse))
 
 
 if __name__ == "__main__":
     main()
+
