@@ -24,6 +24,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=os.environ.get("FIMBLE_DRAFT") or None, help="draft model folder")
     p.add_argument("--no-draft", action="store_true", help="decode without a draft model")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--template", help="FIM template name (default: detected from the tokenizer)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run code shipped in the model folder (off by default)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -147,7 +150,8 @@ def run_complete(args: argparse.Namespace) -> int:
     from engine.api import CompletionRequest, DecodeOptions
     from engine.local import open_engine
 
-    engine = open_engine(args.model, args.draft, device=args.device, use_draft=not args.no_draft, start_thread=False)
+    engine = open_engine(args.model, args.draft, device=args.device, use_draft=not args.no_draft,
+                         template=args.template, trust_remote_code=args.trust_remote_code, start_thread=False)
     opts = DecodeOptions(max_tokens=args.max_tokens, max_lines=args.max_lines, drafter=args.drafter)
     result = engine.complete(CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=opts, truncate=True))
     sys.stdout.write(result.text if result.text.endswith("\n") else result.text + "\n")
