@@ -10,7 +10,7 @@ from engine.local import LocalEngine
 from engine.speculative import DecodeOptions, SpeculativeDecoder
 
 N_PROMPTS = 200
-MAX_TOKENS = 16
+MAX_TOKENS = 12
 
 
 def decode(target, cache, prompt, heal, drafter_name, model_drafter, ngram) -> tuple[list[int], SpeculativeDecoder]:
@@ -46,7 +46,7 @@ def test_speculative_greedy_equals_plain_greedy(embedded_target, embedded_draft)
     from engine.api import CompletionRequest
 
     mismatches, ties, accepted = [], 0, {"model": [], "ngram": [], "auto": []}
-    for prefix, suffix in fim_prompts(N_PROMPTS, window=800):
+    for prefix, suffix in fim_prompts(N_PROMPTS, window=600):
         prompt, heal, constrained = engine.build_prompt(CompletionRequest(prefix, suffix))
         heal = heal if constrained else ""
         cache.rollback(0)

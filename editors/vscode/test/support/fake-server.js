@@ -1,0 +1,113 @@
+// A tiny LSP server standing in for `fimble lsp` in the activation test: it records what the client
+// sent, and answers textDocument/inlineCompletion the way fimble does with streaming on: an early answer
+// (the first line) and fimble/completionDelta notifications whose `text` grows, then `done`.
+'use strict';
+
+const received = { initialize: null, methods: [] };
+let buffer = Buffer.alloc(0);
+
+function send(msg) {
+  const body = Buffer.from(JSON.stringify({ jsonrpc: '2.0', ...msg }), 'utf8');
+  process.stdout.write(`Content-Length: ${body.length}\r\n\r\n`);
+  process.stdout.write(body);
+}
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+// Test knobs (sent with fake/configure): the stream's steps and when the answer goes out.
+let script = { steps: ['x = ', 'x = compute(1)\n', 'x = compute(1)\nprint(x)'], answerAfter: 1, delayMs: 5 };
+
+async function inline(msg) {
+  const { textDocument, position } = msg.params;
+  const version = received.versions[textDocument.uri] ?? 0;
+  const delta = (text, done) =>
+    send({
+      method: 'fimble/completionDelta',
+      params: {
+        requestId: msg.id, token: null, completionId: `fake-${msg.id}`, uri: textDocument.uri, version, position,
+        text, done, finishReason: done ? 'stop' : null, cached: false,
+      },
+    });
+  for (let i = 0; i < script.steps.length; i++) {
+    await sleep(script.delayMs);
+    delta(script.steps[i], false);
+    if (i + 1 === script.answerAfter) {
+      const text = script.steps[i];
+      send({
+        id: msg.id,
+        result: {
+          items: [
+            {
+              insertText: text,
+              range: { start: position, end: position },
+              command: { title: 'Accept completion', command: 'fimble.acceptCompletion', arguments: [`fake-${msg.id}`] },
+            },
+          ],
+        },
+      });
+    }
+  }
+  await sleep(script.delayMs);
+  delta(script.steps[script.steps.length - 1], true);
+}
+
+received.versions = {};
+
+function handle(msg) {
+  if (msg.method) received.methods.push(msg.method);
+  switch (msg.method) {
+    case 'initialize':
+      received.initialize = msg.params;
+      send({
+        id: msg.id,
+        result: {
+          capabilities: {
+            textDocumentSync: { openClose: true, change: 2 },
+            inlineCompletionProvider: {},
+            executeCommandProvider: { commands: ['fimble.acceptCompletion'] },
+          },
+          serverInfo: { name: 'fake-fimble', version: '0' },
+        },
+      });
+      break;
+    case 'textDocument/didOpen':
+      received.versions[msg.params.textDocument.uri] = msg.params.textDocument.version;
+      break;
+    case 'textDocument/didChange':
+      received.versions[msg.params.textDocument.uri] = msg.params.textDocument.version;
+      break;
+    case 'textDocument/inlineCompletion':
+      void inline(msg);
+      break;
+    case 'fake/received':
+      send({ id: msg.id, result: received });
+      break;
+    case 'fake/configure':
+      script = { ...script, ...msg.params };
+      if (msg.params.versions) received.versions = { ...received.versions, ...msg.params.versions };
+      send({ id: msg.id, result: null });
+      break;
+    case 'shutdown':
+      send({ id: msg.id, result: null });
+      break;
+    case 'exit':
+      process.exit(0);
+      break;
+    default:
+      if (msg.id !== undefined && msg.method) send({ id: msg.id, result: null });
+  }
+}
+
+process.stdin.on('data', (chunk) => {
+  buffer = Buffer.concat([buffer, chunk]);
+  for (;;) {
+    const sep = buffer.indexOf('\r\n\r\n');
+    if (sep < 0) return;
+    const header = buffer.slice(0, sep).toString('ascii');
+    const m = /Content-Length: *(\d+)/i.exec(header);
+    const len = m ? Number(m[1]) : 0;
+    if (buffer.length < sep + 4 + len) return;
+    const body = buffer.slice(sep + 4, sep + 4 + len).toString('utf8');
+    buffer = buffer.slice(sep + 4 + len);
+    handle(JSON.parse(body));
+  }
+});

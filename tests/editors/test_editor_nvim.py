@@ -1,0 +1,339 @@
+"""The Neovim plugin (editors/nvim) in a headless Neovim, against the real `fimble lsp` and its embedded model.
+
+One Neovim and one server for the module (the model loads once); each test edits its own copy of
+tests/data/demo.py. Nothing sleeps for a fixed time: every step waits for what it needs to see
+(an extmark, a buffer line, a counter), with generous timeouts for a busy 2-core machine.
+`FIMBLE_TEST_NVIM=/path/to/nvim` runs them with another Neovim (they pass on 0.7.2 and 0.11.4).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pynvim  # a test dependency (pyproject's [test] extra)
+import pytest
+from editor_tools import require_tool
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGIN = REPO / "editors" / "nvim"
+DEMO = REPO / "tests" / "data" / "demo.py"
+TIMEOUT = 90.0  # the first answer includes loading the model on a loaded machine
+
+INIT = """
+vim.opt.runtimepath:prepend({plugin!r})
+vim.o.swapfile = false
+vim.g.python_recommended_style = 0  -- keep <Tab> a tab character in Python buffers
+require("fimble").setup({{
+  cmd = {{ {python!r}, "-m", "lsp_server", "lsp" }},
+  settings = {{ maxLines = 4, maxTokens = 32 }},
+  debounce_ms = 30,
+}})
+"""
+
+
+def wait_until(pred, what: str, timeout: float = TIMEOUT, every: float = 0.02, show=None):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            extra = f" (saw {show()!r})" if show else ""
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{extra}")
+        time.sleep(every)
+
+
+class Editor:
+    def __init__(self, nvim):
+        self.nv = nvim
+        self.ns = nvim.exec_lua("return require('fimble').ns")
+
+    def lua(self, code: str, *args):
+        return self.nv.exec_lua(code, *args)
+
+    def debug(self) -> dict:
+        return self.lua("return require('fimble').debug()")
+
+    def cursor(self) -> tuple[int, int]:
+        row, col = self.nv.current.window.cursor
+        return row - 1, col
+
+    def line(self, row: int | None = None) -> str:
+        row = self.cursor()[0] if row is None else row
+        return self.nv.current.buffer[row]
+
+    def ghost(self) -> tuple[tuple[int, int], str] | None:
+        """The ghost text the extmarks show, read back from Neovim: ((row, col), text)."""
+        marks = self.nv.api.buf_get_extmarks(0, self.ns, 0, -1, {"details": True})
+        if not marks:
+            return None
+        assert len(marks) == 1, marks
+        _, row, col, details = marks[0]
+        first = "".join(t for t, hl in details.get("virt_text", []) if hl == "FimbleSuggestion")
+        rest = ["".join(t for t, hl in vl if hl == "FimbleSuggestion") for vl in details.get("virt_lines", [])]
+        return (row, col), "\n".join([first, *rest])
+
+    def type(self, keys: str) -> None:
+        self.nv.input(keys.replace("<", "<lt>"))
+
+    def open_demo(self, tmp_path: Path, name: str) -> None:
+        path = tmp_path / name
+        shutil.copy(DEMO, path)
+        self.nv.command("stopinsert")
+        self.nv.command(f"edit {path}")
+        wait_until(lambda: self.debug().get("attached"), "the server to attach to the buffer")
+
+    def start_typing_at_line7(self, text: str = "for") -> None:
+        """Line 7 of demo.py is the body of a `with` block: type after its indentation."""
+        self.nv.command("normal! 7G$")
+        self.nv.input("a")
+        wait_until(lambda: self.nv.api.get_mode()["mode"] == "i", "insert mode")
+        before = self.line()
+        self.type(text)
+        wait_until(lambda: self.line() == before + text, "the typed text")
+
+    def wait_ghost(self, timeout: float = TIMEOUT) -> str:
+        """Wait for ghost text at the cursor; return it."""
+
+        def shown():
+            g = self.ghost()
+            return g if g and g[0] == self.cursor() and g[1] else None
+
+        return wait_until(shown, "ghost text at the cursor", timeout)[1]
+
+    def wait_stream_done(self) -> dict:
+        return wait_until(lambda: (self.debug().get("suggestion") or {}).get("done") and self.debug()["suggestion"],
+                          "the suggestion's stream to finish")
+
+    def assert_consistent(self) -> None:
+        """Whatever is shown sits at the cursor and continues its suggestion from the typed text."""
+        g = self.ghost()
+        if g is None:
+            return
+        (row, col), text = g
+        assert (row, col) == self.cursor()
+        sug = self.debug()["suggestion"]
+        assert sug is not None
+        typed = "\n".join(self.nv.current.buffer[sug["row"]:row + 1])
+        typed = typed[sug["col"]:len(typed) - len(self.line(row)) + col]
+        assert sug["text"].startswith(typed + text), (typed, text, sug["text"])
+
+
+@pytest.fixture(scope="module")
+def editor(tmp_path_factory):
+    nvim_bin = os.environ.get("FIMBLE_TEST_NVIM") or require_tool("nvim", "apt-get install -y neovim")
+    home = tmp_path_factory.mktemp("nvim")
+    init = home / "init.lua"
+    init.write_text(INIT.format(plugin=str(PLUGIN), python=sys.executable))
+    nv = pynvim.attach("child", argv=[nvim_bin, "--embed", "--headless", "--clean", "-n", "-u", str(init)])
+    try:
+        nv.command(f"cd {REPO}")
+        yield Editor(nv)
+    finally:
+        try:
+            nv.command("qa!")
+        except Exception:
+            pass
+        nv.close()
+
+
+def test_ghost_text_streams_model_text(editor, tmp_path):
+    editor.open_demo(tmp_path, "a.py")
+    editor.start_typing_at_line7("for")
+    first = editor.wait_ghost()
+    seen = [first]
+    # The ghost text grows as deltas arrive, each version extending the previous one.
+    while not (editor.debug().get("suggestion") or {}).get("done"):
+        g = editor.ghost()
+        if g and g[1] != seen[-1]:
+            assert g[1].startswith(seen[-1]), (seen, g[1])
+            seen.append(g[1])
+        time.sleep(0.01)
+    final = editor.wait_ghost()
+    sug = editor.debug()["suggestion"]
+    assert final == sug["text"] and final.startswith(seen[-1])
+    d = editor.debug()
+    assert d["counters"]["deltas"] >= 1 and d["counters"]["responses"] >= 1
+    # The model's text: asking the server again at this spot (its type-through cache) gives the same start.
+    again = editor.lua("""
+        local f = require('fimble')
+        local c = vim.lsp.get_client_by_id(f.debug().client_id)
+        local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+        local params = { textDocument = { uri = vim.uri_from_bufnr(0) },
+                         position = { line = row - 1, character = col }, context = { triggerKind = 1 } }
+        local res = require('fimble.compat').request_sync(c, 'textDocument/inlineCompletion', params, 30000, 0)
+        return res and res.result and res.result.items[1] and res.result.items[1].insertText
+    """)
+    assert again and final.startswith(again), (again, final)
+    status = "\n".join(editor.lua("return require('fimble').status()"))
+    assert "running" in status and "last latency" in status
+
+
+def test_accept_inserts_the_suggestion(editor, tmp_path):
+    editor.open_demo(tmp_path, "b.py")
+    editor.start_typing_at_line7("for")
+    editor.wait_stream_done()
+    text = editor.wait_ghost()
+    row, col = editor.cursor()
+    before = "\n".join(editor.nv.current.buffer[:])
+    editor.nv.input("<Tab>")
+    lines = text.split("\n")
+    end = (row + len(lines) - 1, (col if len(lines) == 1 else 0) + len(lines[-1]))
+    wait_until(lambda: editor.cursor() == end, "the cursor after the accepted text")
+    after = "\n".join(editor.nv.current.buffer[:])
+    offset = sum(len(x) + 1 for x in editor.nv.current.buffer[:row]) + col
+    assert after == before[:offset] + text + before[offset:]
+    assert editor.debug()["counters"]["accepted"] >= 1
+    # The server's copy of the document matches the buffer (didChange was sent for the insertion).
+    uri = editor.lua("return vim.uri_from_bufnr(0)")
+    wait_until(lambda: editor.lua("""
+        local c = vim.lsp.get_client_by_id(require('fimble').debug().client_id)
+        local res = require('fimble.compat').request_sync(c, 'fimble/debug/document', { uri = ... }, 10000, 0)
+        return res and res.result and res.result.text
+    """, uri) == after + "\n", "the server's copy of the document to match")
+    # Telemetry reached the server: the suggestion was shown and accepted.
+    counters = editor.lua("""
+        local c = vim.lsp.get_client_by_id(require('fimble').debug().client_id)
+        return require('fimble.compat').request_sync(c, 'fimble/stats', vim.NIL, 10000, 0).result.counters
+    """)
+    assert counters["shown"] >= 1 and counters["accepted"] >= 1, counters
+
+
+def test_type_through_stays_consistent(editor, tmp_path):
+    editor.open_demo(tmp_path, "c.py")
+    editor.start_typing_at_line7("for")
+    editor.wait_stream_done()
+    full = editor.wait_ghost()
+    row, col = editor.cursor()
+    line0 = editor.line()
+    first_line = full.split("\n")[0]
+    assert first_line, f"the model suggested no text on the first line: {full!r}"
+    typed = ""
+    for ch in first_line[:8]:
+        editor.type(ch)
+        typed += ch
+        wait_until(lambda t=typed: editor.line(row) == line0 + t, "the typed character")
+        # Right after each keystroke the ghost text is the rest of the same suggestion, at the cursor.
+        rest = editor.wait_ghost(timeout=10)
+        now = typed + rest
+        assert now == full or now.startswith(full) or full.startswith(now), (typed, rest, full)
+        editor.assert_consistent()
+    assert editor.cursor() == (row, col + len(typed))
+    editor.nv.input("<Tab>")
+    wait_until(lambda: "\n".join(editor.nv.current.buffer[row:row + full.count("\n") + 1]).startswith(line0 + full),
+               "the rest of the suggestion to be inserted")
+
+
+def test_stale_suggestion_is_never_inserted(editor, tmp_path):
+    editor.open_demo(tmp_path, "d.py")
+    editor.start_typing_at_line7("for")
+    old = editor.wait_ghost()
+    row, col = editor.cursor()
+    line0 = editor.line()
+    # Type something the suggestion does not start with, then Tab at once: the old suggestion must not
+    # be inserted (Tab falls through to a plain tab), whatever the server answers meanwhile.
+    wrong = "Q" if not old.startswith("Q") else "Z"
+    editor.nv.input(wrong + "<Tab>")
+    wait_until(lambda: editor.line(row) == line0 + wrong + "\t", "Q and a plain tab",
+               show=lambda: (line0, editor.line(row)))
+    editor.assert_consistent()
+    # Keep typing past it while requests are out; answers that arrive late for older text are dropped.
+    for ch in "xyz":
+        editor.type(ch)
+    line1 = line0 + wrong + "\txyz"
+    wait_until(lambda: editor.line(row) == line1, "the typed text")
+
+    def settled():
+        d = editor.debug()
+        sug = d.get("suggestion")
+        return d.get("answered") and (sug is None or sug["done"] or sug["col"] != len(line1))
+
+    t_end = time.monotonic() + 3.0  # meanwhile, and a little after, nothing inconsistent is shown
+    while not settled() or time.monotonic() < t_end:
+        editor.assert_consistent()
+        if time.monotonic() > t_end + TIMEOUT:
+            raise AssertionError("the last request was never answered")
+        time.sleep(0.03)
+    assert editor.line(row) == line1
+    # Whatever is shown now is a fresh suggestion for this text, and Tab inserts exactly it.
+    g = editor.ghost()
+    editor.nv.input("<Tab>")
+    if g is None:
+        wait_until(lambda: editor.line(row) == line1 + "\t", "a plain tab")
+    else:
+        assert g[0] == (row, len(line1))
+        text = g[1]
+        wait_until(lambda: "\n".join(editor.nv.current.buffer[row:row + text.count("\n") + 1]) == line1 + text,
+                   "the fresh suggestion to be inserted", show=lambda: editor.nv.current.buffer[row:])
+
+
+def test_tab_falls_through_dismiss_and_partial_accept(editor, tmp_path):
+    editor.open_demo(tmp_path, "e.py")
+    # Turned off: no suggestion, Tab inserts a tab.
+    editor.lua("require('fimble').toggle(false)")
+    editor.start_typing_at_line7("x")
+    row, _ = editor.cursor()
+    line0 = editor.line()
+    editor.nv.input("<Tab>")
+    wait_until(lambda: editor.line(row) == line0 + "\t", "a plain tab")
+    editor.nv.input("<BS>")
+    wait_until(lambda: editor.line(row) == line0, "the tab deleted")
+    editor.lua("require('fimble').toggle(true)")
+    editor.nv.input("<Esc>")
+    wait_until(lambda: editor.nv.api.get_mode()["mode"] == "n", "normal mode")
+    # On: a suggestion; moving the cursor away dismisses it; Esc dismisses it.
+    editor.start_typing_at_line7("")
+    editor.type(" ")
+    editor.wait_ghost()
+    editor.nv.input("<Left>")
+    wait_until(lambda: editor.ghost() is None, "the ghost text to go on cursor movement")
+    editor.nv.input("<Right>")
+    editor.type("i")
+    editor.wait_stream_done()
+    full = editor.wait_ghost()
+    editor.nv.input("<Esc>")
+    wait_until(lambda: editor.ghost() is None, "the ghost text to go on Esc")
+    # Partial accept: the next word, then the rest of the line; the remainder stays shown.
+    editor.nv.input("a")
+    wait_until(lambda: editor.nv.api.get_mode()["mode"] == "i", "insert mode")
+    editor.type("n")
+    full = editor.wait_ghost()
+    row, col = editor.cursor()
+    line1 = editor.line()
+    first_line = full.split("\n")[0]
+    if not first_line.strip():
+        pytest.skip(f"the model's suggestion has no word on its first line: {full!r}")
+    editor.nv.input("<M-Right>")
+    wait_until(lambda: editor.line(row) != line1, "the next word to be inserted")
+    word = editor.line(row)[len(line1):]
+    assert word and first_line.startswith(word) and word.strip()
+    rest = editor.wait_ghost(timeout=10)
+    assert (word + rest).startswith(first_line) or full.startswith(word + rest) or (word + rest).startswith(full)
+    editor.nv.input("<M-C-Right>")
+    wait_until(lambda: editor.line(row) != line1 + word, "the rest of the line to be inserted")
+    assert editor.line(row).startswith(line1 + first_line)
+    editor.assert_consistent()
+
+
+def test_newer_request_cancels_the_one_still_out(editor, tmp_path):
+    editor.open_demo(tmp_path, "f.py")
+    editor.start_typing_at_line7("wi")
+    before = editor.debug()["counters"]
+    # Two requests back to back: the first is still out when the second goes, so it is cancelled.
+    ids = editor.lua("""
+        local f = require('fimble')
+        f.request(); local a = f.debug().request_id
+        f.request(); local b = f.debug().request_id
+        return { a, b }
+    """)
+    assert ids[0] != ids[1]
+    after = editor.debug()["counters"]
+    assert after["cancelled"] >= before["cancelled"] + 1
+    # Only the newer request's text can show up.
+    editor.wait_ghost()
+    assert editor.debug()["request_id"] == ids[1] or editor.debug()["request_id"] > ids[1]
+    editor.assert_consistent()
