@@ -19,6 +19,14 @@ overrides[kind] -> overrides["mid_line"] -> overrides["plain_text"]. So a user's
 beats a built-in default, and a context-specific setting beats "*". Unknown keys or fields and
 values of the wrong type raise ValueError (`check_overrides` reports them without raising).
 
+API: `decide(doc, cursor_byte, language_id=None, overrides=None, context=None) -> PolicyDecision`;
+`decide_for_context(kind, mid_line=False, plain_text=False, overrides=None)` (the table lookup
+alone); `PolicyDecision` (frozen; fields temperature, top_p, gamma, max_gamma, confidence_gate,
+multiline, max_lines, stop, max_tokens, plus context / mid_line / plain_text for logging) with
+`.to_options(**extra) -> DecodeOptions` (extra: drafter, seed, adaptive_gamma, or a cap such as
+max_tokens=...) and `.to_dict()`; `policy_table(overrides)` (every row, for display or logs);
+`check_overrides(overrides) -> list[str]`. A user-wide line cap is `{"*": {"multiline": False}}`.
+
 The defaults were chosen by measurement: `bench/quality.py --sweep` runs every candidate in
 `bench/quality.py:CANDIDATES` per context on the HumanEval infilling sets and writes the table
 to its JSON; the why-comments below quote what it showed for the embedded model.
@@ -89,49 +97,62 @@ _FIELD_TYPES: dict[str, type] = {
 
 # -- the table ---------------------------------------------------------------------------------
 # Every row starts from PolicyDecision's defaults (greedy, gamma 4, single line, 48 tokens).
+# Figures quoted below are from `bench/quality.py --sweep` (1,916 problems: single-line 1,033,
+# random-span 164, context-lines 719; embedded 26.75M model; one sample per problem).
 #
-# Greedy everywhere. The sweep (bench/quality.py --sweep) tried temperature 0.2, 0.3 and 0.7
-# (top_p 0.95) against greedy in every context group: sampling never raised pass@1 or exact
-# match and lowered both where they were non-zero; it also lowers acceptance (mean tokens
-# committed per verify step), since a sampled draft is kept only with probability p/q while a
-# greedy draft is kept whenever the target agrees. Comments and docstrings were the hoped-for
-# exception (prose may benefit from diversity); the measured edit similarity there fell too.
+# Greedy everywhere. Against greedy, pooled over each group's problems (pass@1 / exact):
+#   prose (comment+string, 167):  greedy .994/.006  t0.2 .994/.006  t0.3 .994/.012  t0.7 .994/.000
+#   code-line (657):              greedy .126/.085  t0.2 .132/.084  t0.3 .123/.084  t0.7 .094/.056
+#   block (1,092):                greedy .043/.021  t0.2 .047/.023                  t0.7 .042/.014
+# 0.7 loses clearly; 0.2/0.3 move by one to four problems either way, within sampling noise,
+# while greedy is deterministic (the same context gives the same suggestion, so a completion
+# the user types through stays valid) and decodes faster: a sampled draft token is kept with
+# probability min(1, p/q), a greedy one whenever the target agrees (decode ms per token, code
+# lines: greedy 13.8-14.9, t0.2 18.9, t0.7 20.4).
 #
-# gamma: greedy output does not depend on gamma (lossless speculative decoding), so gamma
-# only moves speed. The sweep's mean-accepted figures say where a long first block pays:
-# code-like contexts where the n-gram drafter finds the text to copy (argument lists and
-# attribute chains repeat names from the prompt) start at 4 and adapt upward; prose starts
-# short because its drafts are rejected early.
+# gamma (initial draft block; adaptive_gamma then moves it): greedy output does not depend on
+# it (lossless), only speed does. Decode ms per token, gamma 2 / 4 / 8 (mean accepted per step):
+#   prose 15.4 / 16.6 / 18.4 (1.77 / 1.79 / 1.88), code lines 13.8 / 14.9 / 16.7
+#   (1.98 / 2.05 / 2.21), blocks - / 13.0 / 14.3 (- / 2.43 / 2.69).
+# Longer blocks are accepted a little more per step but cost more than they save: the draft
+# model is not much cheaper than this small target on CPU, and a one-line completion is only
+# a handful of steps, so the opening block dominates. Blocks (longer outputs, where the n-gram
+# drafter finds runs to copy) keep 4. The confidence gate (0.5 vs 0.3 for prose) made no
+# measurable difference; 0.5 stays for prose, where drafts are rejected early.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    # Prose: one line, short. A comment rarely needs more than a line of ghost text, and the
-    # draft model's prose is weak, so drafts are short and the confidence gate higher.
+    # Prose: one line, short. Drafts of prose are rejected early (1.8 tokens per step), so the
+    # first block is short and the draft model stops at a lower confidence.
     "comment": {"max_tokens": 32, "gamma": 2, "confidence_gate": 0.5},
     # Inside a string (docstrings included): finish this line of it. The bracket guard ends
     # the completion where it closes the string, so the quote is never doubled.
     "string": {"max_tokens": 32, "gamma": 2, "confidence_gate": 0.5},
     # `import a.b` / `from x import y`: a module path or a name list, always one short line.
-    "import": {"max_tokens": 24},
-    # `obj.|`: an attribute (or a method call) of a chain. One line; names usually repeat
-    # from the prompt, which the n-gram drafter copies, so acceptance is high.
-    "attribute_chain": {"max_tokens": 32},
+    "import": {"max_tokens": 24, "gamma": 2},
+    # `obj.|`: an attribute (or a method call) of a chain. One line.
+    "attribute_chain": {"max_tokens": 32, "gamma": 2},
     # `f(|`: the arguments; the guard stops at the `)` that closes the call.
-    "call_args": {"max_tokens": 48},
+    "call_args": {"max_tokens": 48, "gamma": 2},
     # `def f(|`: a parameter list, one line.
-    "parameters": {"max_tokens": 32},
-    # Right after a block opener (`def f():` / `{`): a body is expected, several lines. The
-    # validator's scope cut ends it at the block's end; a blank line ends a logical chunk.
-    "block_start": {"multiline": True, "max_lines": 6, "max_tokens": 96, "stop": ("\n\n",)},
-    # A statement start inside a block: the next statement.
-    "block_body": {"multiline": True, "max_lines": 4, "max_tokens": 64, "stop": ("\n\n",)},
+    "parameters": {"max_tokens": 32, "gamma": 2},
     # Mid-expression with nothing after the cursor: finish the line.
-    "mid_statement": {"max_tokens": 48},
+    "mid_statement": {"max_tokens": 48, "gamma": 2},
+    # Right after a block opener (`def f():` / `{`): a body is expected, several lines. On the
+    # random spans at block contexts (82), multi-line vs one line: edit similarity .151 vs
+    # .045, shown 60% vs 24%, same pass@1 and parse-ok. Fewer lines (3) were no better and
+    # slower; the blank-line stop neither helped nor hurt (.151 vs .152) and keeps ghost text to
+    # one logical chunk. The validator's scope cut ends it at the block's end.
+    "block_start": {"multiline": True, "max_lines": 6, "max_tokens": 96, "stop": ("\n\n",)},
+    # A statement start inside a block: the next statements.
+    "block_body": {"multiline": True, "max_lines": 4, "max_tokens": 64, "stop": ("\n\n",)},
     # A statement start at module level: possibly a whole definition. Two blank lines
     # separate top-level definitions (PEP 8), so they end the completion.
     "top_level": {"multiline": True, "max_lines": 8, "max_tokens": 128, "stop": ("\n\n\n",)},
     # Code after the cursor on its line: only the gap is wanted; fit_to_line_rest covers the
     # closers the editor auto-inserted, anything longer would push the line's rest away.
+    # (Not swept on its own: 27 mid-line cursors in the sets.)
     "mid_line": {"multiline": False, "max_tokens": 32},
-    # No grammar: validation cannot syntax-check, so keep to one greedy line.
+    # No grammar: validation cannot syntax-check, so keep to one greedy line. (Not measured:
+    # the sets are Python.)
     "plain_text": {"multiline": False, "temperature": 0.0, "max_tokens": 48},
 }
 

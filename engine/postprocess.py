@@ -35,13 +35,12 @@ header with an empty body (`if x:` followed by a line at the same indentation), 
 width no enclosing block has. On HumanEval single-line infilling those were most of the shown
 completions that broke the program (bench/quality.py). So for Python the text is also checked
 with CPython's own parser, on the tree-sitter segment around the cursor (top-level statements,
-~150 lines, so the cost stays bounded): the completion passes when the segment then parses, or
-its first error lies below the lines the completion touches (cursor line to the end of the
-last inserted line) at or after where the document's old first error was, and the message
-blames no inserted line (as "expected an indented block after 'if' statement on line N"
-does); an error above the cursor line means the code above is broken and nothing can be
-judged. Otherwise the text is cut back to the longest run of whole lines that passes, or
-dropped.
+~150 lines, so the cost stays bounded): the completion passes when the segment then parses, or its first
+error is the segment's old first error: outside the inserted text, at the same place (mapped
+past the insertion), with the same message, blaming no inserted line (as "expected an
+indented block after 'if' statement on line N" does). A completion may leave a document as
+broken as it found it, never broken anew. Otherwise the text is cut back to the longest run
+of whole lines that passes, or dropped.
 
 `ShapedCompletion` fields: `text` (may be ""; show nothing then), `replace_start` and
 `replace_end` (document bytes), `range` (((line, char), (line, char)) in `encoding`),
@@ -103,7 +102,7 @@ class CompletionShaper:
         self._guard = BracketGuard(self.doc.language_id, frames)
         self._raw = ""
         self._finished: ShapedCompletion | None = None
-        self._py_base: tuple[int, int | None] | None | bool = False  # False: not computed yet
+        self._py_base: tuple[int, str, int | None] | None | bool = False  # False: not computed yet
 
     # -- streaming -------------------------------------------------------------------------------
     def feed(self, chunk: str) -> int | None:
@@ -140,6 +139,8 @@ class CompletionShaper:
             return self._finished
         self._guard.finish()
         guarded = self._guard.text
+        if guarded != self._raw:
+            guarded = guarded.rstrip()  # as validate_completion does after each of its cuts
         lang = self.doc.language_id
         result = validate_completion(self.doc, self.cursor, guarded, lang, self.context)
         shown = result.text if result.text.strip() else ""
@@ -192,32 +193,31 @@ class CompletionShaper:
         new = _first_python_error(before + text + after)
         if new is None:
             return True
-        pos, blamed = new
+        old = self._py_base
+        if not old:
+            return False  # the segment parsed before: any error now is the completion's
+        pos, msg, blamed = new
         lo, hi = len(before), len(before) + len(text)
         first_line = before.count("\n") + 1
-        if blamed is not None and first_line <= blamed <= first_line + text.count("\n"):
+        inserted = text.count("\n")
+        if blamed is not None and first_line <= blamed <= first_line + inserted:
             return False  # e.g. "expected an indented block after 'if' statement on line N"
-        line_start = before.rfind("\n") + 1
-        rest = after.find("\n")
-        touched_end = hi + (len(after) if rest < 0 else rest)
-        old = self._py_base
-        if pos < line_start:
-            return True  # the code above the cursor line is broken: nothing to judge by
-        if pos <= touched_end:
-            # On a line the completion touches: its fault, unless the very same error sat left
-            # of the cursor before (a broken line the completion cannot mend).
-            return bool(old) and pos < lo and old[0] == pos
-        if not old:
-            return False  # the document parsed before: any error now is the completion's
+        if lo < pos < hi:
+            return False  # inside the inserted text
+        # Otherwise only the old first error may remain, at its old place. An error that moved
+        # further down is no proof: `    if x:` can adopt the indented lines below as its body.
         shift = len(text) - len(data[self.cursor : end].decode("utf-8", errors="replace"))
-        return pos - shift >= old[0]  # an error further down that the old one masked
+        mapped = pos - shift if pos >= hi else pos
+        if blamed is not None and blamed > first_line + inserted:
+            blamed -= inserted
+        return (mapped, msg, blamed) == old
 
 
 _BLAMED_LINE = re.compile(r"on line (\d+)")
 
 
-def _first_python_error(source: str) -> tuple[int, int | None] | None:
-    """(char offset of CPython's first syntax error, line number its message blames) or None."""
+def _first_python_error(source: str) -> tuple[int, str, int | None] | None:
+    """CPython's first syntax error: (char offset, message with line refs blanked, blamed line)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # SyntaxWarning for invalid escapes and the like
@@ -231,7 +231,9 @@ def _first_python_error(source: str) -> tuple[int, int | None] | None:
             if len(starts) > line:
                 break
         base = starts[line - 1] if line - 1 < len(starts) else len(source)
-        m = _BLAMED_LINE.search(exc.msg or "")
-        return min(len(source), base + max(0, (exc.offset or 1) - 1)), (int(m.group(1)) if m else None)
+        msg = exc.msg or ""
+        m = _BLAMED_LINE.search(msg)
+        at = min(len(source), base + max(0, (exc.offset or 1) - 1))
+        return at, _BLAMED_LINE.sub("on line N", msg), (int(m.group(1)) if m else None)
     except (ValueError, RecursionError, MemoryError):
         return None
