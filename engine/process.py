@@ -126,6 +126,10 @@ class EngineProcess:
             self.close()
             raise FimbleError(self.error or f"engine did not start within {startup_timeout:.0f}s")
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def _send(self, msg: dict) -> None:
         data = msgpack.packb(msg, use_bin_type=True)
         with self._write_lock:

@@ -63,9 +63,8 @@ class EngineHost:
         return "error" if self.error else "stopped"
 
     def info(self) -> dict:
-        proc = getattr(self._engine, "_proc", None)  # EngineProcess keeps its Popen there
         return {"state": self.state, "error": self.error, "restarts": self.restarts,
-                "pid": getattr(proc, "pid", None), "info": getattr(self._engine, "info", None) or {}}
+                "pid": getattr(self._engine, "pid", None), "info": getattr(self._engine, "info", None) or {}}
 
     def configure(self, settings: Settings) -> None:
         """Start (or restart) the engine if the model settings differ from the running one."""
