@@ -9,11 +9,18 @@
   ends, or ``earlyAnswerMs`` passes; the generation keeps running for later keystrokes.
 - Version safety: an answer computed for an older document version is re-based onto
   what was typed since (when that agrees with it) or dropped. Never shown wrong.
+- Syntax policy: each decode's options come from engine.policy.decide at its cursor
+  (settings maxTokens / maxLines cap them, settings ``policy`` overrides the table), and
+  its text streams through an engine.postprocess.CompletionShaper: the bracket guard ends
+  the decode at a closer beyond the completion's scope, and every answer is the shaper's
+  ``finish`` at the answer's cursor (text, plus the auto-paired closers it replaces).
+  A finished decode's text is cut to its shaped text, so type-through serves only that.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import OrderedDict, deque
@@ -21,6 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.options import DecodeOptions  # plain data: no torch here
+from engine.policy import decide
+from engine.postprocess import CompletionShaper
+from engine.syntax.brackets import fit_to_line_rest
+from engine.syntax.context import classify
 from lsp_server.documents import Document, DocumentStore
 from lsp_server.engine_host import EngineHost
 from lsp_server.generation import Generation, first_line_end
@@ -37,6 +49,9 @@ RECENT_DOCS = 32
 # Keystrokes closer together than this are a burst (paste, key repeat, a script): no prefetch,
 # or every one of them would queue a decode that the next one cancels.
 PREFETCH_MIN_GAP_S = 0.02
+# Cursor lines longer than this (minified code, data) skip the syntax policy and shaping:
+# classifying such a line costs milliseconds per thousand characters and grows faster.
+POLICY_MAX_LINE = 4000
 
 
 @dataclass
@@ -45,6 +60,7 @@ class Answer:
     cursor: tuple[int, int]  # (line, code point column) in the current document
     completion_id: str
     cached: bool
+    replace_cols: int = 0  # code points after ``cursor`` (same line) the text replaces: re-typed closers
 
 
 @dataclass
@@ -67,6 +83,22 @@ def _early_text(rem: str, done: bool, past_deadline: bool) -> str | None:
     return None
 
 
+class _Skip(Exception):
+    """The syntax policy does not apply here (see POLICY_MAX_LINE)."""
+
+
+def _partial(gen: Generation, offset: int) -> bool:
+    """Whether an answer from ``gen`` now would be part of a first line (the earlyAnswerMs case)."""
+    return not gen.done and first_line_end(gen.text[offset:]) == -1
+
+
+def _cap(limit: int, cap: int) -> int:
+    """The smaller of two line limits where 0 means none."""
+    if cap <= 0:
+        return limit
+    return cap if limit <= 0 else min(limit, cap)
+
+
 class Completer:
     def __init__(self, docs: DocumentStore, host: EngineHost, stats: Stats, telemetry: Telemetry,
                  notify: Callable[[str, dict], None]):
@@ -77,6 +109,7 @@ class Completer:
         self._seq: dict[str, int] = {}
         self._last_edit: dict[str, float] = {}
         self._pumps: set[asyncio.Task] = set()
+        self.last_policy: dict | None = None  # the latest decode's decision, for fimble/stats
 
     # -- tables (for the bounded-growth check in fimble/stats) -------------------------------
     def tables(self) -> dict:
@@ -118,7 +151,8 @@ class Completer:
         if self._lookup(ctx) is not None or (not ctx.prefix.strip() and not ctx.suffix.strip()):
             return
         self.stats.count("prefetches")
-        self._submit(engine, ctx, settings, t0, (time.perf_counter() - t0) * 1e3).prefetched = True
+        plan = self._plan(doc, ctx, settings, prefetch=True)
+        self._submit(engine, ctx, settings, t0, (time.perf_counter() - t0) * 1e3, plan).prefetched = True
 
     def document_closed(self, uri: str) -> None:
         self.streamer.end_document(uri, "closed")
@@ -155,7 +189,10 @@ class Completer:
                 if self._seq.get(doc.uri) != seq or doc.version != ctx.version:
                     self.stats.count("debounced")
                     return None
-            gen = await self._start(ctx, settings, req.t0, build_ms)
+            t_plan = time.perf_counter()
+            plan = self._plan(doc, ctx, settings)  # now: the document is at ctx.version
+            build_ms += (time.perf_counter() - t_plan) * 1e3
+            gen = await self._start(ctx, settings, req.t0, build_ms, plan)
             if gen is None:
                 return None
             offset = 0
@@ -165,10 +202,18 @@ class Completer:
             sub = Subscription(gen, offset, req.request_id, req.token, completion_id, doc.uri, ctx.version,
                                req.position, cached=cached)
             self.streamer.subscribe(sub)
+        def shows(text: str) -> bool:
+            """Whether an early answer of complete lines shapes to something (else: wait for more).
+
+            A block header alone (``if x:``, its body not decoded yet) is cut by validation."""
+            if doc.version != ctx.version or self.docs.get(doc.uri) is not doc or _partial(gen, offset):
+                return True  # _finish_answer decides
+            return bool(self._shape_answer(doc, ctx.cursor, gen, offset, text, partial=False)[0])
+
         gen.waiting += 1
         try:
             text = await self._wait_answer(gen, offset, req.t0 + settings.early_answer_ms / 1e3,
-                                           settings.answer_at == "end")
+                                           settings.answer_at == "end", shows)
         except asyncio.CancelledError:  # $/cancelRequest: stop the decode unless another request uses it
             self.stats.count("cancel_requests")
             if sub is not None:
@@ -202,23 +247,58 @@ class Completer:
             return gen, len(typed)
         return None
 
-    async def _start(self, ctx: Context, settings: Settings, t0: float, build_ms: float) -> Generation | None:
+    async def _start(self, ctx: Context, settings: Settings, t0: float, build_ms: float,
+                     plan: tuple[DecodeOptions, CompletionShaper | None]) -> Generation | None:
         engine = await self.host.get(settings)
         if engine is None:
             self.stats.count("engine_unavailable")
             return None
-        return self._submit(engine, ctx, settings, t0, build_ms)
+        return self._submit(engine, ctx, settings, t0, build_ms, plan)
 
-    def _submit(self, engine: Any, ctx: Context, settings: Settings, t0: float, build_ms: float) -> Generation:
-        from engine.api import CompletionRequest, DecodeOptions  # loaded by the engine host already
+    def _plan(self, doc: Document, ctx: Context, settings: Settings, *,
+              prefetch: bool = False) -> tuple[DecodeOptions, CompletionShaper | None]:
+        """The decode options the syntax policy gives ``ctx``'s cursor, and the shaper for its text.
+
+        Call it while ``doc`` is at ``ctx.version`` (the shaper snapshots the document).
+        Settings cap the decision: maxTokens, maxLines (0 = no cap).
+        """
+        try:
+            if len(doc.lines[ctx.cursor[0]]) > POLICY_MAX_LINE:
+                raise _Skip
+            byte = doc.byte_offset(*ctx.cursor)
+            cursor_ctx = classify(doc.syntax, byte)
+            decision = decide(doc.syntax, byte, doc.language_id, settings.policy, context=cursor_ctx)
+            opts = decision.to_options(drafter=settings.drafter,
+                                       max_tokens=min(decision.max_tokens, max(1, settings.max_tokens)),
+                                       max_lines=_cap(decision.line_limit, settings.max_lines))
+            shaper = CompletionShaper(doc.syntax, byte, context=cursor_ctx)
+        except Exception as exc:  # a syntax-layer bug must not cost the user the completion
+            if isinstance(exc, _Skip):
+                self.stats.count("policy_skipped_long_line")
+            else:
+                log.exception("syntax policy failed: decoding with the fixed settings")
+                self.stats.count("policy_errors")
+            self.last_policy = None
+            return DecodeOptions(max_tokens=max(1, settings.max_tokens), drafter=settings.drafter,
+                                 max_lines=settings.max_lines), None
+        self.last_policy = {"uri": ctx.uri, "version": ctx.version, "cursor": list(ctx.cursor),
+                            "language": doc.syntax.language_id, "context": decision.context,
+                            "midLine": decision.mid_line, "plainText": decision.plain_text, "prefetch": prefetch,
+                            "options": dataclasses.asdict(opts)}
+        self.stats.count(f"policy_{decision.context}")
+        return opts, shaper
+
+    def _submit(self, engine: Any, ctx: Context, settings: Settings, t0: float, build_ms: float,
+                plan: tuple[DecodeOptions, CompletionShaper | None]) -> Generation:
+        from engine.api import CompletionRequest  # loaded by the engine host already
 
         if self.active is not None:
             self.active.cancel()  # one decode at a time: the newest request wins
-        opts = DecodeOptions(max_tokens=max(1, settings.max_tokens), drafter=settings.drafter,
-                             max_lines=settings.max_lines)
+        opts, shaper = plan
         stream = engine.submit(CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=opts,
                                                  document_id=ctx.uri, truncate=True, heal=settings.token_healing))
         gen = Generation(ctx, stream, t0, build_ms)
+        gen.shaper = shaper
         self.active = gen
         self.stats.count("generations")
         task = asyncio.create_task(self._pump(gen))
@@ -232,8 +312,8 @@ class Completer:
         reason, error = None, None
         try:
             async for delta in gen.stream:
-                if delta.text:
-                    gen.add_text(delta.text)
+                if delta.text and not gen.cut:
+                    self._add_guarded(gen, delta.text)
                 if delta.finished:
                     reason = delta.finish_reason
                 gen.changed()
@@ -248,13 +328,87 @@ class Completer:
             reason = "cancelled"
             raise
         finally:
+            if gen.cut and reason in (None, "cancelled"):
+                reason = "stop"  # the guard ended it: the text is complete up to the stop
             gen.finish(reason, error)
+            if gen.usable:
+                self._shape_final(gen)
             if self.active is gen:
                 self.active = None
             self._record(gen)
             if gen.usable and gen.text.strip() and gen.ctx.uri in self._seq:
                 self._remember(gen)
             gen.changed()
+
+    def _add_guarded(self, gen: Generation, text: str) -> None:
+        """Add streamed text up to the guard's stop; at a stop, cancel the decode."""
+        if gen.shaper is not None:
+            try:
+                stop = gen.shaper.feed(text)
+            except Exception:
+                log.exception("completion guard failed: streaming unguarded")
+                gen.shaper, stop = None, None
+            if stop is not None:
+                gen.cut = True
+                self.stats.count("guard_stops")
+                gen.cancel()  # generation goes no further than a closer beyond its scope
+                full = gen.text + text
+                gen.cut_to(stop)  # (a stop inside text already added: only after a lookahead)
+                text = full[len(gen.text):stop]
+        if text:
+            gen.add_text(text)
+
+    def _shape_final(self, gen: Generation) -> None:
+        """Shape a finished decode's text at its anchor; keep only the shaped text (type-through)."""
+        shaper, gen.shaper = gen.shaper, None
+        if shaper is None:
+            return
+        try:
+            shaped = shaper.finish()
+        except Exception:
+            log.exception("completion shaping failed: keeping the text as generated")
+            return
+        if shaped.cut_reason:
+            self.stats.count(f"shaped_{shaped.cut_reason}")
+        if not gen.text.startswith(shaped.text):
+            log.warning("shaped text is not a prefix of the generated text; keeping the generated text")
+            return
+        gen.cut_to(len(shaped.text))
+        gen.replace_cols = len(shaper.doc.bytes[shaped.replace_start:shaped.replace_end].decode("utf-8", "replace"))
+
+    def _shape_answer(self, doc: Document, cursor: tuple[int, int], gen: Generation, start: int,
+                      text: str, partial: bool) -> tuple[str, int]:
+        """(text to show, code points after the cursor it replaces) for ``text`` at ``cursor`` now.
+
+        ``text`` is ``gen.text[start:]`` or a prefix of it. The finished decode's own shaping
+        holds when the answer runs to its end: typing along a completion leaves the document
+        prefix + typed + rest + suffix the same, and the rest of the line the same. A
+        ``partial`` answer (part of a first line, at earlyAnswerMs) is incomplete by nature:
+        it is only guarded (streaming did that) and fitted to the closers after the cursor.
+        """
+        if not text.strip():
+            return "", 0
+        if len(doc.lines[cursor[0]]) > POLICY_MAX_LINE:
+            return text, 0  # see POLICY_MAX_LINE
+        if partial:
+            line, col = cursor
+            return text, fit_to_line_rest(text, doc.line_text(line)[col:], doc.syntax.language_id)[1]
+        to_end = gen.done and gen.text[start:].rstrip() == text
+        if to_end and gen.replace_cols is not None:
+            return text, gen.replace_cols
+        try:
+            byte = doc.byte_offset(*cursor)
+            shaped = CompletionShaper(doc.syntax, byte, snapshot=False).finish(text)  # no await: doc can't change
+        except Exception:
+            log.exception("completion shaping failed: answering unshaped")
+            return text, 0
+        cols = len(doc.syntax.bytes[shaped.replace_start:shaped.replace_end].decode("utf-8", "replace"))
+        if shaped.text != text:
+            self.stats.count(f"answer_shaped_{shaped.cut_reason}")
+            if to_end and text.startswith(shaped.text):  # the cache must not serve what was cut
+                gen.cut_to(start + len(shaped.text))
+                gen.replace_cols = cols
+        return shaped.text, cols
 
     def _remember(self, gen: Generation) -> None:
         dq = self.recent.pop(gen.ctx.uri, None) or deque()
@@ -266,7 +420,8 @@ class Completer:
             for old in self.recent.popitem(last=False)[1]:
                 self._account(old)
 
-    async def _wait_answer(self, gen: Generation, offset: int, deadline: float, at_end: bool) -> str:
+    async def _wait_answer(self, gen: Generation, offset: int, deadline: float, at_end: bool,
+                           shows: Callable[[str], bool] | None = None) -> str:
         while True:
             if at_end:
                 await gen.wait_change(None)
@@ -275,7 +430,7 @@ class Completer:
                 continue
             now = time.perf_counter()
             text = _early_text(gen.text[offset:], gen.done, now >= deadline)
-            if text is not None:
+            if text is not None and (gen.done or shows is None or shows(text)):
                 return text
             await gen.wait_change(deadline - now if now < deadline else None)
 
@@ -293,13 +448,14 @@ class Completer:
             self.stats.count("stale_rebased")
             text, consumed = text[len(typed):], len(typed)
             cursor = advance(*cursor, typed)
+        text, replace_cols = self._shape_answer(doc, cursor, gen, offset + consumed, text, _partial(gen, offset))
         now = time.perf_counter()
         self.stats.observe("answer", (now - req.t0) * 1e3)
         if not text.strip():
             return None
         gen.shown = max(gen.shown, offset + consumed + len(text))
         self.telemetry.remember(completion_id, text, cached)
-        return Answer(text, cursor, completion_id, cached)
+        return Answer(text, cursor, completion_id, cached, replace_cols)
 
     # -- accounting --------------------------------------------------------------------------
     def _record(self, gen: Generation) -> None:

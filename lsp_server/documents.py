@@ -5,6 +5,14 @@ Why not pygls' workspace documents: they re-split the whole text on every access
 not LSP line breaks (U+2028, form feed, ...). Here only ``\\n``, ``\\r\\n`` and ``\\r``
 end a line, an edit touches only the lines it spans, and the total length is tracked so
 "what was typed since" checks cost one window, not one document.
+
+Each document also keeps an ``engine.syntax.SyntaxDocument`` (``Document.syntax``) in step,
+edit by edit (incremental reparse of one segment): the syntax policy and the completion
+shaper read it. It holds the same text (lone surrogates as U+FFFD, one code point each, so
+code-point positions agree); a language without a grammar is plain text there. It counts
+only ``\\n`` as a line break, so while the text has a lone ``\\r`` edits resync it whole.
+A document opened (or fully replaced) with more than ``SYNTAX_MAX_CHARS`` characters is not
+parsed (plain text there): tree-sitter takes about a second per megabyte, on the event loop.
 """
 
 from __future__ import annotations
@@ -12,9 +20,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from engine.syntax.document import SyntaxDocument  # no torch: tree-sitter only
 from lsp_server.positions import UTF16, PositionError, from_codepoints, to_codepoints
 
 _BREAK = re.compile(r"(\r\n|\r|\n)")
+SYNTAX_MAX_CHARS = 1_000_000
+_BARE_CR = re.compile(rb"\r(?!\n)")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def utf8_safe(text: str) -> str:
+    """Lone surrogates (a non-UTF-8 file read with surrogateescape) cannot be encoded: use U+FFFD."""
+    return _SURROGATE.sub("\ufffd", text) if _SURROGATE.search(text) else text
 
 
 def split_lines(text: str) -> list[str]:
@@ -42,6 +59,8 @@ class Document:
     # Start (line, column) of the prompt's prefix window: kept stable so the engine's KV
     # cache keeps matching (see lsp_server/prompt.py); None = choose afresh.
     window: tuple[int, int] | None = None
+    syntax: SyntaxDocument = field(init=False, repr=False)
+    _bare_cr: bool = field(init=False, default=False, repr=False)  # syntax lines != our lines
 
     def __post_init__(self) -> None:
         self.set_text(self.text)
@@ -51,6 +70,33 @@ class Document:
         self.lines = split_lines(text)
         self.length = len(text)
         self.window = None
+        self._sync_all(text)
+
+    def _sync_all(self, text: str) -> None:
+        lang = self.language_id if len(text) <= SYNTAX_MAX_CHARS else ""
+        if getattr(self, "_syntax_lang", None) != lang:  # first time, or across the size limit
+            self.syntax, self._syntax_lang = SyntaxDocument(lang or "plaintext", ""), lang
+        self.syntax.set_text(utf8_safe(text))
+        data = self.syntax.bytes
+        self._bare_cr = b"\r" in data and _BARE_CR.search(data) is not None
+
+    def byte_offset(self, line: int, col: int) -> int:
+        """UTF-8 byte offset in ``syntax`` of a (line, code point column) of this document."""
+        if self._bare_cr:  # rare (old Mac line ends): count our own way
+            return len(utf8_safe("".join(self.lines[:line]) + self.lines[line][:col]).encode("utf-8")) \
+                if line < len(self.lines) else len(self.syntax.bytes)
+        buf = self.syntax.bytes
+        start = 0
+        if line:
+            parts = buf.split(b"\n", line)
+            if len(parts) <= line:
+                return len(buf)
+            start = len(buf) - len(parts[-1])
+        if not col:
+            return start
+        end = buf.find(b"\n", start)
+        text = buf[start:len(buf) if end < 0 else end].decode("utf-8", errors="replace")
+        return start + len(text[:col].encode("utf-8"))
 
     @property
     def source(self) -> str:
@@ -105,6 +151,9 @@ class Document:
             start, end = end, start
         l0, c0 = start
         l1, c1 = end
+        b0 = b1 = -1
+        if not self._bare_cr:
+            b0, b1 = self.byte_offset(l0, c0), self.byte_offset(l1, c1)
         removed = len(self.text_between((l0, c0), (l1, c1)))
         head, tail = self.lines[l0][:c0], self.lines[l1][c1:]
         # Re-split a region that also covers a neighbouring lone "\r" when the edit puts a
@@ -123,6 +172,13 @@ class Document:
         self.lines[first:last + 1] = new_lines
         self.length += len(text) - removed
         self._move_window(first, l1, len(new_lines) - (last - first + 1))
+        if b0 < 0:
+            self._sync_all(self.source)
+            return
+        self.syntax.apply_edit(b0, b1, utf8_safe(text))
+        data = self.syntax.bytes
+        if b"\r" in data and _BARE_CR.search(data):  # a lone "\r" now: lines no longer agree
+            self._sync_all(self.source)
 
     def _move_window(self, first: int, last: int, line_delta: int) -> None:
         """Keep the prompt window on the same text when lines above it change."""
@@ -159,4 +215,4 @@ class DocumentStore:
         return iter(self._docs.values())
 
 
-__all__ = ["Document", "DocumentStore", "PositionError", "split_lines", "strip_eol"]
+__all__ = ["Document", "DocumentStore", "PositionError", "split_lines", "strip_eol", "utf8_safe"]

@@ -47,6 +47,14 @@ class Generation:
         self.t_first_line: float | None = None
         self.t_done: float | None = None
         self.build_ms = build_ms
+        # Syntax shaping (engine.postprocess.CompletionShaper, set by the completer): its guard
+        # stops the text at a closer beyond the completion's scope while streaming (``cut``);
+        # at the end its ``finish`` may shorten ``text`` further. ``replace_cols``: then set
+        # to the code points after the anchor cursor the final text replaces (auto-paired
+        # closers it re-types), for answers taken from the finished text.
+        self.shaper: Any = None
+        self.cut = False
+        self.replace_cols: int | None = None
         self.listeners: list[Callable[[Generation], None]] = []
         self._waiters: list[asyncio.Future] = []
 
@@ -66,6 +74,11 @@ class Generation:
             self.t_first = now
         if self.t_first_line is None and first_line_end(self.text) != -1:
             self.t_first_line = now
+
+    def cut_to(self, n: int) -> None:
+        """Keep only the first ``n`` characters (a guard stop or the final shaping)."""
+        if n < len(self.text):
+            self.text = self.text[:n]
 
     def finish(self, reason: str | None, error: str | None = None) -> None:
         self.done = True

@@ -73,6 +73,11 @@ class FimbleServer(LanguageServer):
         line, units = doc.from_cp(*cursor, self.encoding)
         return types.Position(line=line, character=units)
 
+    def replace_end(self, doc: Document, answer: Answer) -> types.Position:
+        """End of what the answer replaces: the cursor, or past the auto-paired closers it re-types."""
+        line, col = answer.cursor
+        return self.client_position(doc, (line, min(col + answer.replace_cols, len(doc.line_text(line)))))
+
     def apply_settings(self, options: Any) -> None:
         """Merge wire options; a null model or draft means the server's default (CLI / environment)."""
         s = self.settings.merged(plain(options))
@@ -174,7 +179,7 @@ def _register(ls: FimbleServer) -> None:
         doc, answer = got
         pos = ls.client_position(doc, answer.cursor)
         item = types.InlineCompletionItem(
-            insert_text=answer.text, range=types.Range(pos, pos),
+            insert_text=answer.text, range=types.Range(pos, ls.replace_end(doc, answer)),
             command=types.Command(title="Accept completion", command=ACCEPT_COMMAND, arguments=[answer.completion_id]))
         return types.InlineCompletionList(items=[item])
 
@@ -191,7 +196,7 @@ def _register(ls: FimbleServer) -> None:
         # Replace the word before the cursor, so the client's filter (the word) matches the item.
         word = _WORD_TAIL.search(doc.line_text(line)[:col]).group()
         start = ls.client_position(doc, (line, col - len(word)))
-        end = ls.client_position(doc, answer.cursor)
+        end = ls.replace_end(doc, answer)
         new_text = word + answer.text
         label = new_text.strip().splitlines()[0][:80] if new_text.strip() else new_text
         item = types.CompletionItem(
@@ -229,7 +234,8 @@ def _register(ls: FimbleServer) -> None:
         }
         snap["settings"] = {"streaming": ls.settings.streaming, "maxLines": ls.settings.max_lines,
                             "maxTokens": ls.settings.max_tokens, "model": ls.settings.model,
-                            "encoding": ls.encoding}
+                            "encoding": ls.encoding, "policy": ls.settings.policy}
+        snap["lastPolicy"] = ls.completer.last_policy
         return snap
 
     @ls.feature("fimble/debug/document")

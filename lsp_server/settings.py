@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from engine.policy import check_overrides  # no torch
+
 log = logging.getLogger(__name__)
 
 _WIRE = {  # wire name -> attribute
@@ -19,6 +21,7 @@ _WIRE = {  # wire name -> attribute
     "earlyAnswerMs": "early_answer_ms", "enable": "enable", "streaming": "streaming",
     "prefixChars": "prefix_chars", "suffixChars": "suffix_chars", "preload": "preload", "answerAt": "answer_at",
     "engineThreads": "engine_threads", "prefetch": "prefetch", "tokenHealing": "token_healing",
+    "policy": "policy",
 }
 _CHOICES = {"drafter": ("auto", "model", "ngram", "none"), "answer_at": ("line", "end")}
 
@@ -30,8 +33,13 @@ class Settings:
     no_draft: bool = False
     device: str = "cpu"
     drafter: str = "auto"
+    # Caps on what the syntax policy (engine/policy.py) decides per cursor context. The
+    # defaults don't bind: the policy's largest rows are 8 lines (top_level) and 128 tokens.
     max_lines: int = 8  # 0 = no limit
-    max_tokens: int = 64
+    max_tokens: int = 128
+    # Overrides of the policy table, passed to engine.policy.decide: {"comment": {"max_tokens":
+    # 16}, "*": {"multiline": False}, ...}. Checked when set; a bad one is ignored with a warning.
+    policy: dict | None = None
     debounce_ms: int = 0  # server-side wait before starting the model (type-through hits skip it)
     early_answer_ms: int = 150  # answer after this long even without a full line
     # "line": answer at the first full line (or earlyAnswerMs) and keep decoding for type-through;
@@ -75,6 +83,13 @@ class Settings:
             attr = _WIRE.get(key)
             if attr is None:
                 continue  # other tools' settings share the object
+            if attr == "policy":  # replaces the previous overrides whole; null or {} clears them
+                problems = check_overrides(value)
+                if problems:
+                    log.warning("ignoring setting policy: %s", "; ".join(problems))
+                else:
+                    changes["policy"] = dict(value) if value else None
+                continue
             ok = _check(types[attr], value)
             if ok is None or (attr in _CHOICES and ok not in _CHOICES[attr]):
                 log.warning("ignoring setting %s=%r: wrong type or value", key, value)

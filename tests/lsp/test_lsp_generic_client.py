@@ -29,6 +29,10 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 DOC = SAMPLE.replace("        print(key, config[key])", "        print(key, ")
 CURSOR = (DOC.splitlines().index("        print(key, "), len("        print(key, "))
+# A loop body to write: the syntax policy decodes several lines there (at CURSOR, one line),
+# so the decode goes on well past its early answer.
+BLOCK_DOC = SAMPLE.replace("        print(key, config[key])\n", "        \n")
+BLOCK_CURSOR = (BLOCK_DOC.split("\n").index("        "), len("        "))
 
 
 @pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVER_CMD, server_env=SERVER_ENV),
@@ -51,14 +55,14 @@ async def _idle(client: LanguageClient) -> dict:
 
 async def test_early_answer_then_background_decode_feeds_type_through(client: LanguageClient):
     uri = "file:///tmp/fimble-generic/a.py"
-    open_doc(client, uri, DOC)
-    answer = items_of(await inline(client, uri, *CURSOR))[0].insert_text
+    open_doc(client, uri, BLOCK_DOC)
+    answer = items_of(await inline(client, uri, *BLOCK_CURSOR))[0].insert_text
     assert client.deltas.items == []  # a generic client gets no custom notifications
     s = await _idle(client)  # the decode went on after the answer
     assert s["engine"]["counters"]["tokens_generated"] > len(answer) // 8
     # Type the answer through: the rest comes from the cache, without the model.
-    line, col = CURSOR
-    change(client, uri, 2, CURSOR, CURSOR, answer)
+    line, col = BLOCK_CURSOR
+    change(client, uri, 2, BLOCK_CURSOR, BLOCK_CURSOR, answer)
     for ch in answer:
         line, col = (line + 1, 0) if ch == "\n" else (line, col + 1)
     before = (await stats(client))["engine"]["counters"]["submitted"]
@@ -73,22 +77,22 @@ async def test_early_answer_then_background_decode_feeds_type_through(client: La
 async def test_stale_answer_is_rebased_onto_what_was_typed(client: LanguageClient):
     uri = "file:///tmp/fimble-generic/b.py"
     await configure(client, answerAt="end", maxTokens=64, streaming=True)  # watch the stream, answer at the end
-    open_doc(client, uri, DOC)
+    open_doc(client, uri, BLOCK_DOC)
     rid = "rebase-1"
-    task = asyncio.ensure_future(inline(client, uri, *CURSOR, msg_id=rid))
+    task = asyncio.ensure_future(inline(client, uri, *BLOCK_CURSOR, msg_id=rid))
     deltas = await client.deltas.wait(lambda p: p["requestId"] == rid and p["text"])
     first = next(p["text"] for p in deltas if p["requestId"] == rid and p["text"])
     typed = first[0]
-    change(client, uri, 2, CURSOR, CURSOR, typed)  # the user types what is being suggested
+    change(client, uri, 2, BLOCK_CURSOR, BLOCK_CURSOR, typed)  # the user types what is being suggested
     items = items_of(await task)
     await _idle(client)
     s = await stats(client)
     if task.done() and s["counters"].get("stale_rebased", 0):
         assert items, "rebased answers keep the rest of the completion"
-        line, col = (CURSOR[0] + 1, 0) if typed == "\n" else (CURSOR[0], CURSOR[1] + 1)
+        line, col = (BLOCK_CURSOR[0] + 1, 0) if typed == "\n" else (BLOCK_CURSOR[0], BLOCK_CURSOR[1] + 1)
         assert items[0].range.start == types.Position(line, col)
     else:  # the decode ended before the edit arrived: then the answer is for the version it was asked on
-        assert items and items[0].range.start == types.Position(*CURSOR)
+        assert items and items[0].range.start == types.Position(*BLOCK_CURSOR)
     await configure(client, answerAt="line", maxTokens=48, streaming=False)
 
 

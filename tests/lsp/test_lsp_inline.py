@@ -26,6 +26,10 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 # An unfinished line in the middle of a file: every model has something to say here.
 DOC = SAMPLE.replace("        print(key, config[key])", "        print(key, ")
 CURSOR = (DOC.splitlines().index("        print(key, "), len("        print(key, "))
+# A statement start in a function body: the syntax policy decodes a few lines there (at
+# CURSOR, one line, which may be as short as ")").
+BLOCK_DOC = SAMPLE.replace("    config = {}\n", "    config = {}\n    \n")
+BLOCK_CURSOR = (BLOCK_DOC.split("\n").index("    "), 4)
 
 
 @pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVER_CMD, server_env=SERVER_ENV),
@@ -92,13 +96,13 @@ async def test_completion_fallback_returns_one_item_with_text_edit(client: Langu
 
 async def test_type_through_answers_from_cache_without_the_model(client: LanguageClient):
     uri = _uri(client, "typethrough")
-    open_doc(client, uri, DOC)
-    first = items_of(await inline(client, uri, *CURSOR))[0].insert_text
+    open_doc(client, uri, BLOCK_DOC)
+    first = items_of(await inline(client, uri, *BLOCK_CURSOR))[0].insert_text
     await client.deltas.wait(lambda p: p["uri"] == uri and p["done"])  # let the decode finish
     before = await stats(client)
     typed = first[:2]
-    change(client, uri, 2, CURSOR, CURSOR, typed)
-    line, col = CURSOR[0], CURSOR[1] + len(typed)
+    change(client, uri, 2, BLOCK_CURSOR, BLOCK_CURSOR, typed)
+    line, col = BLOCK_CURSOR[0], BLOCK_CURSOR[1] + len(typed)
     assert "\n" not in typed
     again = items_of(await inline(client, uri, line, col))
     after = await stats(client)

@@ -56,7 +56,7 @@ texts = st.lists(pieces, max_size=30).map("".join)
 @given(texts, st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 40), st.integers(0, 40),
                                  texts), max_size=8))
 def test_edits_match_a_whole_string_reference(text, edits):
-    doc = Document("u", text)
+    doc = Document("u", text, language_id="python")
     ref = text
     for a, b, c, d, new in edits:
         lines = split_lines(ref)
@@ -71,6 +71,11 @@ def test_edits_match_a_whole_string_reference(text, edits):
         assert doc.source == ref
         assert doc.lines == split_lines(ref)
         assert doc.length == len(ref)
+        # The syntax layer's copy follows edit by edit, bare "\r" line ends included.
+        assert doc.syntax.text == ref
+        for i in range(len(doc.lines)):
+            for col in {0, len(doc.line_text(i)) // 2, len(doc.line_text(i))}:
+                assert doc.byte_offset(i, col) == len(ref[:_offset(ref, i, col)].encode("utf-8"))
 
 
 def test_prefix_window_is_stable_while_typing_and_jumps_rarely():
@@ -111,8 +116,26 @@ def test_settings_merge():
 
     s = Settings().merged({"fimble": {"maxLines": 2, "enable": {"markdown": False}, "drafter": "bogus",
                                       "maxTokens": "many", "somebodyElses": 1, "model": None}})
-    assert s.max_lines == 2 and s.max_tokens == 64 and s.drafter == "auto" and s.model is None
+    assert s.max_lines == 2 and s.max_tokens == 128 and s.drafter == "auto" and s.model is None
     assert s.enabled_for("python") and not s.enabled_for("markdown")
     assert not s.merged({"enable": False}).enabled_for("python")
     assert s.merged({"model": "/m"}).engine_key() != s.engine_key()
     assert Settings().merged(None) == Settings()
+    # The syntax policy's overrides: checked when set, a bad one ignored whole.
+    p = s.merged({"policy": {"comment": {"max_tokens": 8}, "*": {"multiline": False}}})
+    assert p.policy == {"comment": {"max_tokens": 8}, "*": {"multiline": False}}
+    assert p.merged({"policy": {"comment": {"max_tokens": "lots"}}}).policy == p.policy
+    assert p.merged({"policy": {"no_such_context": {}}}).policy == p.policy
+    assert p.merged({"policy": None}).policy is None
+
+
+def test_syntax_copy_skips_huge_documents(monkeypatch):
+    import lsp_server.documents as documents
+
+    monkeypatch.setattr(documents, "SYNTAX_MAX_CHARS", 50)
+    small = Document("u", "def f():\n    return 1\n", language_id="python")
+    assert small.syntax.has_tree
+    big = Document("u", "x = 1\n" * 20, language_id="python")
+    assert not big.syntax.has_tree and big.syntax.text == "x = 1\n" * 20  # plain text: no parse
+    big.apply_edit((0, 0), (0, 0), "y")
+    assert big.syntax.text == "yx = 1\n" + "x = 1\n" * 19
