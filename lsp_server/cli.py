@@ -24,9 +24,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=os.environ.get("FIMBLE_DRAFT") or None, help="draft model folder")
     p.add_argument("--no-draft", action="store_true", help="decode without a draft model")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--template", help="FIM template name (default: detected from the tokenizer)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let transformers run code shipped in the model folder (off by default)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--drafter", default="auto", choices=("auto", "model", "ngram", "none"))
     comp.add_argument("--stats", action="store_true", help="print decode statistics to stderr")
     _add_model_args(comp)
+    comp.add_argument("--template", help="FIM template name (default: detected from the tokenizer)")
+    comp.add_argument("--trust-remote-code", action="store_true",
+                      help="let transformers run code shipped in the model folder (off by default)")
 
     sub.add_parser("bench-lsp", help="headless LSP latency benchmark (bench/lsp_latency.py; --help for its options)")
     return ap
