@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lsprotocol import types
-from pytest_lsp import LanguageClient, client_capabilities
+from pytest_lsp import ClientServerConfig, LanguageClient, client_capabilities
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENTS = ["visual-studio-code", "neovim"]
@@ -157,3 +157,12 @@ def main():
 if __name__ == "__main__":
     main()
 '''
+
+
+# Every test module starts the real server the way an editor would.
+SERVER = ClientServerConfig(server_command=SERVER_CMD, server_env=SERVER_ENV)
+
+# An unfinished call in the middle of SAMPLE: every model has something to say there.
+UNFINISHED_LINE = "        print(key, "
+UNFINISHED_DOC = SAMPLE.replace("        print(key, config[key])", UNFINISHED_LINE)
+UNFINISHED_CURSOR = (UNFINISHED_DOC.splitlines().index(UNFINISHED_LINE), len(UNFINISHED_LINE))

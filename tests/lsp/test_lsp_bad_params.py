@@ -9,8 +9,7 @@ import pytest_lsp
 from lsp_helpers import (
     CLIENTS,
     SAMPLE,
-    SERVER_CMD,
-    SERVER_ENV,
+    SERVER,
     change,
     init_params,
     inline,
@@ -21,14 +20,14 @@ from lsp_helpers import (
 )
 from lsprotocol import types
 from pygls.exceptions import JsonRpcInvalidParams
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 EMOJI_LINE = 'label = "😀 done"'  # 😀 is U+1F600: 2 UTF-16 units, 4 UTF-8 bytes
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVER_CMD, server_env=SERVER_ENV),
+@pytest_lsp.fixture(config=SERVER,
                     params=CLIENTS, scope="module")
 async def client(request, lsp_client: LanguageClient):
     # A generic client (no streaming), small windows: the huge-file tests stay quick.

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import pytest_lsp
-from lsp_helpers import SERVER_CMD, SERVER_ENV, change, init_params, inline, items_of, open_doc, server_text, stats
+from lsp_helpers import SERVER, change, init_params, inline, items_of, open_doc, server_text, stats
 from lsprotocol import types
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 KEYSTROKES = 20_000
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVER_CMD, server_env=SERVER_ENV),
+@pytest_lsp.fixture(config=SERVER,
                     params=["visual-studio-code"], scope="module")
 async def client(request, lsp_client: LanguageClient):
     await lsp_client.initialize_session(init_params(request.param, {"maxTokens": 8, "prefixChars": 1000,

@@ -9,8 +9,7 @@ import pytest
 import pytest_lsp
 from lsp_helpers import (
     CLIENTS,
-    SERVER_CMD,
-    SERVER_ENV,
+    SERVER,
     Deltas,
     change,
     configure,
@@ -23,7 +22,7 @@ from lsp_helpers import (
 )
 from lsprotocol import types
 from pygls.exceptions import JsonRpcRequestCancelled
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -32,7 +31,7 @@ LONG = "import math\n\nPRIMES = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41,
 LONG_CURSOR = (2, len(LONG.splitlines()[2]))
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVER_CMD, server_env=SERVER_ENV),
+@pytest_lsp.fixture(config=SERVER,
                     params=CLIENTS, scope="module")
 async def client(request, lsp_client: LanguageClient):
     lsp_client.deltas = Deltas(lsp_client)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import pytest_lsp
-from lsp_helpers import SERVER_CMD, SERVER_ENV, change, init_params, open_doc, server_text
-from pytest_lsp import ClientServerConfig, LanguageClient
+from lsp_helpers import SERVER, change, init_params, open_doc, server_text
+from pytest_lsp import LanguageClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -21,7 +21,7 @@ def units(s: str, encoding: str) -> int:
     return {"utf-8": len(s.encode("utf-8")), "utf-16": len(s.encode("utf-16-le")) // 2, "utf-32": len(s)}[encoding]
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVER_CMD, server_env=SERVER_ENV),
+@pytest_lsp.fixture(config=SERVER,
                     params=list(CASES), scope="module")
 async def client(request, lsp_client: LanguageClient):
     caps, encodings, expected = CASES[request.param]

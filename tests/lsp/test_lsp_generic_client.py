@@ -11,8 +11,9 @@ import pytest
 import pytest_lsp
 from lsp_helpers import (
     SAMPLE,
-    SERVER_CMD,
-    SERVER_ENV,
+    SERVER,
+    UNFINISHED_CURSOR,
+    UNFINISHED_DOC,
     Deltas,
     change,
     configure,
@@ -23,19 +24,18 @@ from lsp_helpers import (
     stats,
 )
 from lsprotocol import types
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-DOC = SAMPLE.replace("        print(key, config[key])", "        print(key, ")
-CURSOR = (DOC.splitlines().index("        print(key, "), len("        print(key, "))
+DOC, CURSOR = UNFINISHED_DOC, UNFINISHED_CURSOR
 # A loop body to write: the syntax policy decodes several lines there (at CURSOR, one line),
 # so the decode goes on well past its early answer.
 BLOCK_DOC = SAMPLE.replace("        print(key, config[key])\n", "        \n")
 BLOCK_CURSOR = (BLOCK_DOC.split("\n").index("        "), len("        "))
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVER_CMD, server_env=SERVER_ENV),
+@pytest_lsp.fixture(config=SERVER,
                     params=["visual-studio-code"], scope="module")
 async def client(request, lsp_client: LanguageClient):
     lsp_client.deltas = Deltas(lsp_client)

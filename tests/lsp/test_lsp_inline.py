@@ -7,8 +7,9 @@ import pytest_lsp
 from lsp_helpers import (
     CLIENTS,
     SAMPLE,
-    SERVER_CMD,
-    SERVER_ENV,
+    SERVER,
+    UNFINISHED_CURSOR,
+    UNFINISHED_DOC,
     Deltas,
     change,
     configure,
@@ -19,20 +20,19 @@ from lsp_helpers import (
     stats,
 )
 from lsprotocol import types
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 # An unfinished line in the middle of a file: every model has something to say here.
-DOC = SAMPLE.replace("        print(key, config[key])", "        print(key, ")
-CURSOR = (DOC.splitlines().index("        print(key, "), len("        print(key, "))
+DOC, CURSOR = UNFINISHED_DOC, UNFINISHED_CURSOR
 # A statement start in a function body: the syntax policy decodes a few lines there (at
 # CURSOR, one line, which may be as short as ")").
 BLOCK_DOC = SAMPLE.replace("    config = {}\n", "    config = {}\n    \n")
 BLOCK_CURSOR = (BLOCK_DOC.split("\n").index("    "), 4)
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVER_CMD, server_env=SERVER_ENV),
+@pytest_lsp.fixture(config=SERVER,
                     params=CLIENTS, scope="module")
 async def client(request, lsp_client: LanguageClient):
     lsp_client.deltas = Deltas(lsp_client)

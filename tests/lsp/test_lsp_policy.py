@@ -6,9 +6,20 @@ import re
 
 import pytest
 import pytest_lsp
-from lsp_helpers import SAMPLE, SERVER_CMD, SERVER_ENV, configure, init_params, inline, items_of, open_doc, stats
+from lsp_helpers import (
+    SAMPLE,
+    SERVER,
+    UNFINISHED_CURSOR,
+    UNFINISHED_DOC,
+    configure,
+    init_params,
+    inline,
+    items_of,
+    open_doc,
+    stats,
+)
 from lsprotocol import types
-from pytest_lsp import ClientServerConfig, LanguageClient
+from pytest_lsp import LanguageClient
 
 from engine.syntax.document import SyntaxDocument
 
@@ -20,14 +31,13 @@ CALL_CURSOR = (5, len("x = foo(bar, "))
 # A comment being written, and code, in the same file.
 COMMENT_DOC = SAMPLE.replace("    config = {}\n", "    # Parse each line of the\n    config = {}\n")
 COMMENT_CURSOR = (6, len("    # Parse each line of the"))
-CODE_DOC = SAMPLE.replace("        print(key, config[key])", "        print(key, ")
-CODE_CURSOR = (CODE_DOC.splitlines().index("        print(key, "), len("        print(key, "))
+CODE_DOC, CODE_CURSOR = UNFINISHED_DOC, UNFINISHED_CURSOR
 # A statement start inside a function body: several lines are decoded there.
 BLOCK_DOC = SAMPLE.replace("    config = {}\n", "    config = {}\n    \n")
 BLOCK_CURSOR = (7, 4)
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=SERVER_CMD, server_env=SERVER_ENV),
+@pytest_lsp.fixture(config=SERVER,
                     params=["visual-studio-code"], scope="module")
 async def client(request, lsp_client: LanguageClient):
     await lsp_client.initialize_session(init_params(request.param, {"streaming": False, "answerAt": "end"}))
