@@ -25,8 +25,15 @@ class CompletionRequest:
     prefix: str
     suffix: str = ""
     options: DecodeOptions = field(default_factory=DecodeOptions)
-    # Which document this is for: the key of its KV cache (issue 5). None: no reuse.
+    # Which document this is for: the key of its KV cache (engine/kv_store.py). Requests
+    # without one share an anonymous cache.
     document_id: str | None = None
+    # Lines of prefix + suffix (0 = the prefix's first line) where a logical block starts,
+    # e.g. tree-sitter top-level definitions. None: the engine uses fixed blocks of lines.
+    segment_lines: list[int] | None = None
+    # KV reuse: "exact" (token-identical to recomputing), "shift" (also reuse blocks that
+    # moved, re-rotating their keys: approximate, opt-in), "none" (recompute everything).
+    reuse: str = "exact"
     # Trim the prefix (from the left) and suffix (from the right) to fit the context
     # instead of failing with PromptError.
     truncate: bool = False

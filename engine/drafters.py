@@ -32,8 +32,12 @@ class ModelDrafter:
 
     def __init__(self, runtime, max_len: int):
         self.runtime = runtime
-        self.cache = runtime.new_cache(max_len)
+        self.cache = runtime.new_cache(max_len) if max_len else None
         self.ids: list[int] = []  # tokens whose keys/values sit in self.cache, in order
+
+    def bind(self, cache, ids: list[int]) -> None:
+        """Draft into ``cache`` (a document's own draft cache), which holds ``ids``."""
+        self.cache, self.ids = cache, ids
 
     def reset(self) -> None:
         self.cache.rollback(0)

@@ -3,6 +3,8 @@
 The worker owns the models and their caches, so no locks guard the tensors.
 Requests run one at a time in arrival order. Cancellation is a flag the decode
 loop checks before every step, so a cancelled request stops within one step.
+Each document keeps its own KV caches (engine/kv_store.py); when no completion is
+waiting, the worker pre-warms documents the host named (``prewarm``), a chunk at a time.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import itertools
 import queue
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -20,30 +23,58 @@ from engine.api import CompletionRequest, CompletionResult, CompletionStream, De
 from engine.detok import IncrementalDetokenizer, StopRules
 from engine.drafters import ModelDrafter, NgramDrafter
 from engine.errors import FimbleError, PromptError
-from engine.healing import split_heal, unheal
+from engine.healing import unheal
+from engine.kv_shift import apply_moves, plan_shift
+from engine.kv_store import DocumentKV, KVStore, default_budget_bytes
 from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load_model
+from engine.prompt_plan import PromptBuilder, PromptPlan
 from engine.speculative import SpeculativeDecoder
 
 COUNTER_NAMES = ("submitted", "completed", "cancelled", "failed", "decode_steps", "tokens_generated",
-                 "tokens_prefilled", "tokens_reused")
+                 "tokens_prefilled", "tokens_reused", "tokens_shifted", "tokens_prewarmed", "prewarms_done",
+                 "prewarms_preempted")
+REUSE_MODES = ("exact", "shift", "none")
+# Pre-warm prefill chunk: on a 2-core CPU 32 tokens at a 4k context take ~40 ms, the
+# longest a completion waits for a running pre-warm to yield.
+PREWARM_CHUNK = 32
+_WAKE = ("wake",)  # queue item: a pre-warm was added
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
+    lo, hi = 0, n  # binary search on slice equality: O(n log n) in C, not a Python loop over n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class LocalEngine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, threads: int | None = None,
-                 start_thread: bool = True):
+                 start_thread: bool = True, kv_budget_bytes: int | None = None):
         if target.template is None:
             raise FimbleError(f"model {target.name} has no fill-in-the-middle tokens; pass a template name")
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise FimbleError(f"draft {draft.name} and target {target.name} do not share a tokenizer")
         self.target, self.draft = target, draft
         self._threads = threads
-        self.cache = target.runtime.new_cache(target.max_len)
-        self._cached_ids: list[int] = []  # tokens whose keys/values are in self.cache
-        self.model_drafter = ModelDrafter(draft.runtime, draft.max_len) if draft else None
+        device = getattr(target.runtime, "device", "cpu")
+        self.store = KVStore(target.runtime, draft.runtime if draft else None, target.max_len,
+                             kv_budget_bytes or default_budget_bytes(device))
+        self.prompts = PromptBuilder(target)
+        self.model_drafter = ModelDrafter(draft.runtime, 0) if draft else None
         self.ngram_drafter = NgramDrafter()
         _ = target.token_index  # build it now, not on the first keystroke
         self._ids = itertools.count(1)
-        self._queue: queue.Queue[tuple[CompletionRequest, CompletionStream] | None] = queue.Queue()
+        self._queue: queue.Queue = queue.Queue()
+        self._prewarms: OrderedDict[str, CompletionRequest] = OrderedDict()  # newest last
+        self._waiting = 0  # completions submitted and not yet started
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
         self._lock = threading.Lock()
         # On CPU, torch runs small matmuls about 2x slower outside the main thread (its
@@ -62,8 +93,24 @@ class LocalEngine:
             loop = None
         stream = CompletionStream(next(self._ids), loop, on_delta)
         self._count("submitted")
+        with self._lock:
+            self._waiting += 1
+            # This request computes the document's current prompt: an older pre-warm would only undo it.
+            self._prewarms.pop(request.document_id or "", None)
         self._queue.put((request, stream))
         return stream
+
+    def prewarm(self, request: CompletionRequest) -> None:
+        """Fill the document's cache for this prompt in the background; completions go first."""
+        with self._lock:
+            key = request.document_id or ""
+            self._prewarms.pop(key, None)
+            self._prewarms[key] = request
+        self._queue.put(_WAKE)
+
+    def forget(self, document_id: str) -> None:
+        """Drop a document's caches (it was closed)."""
+        self._queue.put(("forget", document_id))
 
     def complete(self, request: CompletionRequest) -> CompletionResult:
         """Blocking convenience: run a request to the end (call from outside an event loop).
@@ -72,19 +119,33 @@ class LocalEngine:
         """
         stream = self.submit(request)
         if self._worker is None:
-            self._run_one(self._queue.get())
+            self.run_pending()
         stream.collect()
         assert stream.result is not None
         return stream.result
 
+    def run_pending(self) -> None:
+        """Without a worker thread: run everything queued (completions, then pre-warms) here."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(item)
+        while self._next_prewarm() is not None:
+            pass
+
     def info(self) -> dict:
         t = self.target
         return {"model": t.name, "backend": t.backend, "template": t.template.name if t.template else None,
-                "draft": self.draft.name if self.draft else None, "context": t.max_len, "vocab": t.vocab_size}
+                "draft": self.draft.name if self.draft else None, "context": t.max_len, "vocab": t.vocab_size,
+                "kv_budget_bytes": self.store.budget}
 
     def counters(self) -> dict:
         with self._lock:
-            return dict(self._counters)
+            out = dict(self._counters)
+        out.update(self.store.summary())  # plain ints read from the worker's dicts: a snapshot is enough
+        return out
 
     def close(self) -> None:
         self._queue.put(None)
@@ -104,10 +165,38 @@ class LocalEngine:
         if self._threads:
             torch.set_num_threads(self._threads)
         while True:
-            item = self._queue.get()
+            try:
+                # Idle with pre-warms pending: run one, then look at the queue again.
+                item = self._queue.get(block=not self._prewarms)
+            except queue.Empty:
+                self._next_prewarm()
+                continue
             if item is None:
                 return
-            self._run_one(item)
+            self._handle(item)
+
+    def _handle(self, item) -> None:
+        if item is _WAKE or item is None:
+            return
+        if item[0] == "forget":
+            with self._lock:
+                self._prewarms.pop(item[1], None)
+            self.store.forget(item[1])
+            return
+        with self._lock:
+            self._waiting -= 1
+        self._run_one(item)
+
+    def _next_prewarm(self) -> CompletionRequest | None:
+        with self._lock:
+            if not self._prewarms:
+                return None
+            _, request = self._prewarms.popitem(last=True)  # the most recent document first
+        try:
+            self._prewarm(request)
+        except Exception:  # a pre-warm is only an optimisation: a bad one is dropped, never fatal
+            self._count("failed")
+        return request
 
     def _run_one(self, item: tuple[CompletionRequest, CompletionStream] | None) -> None:
         if item is None:
@@ -123,49 +212,26 @@ class LocalEngine:
             stream.push(Delta("", True, "error", f"internal error: {type(exc).__name__}: {exc}"))
 
     def build_prompt(self, request: CompletionRequest) -> tuple[list[int], str, bool]:
-        """Token ids of the FIM prompt (each piece tokenised on its own), and the healing (healing.py)."""
-        if not request.prefix and not request.suffix:
-            raise PromptError("empty prompt: both prefix and suffix are empty")
-        t = self.target
-        prefix = t.encode(request.prefix)
-        heal, constrained = "", False
-        if request.heal and prefix:
-            last = t.tokenizer.decode(prefix[-1:], clean_up_tokenization_spaces=False)
-            kept, heal, constrained = split_heal(request.prefix, last)
-            if heal:
-                prefix = t.encode(kept)
-        suffix = t.encode(request.suffix)
-        budget = t.max_len - request.options.max_tokens - 8
-        if len(prefix) + len(suffix) > budget:
-            if not request.truncate:
-                raise PromptError(f"prompt of {len(prefix) + len(suffix)} tokens does not fit the model's "
-                                  f"context of {t.max_len} with {request.options.max_tokens} new tokens")
-            keep_suffix = min(len(suffix), budget // 4)
-            suffix = suffix[:keep_suffix]
-            prefix = prefix[len(prefix) - (budget - keep_suffix):] if budget > keep_suffix else []
-        ids: list[int] = []
-        if getattr(t.tokenizer, "add_bos_token", False) and t.tokenizer.bos_token_id is not None:
-            ids.append(t.tokenizer.bos_token_id)
-        assert t.template is not None
-        for text, special in t.template.pieces("\0P", "\0S"):
-            if special:
-                ids.append(t.token_id(text))
-            elif text.endswith("\0P"):
-                ids.extend(t.encode(text[:-2]) + prefix)
-            else:
-                ids.extend(t.encode(text[:-2]) + suffix)
-        return ids, heal, constrained
+        """Token ids of the FIM prompt and its healing (engine/prompt_plan.py, engine/healing.py)."""
+        plan = self.prompts.build(request)
+        return plan.ids, plan.heal, plan.constrained
 
-    def _reusable(self, prompt: list[int]) -> int:
-        """Length of the longest cached prefix of ``prompt`` (at least one token is always re-run)."""
-        cached = self._cached_ids
-        n = min(len(cached), len(prompt) - 1)
-        if cached[:n] == prompt[:n]:
-            return n
-        i = 0
-        while i < n and cached[i] == prompt[i]:
-            i += 1
-        return i
+    # -- KV reuse -------------------------------------------------------------------------
+    def _open_document(self, request: CompletionRequest, plan: PromptPlan) -> DocumentKV:
+        need = len(plan.ids) + request.options.max_tokens + request.options.max_gamma + 2
+        return self.store.open(request.document_id or "", need)
+
+    def _reuse(self, doc: DocumentKV, plan: PromptPlan, mode: str) -> tuple[int, list[tuple[int, int]] | None, int]:
+        """(exactly reused positions, runs to compute or None for "from there on", positions shifted)."""
+        if mode == "none":
+            return 0, None, 0
+        reuse = common_prefix(doc.ids, plan.ids, len(plan.ids) - 1)
+        reuse = self.store.borrow(doc, plan, reuse)
+        inv_freq = getattr(self.target.runtime, "inv_freq", None)
+        if mode != "shift" or inv_freq is None or not self.store.sizable:
+            return reuse, None, 0
+        moves, runs = plan_shift(doc.pieces, plan.pieces, reuse)
+        return reuse, runs, apply_moves(doc.target, inv_freq, moves)
 
     def _serve(self, request: CompletionRequest, stream: CompletionStream) -> None:
         t0 = time.perf_counter()
@@ -174,17 +240,50 @@ class LocalEngine:
             return
         opt = request.options
         opt.validate()
-        prompt, heal, constrained = self.build_prompt(request)
+        if request.reuse not in REUSE_MODES:
+            raise PromptError(f"unknown reuse mode {request.reuse!r}: use {', '.join(REUSE_MODES)}")
+        plan = self.prompts.build(request)
+        prompt, heal, constrained = plan.ids, plan.heal, plan.constrained
         t_prompt = time.perf_counter()
-        reuse = self._reusable(prompt)
-        decoder = SpeculativeDecoder(self.target.runtime, self.cache, self.target.stop_ids, opt,
-                                     self.model_drafter, self.ngram_drafter, heal if constrained else "",
-                                     self.target.token_index if constrained else None)
-        self._cached_ids = []  # the cache is about to change; valid again after prefill
-        first = decoder.prefill(prompt, reuse)
-        self._count("tokens_prefilled", len(prompt) - reuse)
-        self._count("tokens_reused", reuse)
-        t_first = time.perf_counter()
+        doc = self._open_document(request, plan)
+        reuse = 0
+        try:
+            reuse, runs, shifted = self._reuse(doc, plan, request.reuse)
+            prefilled = sum(b - a for a, b in runs) if runs is not None else len(prompt) - reuse
+            decoder = SpeculativeDecoder(self.target.runtime, doc.target, self.target.stop_ids, opt,
+                                         self.model_drafter, self.ngram_drafter, heal if constrained else "",
+                                         self.target.token_index if constrained else None)
+            if self.model_drafter is not None:
+                self.model_drafter.bind(doc.draft, doc.draft_ids)
+            doc.ids = []  # the cache is about to change; valid again after prefill
+            first = decoder.prefill(prompt, reuse, runs)
+            self._count("tokens_prefilled", prefilled)
+            self._count("tokens_reused", len(prompt) - prefilled)
+            self._count("tokens_shifted", shifted)
+            t_first = time.perf_counter()
+            text, shown, reason = self._decode(decoder, stream, first, heal, constrained)
+            # Keys/values of prompt + accepted output stay valid for the next request.
+            doc.ids = decoder.ids[: doc.target.length]
+        finally:
+            if self.model_drafter is not None:
+                doc.draft_ids = self.model_drafter.ids if doc.ids else []
+                self.model_drafter.bind(None, [])
+            self.store.release(doc, plan, reuse)
+        if self.ngram_drafter is not None:
+            self.ngram_drafter.remember(decoder.output)
+        t_end = time.perf_counter()
+        s = decoder.stats
+        stats = {"prompt_tokens": len(prompt), "reused_tokens": len(prompt) - prefilled,
+                 "prefilled_tokens": prefilled, "shifted_tokens": shifted, "truncated_tokens": plan.truncated,
+                 "prompt_ms": (t_prompt - t0) * 1e3, "first_token_ms": (t_first - t0) * 1e3,
+                 "total_ms": (t_end - t0) * 1e3, "new_tokens": len(decoder.output), "steps": s.steps,
+                 "drafted": s.drafted, "accepted": s.accepted, "mean_accepted": s.mean_accepted}
+        self._finish(stream, text[:shown], reason or "stop", len(decoder.output), stats)
+
+    def _decode(self, decoder: SpeculativeDecoder, stream: CompletionStream, first: list[int], heal: str,
+                constrained: bool) -> tuple[str, int, str | None]:
+        """Stream text until a stop, the end of decoding or a cancel. Returns (text, shown, reason)."""
+        opt = decoder.opt
         detok = IncrementalDetokenizer(self.target.tokenizer)
         rules = StopRules(opt.stop, opt.max_lines)
         shown = 0
@@ -214,17 +313,52 @@ class LocalEngine:
                 stream.push(Delta(text[shown:]))
                 shown = len(text)
             reason = "eos" if decoder.finish_reason == "stop" else decoder.finish_reason
-        # Keys/values of prompt + accepted output stay valid for the next request.
-        self._cached_ids = decoder.ids[: self.cache.length]
-        if self.ngram_drafter is not None:
-            self.ngram_drafter.remember(decoder.output)
-        t_end = time.perf_counter()
-        s = decoder.stats
-        stats = {"prompt_tokens": len(prompt), "reused_tokens": reuse, "prompt_ms": (t_prompt - t0) * 1e3,
-                 "first_token_ms": (t_first - t0) * 1e3, "total_ms": (t_end - t0) * 1e3,
-                 "new_tokens": len(decoder.output), "steps": s.steps, "drafted": s.drafted,
-                 "accepted": s.accepted, "mean_accepted": s.mean_accepted}
-        self._finish(stream, text[:shown], reason or "stop", len(decoder.output), stats)
+        return text, shown, reason
+
+    # -- pre-warm -----------------------------------------------------------------------
+    def _prewarm(self, request: CompletionRequest) -> None:
+        """Prefill a document's prompt in small chunks; stop at once when a completion is waiting."""
+        plan = self.prompts.build(request)
+        doc = self._open_document(request, plan)
+        reuse = 0
+        done = False
+        try:
+            reuse = common_prefix(doc.ids, plan.ids, len(plan.ids))
+            reuse = self.store.borrow(doc, plan, reuse)
+            doc.ids = doc.ids[:reuse]
+            pos = reuse
+            runtime, cache = self.target.runtime, doc.target
+            while pos < len(plan.ids) and not self._completion_waiting():
+                end = min(len(plan.ids), pos + PREWARM_CHUNK)
+                cache.length = min(cache.length, pos)
+                runtime(torch.tensor(plan.ids[pos:end], dtype=torch.long, device=runtime.device), cache, pos, 1)
+                self._count("tokens_prewarmed", end - pos)
+                pos = end
+                doc.ids = plan.ids[:pos]
+            if self.model_drafter is not None and doc.draft is not None:
+                self._prewarm_draft(doc, plan.ids[:pos])
+            done = pos == len(plan.ids)
+        finally:
+            self.store.release(doc, plan, reuse)
+        self._count("prewarms_done" if done else "prewarms_preempted")
+        if not done:
+            with self._lock:  # resume later unless something newer for this document arrived
+                self._prewarms.setdefault(request.document_id or "", request)
+
+    def _prewarm_draft(self, doc: DocumentKV, ids: list[int]) -> None:
+        pos = common_prefix(doc.draft_ids, ids, len(ids))
+        doc.draft_ids = doc.draft_ids[:pos]
+        runtime, cache = self.draft.runtime, doc.draft
+        while pos < len(ids) and not self._completion_waiting():
+            end = min(len(ids), pos + 4 * PREWARM_CHUNK)  # the draft is ~10x cheaper per token
+            cache.length = min(cache.length, pos)
+            runtime(torch.tensor(ids[pos:end], dtype=torch.long, device=runtime.device), cache, pos, 1)
+            pos = end
+            doc.draft_ids = ids[:pos]
+
+    def _completion_waiting(self) -> bool:
+        with self._lock:
+            return self._waiting > 0
 
     def _finish(self, stream: CompletionStream, text: str, reason: str, tokens: int, stats: dict) -> None:
         self._count("cancelled" if reason == "cancelled" else "completed")
@@ -234,7 +368,8 @@ class LocalEngine:
 
 def open_engine(model: str | Path | None = None, draft: str | Path | None = None, *, device: str = "cpu",
                 template: str | None = None, trust_remote_code: bool = False,
-                use_draft: bool = True, start_thread: bool = True) -> LocalEngine:
+                use_draft: bool = True, start_thread: bool = True,
+                kv_budget_bytes: int | None = None) -> LocalEngine:
     """Load the target (default: the embedded model) and, where it shares the tokenizer, a draft."""
     target = load_model(model or DEFAULT_TARGET, device=device, template=template,
                         trust_remote_code=trust_remote_code)
@@ -243,4 +378,4 @@ def open_engine(model: str | Path | None = None, draft: str | Path | None = None
         draft_path = draft or (DEFAULT_DRAFT if model is None else None)
         if draft_path is not None:
             draft_model = load_model(draft_path, device=device, trust_remote_code=trust_remote_code)
-    return LocalEngine(target, draft_model, start_thread=start_thread)
+    return LocalEngine(target, draft_model, start_thread=start_thread, kv_budget_bytes=kv_budget_bytes)

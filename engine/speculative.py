@@ -88,10 +88,20 @@ class SpeculativeDecoder:
         return kept
 
     # -- the loop ---------------------------------------------------------------
-    def prefill(self, prompt: list[int], reuse: int = 0) -> list[int]:
-        """Run the prompt (its first ``reuse`` positions are already in the cache); return the first token."""
-        tokens = torch.tensor(prompt[reuse:], dtype=torch.long, device=self.runtime.device)
-        logits = self.runtime(tokens, self.cache, reuse, 1)[-1]
+    def prefill(self, prompt: list[int], reuse: int = 0, runs: list[tuple[int, int]] | None = None) -> list[int]:
+        """Run the prompt (its first ``reuse`` positions are already in the cache); return the first token.
+
+        ``runs``: only these [start, end) positions need computing (shift reuse put the rest
+        in place); in order, the last one ending at the prompt's end.
+        """
+        if runs is None:
+            runs = [(reuse, len(prompt))]
+            if reuse < self.cache.length:
+                self.cache.rollback(reuse)
+        for start, end in runs:
+            self.cache.length = start  # positions past it may hold moved entries: they stay
+            tokens = torch.tensor(prompt[start:end], dtype=torch.long, device=self.runtime.device)
+            logits = self.runtime(tokens, self.cache, start, 1)[-1]
         first = self._choose(logits)
         self.ids = list(prompt) + [first]
         return self._commit([first])
