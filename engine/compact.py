@@ -125,7 +125,7 @@ class Block(nn.Module):
         self.splits = (q_dim, kv_dim, kv_dim)
 
     def forward(self, x: Tensor, layer: int, cache: KVCache, start: int,
-                cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+                cos: Tensor, sin: Tensor, mask: Tensor | None, slots: Tensor | slice) -> Tensor:
         cfg = self.cfg
         t = x.shape[0]
         q, k, v = self.qkv(self.attn_norm(x)).split(self.splits, dim=-1)
@@ -133,8 +133,8 @@ class Block(nn.Module):
         k = rotate(k.view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1), cos, sin)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         end = start + t
-        cache.keys[layer, :, start:end] = k
-        cache.values[layer, :, start:end] = v
+        cache.keys[layer, :, slots] = k
+        cache.values[layer, :, slots] = v
         keys, values = cache.keys[layer, :, :end], cache.values[layer, :, :end]
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
@@ -205,10 +205,33 @@ class CompactTransformer(nn.Module):
             mask = torch.ones(t, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, i, cache, start, cos, sin, mask)
+            x = layer(x, i, cache, start, cos, sin, mask, slice(start, end))
         cache.length = end
         num_logits = min(num_logits, t)
         return self.lm_head(self.norm(x[t - num_logits:])).float()
+
+    @torch.inference_mode()
+    def forward_at(self, tokens: Tensor, positions: list[int], cache: KVCache) -> Tensor:
+        """Run ``tokens`` at ascending, possibly scattered ``positions``; return the last token's logits.
+
+        Positions in between must already hold keys/values (shift reuse placed them): one
+        pass computes several edited stretches at once. The cache's length becomes the last
+        position + 1.
+        """
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        end = positions[-1] + 1
+        if end > cache.max_len:
+            raise ValueError(f"sequence of {end} tokens exceeds the cache's {cache.max_len}")
+        # Query i (at positions[i]) sees keys 0..positions[i]; a bare slice when contiguous.
+        mask = pos[:, None] >= torch.arange(end, device=self.device)[None, :]
+        start = end - tokens.shape[0]  # sizes the attended key range (start + t == end)
+        slots = slice(start, end) if positions[0] == start else pos  # where the new keys/values go
+        x = self.embed(tokens)
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, i, cache, start, cos, sin, mask, slots)
+        cache.length = end
+        return self.lm_head(self.norm(x[-1:])).float()
 
 
 # HF parameter names -> ours. q/k/v and gate/up are fused after loading.

@@ -56,6 +56,9 @@ class DocumentKV:
     target: object  # KVCache
     draft: object | None
     ids: list[int] = field(default_factory=list)  # tokens whose target keys/values are valid, in order
+    # Positions whose keys/values equal a from-scratch computation; past it (after a shift
+    # reuse) they are approximate and only a later shift request may use them.
+    exact_len: int = 0
     draft_ids: list[int] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)  # of the prompt last computed here
     segments: list[Segment] = field(default_factory=list)
@@ -70,6 +73,7 @@ class DocumentKV:
         """Forget everything from position ``length`` on (ids, pieces, segments)."""
         length = min(length, len(self.ids))
         del self.ids[length:]
+        self.exact_len = min(self.exact_len, length)
         self.target.length = min(self.target.length, length)
         self.segments = [s for s in self.segments if s.end <= length]
         self.pieces = self.pieces[:bisect.bisect_right([p.start + p.length for p in self.pieces], length)]
@@ -151,11 +155,12 @@ class KVStore:
             if found is None or found[1] != seg.end or found[0] == doc.doc_id or found[0] not in self.docs:
                 break
             best = found
-        if best is None or best[1] < have + MIN_BORROW_TOKENS or best[1] >= len(plan.ids):
+        if best is None or best[1] < have + MIN_BORROW_TOKENS:
             return have
         src = self.docs[best[0]]
-        n = best[1]
-        if src.ids[:n] != plan.ids[:n]:  # a stale index entry: the source moved on
+        # Whole matching segments, and on into the next one as far as the tokens agree.
+        n = common_prefix(src.ids, plan.ids, min(src.exact_len, len(plan.ids) - 1))
+        if n < have + MIN_BORROW_TOKENS:  # a stale index entry, or approximate keys/values
             return have
         for a, b in ((src.target, doc.target), (src.draft, doc.draft)):
             if a is not None and b is not None:
@@ -163,6 +168,7 @@ class KVStore:
                 b.values[:, :, :n] = a.values[:, :, :n]
                 b.length = n
         doc.ids = list(plan.ids[:n])
+        doc.exact_len = n
         doc.draft_ids = list(plan.ids[:n]) if src.draft_ids[:n] == plan.ids[:n] else []
         if doc.draft is not None and not doc.draft_ids:
             doc.draft.length = 0
@@ -223,6 +229,21 @@ class KVStore:
         if doc.draft is not None:
             doc.draft = _copied(self.draft_rt, doc.draft, cap)
             doc.draft_ids = doc.draft_ids[:doc.draft.length]
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # binary search on slice equality: comparisons run in C
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _copied(runtime, old, cap: int):

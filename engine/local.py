@@ -25,34 +25,19 @@ from engine.drafters import ModelDrafter, NgramDrafter
 from engine.errors import FimbleError, PromptError
 from engine.healing import unheal
 from engine.kv_shift import apply_moves, plan_shift
-from engine.kv_store import DocumentKV, KVStore, default_budget_bytes
+from engine.kv_store import DocumentKV, KVStore, common_prefix, default_budget_bytes
 from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load_model
 from engine.prompt_plan import PromptBuilder, PromptPlan
 from engine.speculative import SpeculativeDecoder
 
 COUNTER_NAMES = ("submitted", "completed", "cancelled", "failed", "decode_steps", "tokens_generated",
                  "tokens_prefilled", "tokens_reused", "tokens_shifted", "tokens_prewarmed", "prewarms_done",
-                 "prewarms_preempted")
+                 "prewarms_preempted", "prewarms_failed")
 REUSE_MODES = ("exact", "shift", "none")
 # Pre-warm prefill chunk: on a 2-core CPU 32 tokens at a 4k context take ~40 ms, the
 # longest a completion waits for a running pre-warm to yield.
 PREWARM_CHUNK = 32
 _WAKE = ("wake",)  # queue item: a pre-warm was added
-
-
-def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
-    n = min(len(a), len(b), limit)
-    if a[:n] == b[:n]:  # the usual case, compared in C
-        return n
-    lo, hi = 0, n  # binary search on slice equality: O(n log n) in C, not a Python loop over n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class LocalEngine:
@@ -76,6 +61,7 @@ class LocalEngine:
         self._prewarms: OrderedDict[str, CompletionRequest] = OrderedDict()  # newest last
         self._waiting = 0  # completions submitted and not yet started
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
+        self._kv_summary = self.store.summary()
         self._lock = threading.Lock()
         # On CPU, torch runs small matmuls about 2x slower outside the main thread (its
         # OpenMP team there sleeps between ops). Latency-critical hosts therefore run the
@@ -143,9 +129,7 @@ class LocalEngine:
 
     def counters(self) -> dict:
         with self._lock:
-            out = dict(self._counters)
-        out.update(self.store.summary())  # plain ints read from the worker's dicts: a snapshot is enough
-        return out
+            return {**self._counters, **self._kv_summary}
 
     def close(self) -> None:
         self._queue.put(None)
@@ -182,10 +166,11 @@ class LocalEngine:
             with self._lock:
                 self._prewarms.pop(item[1], None)
             self.store.forget(item[1])
-            return
-        with self._lock:
-            self._waiting -= 1
-        self._run_one(item)
+        else:
+            with self._lock:
+                self._waiting -= 1
+            self._run_one(item)
+        self._snapshot_kv()
 
     def _next_prewarm(self) -> CompletionRequest | None:
         with self._lock:
@@ -195,8 +180,15 @@ class LocalEngine:
         try:
             self._prewarm(request)
         except Exception:  # a pre-warm is only an optimisation: a bad one is dropped, never fatal
-            self._count("failed")
+            self._count("prewarms_failed")
+        self._snapshot_kv()
         return request
+
+    def _snapshot_kv(self) -> None:
+        """Publish the store's figures for counters(), which other threads call while the worker runs."""
+        summary = self.store.summary()
+        with self._lock:
+            self._kv_summary = summary
 
     def _run_one(self, item: tuple[CompletionRequest, CompletionStream] | None) -> None:
         if item is None:
@@ -226,6 +218,8 @@ class LocalEngine:
         if mode == "none":
             return 0, None, 0
         reuse = common_prefix(doc.ids, plan.ids, len(plan.ids) - 1)
+        if mode == "exact":
+            reuse = min(reuse, doc.exact_len)
         reuse = self.store.borrow(doc, plan, reuse)
         inv_freq = getattr(self.target.runtime, "inv_freq", None)
         if mode != "shift" or inv_freq is None or not self.store.sizable:
@@ -264,6 +258,7 @@ class LocalEngine:
             text, shown, reason = self._decode(decoder, stream, first, heal, constrained)
             # Keys/values of prompt + accepted output stay valid for the next request.
             doc.ids = decoder.ids[: doc.target.length]
+            doc.exact_len = len(doc.ids) if runs is None or not shifted else reuse
         finally:
             if self.model_drafter is not None:
                 doc.draft_ids = self.model_drafter.ids if doc.ids else []
@@ -323,18 +318,19 @@ class LocalEngine:
         reuse = 0
         done = False
         try:
-            reuse = common_prefix(doc.ids, plan.ids, len(plan.ids))
+            reuse = common_prefix(doc.ids, plan.ids, min(len(plan.ids), doc.exact_len))
             reuse = self.store.borrow(doc, plan, reuse)
-            doc.ids = doc.ids[:reuse]
-            pos = reuse
+            pos = reuse  # what the cache holds beyond the prompt (a decoded answer) stays if nothing is written
             runtime, cache = self.target.runtime, doc.target
             while pos < len(plan.ids) and not self._completion_waiting():
                 end = min(len(plan.ids), pos + PREWARM_CHUNK)
                 cache.length = min(cache.length, pos)
+                doc.ids = doc.ids[:pos]
                 runtime(torch.tensor(plan.ids[pos:end], dtype=torch.long, device=runtime.device), cache, pos, 1)
                 self._count("tokens_prewarmed", end - pos)
                 pos = end
                 doc.ids = plan.ids[:pos]
+                doc.exact_len = pos
             if self.model_drafter is not None and doc.draft is not None:
                 self._prewarm_draft(doc, plan.ids[:pos])
             done = pos == len(plan.ids)
@@ -347,11 +343,11 @@ class LocalEngine:
 
     def _prewarm_draft(self, doc: DocumentKV, ids: list[int]) -> None:
         pos = common_prefix(doc.draft_ids, ids, len(ids))
-        doc.draft_ids = doc.draft_ids[:pos]
         runtime, cache = self.draft.runtime, doc.draft
         while pos < len(ids) and not self._completion_waiting():
             end = min(len(ids), pos + 4 * PREWARM_CHUNK)  # the draft is ~10x cheaper per token
             cache.length = min(cache.length, pos)
+            doc.draft_ids = doc.draft_ids[:pos]
             runtime(torch.tensor(ids[pos:end], dtype=torch.long, device=runtime.device), cache, pos, 1)
             pos = end
             doc.draft_ids = ids[:pos]

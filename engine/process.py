@@ -5,7 +5,8 @@ the editor-facing server stays free of torch, and this is the same message
 format a shared engine daemon will speak over a websocket.
 
 Messages (each one msgpack map):
-  client -> engine: {op: submit, id, request} | {op: cancel, id} | {op: counters, id} | {op: close}
+  client -> engine: {op: submit, id, request} | {op: cancel, id} | {op: counters, id}
+                    | {op: prewarm, request} | {op: forget, document} | {op: close}
   engine -> client: {op: ready, info} | {op: fatal, error} | {op: delta, id, delta}
                     | {op: result, id, result} (sent just before the final delta) | {op: counters, id, counters}
 """
@@ -32,8 +33,11 @@ def request_from_dict(d: dict) -> CompletionRequest:
     opts = dict(d.get("options") or {})
     if "stop" in opts:
         opts["stop"] = tuple(opts["stop"])
+    lines = d.get("segment_lines")
     return CompletionRequest(prefix=d.get("prefix", ""), suffix=d.get("suffix", ""),
                              options=DecodeOptions(**opts), document_id=d.get("document_id"),
+                             segment_lines=None if lines is None else [int(x) for x in lines],
+                             reuse=str(d.get("reuse", "exact")),
                              truncate=bool(d.get("truncate", False)), heal=bool(d.get("heal", True)))
 
 
@@ -54,7 +58,8 @@ def serve(args: argparse.Namespace) -> int:
 
         engine = open_engine(args.model, args.draft, device=args.device, template=args.template,
                              trust_remote_code=args.trust_remote_code, use_draft=not args.no_draft,
-                             start_thread=False)
+                             start_thread=False,
+                             kv_budget_bytes=args.kv_budget_mb << 20 if args.kv_budget_mb else None)
     except FimbleError as exc:
         send({"op": "fatal", "error": str(exc)})
         return 1
@@ -78,11 +83,18 @@ def serve(args: argparse.Namespace) -> int:
                         send({"op": "delta", "id": rid, "delta": asdict(delta)})
                     try:
                         req = request_from_dict(msg["request"])
-                    except (TypeError, KeyError) as exc:
+                    except (TypeError, KeyError, ValueError) as exc:
                         send({"op": "delta", "id": rid,
                               "delta": asdict(Delta("", True, "error", f"bad request: {exc}"))})
                         continue
                     streams[rid] = engine.submit(req, on_delta=forward)
+                elif op == "prewarm":  # no reply: a pre-warm is only an optimisation
+                    try:
+                        engine.prewarm(request_from_dict(msg["request"]))
+                    except (TypeError, KeyError, ValueError):
+                        pass
+                elif op == "forget":
+                    engine.forget(str(msg.get("document", "")))
                 elif op == "cancel" and rid in streams:
                     streams[rid].cancel()
                 elif op == "counters":
@@ -102,8 +114,10 @@ class EngineProcess:
 
     def __init__(self, model: str | Path | None = None, draft: str | Path | None = None, *,
                  device: str = "cpu", template: str | None = None, no_draft: bool = False,
-                 trust_remote_code: bool = False, startup_timeout: float = 120.0):
+                 trust_remote_code: bool = False, startup_timeout: float = 120.0, kv_budget_mb: int = 0):
         cmd = [sys.executable, "-m", "engine.process", "--device", device]
+        if kv_budget_mb:
+            cmd += ["--kv-budget-mb", str(int(kv_budget_mb))]
         for flag, value in (("--model", model), ("--draft", draft), ("--template", template)):
             if value:
                 cmd += [flag, str(value)]
@@ -193,6 +207,16 @@ class EngineProcess:
         self._send({"op": "submit", "id": rid, "request": request.to_dict()})
         return stream
 
+    def prewarm(self, request: CompletionRequest) -> None:
+        """Ask the engine to fill ``request.document_id``'s KV cache for this prompt when idle (no reply)."""
+        if not self.error:
+            self._send({"op": "prewarm", "request": request.to_dict()})
+
+    def forget(self, document_id: str) -> None:
+        """Drop a document's KV caches in the engine (the document was closed)."""
+        if not self.error:
+            self._send({"op": "forget", "document": document_id})
+
     def counters(self, timeout: float = 5.0) -> dict:
         rid = next(self._ids)
         event, box = threading.Event(), []
@@ -219,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--template")
     ap.add_argument("--no-draft", action="store_true")
     ap.add_argument("--trust-remote-code", action="store_true")
+    ap.add_argument("--kv-budget-mb", type=int, default=0,
+                    help="KV cache memory budget in MiB for all documents (0: the engine's default per device)")
     return serve(ap.parse_args(argv))
 
 

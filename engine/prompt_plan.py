@@ -226,9 +226,12 @@ def _drop_leading(part: _Part, excess: int, stride: int) -> None:
         total += len(toks)
     if target >= total:
         target = excess
-    cut = next((i for i, off in enumerate(offsets) if off >= target and part.starts[i]), None)
-    if cut is None:
-        cut = next((i for i, off in enumerate(offsets) if off >= excess), len(offsets))
+    # A segment start just past the target keeps whole blocks; further than a quarter stride
+    # would waste context, so then the first line past it.
+    cut = next((i for i, off in enumerate(offsets) if off >= target), len(offsets))
+    near = next((i for i in range(cut, len(offsets)) if part.starts[i]), None)
+    if near is not None and offsets[near] - target <= stride // 4:
+        cut = near
     del part.tokens[:cut], part.starts[:cut]
     if part.starts:
         part.starts[0] = True

@@ -94,14 +94,15 @@ class SpeculativeDecoder:
         ``runs``: only these [start, end) positions need computing (shift reuse put the rest
         in place); in order, the last one ending at the prompt's end.
         """
-        if runs is None:
-            runs = [(reuse, len(prompt))]
+        if runs:  # scattered stretches, one pass (compact runtime only: shift reuse needs it)
+            positions = [p for a, b in runs for p in range(a, b)]
+            tokens = torch.tensor([prompt[p] for p in positions], dtype=torch.long, device=self.runtime.device)
+            logits = self.runtime.forward_at(tokens, positions, self.cache)[-1]
+        else:
             if reuse < self.cache.length:
                 self.cache.rollback(reuse)
-        for start, end in runs:
-            self.cache.length = start  # positions past it may hold moved entries: they stay
-            tokens = torch.tensor(prompt[start:end], dtype=torch.long, device=self.runtime.device)
-            logits = self.runtime(tokens, self.cache, start, 1)[-1]
+            tokens = torch.tensor(prompt[reuse:], dtype=torch.long, device=self.runtime.device)
+            logits = self.runtime(tokens, self.cache, reuse, 1)[-1]
         first = self._choose(logits)
         self.ids = list(prompt) + [first]
         return self._commit([first])

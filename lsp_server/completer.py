@@ -15,6 +15,11 @@
   the decode at a closer beyond the completion's scope, and every answer is the shaper's
   ``finish`` at the answer's cursor (text, plus the auto-paired closers it replaces).
   A finished decode's text is cut to its shaped text, so type-through serves only that.
+- KV cache: every request names its document (its KV cache in the engine) and the lines
+  where the document's top-level definitions start (lsp_server/segments.py), the engine's
+  segment boundaries. Pre-warm: after didOpen, and once edits settle (prewarmDelayMs), the
+  prompt a completion at the presumed cursor would send goes to ``engine.prewarm``, which
+  prefills it in the background, so the next completion there prefills only what changed.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.options import DecodeOptions  # plain data: no torch here
 from engine.policy import decide
@@ -38,6 +43,7 @@ from lsp_server.engine_host import EngineHost
 from lsp_server.generation import Generation, first_line_end
 from lsp_server.positions import advance
 from lsp_server.prompt import Context, build_context, clean, typed_since
+from lsp_server.segments import segment_lines
 from lsp_server.settings import Settings
 from lsp_server.stats import Stats
 from lsp_server.streaming import DeltaStreamer, Subscription
@@ -83,6 +89,14 @@ def _early_text(rem: str, done: bool, past_deadline: bool) -> str | None:
     return None
 
 
+class Plan(NamedTuple):
+    """What a decode at a cursor needs besides its windows."""
+
+    options: DecodeOptions
+    shaper: CompletionShaper | None
+    segment_lines: list[int] | None  # CompletionRequest.segment_lines (None: the engine's fixed blocks)
+
+
 class _Skip(Exception):
     """The syntax policy does not apply here (see POLICY_MAX_LINE)."""
 
@@ -109,13 +123,15 @@ class Completer:
         self._seq: dict[str, int] = {}
         self._last_edit: dict[str, float] = {}
         self._pumps: set[asyncio.Task] = set()
+        # Pending pre-warms by URI: a timer (debounce), or a task waiting for the engine to start.
+        self._prewarms: dict[str, asyncio.TimerHandle | asyncio.Task] = {}
         self.last_policy: dict | None = None  # the latest decode's decision, for fimble/stats
 
     # -- tables (for the bounded-growth check in fimble/stats) -------------------------------
     def tables(self) -> dict:
         return {"recent_docs": len(self.recent), "recent_generations": sum(len(d) for d in self.recent.values()),
                 "subscriptions": len(self.streamer), "pumps": len(self._pumps), "request_seq": len(self._seq),
-                "last_edit": len(self._last_edit),
+                "last_edit": len(self._last_edit), "prewarms_pending": len(self._prewarms),
                 "active": 0 if self.active is None else 1}
 
     # -- document events ---------------------------------------------------------------------
@@ -156,12 +172,90 @@ class Completer:
 
     def document_closed(self, uri: str) -> None:
         self.streamer.end_document(uri, "closed")
+        pending = self._prewarms.pop(uri, None)
+        if pending is not None:
+            pending.cancel()
+        engine = self.host.ready_engine()
+        if engine is not None:
+            engine.forget(uri)  # its KV caches: memory for the documents still open
         if self.active is not None and self.active.ctx.uri == uri:
             self.active.cancel()
         for gen in self.recent.pop(uri, ()):
             self._account(gen)
         self._seq.pop(uri, None)
         self._last_edit.pop(uri, None)
+
+    # -- pre-warm ----------------------------------------------------------------------------
+    def schedule_prewarm(self, doc: Document, cursor: tuple[int, int] | None, settings: Settings, *,
+                         delay_ms: int | None = None) -> None:
+        """Pre-warm ``doc``'s KV cache for a completion at ``cursor`` (None: the document's end).
+
+        Runs ``delay_ms`` (default: prewarmDelayMs) from now, debounced per document: the next
+        call for it (the next edit) replaces a pending one. It never starts the engine, but
+        waits for one that is starting. The request is what a completion at that cursor would
+        send (same windows, options, segment lines, healing, reuse), so the engine's cache ends
+        up holding exactly the next completion's prompt. A completion arriving meanwhile needs
+        nothing from here: the engine drops a document's pending pre-warm when one is submitted.
+        """
+        pending = self._prewarms.pop(doc.uri, None)
+        if pending is not None:
+            pending.cancel()
+        if not settings.prewarm or not settings.enabled_for(doc.language_id):
+            return
+        if self.host.state not in ("ready", "starting"):
+            return
+        delay = settings.prewarm_delay_ms if delay_ms is None else delay_ms
+        self._prewarms[doc.uri] = asyncio.get_running_loop().call_later(
+            delay / 1e3, self._prewarm_due, doc.uri, cursor, settings)
+
+    def _prewarm_due(self, uri: str, cursor: tuple[int, int] | None, settings: Settings) -> None:
+        self._prewarms.pop(uri, None)
+        engine = self.host.ready_engine()
+        if engine is not None:
+            self._prewarm(engine, uri, cursor, settings)
+        elif self.host.state == "starting":
+            task = asyncio.create_task(self._prewarm_when_ready(uri, cursor, settings))
+            self._prewarms[uri] = task
+
+            def done(t: asyncio.Task, uri: str = uri) -> None:
+                if self._prewarms.get(uri) is t:
+                    del self._prewarms[uri]
+            task.add_done_callback(done)
+
+    async def _prewarm_when_ready(self, uri: str, cursor: tuple[int, int] | None, settings: Settings) -> None:
+        engine = await self.host.wait_ready()
+        if engine is not None:
+            self._prewarm(engine, uri, cursor, settings)
+
+    def _prewarm(self, engine: Any, uri: str, cursor: tuple[int, int] | None, settings: Settings) -> None:
+        doc = self.docs.get(uri)
+        if doc is None:
+            return
+        if any(g.ctx.version == doc.version and g.t_first is not None for g in self._generations(uri)):
+            self.stats.count("prewarms_skipped")  # a decode at this version already filled the cache
+            return
+        last = len(doc.lines) - 1
+        if cursor is None:
+            line, col = last, len(doc.line_text(last))
+        else:
+            line = min(cursor[0], last)
+            col = min(cursor[1], len(doc.line_text(line)))
+        try:
+            ctx = build_context(doc, line, col, settings.prefix_chars, settings.suffix_chars)
+            if not ctx.prefix.strip() and not ctx.suffix.strip():
+                return
+            engine.prewarm(self._request(ctx, self._plan(doc, ctx, settings, prewarm=True), settings))
+        except Exception:  # only an optimisation: never let it cost the session
+            log.exception("pre-warm failed")
+            self.stats.count("prewarm_errors")
+            return
+        self.stats.count("prewarms_sent")
+
+    def _generations(self, uri: str) -> list[Generation]:
+        gens = list(self.recent.get(uri, ()))
+        if self.active is not None and self.active.ctx.uri == uri:
+            gens.append(self.active)
+        return gens
 
     # -- requests ----------------------------------------------------------------------------
     async def complete(self, doc: Document, cursor: tuple[int, int], settings: Settings,
@@ -248,7 +342,7 @@ class Completer:
         return None
 
     async def _start(self, ctx: Context, settings: Settings, t0: float, build_ms: float,
-                     plan: tuple[DecodeOptions, CompletionShaper | None]) -> Generation | None:
+                     plan: Plan) -> Generation | None:
         engine = await self.host.get(settings)
         if engine is None:
             self.stats.count("engine_unavailable")
@@ -256,12 +350,14 @@ class Completer:
         return self._submit(engine, ctx, settings, t0, build_ms, plan)
 
     def _plan(self, doc: Document, ctx: Context, settings: Settings, *,
-              prefetch: bool = False) -> tuple[DecodeOptions, CompletionShaper | None]:
-        """The decode options the syntax policy gives ``ctx``'s cursor, and the shaper for its text.
+              prefetch: bool = False, prewarm: bool = False) -> Plan:
+        """The decode options the syntax policy gives ``ctx``'s cursor, the shaper for its text, segment lines.
 
         Call it while ``doc`` is at ``ctx.version`` (the shaper snapshots the document).
-        Settings cap the decision: maxTokens, maxLines (0 = no cap).
+        Settings cap the decision: maxTokens, maxLines (0 = no cap). A ``prewarm`` plan has
+        no shaper and is not recorded (lastPolicy, policy counters): nothing is decoded.
         """
+        lines = self._segment_lines(doc, ctx)
         try:
             if len(doc.lines[ctx.cursor[0]]) > POLICY_MAX_LINE:
                 raise _Skip
@@ -271,34 +367,52 @@ class Completer:
             opts = decision.to_options(drafter=settings.drafter,
                                        max_tokens=min(decision.max_tokens, max(1, settings.max_tokens)),
                                        max_lines=_cap(decision.line_limit, settings.max_lines))
-            shaper = CompletionShaper(doc.syntax, byte, context=cursor_ctx)
+            shaper = None if prewarm else CompletionShaper(doc.syntax, byte, context=cursor_ctx)
         except Exception as exc:  # a syntax-layer bug must not cost the user the completion
-            if isinstance(exc, _Skip):
+            if prewarm:
+                pass  # the completion that follows counts (and logs) it
+            elif isinstance(exc, _Skip):
                 self.stats.count("policy_skipped_long_line")
             else:
                 log.exception("syntax policy failed: decoding with the fixed settings")
                 self.stats.count("policy_errors")
-            self.last_policy = None
-            return DecodeOptions(max_tokens=max(1, settings.max_tokens), drafter=settings.drafter,
-                                 max_lines=settings.max_lines), None
+            if not prewarm:
+                self.last_policy = None
+            return Plan(DecodeOptions(max_tokens=max(1, settings.max_tokens), drafter=settings.drafter,
+                                      max_lines=settings.max_lines), None, lines)
+        if prewarm:
+            return Plan(opts, None, lines)
         self.last_policy = {"uri": ctx.uri, "version": ctx.version, "cursor": list(ctx.cursor),
                             "language": doc.syntax.language_id, "context": decision.context,
                             "midLine": decision.mid_line, "plainText": decision.plain_text, "prefetch": prefetch,
                             "options": dataclasses.asdict(opts)}
         self.stats.count(f"policy_{decision.context}")
-        return opts, shaper
+        return Plan(opts, shaper, lines)
 
-    def _submit(self, engine: Any, ctx: Context, settings: Settings, t0: float, build_ms: float,
-                plan: tuple[DecodeOptions, CompletionShaper | None]) -> Generation:
+    def _segment_lines(self, doc: Document, ctx: Context) -> list[int] | None:
+        try:
+            return segment_lines(doc, ctx.window, ctx.cursor[0], ctx.suffix)
+        except Exception:  # only an optimisation: the engine cuts fixed blocks instead
+            log.exception("segment lines failed")
+            self.stats.count("segment_lines_errors")
+            return None
+
+    @staticmethod
+    def _request(ctx: Context, plan: Plan, settings: Settings) -> Any:
+        """The engine request for ``ctx``: one code path for completions, prefetches and pre-warms."""
         from engine.api import CompletionRequest  # loaded by the engine host already
 
+        return CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=plan.options, document_id=ctx.uri,
+                                 segment_lines=plan.segment_lines, reuse=settings.reuse, truncate=True,
+                                 heal=settings.token_healing)
+
+    def _submit(self, engine: Any, ctx: Context, settings: Settings, t0: float, build_ms: float,
+                plan: Plan) -> Generation:
         if self.active is not None:
             self.active.cancel()  # one decode at a time: the newest request wins
-        opts, shaper = plan
-        stream = engine.submit(CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=opts,
-                                                 document_id=ctx.uri, truncate=True, heal=settings.token_healing))
+        stream = engine.submit(self._request(ctx, plan, settings))
         gen = Generation(ctx, stream, t0, build_ms)
-        gen.shaper = shaper
+        gen.shaper = plan.shaper
         self.active = gen
         self.stats.count("generations")
         task = asyncio.create_task(self._pump(gen))

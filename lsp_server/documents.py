@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from engine.syntax.document import SyntaxDocument  # no torch: tree-sitter only
 from lsp_server.positions import UTF16, PositionError, from_codepoints, to_codepoints
+from lsp_server.segments import block_start_rows
 
 _BREAK = re.compile(r"(\r\n|\r|\n)")
 SYNTAX_MAX_CHARS = 1_000_000
@@ -61,6 +62,8 @@ class Document:
     window: tuple[int, int] | None = None
     syntax: SyntaxDocument = field(init=False, repr=False)
     _bare_cr: bool = field(init=False, default=False, repr=False)  # syntax lines != our lines
+    _edits: int = field(init=False, default=0, repr=False)  # bumped by every change of the text
+    _blocks: tuple[tuple, list[int]] | None = field(init=False, default=None, repr=False)  # block_rows' cache
 
     def __post_init__(self) -> None:
         self.set_text(self.text)
@@ -73,6 +76,7 @@ class Document:
         self._sync_all(text)
 
     def _sync_all(self, text: str) -> None:
+        self._edits += 1
         lang = self.language_id if len(text) <= SYNTAX_MAX_CHARS else ""
         if getattr(self, "_syntax_lang", None) != lang:  # first time, or across the size limit
             self.syntax, self._syntax_lang = SyntaxDocument(lang or "plaintext", ""), lang
@@ -97,6 +101,20 @@ class Document:
         end = buf.find(b"\n", start)
         text = buf[start:len(buf) if end < 0 else end].decode("utf-8", errors="replace")
         return start + len(text[:col].encode("utf-8"))
+
+    def block_rows(self, first: int = 0, last: int | None = None) -> list[int] | None:
+        """Lines where a top-level definition starts (lsp_server/segments.py), or None without a parse.
+
+        At least those in [``first``, ``last``]: only the parse segments that overlap that range
+        are read. Read from the trees the document keeps anyway (no reparse); the latest answer
+        is kept until the next edit (a document has about one prompt window at a time).
+        """
+        if not self.syntax.has_tree or self._bare_cr:  # no grammar / too big, or rows != our lines
+            return None
+        key = (self._edits, first, last)
+        if self._blocks is None or self._blocks[0] != key:
+            self._blocks = (key, block_start_rows(self.syntax.trees(), first, last))
+        return self._blocks[1]
 
     @property
     def source(self) -> str:
@@ -172,6 +190,7 @@ class Document:
         self.lines[first:last + 1] = new_lines
         self.length += len(text) - removed
         self._move_window(first, l1, len(new_lines) - (last - first + 1))
+        self._edits += 1
         if b0 < 0:
             self._sync_all(self.source)
             return

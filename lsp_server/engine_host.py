@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 def _start(settings: Settings) -> Any:
     from engine.process import EngineProcess  # imported here: pulls in torch (about a second)
 
-    return EngineProcess(settings.model, settings.draft, device=settings.device, no_draft=settings.no_draft)
+    return EngineProcess(settings.model, settings.draft, device=settings.device, no_draft=settings.no_draft,
+                         kv_budget_mb=settings.kv_cache_mb)
 
 
 def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
@@ -110,6 +111,16 @@ class EngineHost:
         """The engine if it is up right now (no waiting, no starting)."""
         engine = self._engine
         return engine if engine is not None and not engine.error else None
+
+    async def wait_ready(self) -> Any | None:
+        """The engine once a start under way has finished; None if none is running or starting.
+
+        Unlike ``get`` it never starts (or restarts) one: for background work such as pre-warming.
+        """
+        if self.state == "starting":
+            assert self._starting is not None
+            await asyncio.shield(self._starting)
+        return self.ready_engine()
 
     async def counters(self) -> dict:
         engine = self._engine

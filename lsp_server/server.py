@@ -23,7 +23,7 @@ from lsp_server.engine_host import EngineHost
 from lsp_server.positions import ENCODINGS, UTF16, advance
 from lsp_server.protocol import FimbleProtocol, plain
 from lsp_server.settings import Settings
-from lsp_server.stats import Stats
+from lsp_server.stats import Stats, kv_cache_summary
 from lsp_server.telemetry import ACCEPT_COMMAND, Telemetry
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,11 @@ def _register(ls: FimbleServer) -> None:
     @ls.feature(types.TEXT_DOCUMENT_DID_OPEN)
     def did_open(ls: FimbleServer, params: types.DidOpenTextDocumentParams) -> None:
         td = params.text_document
-        ls.docs.open(td.uri, td.text, td.version, td.language_id)
+        doc = ls.docs.open(td.uri, td.text, td.version, td.language_id)
+        # No cursor is known yet. Pre-warm as for one at the end of the document: a file
+        # opened to be worked on is most often appended to, and its prefix (nearly all of
+        # the prompt) is then what the first completion reuses.
+        ls.completer.schedule_prewarm(doc, None, ls.settings, delay_ms=0)
 
     @ls.feature(types.TEXT_DOCUMENT_DID_CHANGE)
     def did_change(ls: FimbleServer, params: types.DidChangeTextDocumentParams) -> None:
@@ -149,18 +153,22 @@ def _register(ls: FimbleServer) -> None:
             return
         enc = ls.encoding
         cursor = None  # where the cursor is after one plain insertion (typing)
+        presumed = None  # the end of the last change's text: where the user presumably is (None: the end)
         for change in params.content_changes:
             rng = getattr(change, "range", None)
             if rng is None:
                 doc.set_text(change.text)
+                presumed = None
                 continue
             start = doc.to_cp(rng.start.line, rng.start.character, enc, lenient=True)
             end = doc.to_cp(rng.end.line, rng.end.character, enc, lenient=True)
             doc.apply_edit(start, end, change.text)
+            presumed = advance(*min(start, end), change.text)
             if len(params.content_changes) == 1 and start == end and change.text:
-                cursor = advance(*start, change.text)
+                cursor = presumed
         doc.version = params.text_document.version
         ls.completer.document_changed(doc, cursor, ls.settings)
+        ls.completer.schedule_prewarm(doc, presumed, ls.settings)
 
     @ls.feature(types.TEXT_DOCUMENT_DID_CLOSE)
     def did_close(ls: FimbleServer, params: types.DidCloseTextDocumentParams) -> None:
@@ -224,7 +232,9 @@ def _register(ls: FimbleServer) -> None:
     @ls.feature("fimble/stats")
     async def stats(ls: FimbleServer, params: Any) -> dict:
         snap = ls.stats.snapshot()
-        snap["engine"] = {**ls.host.info(), "counters": await ls.host.counters()}
+        counters = await ls.host.counters()
+        snap["engine"] = {**ls.host.info(), "counters": counters}
+        snap["kvCache"] = kv_cache_summary(counters, ls.stats.counters)
         snap["tokens"] = {k: ls.stats.counters[k] for k in ("tokens_generated", "tokens_shown", "tokens_never_shown")}
         snap["tokens"].update(ls.completer.pending_accounting())
         snap["tables"] = {
@@ -234,7 +244,9 @@ def _register(ls: FimbleServer) -> None:
         }
         snap["settings"] = {"streaming": ls.settings.streaming, "maxLines": ls.settings.max_lines,
                             "maxTokens": ls.settings.max_tokens, "model": ls.settings.model,
-                            "encoding": ls.encoding, "policy": ls.settings.policy}
+                            "encoding": ls.encoding, "policy": ls.settings.policy,
+                            "kvCacheMB": ls.settings.kv_cache_mb, "kvShiftReuse": ls.settings.kv_shift_reuse,
+                            "prewarm": ls.settings.prewarm, "prewarmDelayMs": ls.settings.prewarm_delay_ms}
         snap["lastPolicy"] = ls.completer.last_policy
         return snap
 

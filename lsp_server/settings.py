@@ -21,7 +21,8 @@ _WIRE = {  # wire name -> attribute
     "earlyAnswerMs": "early_answer_ms", "enable": "enable", "streaming": "streaming",
     "prefixChars": "prefix_chars", "suffixChars": "suffix_chars", "preload": "preload", "answerAt": "answer_at",
     "engineThreads": "engine_threads", "prefetch": "prefetch", "tokenHealing": "token_healing",
-    "policy": "policy",
+    "policy": "policy", "kvCacheMB": "kv_cache_mb", "kvShiftReuse": "kv_shift_reuse", "prewarm": "prewarm",
+    "prewarmDelayMs": "prewarm_delay_ms",
 }
 _CHOICES = {"drafter": ("auto", "model", "ngram", "none"), "answer_at": ("line", "end")}
 
@@ -59,6 +60,16 @@ class Settings:
     # default because the editor and this server share the cores: two OpenMP threads that
     # get preempted spin-wait, and a 10 ms step was seen to take 300-500 ms on a busy 2-core box.
     engine_threads: int = 1
+    # KV caches (engine/kv_store.py): the engine keeps one per open document under one memory
+    # budget. 0 = the engine's default for the device (1 GiB on CPU, a fifth of a GPU's memory).
+    kv_cache_mb: int = 0
+    # Also reuse cached blocks that an edit moved (keys re-rotated: approximate, not
+    # token-identical to recomputing). Off: only the exact common prefix is reused.
+    kv_shift_reuse: bool = False
+    # Fill a document's KV cache in the background (the engine yields to completions) after
+    # didOpen and once edits settle for prewarmDelayMs, so the next completion prefills little.
+    prewarm: bool = True
+    prewarm_delay_ms: int = 300
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -66,7 +77,12 @@ class Settings:
 
     def engine_key(self) -> tuple:
         """Settings whose change needs a new engine process."""
-        return self.model, self.draft, self.no_draft, self.device, self.engine_threads
+        return self.model, self.draft, self.no_draft, self.device, self.engine_threads, self.kv_cache_mb
+
+    @property
+    def reuse(self) -> str:
+        """The engine's KV reuse mode for requests (CompletionRequest.reuse)."""
+        return "shift" if self.kv_shift_reuse else "exact"
 
     def enabled_for(self, language_id: str) -> bool:
         return bool(self.enable.get(language_id, self.enable.get("*", True)))

@@ -80,3 +80,26 @@ class Stats:
                       "hit_rate": round(hits / lookups, 4) if lookups else None},
             "counters": dict(sorted(c.items())),
         }
+
+
+# fimble/stats "kvCache": wire name -> the engine counter it reports (engine/local.py, engine/kv_store.py).
+KV_CACHE_FIELDS = (
+    ("bytes", "kv_bytes"), ("budgetBytes", "kv_budget_bytes"), ("documents", "kv_documents"),
+    ("segments", "kv_segments"), ("tokens", "kv_tokens"), ("hits", "kv_segment_hits"),
+    ("misses", "kv_segment_misses"), ("evictions", "kv_evictions"), ("documentsEvicted", "kv_documents_evicted"),
+    ("grows", "kv_grows"), ("borrowedTokens", "kv_borrowed_tokens"), ("prefilledTokens", "tokens_prefilled"),
+    ("reusedTokens", "tokens_reused"), ("shiftedTokens", "tokens_shifted"), ("prewarmedTokens", "tokens_prewarmed"),
+    ("prewarmsDone", "prewarms_done"), ("prewarmsPreempted", "prewarms_preempted"),
+)
+
+
+def kv_cache_summary(engine_counters: dict, server_counters: Counter[str]) -> dict | None:
+    """The engine's KV cache stats under stable camelCase names; None while no engine reports them."""
+    if "kv_bytes" not in engine_counters:
+        return None
+    out = {wire: engine_counters.get(name, 0) for wire, name in KV_CACHE_FIELDS}
+    lookups = out["hits"] + out["misses"]
+    out["hitRate"] = round(out["hits"] / lookups, 4) if lookups else None
+    out["prewarmsSent"] = server_counters["prewarms_sent"]
+    out["prewarmsSkipped"] = server_counters["prewarms_skipped"]
+    return out

@@ -22,6 +22,10 @@ const PASS_THROUGH: Readonly<Record<string, 'bool' | 'int' | 'string'>> = {
   prefixChars: 'int',
   suffixChars: 'int',
   preload: 'bool',
+  kvCacheMB: 'int',
+  kvShiftReuse: 'bool',
+  prewarm: 'bool',
+  prewarmDelayMs: 'int',
 };
 
 function fits(kind: 'bool' | 'int' | 'string', v: unknown): boolean {
