@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.kv_store import common_prefix
 from engine.sampling import distribution
 
 
@@ -45,13 +46,7 @@ class ModelDrafter:
 
     def _sync(self, context: list[int]) -> Tensor:
         """Make the cache hold ``context``; return the logits after its last token."""
-        limit = min(len(self.ids), len(context) - 1)  # always re-run at least the last token
-        if self.ids[:limit] == context[:limit]:  # the usual case, compared in C
-            common = limit
-        else:
-            common = 0
-            while common < limit and self.ids[common] == context[common]:
-                common += 1
+        common = common_prefix(self.ids, context, len(context) - 1)  # always re-run at least the last token
         self.cache.rollback(common)
         new = torch.tensor(context[common:], dtype=torch.long, device=self.runtime.device)
         logits = self.runtime(new, self.cache, common, 1)[-1]

@@ -22,7 +22,9 @@ class HFCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back to {length}, cache holds {self.length}")
         if length < self.length:
-            self.inner.crop(length)
+            # A negative argument removes that many tokens in every transformers version (4.x took
+            # a length and read negatives that way; 5.x takes only the count to remove).
+            self.inner.crop(length - self.inner.get_seq_length())
         self.length = length
 
     def nbytes(self) -> int:

@@ -28,6 +28,7 @@ from engine.prompt_plan import Piece, PromptPlan, Segment
 
 ALLOC_STEP = 256  # cache capacities are multiples of this many tokens
 MIN_BORROW_TOKENS = 64  # borrowing from another document must save at least this much
+UNSIZED_DOCUMENTS = 8  # documents kept for runtimes whose caches cannot be sized (transformers)
 STAT_NAMES = ("kv_segment_hits", "kv_segment_misses", "kv_evictions", "kv_documents_evicted", "kv_grows",
               "kv_borrowed_tokens")
 
@@ -190,6 +191,13 @@ class KVStore:
     def _make_room(self, extra: int) -> None:
         """Evict tail segments of least recently used, unpinned documents until ``extra`` bytes fit."""
         if not self.sizable:
+            # transformers' caches grow by themselves and cannot be measured here: bound their number.
+            while len(self.docs) >= UNSIZED_DOCUMENTS:
+                victims = [d for d in self.docs.values() if not d.pinned]
+                if not victims:
+                    return
+                self.forget(min(victims, key=lambda d: d.last_used).doc_id)
+                self.stats["kv_documents_evicted"] += 1
             return
         while self.bytes_used() + extra > self.budget:
             victims = [d for d in self.docs.values() if not d.pinned]

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -320,19 +321,18 @@ class LocalEngine:
         try:
             reuse = common_prefix(doc.ids, plan.ids, min(len(plan.ids), doc.exact_len))
             reuse = self.store.borrow(doc, plan, reuse)
-            pos = reuse  # what the cache holds beyond the prompt (a decoded answer) stays if nothing is written
-            runtime, cache = self.target.runtime, doc.target
-            while pos < len(plan.ids) and not self._completion_waiting():
-                end = min(len(plan.ids), pos + PREWARM_CHUNK)
-                cache.length = min(cache.length, pos)
-                doc.ids = doc.ids[:pos]
-                runtime(torch.tensor(plan.ids[pos:end], dtype=torch.long, device=runtime.device), cache, pos, 1)
-                self._count("tokens_prewarmed", end - pos)
-                pos = end
-                doc.ids = plan.ids[:pos]
-                doc.exact_len = pos
+
+            def target_holds(n: int) -> None:
+                doc.ids = plan.ids[:n]
+                doc.exact_len = n
+
+            pos = self._prefill_chunks(self.target.runtime, doc.target, plan.ids, reuse, PREWARM_CHUNK, target_holds)
+            self._count("tokens_prewarmed", pos - reuse)
             if self.model_drafter is not None and doc.draft is not None:
-                self._prewarm_draft(doc, plan.ids[:pos])
+                ids = plan.ids[:pos]
+                # The draft model is ~10x cheaper per token: bigger chunks yield as fast.
+                self._prefill_chunks(self.draft.runtime, doc.draft, ids, common_prefix(doc.draft_ids, ids, pos),
+                                     4 * PREWARM_CHUNK, lambda n: setattr(doc, "draft_ids", ids[:n]))
             done = pos == len(plan.ids)
         finally:
             self.store.release(doc, plan, reuse)
@@ -341,16 +341,22 @@ class LocalEngine:
             with self._lock:  # resume later unless something newer for this document arrived
                 self._prewarms.setdefault(request.document_id or "", request)
 
-    def _prewarm_draft(self, doc: DocumentKV, ids: list[int]) -> None:
-        pos = common_prefix(doc.draft_ids, ids, len(ids))
-        runtime, cache = self.draft.runtime, doc.draft
+    def _prefill_chunks(self, runtime, cache, ids: list[int], pos: int, chunk: int,
+                        holds: Callable[[int], None]) -> int:
+        """Run ``ids[pos:]`` into ``cache`` ``chunk`` tokens at a time until done or a completion waits.
+
+        ``holds(n)`` records that the cache holds ``ids[:n]``. It is called only once something
+        is written, so when the prompt is already there, what follows it in the cache (a
+        decoded answer the user may accept) stays usable. Returns how far it got.
+        """
         while pos < len(ids) and not self._completion_waiting():
-            end = min(len(ids), pos + 4 * PREWARM_CHUNK)  # the draft is ~10x cheaper per token
+            end = min(len(ids), pos + chunk)
+            holds(pos)  # what followed ``pos`` is about to be overwritten
             cache.length = min(cache.length, pos)
-            doc.draft_ids = doc.draft_ids[:pos]
             runtime(torch.tensor(ids[pos:end], dtype=torch.long, device=runtime.device), cache, pos, 1)
             pos = end
-            doc.draft_ids = ids[:pos]
+            holds(pos)
+        return pos
 
     def _completion_waiting(self) -> bool:
         with self._lock:

@@ -219,3 +219,25 @@ def test_rerotating_keys_equals_rotating_at_the_new_position(embedded_target):
     at_530 = rotate(keys, rt.rope_cos[530:535], rt.rope_sin[530:535])
     assert torch.allclose(rerotate(at_100, 430, rt.inv_freq), at_530, atol=1e-4)
     assert torch.allclose(rerotate(at_530, -430, rt.inv_freq), at_100, atol=1e-4)
+
+
+def test_transformers_backend_keeps_per_document_caches(tmp_path):
+    """Architectures outside the compact runtime reuse exactly too, with a bounded number of documents."""
+    from engine.kv_store import UNSIZED_DOCUMENTS
+    from engine.loader import load_model
+    from tests.conftest import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "sc2", model_type="starcoder2", hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=1024)
+    model = load_model(folder)
+    assert model.backend != "compact"
+    engine = LocalEngine(model, None, start_thread=False)
+    text = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n" * 4
+    first = engine.complete(request(text, "", "doc"))
+    typed = engine.complete(request(text + "de", "", "doc"))
+    assert typed.stats["reused_tokens"] >= first.stats["prompt_tokens"] - 2
+    assert typed.text == engine.complete(request(text + "de", "", "other", "none")).text
+    for i in range(UNSIZED_DOCUMENTS + 3):
+        engine.complete(request(f"# {i}\n" + text, "", f"file{i}"))
+    assert engine.counters()["kv_documents"] <= UNSIZED_DOCUMENTS
