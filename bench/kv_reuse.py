@@ -393,6 +393,7 @@ def main() -> None:
     ap.add_argument("--switches", type=int, help="file switches (6; quick 3)")
     ap.add_argument("--max-tokens", type=int, default=4, help="new tokens per completion (not in TTFT)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (absolute times count only on a GPU)")
     args = ap.parse_args()
     q = args.quick
     n_typing = args.typing or (5 if q else 30)
@@ -404,7 +405,7 @@ def main() -> None:
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]  # other work on the machine skews the small-prefill timings most
 
-    base = open_engine(start_thread=False, use_draft=False)
+    base = open_engine(start_thread=False, use_draft=False, device=args.device)
     files = pick_files(base.target.encode, labels, n_edits, min(n_typing, 30))
     print("files (Python stdlib, target-model tokens):")
     for f in files:
@@ -442,7 +443,8 @@ def main() -> None:
     rows = summarise(events)
 
     print(f"\nkv_reuse: {len(events)} events, greedy, {args.max_tokens} new tokens, no drafter, "
-          f"cpu threads={torch.get_num_threads()} of {os.cpu_count()} cores, load avg {load_start:.1f} -> "
+          f"device {args.device}, cpu threads={torch.get_num_threads()} of {os.cpu_count()} cores, "
+          f"load avg {load_start:.1f} -> "
           f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}")
     head = (f"{'file':4s} {'trace':9s} {'setup':5s} {'n':>3s} {'prompt':>6s} {'prefill/ev':>10s} {'shifted':>7s} "
             f"{'TTFT p50':>9s} {'x none pre':>10s} {'x none TTFT':>11s} {'trunc':>5s} {'text!=none':>10s}")
@@ -526,7 +528,8 @@ def main() -> None:
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
+        env = {"torch": torch.__version__, "device": args.device,
+               "threads": torch.get_num_threads(), "python": platform.python_version(),
                "machine": platform.machine(), "cpu_count": os.cpu_count(), "load_avg_start": load_start,
                "load_avg_end": os.getloadavg()[0], "model": base.info(), "quick": q, "wall_s": wall,
                "max_tokens": args.max_tokens, "stdlib": str(stdlib_dir())}
