@@ -20,6 +20,8 @@
   segment boundaries. Pre-warm: after didOpen, and once edits settle (prewarmDelayMs), the
   prompt a completion at the presumed cursor would send goes to ``engine.prewarm``, which
   prefills it in the background, so the next completion there prefills only what changed.
+  Where the editor reports the resting cursor (``fimble/cursor``), the prompt at that cursor
+  instead, unless the engine already got (or is about to get) exactly that prompt.
 """
 
 from __future__ import annotations
@@ -106,6 +108,15 @@ def _partial(gen: Generation, offset: int) -> bool:
     return not gen.done and first_line_end(gen.text[offset:]) == -1
 
 
+def _clamp(doc: Document, cursor: tuple[int, int] | None) -> tuple[int, int]:
+    """``cursor`` inside ``doc`` (None: the document's end)."""
+    last = len(doc.lines) - 1
+    if cursor is None:
+        return last, len(doc.line_text(last))
+    line = min(cursor[0], last)
+    return line, min(cursor[1], len(doc.line_text(line)))
+
+
 def _cap(limit: int, cap: int) -> int:
     """The smaller of two line limits where 0 means none."""
     if cap <= 0:
@@ -125,6 +136,9 @@ class Completer:
         self._pumps: set[asyncio.Task] = set()
         # Pending pre-warms by URI: a timer (debounce), or a task waiting for the engine to start.
         self._prewarms: dict[str, asyncio.TimerHandle | asyncio.Task] = {}
+        # By URI: (version, cursor) of the prompt the document's KV cache holds or is about to hold:
+        # the latest decode submitted or pre-warm scheduled there. fimble/cursor skips a pre-warm for it.
+        self._warm_at: dict[str, tuple[int, tuple[int, int]]] = {}
         self.last_policy: dict | None = None  # the latest decode's decision, for fimble/stats
 
     # -- tables (for the bounded-growth check in fimble/stats) -------------------------------
@@ -132,6 +146,7 @@ class Completer:
         return {"recent_docs": len(self.recent), "recent_generations": sum(len(d) for d in self.recent.values()),
                 "subscriptions": len(self.streamer), "pumps": len(self._pumps), "request_seq": len(self._seq),
                 "last_edit": len(self._last_edit), "prewarms_pending": len(self._prewarms),
+                "warm_at": len(self._warm_at),
                 "active": 0 if self.active is None else 1}
 
     # -- document events ---------------------------------------------------------------------
@@ -184,10 +199,22 @@ class Completer:
             self._account(gen)
         self._seq.pop(uri, None)
         self._last_edit.pop(uri, None)
+        self._warm_at.pop(uri, None)
 
     # -- pre-warm ----------------------------------------------------------------------------
+    def cursor_moved(self, doc: Document, cursor: tuple[int, int], settings: Settings) -> None:
+        """The editor's cursor rests at ``cursor`` (fimble/cursor): pre-warm the prompt a completion there would send.
+
+        Skipped when the engine already got, or is about to get, that very prompt (a decode or a
+        pre-warm at this version and cursor: the editor reports the cursor after typing too).
+        """
+        if self._warm_at.get(doc.uri) == (doc.version, cursor):
+            self.stats.count("cursor_skipped")
+            return
+        self.schedule_prewarm(doc, cursor, settings, exact=True)
+
     def schedule_prewarm(self, doc: Document, cursor: tuple[int, int] | None, settings: Settings, *,
-                         delay_ms: int | None = None) -> None:
+                         delay_ms: int | None = None, exact: bool = False) -> None:
         """Pre-warm ``doc``'s KV cache for a completion at ``cursor`` (None: the document's end).
 
         Runs ``delay_ms`` (default: prewarmDelayMs) from now, debounced per document: the next
@@ -196,6 +223,10 @@ class Completer:
         send (same windows, options, segment lines, healing, reuse), so the engine's cache ends
         up holding exactly the next completion's prompt. A completion arriving meanwhile needs
         nothing from here: the engine drops a document's pending pre-warm when one is submitted.
+
+        ``exact``: ``cursor`` is where the editor says the cursor is (fimble/cursor), so pre-warm
+        even if a decode at this version (at another cursor) already filled the cache. Otherwise
+        the cursor is a guess, and such a decode's prompt is the better one to keep.
         """
         pending = self._prewarms.pop(doc.uri, None)
         if pending is not None:
@@ -205,16 +236,18 @@ class Completer:
         if self.host.state not in ("ready", "starting"):
             return
         delay = settings.prewarm_delay_ms if delay_ms is None else delay_ms
+        cursor = _clamp(doc, cursor)
         self._prewarms[doc.uri] = asyncio.get_running_loop().call_later(
-            delay / 1e3, self._prewarm_due, doc.uri, cursor, settings)
+            delay / 1e3, self._prewarm_due, doc.uri, cursor, settings, exact)
+        self._warm_at[doc.uri] = (doc.version, cursor)
 
-    def _prewarm_due(self, uri: str, cursor: tuple[int, int] | None, settings: Settings) -> None:
+    def _prewarm_due(self, uri: str, cursor: tuple[int, int], settings: Settings, exact: bool) -> None:
         self._prewarms.pop(uri, None)
         engine = self.host.ready_engine()
         if engine is not None:
-            self._prewarm(engine, uri, cursor, settings)
+            self._prewarm(engine, uri, cursor, settings, exact)
         elif self.host.state == "starting":
-            task = asyncio.create_task(self._prewarm_when_ready(uri, cursor, settings))
+            task = asyncio.create_task(self._prewarm_when_ready(uri, cursor, settings, exact))
             self._prewarms[uri] = task
 
             def done(t: asyncio.Task, uri: str = uri) -> None:
@@ -222,24 +255,25 @@ class Completer:
                     del self._prewarms[uri]
             task.add_done_callback(done)
 
-    async def _prewarm_when_ready(self, uri: str, cursor: tuple[int, int] | None, settings: Settings) -> None:
+    async def _prewarm_when_ready(self, uri: str, cursor: tuple[int, int], settings: Settings,
+                                  exact: bool) -> None:
         engine = await self.host.wait_ready()
         if engine is not None:
-            self._prewarm(engine, uri, cursor, settings)
+            self._prewarm(engine, uri, cursor, settings, exact)
 
-    def _prewarm(self, engine: Any, uri: str, cursor: tuple[int, int] | None, settings: Settings) -> None:
+    def _prewarm(self, engine: Any, uri: str, cursor: tuple[int, int], settings: Settings,
+                 exact: bool = False) -> None:
         doc = self.docs.get(uri)
         if doc is None:
             return
-        if any(g.ctx.version == doc.version and g.t_first is not None for g in self._generations(uri)):
-            self.stats.count("prewarms_skipped")  # a decode at this version already filled the cache
+        if exact:
+            skip = self._warm_at.get(uri) != (doc.version, cursor)  # a decode elsewhere since: the user is there
+        else:  # a decode at this version already filled the cache
+            skip = any(g.ctx.version == doc.version and g.t_first is not None for g in self._generations(uri))
+        if skip:
+            self.stats.count("prewarms_skipped")
             return
-        last = len(doc.lines) - 1
-        if cursor is None:
-            line, col = last, len(doc.line_text(last))
-        else:
-            line = min(cursor[0], last)
-            col = min(cursor[1], len(doc.line_text(line)))
+        line, col = _clamp(doc, cursor)  # (the document has not changed since: an edit reschedules)
         try:
             ctx = build_context(doc, line, col, settings.prefix_chars, settings.suffix_chars)
             if not ctx.prefix.strip() and not ctx.suffix.strip():
@@ -414,6 +448,8 @@ class Completer:
         gen = Generation(ctx, stream, t0, build_ms)
         gen.shaper = plan.shaper
         self.active = gen
+        if self.docs.get(ctx.uri) is not None:  # (not closed while the engine started)
+            self._warm_at[ctx.uri] = (ctx.version, ctx.cursor)
         self.stats.count("generations")
         task = asyncio.create_task(self._pump(gen))
         self._pumps.add(task)

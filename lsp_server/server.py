@@ -28,6 +28,7 @@ from lsp_server.telemetry import ACCEPT_COMMAND, Telemetry
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+CURSOR_METHOD = "fimble/cursor"
 _WORD_TAIL = re.compile(r"\w*$")
 
 
@@ -68,6 +69,25 @@ class FimbleServer(LanguageServer):
             return doc, doc.to_cp(pos.line, pos.character, self.encoding)
         except PositionError as exc:
             raise JsonRpcInvalidParams(f"Invalid Params: {exc}") from None
+
+    def resting_cursor(self, params: Any) -> tuple[Document, tuple[int, int]] | None:
+        """fimble/cursor's document and code-point cursor, or None (bad params: logged, never an error)."""
+        params = plain(params)
+        td = params.get("textDocument") if isinstance(params, dict) else None
+        pos = params.get("position") if isinstance(params, dict) else None
+        uri = td.get("uri") if isinstance(td, dict) else None
+        line, char = (pos.get("line"), pos.get("character")) if isinstance(pos, dict) else (None, None)
+        if not isinstance(uri, str) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                               for v in (line, char)):
+            log.warning("%s: bad params ignored: %r", CURSOR_METHOD, params)
+            self.stats.count("cursor_invalid")
+            return None
+        try:
+            return self.cursor(uri, types.Position(line=line, character=char))
+        except (JsonRpcInvalidParams, ValueError) as exc:  # a notification has no response to carry the error
+            log.warning("%s: %s", CURSOR_METHOD, exc)
+            self.stats.count("cursor_invalid")
+            return None
 
     def client_position(self, doc: Document, cursor: tuple[int, int]) -> types.Position:
         line, units = doc.from_cp(*cursor, self.encoding)
@@ -169,6 +189,14 @@ def _register(ls: FimbleServer) -> None:
         doc.version = params.text_document.version
         ls.completer.document_changed(doc, cursor, ls.settings)
         ls.completer.schedule_prewarm(doc, presumed, ls.settings)
+
+    @ls.feature(CURSOR_METHOD)
+    def cursor_moved(ls: FimbleServer, params: Any) -> None:
+        """Where the editor's cursor rests: pre-warm the KV cache for a completion there (PROTOCOL.md)."""
+        ls.stats.count("cursor_notifications")
+        target = ls.resting_cursor(params)
+        if target is not None:
+            ls.completer.cursor_moved(*target, ls.settings)
 
     @ls.feature(types.TEXT_DOCUMENT_DID_CLOSE)
     def did_close(ls: FimbleServer, params: types.DidCloseTextDocumentParams) -> None:

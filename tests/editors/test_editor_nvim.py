@@ -337,3 +337,43 @@ def test_newer_request_cancels_the_one_still_out(editor, tmp_path):
     editor.wait_ghost()
     assert editor.debug()["request_id"] == ids[1] or editor.debug()["request_id"] > ids[1]
     editor.assert_consistent()
+
+
+def test_resting_cursor_reaches_the_server(editor, tmp_path):
+    editor.open_demo(tmp_path, "g.py")
+    editor.nv.command("stopinsert")
+    wait_until(lambda: editor.nv.api.get_mode()["mode"] == "n", "normal mode")
+
+    def server_stats() -> dict:
+        return editor.lua("""
+            local c = vim.lsp.get_client_by_id(require('fimble').debug().client_id)
+            return require('fimble.compat').request_sync(c, 'fimble/stats', vim.NIL, 10000, 0).result
+        """)
+
+    # Wait for the server to know the document (it pre-warms it on didOpen), then send where the cursor
+    # is now, so that the debounce timer of opening the buffer has nothing left to send.
+    wait_until(lambda: editor.lua("""
+        local c = vim.lsp.get_client_by_id(require('fimble').debug().client_id)
+        local res = require('fimble.compat').request_sync(c, 'fimble/debug/document', { uri = ... }, 10000, 0)
+        return res and res.result and res.result ~= vim.NIL
+    """, editor.lua("return vim.uri_from_bufnr(0)")), "the server to have the document")
+    editor.lua("require('fimble').notify_cursor()")
+    before, sent = server_stats(), editor.debug()["counters"]["cursor"]
+    # Several movements in a burst: one fimble/cursor, for where the cursor came to rest.
+    editor.nv.input("jjjjjj")
+    wait_until(lambda: editor.cursor()[0] == 6, "the cursor on line 7")
+    wait_until(lambda: editor.debug()["counters"]["cursor"] > sent, "the plugin to send fimble/cursor")
+    assert editor.debug()["cursor_sent"]["row"] == 6
+    # The server pre-warms there prewarmDelayMs (300 ms) later; by then any extra notification is in too.
+    sent_before = before["counters"].get("prewarms_sent", 0)
+    after = wait_until(lambda: (s := server_stats())["counters"].get("prewarms_sent", 0) > sent_before and s,
+                       "the server to pre-warm the cursor's prompt")
+    assert after["counters"]["cursor_notifications"] == before["counters"].get("cursor_notifications", 0) + 1
+    assert editor.debug()["counters"]["cursor"] == sent + 1
+    # The same place again sends nothing; turned off, nothing either.
+    assert editor.lua("return require('fimble').notify_cursor()") is False
+    editor.lua("require('fimble').toggle(false)")
+    editor.nv.input("k")
+    wait_until(lambda: editor.cursor()[0] == 5, "the cursor on line 6")
+    assert editor.lua("return require('fimble').notify_cursor()") is False
+    editor.lua("require('fimble').toggle(true)")

@@ -1,4 +1,4 @@
-"""KV cache pre-warming end to end: didOpen and settled edits fill the engine's cache, fimble/stats reports it."""
+"""KV cache pre-warming end to end: didOpen, settled edits and fimble/cursor fill the cache; fimble/stats shows it."""
 
 from __future__ import annotations
 
@@ -81,6 +81,48 @@ async def test_prewarm_after_edits_settle(client: LanguageClient):
     after = _engine(await stats(client))
     prefilled = after["tokens_prefilled"] - before["tokens_prefilled"]
     assert prefilled <= PREFILL_BOUND, prefilled
+
+
+def _cursor(client: LanguageClient, uri: str, line: int, character: int) -> None:
+    client.protocol.notify("fimble/cursor", {"textDocument": {"uri": uri},
+                                             "position": {"line": line, "character": character}})
+
+
+async def test_cursor_notification_prewarms_where_the_cursor_rests(client: LanguageClient):
+    uri = "file:///tmp/fimble-tests/prewarm/cursor.py"
+    done = _engine(await stats(client)).get("prewarms_done", 0)
+    open_doc(client, uri, DOC)  # pre-warms for a cursor at the end: wait for it
+    snap = await _wait_stats(client, lambda s: _engine(s).get("prewarms_done", 0) > done)
+    # Jump to the middle of the file: an empty line between two functions.
+    row = LINES.index("def scale_12(values, factor=12):") - 1
+    assert LINES[row] == ""
+    done, counters = _engine(snap)["prewarms_done"], snap["counters"]
+    _cursor(client, uri, row, 0)
+    snap = await _wait_stats(client, lambda s: _engine(s)["prewarms_done"] > done)
+    assert snap["counters"]["cursor_notifications"] == counters.get("cursor_notifications", 0) + 1
+    before = _engine(snap)
+    assert before["tokens_prewarmed"] > 100
+    await inline(client, uri, row, 0)
+    after = _engine(await stats(client))
+    prefilled = after["tokens_prefilled"] - before["tokens_prefilled"]
+    assert prefilled <= PREFILL_BOUND, prefilled
+    # The same cursor again (editors report the cursor after a completion, after typing): nothing to do.
+    _cursor(client, uri, row, 0)
+    snap = await stats(client)
+    assert snap["counters"]["cursor_skipped"] >= 1 and snap["tables"]["prewarms_pending"] == 0
+    # Bad params are ignored (no error for a notification); the server goes on.
+    _cursor(client, uri, -1, 0)
+    client.protocol.notify("fimble/cursor", {"textDocument": {}})
+    _cursor(client, "file:///tmp/fimble-tests/prewarm/never-opened.py", 3, 0)
+    snap = await stats(client)
+    assert snap["counters"]["cursor_invalid"] >= 2 and snap["tables"]["prewarms_pending"] == 0
+    # The control: a jump without fimble/cursor recomputes about the whole prompt.
+    other = LINES.index("def scale_5(values, factor=5):") - 1
+    before = _engine(snap)
+    await inline(client, uri, other, 0)
+    after = _engine(await stats(client))
+    prefilled = after["tokens_prefilled"] - before["tokens_prefilled"]
+    assert prefilled > 100, prefilled
 
 
 async def test_stats_report_the_kv_cache_and_close_forgets(client: LanguageClient):

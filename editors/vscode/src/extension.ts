@@ -2,7 +2,8 @@
 //
 // vscode-languageclient (>= 10.1) maps LSP `textDocument/inlineCompletion` to VS Code's inline
 // completion provider; the middleware below adds streaming (fimble/completionDelta, see stream.ts),
-// the on/off switch and the status bar. Accepting all / the next word / the next line is VS Code's
+// the on/off switch and the status bar; cursor.ts reports where the cursor rests (fimble/cursor), so the
+// server pre-warms its cache there. Accepting all / the next word / the next line is VS Code's
 // own (Tab, Ctrl+Right, and the keybinding this package contributes for the next line).
 
 import * as vscode from 'vscode';
@@ -15,13 +16,17 @@ import {
   TransportKind,
 } from 'vscode-languageclient/node';
 import { CompletionDelta, DeltaStreamer, Pos } from './stream';
+import { CURSOR_METHOD, CursorParams, CursorReporter } from './cursor';
 import { ConfigReader, ServerLaunch, needsRestart, serverLaunch, wireSettings } from './settings';
 
 export { wireSettings, serverLaunch, needsRestart } from './settings';
 export { DeltaStreamer, remainder } from './stream';
+export { CursorReporter, CURSOR_METHOD } from './cursor';
 
 export const DELTA_METHOD = 'fimble/completionDelta';
 export const SECTION = 'fimble';
+/** The documents the client syncs to the server (and reports the cursor of). */
+export const DOCUMENT_SELECTOR = [{ scheme: 'file' }, { scheme: 'untitled' }];
 
 /** Advertise `experimental.fimble.completionDelta` so the server streams even if `streaming` is unset. */
 export class CompletionDeltaFeature implements StaticFeature {
@@ -46,7 +51,9 @@ export class Fimble {
   readonly output: vscode.LogOutputChannel;
   readonly status: vscode.StatusBarItem;
   readonly streamer: DeltaStreamer<vscode.InlineCompletionItem>;
+  readonly cursor: CursorReporter;
   private launch: ServerLaunch | undefined;
+  private prewarm = true; // the server's `prewarm` setting: off, no fimble/cursor either
   private state: UiState = 'starting';
   lastLatencyMs: number | undefined;
 
@@ -72,6 +79,7 @@ export class Fimble {
       },
       now: () => Date.now(),
     });
+    this.cursor = new CursorReporter((params) => this.sendCursor(params));
     this.streamer.enabled = this.config().get<boolean>('enable') !== false;
     context.subscriptions.push(this.output, this.status);
     this.setState(this.streamer.enabled ? 'starting' : 'off');
@@ -102,9 +110,29 @@ export class Fimble {
     return this.state;
   }
 
+  /** A selection change or another active editor: report the cursor once it rests (fimble/cursor). */
+  cursorMoved(editor: vscode.TextEditor | undefined): void {
+    const client = this.client;
+    if (!editor || !client || !this.prewarm || !this.streamer.enabled) return;
+    const doc = editor.document;
+    if (vscode.languages.match(DOCUMENT_SELECTOR, doc) <= 0) return;
+    const c2p = client.code2ProtocolConverter;
+    this.cursor.moved(c2p.asUri(doc.uri), doc.version, c2p.asPosition(editor.selection.active));
+  }
+
+  private sendCursor(params: CursorParams): void {
+    const client = this.client;
+    if (!client || client.state !== State.Running || !this.prewarm || !this.streamer.enabled) return;
+    client.sendNotification(CURSOR_METHOD, params).catch((err: unknown) => {
+      this.output.debug(`fimble: ${CURSOR_METHOD} not sent: ${String(err)}`);
+    });
+  }
+
   async start(): Promise<void> {
     const cfg = this.config();
     this.launch = serverLaunch(cfg as ConfigReader);
+    this.prewarm = cfg.get<boolean>('prewarm') !== false;
+    this.cursor.reset();
     const run = {
       command: this.launch.command,
       args: this.launch.args,
@@ -113,7 +141,7 @@ export class Fimble {
     };
     const serverOptions: ServerOptions = { run, debug: run };
     const clientOptions: LanguageClientOptions = {
-      documentSelector: [{ scheme: 'file' }, { scheme: 'untitled' }],
+      documentSelector: DOCUMENT_SELECTOR,
       initializationOptions: wireSettings(cfg as ConfigReader),
       outputChannel: this.output,
       middleware: {
@@ -146,6 +174,7 @@ export class Fimble {
     const client = this.client;
     this.client = undefined;
     this.streamer.forget();
+    this.cursor.reset();
     if (client && client.state !== State.Stopped) await client.stop();
   }
 
@@ -169,6 +198,7 @@ export class Fimble {
       await this.restart();
       return;
     }
+    this.prewarm = cfg.get<boolean>('prewarm') !== false;
     await this.client?.sendNotification('workspace/didChangeConfiguration', {
       settings: { fimble: wireSettings(cfg as ConfigReader) },
     });
@@ -191,7 +221,12 @@ export async function activate(context: vscode.ExtensionContext): Promise<Fimble
     vscode.workspace.onDidChangeConfiguration((e) => {
       if (e.affectsConfiguration(SECTION)) void fimble.configurationChanged();
     }),
-    vscode.workspace.onDidCloseTextDocument((doc) => fimble.streamer.forget(doc.uri.toString())),
+    vscode.workspace.onDidCloseTextDocument((doc) => {
+      fimble.streamer.forget(doc.uri.toString());
+      fimble.cursor.reset(); // reopened, its versions start again
+    }),
+    vscode.window.onDidChangeTextEditorSelection((e) => fimble.cursorMoved(e.textEditor)),
+    vscode.window.onDidChangeActiveTextEditor((editor) => fimble.cursorMoved(editor)),
   );
   await fimble.start();
   return fimble;

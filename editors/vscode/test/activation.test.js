@@ -82,6 +82,16 @@ test('activate, stream ghost text, drop stale answers, toggle, deactivate', asyn
   await waitFor(() => fimble.streamer.counts.dropped >= dropped + 3, 'the rest of the stream to be dropped');
   assert.deepEqual(shown, [null], 'nothing from the stale stream was shown');
 
+  // The cursor comes to rest elsewhere: after a burst of selection changes, one fimble/cursor for the last.
+  const at3 = (line, c) => ({ document: doc, selection: new vscode.Selection(new vscode.Position(line, c), new vscode.Position(line, c)) });
+  for (const c of [1, 2, 3]) vscode.selectionChanged.fire({ textEditor: at3(0, c) });
+  await waitFor(() => fimble.cursor.sent === 1, 'the cursor report');
+  const cursorParams = async () => (await fimble.client.sendRequest('fake/received')).cursor;
+  assert.deepEqual(await cursorParams(), [{ textDocument: { uri: URI }, position: { line: 0, character: 3 } }]);
+  vscode.selectionChanged.fire({ textEditor: at3(0, 3) }); // the same place: not sent again
+  await new Promise((r) => setTimeout(r, fimble.cursor.delayMs + 50));
+  assert.equal((await cursorParams()).length, 1);
+
   // Toggle off: no suggestions, status says off; toggle on again.
   assert.equal(await vscode.commands.executeCommand('fimble.toggle'), false);
   assert.match(status.text, /circle-slash/);

@@ -26,6 +26,8 @@ local defaults = {
   debounce_ms = 60, -- wait after a keystroke before asking (the server prefetches meanwhile)
   auto_trigger = true, -- ask while typing; false: only require("fimble").request()
   native = false, -- Neovim 0.12+: use vim.lsp.inline_completion for display and accept
+  cursor_prewarm = true, -- tell the server where the cursor rests (fimble/cursor): it pre-warms its cache there
+  cursor_prewarm_ms = 150, -- how long the cursor must rest before that
   hl_group = "FimbleSuggestion", -- linked to Comment unless defined
   keymaps = {
     accept = "<Tab>", -- falls through to a plain <Tab> when nothing is shown
@@ -43,10 +45,12 @@ local S = {
   sugg = nil, -- the request whose text is the suggestion
   shown = nil, -- { bufnr, row, col, text }: what the extmark shows
   timer = nil,
+  cursor_timer = nil, -- debounces fimble/cursor (one timer: there is one cursor)
+  cursor_sent = nil, -- { bufnr, tick, row, col } of the last fimble/cursor
   tick_seen = nil,
   start_error = nil,
   last_latency_ms = nil,
-  counters = { requests = 0, cancelled = 0, responses = 0, deltas = 0, stale = 0, shown = 0, accepted = 0, partial = 0 },
+  counters = { requests = 0, cancelled = 0, responses = 0, deltas = 0, stale = 0, shown = 0, accepted = 0, partial = 0, cursor = 0 },
 }
 local log_lines = {}
 
@@ -376,6 +380,45 @@ local function on_cursor_moved()
   end
 end
 
+--- Tell the server where the cursor is now (fimble/cursor, lsp_server/PROTOCOL.md): it pre-warms its KV cache
+--- for a completion there, so the first one after a jump is fast. Returns true if sent (not for the same
+--- buffer, text and cursor as last time). The CursorMoved autocmds call it once the cursor rests.
+function M.notify_cursor()
+  local bufnr = vim.api.nvim_get_current_buf()
+  local c = attached(bufnr)
+  if not c or not S.enabled then
+    return false
+  end
+  local row, col = cursor()
+  local tick = vim.api.nvim_buf_get_changedtick(bufnr)
+  local last = S.cursor_sent
+  if last and last.bufnr == bufnr and last.tick == tick and last.row == row and last.col == col then
+    return false
+  end
+  local ok = compat.notify(c, "fimble/cursor", {
+    textDocument = { uri = vim.uri_from_bufnr(bufnr) },
+    position = { line = row, character = compat.to_units(get_line(bufnr, row), col, compat.client_encoding(c)) },
+  })
+  if ok == false then
+    return false
+  end
+  S.cursor_sent = { bufnr = bufnr, tick = tick, row = row, col = col }
+  S.counters.cursor = S.counters.cursor + 1
+  return true
+end
+
+-- Restart the fimble/cursor debounce (every cursor movement: keep it cheap).
+local function schedule_cursor()
+  if not S.enabled or not S.client_id then
+    return
+  end
+  if not S.cursor_timer then
+    S.cursor_timer = compat.uv.new_timer()
+  end
+  S.cursor_timer:stop()
+  S.cursor_timer:start(config.cursor_prewarm_ms, 0, vim.schedule_wrap(M.notify_cursor))
+end
+
 local function next_word(text)
   if text:sub(1, 1) == "\n" then
     return text:match("^\n[ \t]*")
@@ -661,6 +704,7 @@ function M.debug()
     suggestion = sug and { row = sug.row, col = sug.col, text = sug.text, done = sug.done == true } or nil,
     shown = S.shown,
     counters = vim.deepcopy(S.counters),
+    cursor_sent = S.cursor_sent and vim.deepcopy(S.cursor_sent) or nil,
     last_latency_ms = S.last_latency_ms,
     log = vim.deepcopy(log_lines),
   }
@@ -705,6 +749,9 @@ function M.setup(opts)
     expr_map(km.dismiss, "dismiss")
   else
     native_maps()
+  end
+  if config.cursor_prewarm then
+    au({ "CursorMoved", "CursorMovedI", "BufEnter" }, schedule_cursor)
   end
 
   vim.api.nvim_create_user_command("FimbleStatus", function()

@@ -3,7 +3,7 @@
 // (the first line) and fimble/completionDelta notifications whose `text` grows, then `done`.
 'use strict';
 
-const received = { initialize: null, methods: [] };
+const received = { initialize: null, methods: [], cursor: [] };
 let buffer = Buffer.alloc(0);
 
 function send(msg) {
@@ -74,6 +74,9 @@ function handle(msg) {
       break;
     case 'textDocument/didChange':
       received.versions[msg.params.textDocument.uri] = msg.params.textDocument.version;
+      break;
+    case 'fimble/cursor':
+      received.cursor.push(msg.params);
       break;
     case 'textDocument/inlineCompletion':
       void inline(msg);

@@ -182,6 +182,7 @@ function config(section) {
 }
 
 const configChanged = new EventEmitter();
+const selectionChanged = new EventEmitter(); // fire({ textEditor }) for window.onDidChangeTextEditorSelection
 
 const workspace = withAuto(
   {
@@ -233,6 +234,7 @@ const window = withAuto(
       return state.activeTextEditor ? [state.activeTextEditor] : [];
     },
     onDidChangeActiveTextEditor: new EventEmitter().event,
+    onDidChangeTextEditorSelection: selectionChanged.event,
     onDidChangeVisibleTextEditors: new EventEmitter().event,
     createOutputChannel: outputChannel,
     createStatusBarItem(alignment, priority) {
@@ -282,6 +284,7 @@ const stub = {
   calls,
   state,
   configChanged,
+  selectionChanged,
   StubDocument,
   version: '1.91.0',
   Disposable,
