@@ -26,9 +26,14 @@ from pytest_lsp import LanguageClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-# A long repetitive line: models keep going on it, so a 400-token decode runs for seconds.
-LONG = "import math\n\nPRIMES = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, "
-LONG_CURSOR = (2, len(LONG.splitlines()[2]))
+# Repetitive rows the embedded model keeps extending (checked: 400 tokens, no EOS), decoded
+# without drafts and with the policy's per-context caps lifted, so a decode runs for seconds.
+# LONG_B is for a document with code after the cursor (the model stops LONG early there).
+LONG = "TABLE = {\n    'a': 1,\n    'b': 2,\n    'c': 3,\n    'd': 4,\n"
+LONG_B = "import math\n\nPRIMES = [\n    2,\n    3,\n    5,\n    7,\n    11,\n"
+LONG_CURSOR = (LONG.count("\n"), 0)
+LONG_B_CURSOR = (LONG_B.count("\n"), 0)
+UNCAPPED = {"*": {"multiline": True, "max_lines": 0, "max_tokens": 400, "stop": []}}
 
 
 @pytest_lsp.fixture(config=SERVER,
@@ -37,8 +42,9 @@ async def client(request, lsp_client: LanguageClient):
     lsp_client.deltas = Deltas(lsp_client)
     # answerAt=end: the request stays open for the whole decode, so there is something to cancel.
     # No prefetch: an edit must not start a decode of its own while we watch the counters.
-    await lsp_client.initialize_session(init_params(request.param, {"maxTokens": 400, "maxLines": 0,
-                                                                    "answerAt": "end", "prefetch": False}))
+    settings = {"maxTokens": 400, "maxLines": 0, "drafter": "none", "policy": UNCAPPED, "answerAt": "end",
+                "prefetch": False}
+    await lsp_client.initialize_session(init_params(request.param, settings))
     yield
     await lsp_client.shutdown_session()
 
@@ -72,8 +78,9 @@ async def _decoding_stopped(client: LanguageClient, cancelled_before: int) -> di
     return second
 
 
-async def _start_long(client: LanguageClient, uri: str, rid: str) -> asyncio.Task:
-    task = asyncio.ensure_future(inline(client, uri, *LONG_CURSOR, msg_id=rid))
+async def _start_long(client: LanguageClient, uri: str, rid: str, cursor: tuple[int, int] = LONG_CURSOR
+                      ) -> asyncio.Task:
+    task = asyncio.ensure_future(inline(client, uri, *cursor, msg_id=rid))
     await client.deltas.wait(lambda p: p["requestId"] == rid and p["text"])  # it is decoding now
     assert not task.done()
     return task
@@ -95,11 +102,11 @@ async def test_cancel_request_stops_decoding(client: LanguageClient):
 
 async def test_newer_request_cancels_older_decode(client: LanguageClient):
     uri = f"file:///tmp/fimble-cancel/{id(client)}/b.py"
-    open_doc(client, uri, LONG + "\n\nx = math.")
+    open_doc(client, uri, LONG_B + "\n\nx = math.")
     before = await _counters(client)
-    old = await _start_long(client, uri, f"old-{id(client)}")
+    old = await _start_long(client, uri, f"old-{id(client)}", LONG_B_CURSOR)
     await configure(client, maxTokens=8)
-    new = await inline(client, uri, 4, len("x = math."))  # same document, other place: a new decode
+    new = await inline(client, uri, LONG_B_CURSOR[0] + 2, len("x = math."))  # other place: a new decode
     await _decoding_stopped(client, before["cancelled"])
     await old  # answered with what it had, not left hanging
     assert isinstance(new, types.InlineCompletionList)
