@@ -60,6 +60,7 @@ class LocalEngine:
         self._ids = itertools.count(1)
         self._queue: queue.Queue = queue.Queue()
         self._prewarms: OrderedDict[str, CompletionRequest] = OrderedDict()  # newest last
+        self._submitted: dict[str, int] = {}  # completions submitted per document (a pre-warm's staleness)
         self._waiting = 0  # completions submitted and not yet started
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
         self._kv_summary = self.store.summary()
@@ -83,7 +84,9 @@ class LocalEngine:
         with self._lock:
             self._waiting += 1
             # This request computes the document's current prompt: an older pre-warm would only undo it.
-            self._prewarms.pop(request.document_id or "", None)
+            key = request.document_id or ""
+            self._prewarms.pop(key, None)
+            self._submitted[key] = self._submitted.get(key, 0) + 1
         self._queue.put((request, stream))
         return stream
 
@@ -166,6 +169,7 @@ class LocalEngine:
         if item[0] == "forget":
             with self._lock:
                 self._prewarms.pop(item[1], None)
+                self._submitted.pop(item[1], None)
             self.store.forget(item[1])
         else:
             with self._lock:
@@ -177,9 +181,10 @@ class LocalEngine:
         with self._lock:
             if not self._prewarms:
                 return None
-            _, request = self._prewarms.popitem(last=True)  # the most recent document first
+            key, request = self._prewarms.popitem(last=True)  # the most recent document first
+            submitted = self._submitted.get(key, 0)
         try:
-            self._prewarm(request)
+            self._prewarm(request, submitted)
         except Exception:  # a pre-warm is only an optimisation: a bad one is dropped, never fatal
             self._count("prewarms_failed")
         self._snapshot_kv()
@@ -312,8 +317,12 @@ class LocalEngine:
         return text, shown, reason
 
     # -- pre-warm -----------------------------------------------------------------------
-    def _prewarm(self, request: CompletionRequest) -> None:
-        """Prefill a document's prompt in small chunks; stop at once when a completion is waiting."""
+    def _prewarm(self, request: CompletionRequest, submitted: int = 0) -> None:
+        """Prefill a document's prompt in small chunks; stop at once when a completion is waiting.
+
+        ``submitted``: the document's completion count when this pre-warm was taken; a
+        pre-empted pre-warm resumes later only if no completion for the document came since.
+        """
         plan = self.prompts.build(request)
         doc = self._open_document(request, plan)
         reuse = 0
@@ -337,9 +346,11 @@ class LocalEngine:
         finally:
             self.store.release(doc, plan, reuse)
         self._count("prewarms_done" if done else "prewarms_preempted")
+        key = request.document_id or ""
         if not done:
             with self._lock:  # resume later unless something newer for this document arrived
-                self._prewarms.setdefault(request.document_id or "", request)
+                if self._submitted.get(key, 0) == submitted:
+                    self._prewarms.setdefault(key, request)
 
     def _prefill_chunks(self, runtime, cache, ids: list[int], pos: int, chunk: int,
                         holds: Callable[[int], None]) -> int:

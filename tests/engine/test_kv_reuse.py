@@ -241,3 +241,4 @@ def test_transformers_backend_keeps_per_document_caches(tmp_path):
     for i in range(UNSIZED_DOCUMENTS + 3):
         engine.complete(request(f"# {i}\n" + text, "", f"file{i}"))
     assert engine.counters()["kv_documents"] <= UNSIZED_DOCUMENTS
+
