@@ -335,15 +335,20 @@ function M.request()
   S.counters.requests = S.counters.requests + 1
 end
 
+-- (Re)start the one-shot timer S[key]: ``fn`` runs on the main loop once ``ms`` pass without another call.
+local function debounce(key, ms, fn)
+  if not S[key] then
+    S[key] = compat.uv.new_timer()
+  end
+  S[key]:stop()
+  S[key]:start(ms, 0, vim.schedule_wrap(fn))
+end
+
 local function schedule_request()
   if not (config.auto_trigger and S.enabled) then
     return
   end
-  if not S.timer then
-    S.timer = compat.uv.new_timer()
-  end
-  S.timer:stop()
-  S.timer:start(config.debounce_ms, 0, vim.schedule_wrap(M.request))
+  debounce("timer", config.debounce_ms, M.request)
 end
 
 local function on_text_changed()
@@ -412,11 +417,7 @@ local function schedule_cursor()
   if not S.enabled or not S.client_id then
     return
   end
-  if not S.cursor_timer then
-    S.cursor_timer = compat.uv.new_timer()
-  end
-  S.cursor_timer:stop()
-  S.cursor_timer:start(config.cursor_prewarm_ms, 0, vim.schedule_wrap(M.notify_cursor))
+  debounce("cursor_timer", config.cursor_prewarm_ms, M.notify_cursor)
 end
 
 local function next_word(text)
