@@ -60,8 +60,15 @@ class Generation:
 
     @property
     def usable(self) -> bool:
-        """Whether its text may serve later requests (a cancelled or failed decode may stop mid-thought)."""
-        return not self.done or self.finish_reason in FINISHED_OK
+        """Whether its text may serve later requests (a cancelled or failed decode may stop mid-thought).
+
+        Cancelled counts from the moment of the cancel, not from when the engine stops: a request
+        that attached to a decode cancelled but not yet finished got its cut-off text (often none).
+        A guard stop cancels too, but its text is complete up to the stop (``cut``).
+        """
+        if self.done:
+            return self.finish_reason in FINISHED_OK
+        return self.cut or not self.stream.cancelled
 
     def cancel(self) -> None:
         if not self.done and not self.stream.cancelled:

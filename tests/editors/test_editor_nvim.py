@@ -103,7 +103,18 @@ class Editor:
             g = self.ghost()
             return g if g and g[0] == self.cursor() and g[1] else None
 
-        return wait_until(shown, "ghost text at the cursor", timeout)[1]
+        return wait_until(shown, "ghost text at the cursor", timeout, show=self.state)[1]
+
+    def state(self) -> dict:
+        """What the plugin and the server hold, for a failure message."""
+        d = self.debug()
+        d["ghost"], d["cursor"], d["line"] = self.ghost(), self.cursor(), self.line()
+        d["server"] = self.lua("""
+            local c = vim.lsp.get_client_by_id(require('fimble').debug().client_id)
+            local res = c and require('fimble.compat').request_sync(c, 'fimble/stats', vim.NIL, 10000, 0)
+            return res and res.result and { counters = res.result.counters, lastPolicy = res.result.lastPolicy }
+        """)
+        return d
 
     def wait_stream_done(self) -> dict:
         return wait_until(lambda: (self.debug().get("suggestion") or {}).get("done") and self.debug()["suggestion"],

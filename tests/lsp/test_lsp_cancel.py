@@ -146,3 +146,31 @@ async def test_event_loop_stays_free_while_decoding(client: LanguageClient):
     await old
     assert (await server_text(client, other))["text"].startswith("def add(a, b):\n    return a")
     await configure(client, maxTokens=400)
+
+
+async def test_request_after_a_cancel_gets_a_decode_of_its_own(client: LanguageClient):
+    """A request at the same cursor right after a cancel must not attach to the cancelled decode.
+
+    The engine stops that decode one step later; a request arriving in between used to wait on it and
+    be answered with its cut-off text (in Neovim often none: no ghost text at all).
+    """
+    uri = f"file:///tmp/fimble-cancel/{id(client)}/f.py"
+    open_doc(client, uri, LONG)
+    before = (await stats(client))["counters"]
+    first = await _start_long(client, uri, f"first-{id(client)}")
+    client.cancel_request(types.CancelParams(id=f"first-{id(client)}"))
+    second = asyncio.ensure_future(inline(client, uri, *LONG_CURSOR, msg_id=f"second-{id(client)}"))  # no wait
+    with pytest.raises(JsonRpcRequestCancelled):
+        await first
+
+    async def second_started() -> bool:
+        counters = (await stats(client))["counters"]
+        return counters["generations"] >= before["generations"] + 2 or second.done()
+    await _until(second_started)
+    after = (await stats(client))["counters"]
+    assert after["generations"] == before["generations"] + 2, "the second request did not start a decode"
+    assert after.get("inflight_hits", 0) == before.get("inflight_hits", 0)
+    assert not second.done()  # decoding for itself (400 tokens), not answered with the cut-off text
+    client.cancel_request(types.CancelParams(id=f"second-{id(client)}"))
+    with pytest.raises(JsonRpcRequestCancelled):
+        await second
