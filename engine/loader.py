@@ -42,7 +42,11 @@ class LoadedModel:
         return len(self.tokenizer)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        """Token ids of document text. A ``<|fim_middle|>`` typed in a file stays text: control
+        tokens come only from the FIM template (engine/fim.py), never from what the user wrote."""
+        if not text:
+            return []
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     @property
     def token_index(self):

@@ -23,12 +23,29 @@ def tokenizer():
 @settings(max_examples=60, deadline=None)
 @given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=80))
 def test_streamed_text_round_trips_and_never_splits_a_character(tokenizer, text):
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    # As the engine encodes document text (engine/loader.py): control-token strings stay text.
+    ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
     detok = IncrementalDetokenizer(tokenizer)
     pieces = [detok.add([i]) for i in ids]
     pieces.append(detok.flush())
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces if "\ufffd" not in text)
+
+
+def test_control_token_strings_in_a_document_stay_text(embedded_target):
+    """A file that mentions FIM tokens (a tokenizer's own source, say) must not steer the prompt."""
+    from engine.api import CompletionRequest
+    from engine.local import LocalEngine
+
+    engine = LocalEngine(embedded_target, None, start_thread=False)
+    names = [t for t in embedded_target.tokenizer.all_special_tokens if t.startswith("<|")]
+    assert len(names) >= 4, names
+    text = "MARKERS = " + repr(names) + "\n"
+    ids, _, _ = engine.build_prompt(CompletionRequest(text, text))
+    special = set(embedded_target.tokenizer.all_special_ids)
+    template = [i for i in ids if i in special]
+    assert len(template) == 3, template  # the template's suffix, prefix and middle markers, once each
+    assert embedded_target.tokenizer.decode(ids, skip_special_tokens=True).count(repr(names)) == 2
 
 
 def test_multibyte_character_split_across_tokens(tokenizer):
