@@ -8,11 +8,16 @@ end a line, an edit touches only the lines it spans, and the total length is tra
 
 Each document also keeps an ``engine.syntax.SyntaxDocument`` (``Document.syntax``) in step,
 edit by edit (incremental reparse of one segment): the syntax policy and the completion
-shaper read it. It holds the same text (lone surrogates as U+FFFD, one code point each, so
-code-point positions agree); a language without a grammar is plain text there. It counts
-only ``\\n`` as a line break, so while the text has a lone ``\\r`` edits resync it whole.
-A document opened (or fully replaced) with more than ``SYNTAX_MAX_CHARS`` characters is not
-parsed (plain text there): tree-sitter takes about a second per megabyte, on the event loop.
+shaper read it. It holds the same text with two same-length substitutions (``syntax_text``):
+lone surrogates become U+FFFD, and a lone ``\\r`` (an old Mac line end) becomes ``\\n``.
+Why the second: tree-sitter counts only ``\\n`` as a row break while LSP counts ``\\r`` too;
+with the substitution rows, lines and byte offsets agree 1:1, so an edit near or after a lone
+``\\r`` stays an incremental reparse (before, one lone ``\\r`` anywhere made every keystroke
+re-parse the whole document: ~0.7 s a keystroke on a 900 KB file). A language without a
+grammar is plain text there. Parse size limit: a document longer than ``SYNTAX_MAX_CHARS``
+characters is not parsed (plain text there), whether it was opened that big or grew through
+edits; one that shrinks back below ``SYNTAX_RESUME_CHARS`` is parsed again. Why: tree-sitter
+takes about a second per megabyte, on the event loop.
 """
 
 from __future__ import annotations
@@ -26,13 +31,22 @@ from lsp_server.segments import block_start_rows
 
 _BREAK = re.compile(r"(\r\n|\r|\n)")
 SYNTAX_MAX_CHARS = 1_000_000
-_BARE_CR = re.compile(rb"\r(?!\n)")
+# A document over the limit is parsed again only once it is this short: a document edited
+# around the limit must not pay a full parse per keystroke.
+SYNTAX_RESUME_CHARS = SYNTAX_MAX_CHARS * 9 // 10
+_BARE_CR = re.compile("\r(?!\n)")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def utf8_safe(text: str) -> str:
     """Lone surrogates (a non-UTF-8 file read with surrogateescape) cannot be encoded: use U+FFFD."""
     return _SURROGATE.sub("\ufffd", text) if _SURROGATE.search(text) else text
+
+
+def syntax_text(text: str) -> str:
+    """The syntax layer's copy of ``text``: UTF-8-safe, a lone ``\\r`` as ``\\n``; as many code points."""
+    text = utf8_safe(text)
+    return _BARE_CR.sub("\n", text) if "\r" in text else text
 
 
 def split_lines(text: str) -> list[str]:
@@ -61,7 +75,7 @@ class Document:
     # cache keeps matching (see lsp_server/prompt.py); None = choose afresh.
     window: tuple[int, int] | None = None
     syntax: SyntaxDocument = field(init=False, repr=False)
-    _bare_cr: bool = field(init=False, default=False, repr=False)  # syntax lines != our lines
+    full_parses: int = field(init=False, default=0, repr=False)  # whole-document parses (open, resync, limit)
     _edits: int = field(init=False, default=0, repr=False)  # bumped by every change of the text
     _blocks: tuple[tuple, list[int]] | None = field(init=False, default=None, repr=False)  # block_rows' cache
 
@@ -80,15 +94,18 @@ class Document:
         lang = self.language_id if len(text) <= SYNTAX_MAX_CHARS else ""
         if getattr(self, "_syntax_lang", None) != lang:  # first time, or across the size limit
             self.syntax, self._syntax_lang = SyntaxDocument(lang or "plaintext", ""), lang
-        self.syntax.set_text(utf8_safe(text))
-        data = self.syntax.bytes
-        self._bare_cr = b"\r" in data and _BARE_CR.search(data) is not None
+        self.syntax.set_text(syntax_text(text))
+        self.full_parses += self.syntax.has_tree
+
+    def _check_size_limit(self) -> None:
+        """Stop parsing a document that grew past the limit; parse again one that shrank well below it."""
+        if self._syntax_lang and self.length > SYNTAX_MAX_CHARS:
+            self._sync_all(self.source)  # to plain text: no parse
+        elif not self._syntax_lang and self.language_id and self.length <= SYNTAX_RESUME_CHARS:
+            self._sync_all(self.source)
 
     def byte_offset(self, line: int, col: int) -> int:
         """UTF-8 byte offset in ``syntax`` of a (line, code point column) of this document."""
-        if self._bare_cr:  # rare (old Mac line ends): count our own way
-            return len(utf8_safe("".join(self.lines[:line]) + self.lines[line][:col]).encode("utf-8")) \
-                if line < len(self.lines) else len(self.syntax.bytes)
         buf = self.syntax.bytes
         start = 0
         if line:
@@ -109,7 +126,7 @@ class Document:
         are read. Read from the trees the document keeps anyway (no reparse); the latest answer
         is kept until the next edit (a document has about one prompt window at a time).
         """
-        if not self.syntax.has_tree or self._bare_cr:  # no grammar / too big, or rows != our lines
+        if not self.syntax.has_tree:  # no grammar, or too big
             return None
         key = (self._edits, first, last)
         if self._blocks is None or self._blocks[0] != key:
@@ -169,9 +186,11 @@ class Document:
             start, end = end, start
         l0, c0 = start
         l1, c1 = end
-        b0 = b1 = -1
-        if not self._bare_cr:
-            b0, b1 = self.byte_offset(l0, c0), self.byte_offset(l1, c1)
+        b0, b1 = self.byte_offset(l0, c0), self.byte_offset(l1, c1)
+        # A "\r" is a lone one (a "\n" in ``syntax``) or not by the char after it, so the syntax
+        # edit also rewrites a "\r" just before the range, and reads the char just after it.
+        cr_before = c0 == 0 and l0 > 0 and self.lines[l0 - 1].endswith("\r")
+        after = self.lines[l1][c1:c1 + 1] or (self.lines[l1 + 1][:1] if l1 + 1 < len(self.lines) else "")
         removed = len(self.text_between((l0, c0), (l1, c1)))
         head, tail = self.lines[l0][:c0], self.lines[l1][c1:]
         # Re-split a region that also covers a neighbouring lone "\r" when the edit puts a
@@ -191,13 +210,9 @@ class Document:
         self.length += len(text) - removed
         self._move_window(first, l1, len(new_lines) - (last - first + 1))
         self._edits += 1
-        if b0 < 0:
-            self._sync_all(self.source)
-            return
-        self.syntax.apply_edit(b0, b1, utf8_safe(text))
-        data = self.syntax.bytes
-        if b"\r" in data and _BARE_CR.search(data):  # a lone "\r" now: lines no longer agree
-            self._sync_all(self.source)
+        new = "\r" + text if cr_before else text
+        self.syntax.apply_edit(b0 - cr_before, b1, syntax_text(new + after)[:len(new)])
+        self._check_size_limit()
 
     def _move_window(self, first: int, last: int, line_delta: int) -> None:
         """Keep the prompt window on the same text when lines above it change."""

@@ -204,8 +204,12 @@ class Scanner:
 
     def _wait(self, buf: str, p: int, final: bool, tokens: tuple[str, ...]) -> bool:
         # A proper prefix of a multi-char token at the end of the buffer: wait for the rest.
-        rest = buf[p:]
-        return not final and any(len(rest) < len(t) and t.startswith(rest) for t in tokens)
+        # Only the few chars a token could span are sliced: copying the whole rest of the
+        # buffer here, once per char, made a scan O(n^2) (a 1 MB line took minutes).
+        if final:
+            return False
+        left = len(buf) - p
+        return any(left < len(t) and t.startswith(buf[p:]) for t in tokens)
 
     def _code(self, buf: str, p: int, final: bool, top: Frame | None) -> int | None:
         c, spec = buf[p], self.spec
@@ -244,16 +248,15 @@ class Scanner:
             self.stopped_at = p
 
     def _open_string(self, buf: str, p: int, final: bool, q: str) -> int | None:
-        before = buf[:p]
-        open_text = q
+        open_text = q  # prefixes are read from a few chars before p (never a copy of all of buf[:p])
         if self.spec.python_prefixes:
-            m = _PY_PREFIX.search(before[-3:])
+            m = _PY_PREFIX.search(buf[max(0, p - 3) : p])
             open_text = (m.group(1) if m else "") + q
         elif self.spec.rust_raw and q == '"':
-            m = _RUST_RAW.search(before[-12:])
+            m = _RUST_RAW.search(buf[max(0, p - 12) : p])
             if m:
                 open_text = "r" + m.group(1) + q
-        elif self.spec.cpp_raw and q == '"' and _CPP_RAW.search(before[-3:]):
+        elif self.spec.cpp_raw and q == '"' and _CPP_RAW.search(buf[max(0, p - 3) : p]):
             lp = buf.find("(", p + 1, p + 18)
             if lp < 0:
                 if not final and len(buf) - p < 18:
@@ -279,10 +282,12 @@ class Scanner:
             return False
         if buf[p - 1 : p] == "<" or buf.startswith("/>", p):
             return False  # JSX closing tag `</div>` or self-closing `<br />`
-        before = buf[:p].rstrip()
-        if not before:
+        end = p  # end of buf[:p].rstrip(), found without copying buf[:p]
+        while end > 0 and buf[end - 1].isspace():
+            end -= 1
+        if not end:
             return True
-        return before[-1] in _REGEX_PRECEDERS or bool(_REGEX_KEYWORDS.search(before[-8:]))
+        return buf[end - 1] in _REGEX_PRECEDERS or bool(_REGEX_KEYWORDS.search(buf[max(0, end - 8) : end]))
 
     def _regex(self, buf: str, p: int, final: bool, top: Frame) -> int | None:
         c = buf[p]
