@@ -54,6 +54,14 @@ class EngineHost:
         self._starting: asyncio.Task | None = None
         self.error: str | None = None
         self.restarts = 0
+        self.on_change: Callable[[], None] | None = None  # called after each state change (fimble/status)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # a status report must never break the engine's start
+                log.exception("engine state listener failed")
 
     @property
     def state(self) -> str:
@@ -82,6 +90,7 @@ class EngineHost:
         else:
             os.environ.pop("OMP_NUM_THREADS", None)
         self._starting = asyncio.create_task(self._launch(settings))
+        self._changed()  # -> "starting"
 
     async def _launch(self, settings: Settings) -> None:
         from engine.errors import FimbleError
@@ -95,6 +104,8 @@ class EngineHost:
         except Exception as exc:  # an engine that cannot start must not take the server down
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("engine failed to start")
+        finally:  # report once this task is done: until then the state still reads "starting"
+            asyncio.get_running_loop().call_soon(self._changed)
 
     async def get(self, settings: Settings) -> Any | None:
         """The running engine, starting or restarting it as needed; None if it cannot start."""

@@ -8,18 +8,31 @@
    InvalidParams.
 3. Text synchronisation goes to our own document store (lsp_server/documents.py), not to
    pygls' workspace copy, which re-splits the whole document on every edit.
+
+It also takes every frame's raw payload (``receive``): bad UTF-8, bad JSON, batches,
+requests before ``initialize`` or after ``shutdown`` each get their JSON-RPC error instead
+of silence, a string field sent as null or a number is refused rather than coerced to
+"None", and error responses never carry a traceback.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from functools import partial
 from typing import Any
 
 import attrs
 from lsprotocol import types
-from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams
+from pygls.exceptions import JsonRpcException, JsonRpcInternalError, JsonRpcInvalidParams
 from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
+
+log = logging.getLogger(__name__)
+PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
+SERVER_NOT_INITIALIZED = -32002
+INTERNAL_ERROR_MESSAGE = "Internal error (details are in the server log)"
 
 
 def plain(value: Any) -> Any:
@@ -33,6 +46,20 @@ def plain(value: Any) -> Any:
     return value
 
 
+_UNPARSEABLE = object()
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
+        return _UNPARSEABLE
+
+
+def _error(msg_id: Any, code: int, message: str) -> dict:
+    return {"jsonrpc": "2.0", "id": msg_id, "error": {"code": code, "message": message}}
+
+
 @attrs.define
 class _Answered:
     """Stands in for a message already answered with an error; handle_message ignores it."""
@@ -40,7 +67,113 @@ class _Answered:
     jsonrpc: str = "answered"
 
 
+def _strict_str(value: Any, _: type) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _valid_id(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _id_of(data: Any) -> Any:
+    """The message's id if it can address a response, else None (JSON null)."""
+    if isinstance(data, dict) and _valid_id(data.get("id")):
+        return data["id"]
+    return None
+
+
 class FimbleProtocol(LanguageServerProtocol):
+    def __init__(self, server: Any, converter: Any):
+        super().__init__(server, converter)
+        # cattrs turns null or 5 into "None" / "5" where LSP wants a string: refuse instead.
+        self._converter.register_structure_hook(str, _strict_str)
+        self.phase = "new"  # "new" -> "running" (initialize received) -> "shutdown"
+
+    # -- frames in -----------------------------------------------------------------------------
+    def receive(self, payload: bytes | str) -> None:
+        """One frame's payload: check it, answer what is wrong, hand the rest to pygls. Never raises."""
+        if isinstance(payload, bytes):
+            try:
+                payload = payload.decode("utf-8")
+            except UnicodeDecodeError:
+                self.send_error(_id_of(_loads(payload.decode("utf-8", "replace"))), PARSE_ERROR,
+                                "Parse error: the message is not valid UTF-8")
+                return
+        data = _loads(payload)
+        if data is _UNPARSEABLE:
+            self.send_error(None, PARSE_ERROR, "Parse error: the message is not valid JSON")
+        elif isinstance(data, list):
+            # LSP has no batches. JSON-RPC 2.0 lets us answer one: an error per element.
+            errors = [_error(_id_of(item), INVALID_REQUEST, "Invalid Request: batches are not supported")
+                      for item in data] or [_error(None, INVALID_REQUEST, "Invalid Request: empty batch")]
+            self._send_data(errors)
+        else:
+            try:
+                self._receive_one(data)
+            except Exception:  # one message must never end the session
+                log.exception("unable to handle a message")
+                if isinstance(data, dict) and "method" in data and _valid_id(data.get("id")):
+                    self.send_error(data["id"], JsonRpcInternalError.CODE, INTERNAL_ERROR_MESSAGE)
+
+    def _receive_one(self, data: Any) -> None:
+        if not isinstance(data, dict) or data.get("jsonrpc") != "2.0":
+            self.send_error(_id_of(data), INVALID_REQUEST, "Invalid Request: not a JSON-RPC 2.0 message")
+            return
+        method, params = data.get("method"), data.get("params")
+        is_request = "id" in data
+        if is_request and not _valid_id(data["id"]) and (method is not None or data["id"] is not None):
+            self.send_error(None, INVALID_REQUEST, "Invalid Request: id must be a string or an integer")
+            return
+        if "method" not in data:
+            if not is_request or ("result" not in data and "error" not in data):
+                self.send_error(None, INVALID_REQUEST, "Invalid Request: no method")
+                return
+        elif not isinstance(method, str) or not (params is None or isinstance(params, dict | list)):
+            if is_request:
+                self.send_error(data["id"], INVALID_REQUEST, "Invalid Request: bad method or params")
+            else:
+                log.warning("dropped a notification with a bad method or params")
+            return
+        else:
+            if method == types.EXIT:
+                self._server.end_session(0 if self.phase == "shutdown" else 1)
+                return
+            if self.phase == "new" and method != types.INITIALIZE:
+                if is_request:  # and the engine is not started for it
+                    self.send_error(data["id"], SERVER_NOT_INITIALIZED, "Server not initialized")
+                return
+            if self.phase == "shutdown":
+                if is_request:
+                    self.send_error(data["id"], INVALID_REQUEST, "Invalid Request: the server is shutting down")
+                return
+            if method == types.INITIALIZE:
+                if self.phase != "new":
+                    self.send_error(data["id"], INVALID_REQUEST, "Invalid Request: already initialized")
+                    return
+                self.phase = "running"
+            elif method == types.SHUTDOWN:
+                self.phase = "shutdown"
+        try:
+            message = self.structure_message(data)
+        except JsonRpcException:  # requests were answered by structure_message
+            log.warning("dropped a %s message whose params do not fit the LSP types", method or "response")
+            return
+        if not isinstance(message, _Answered):
+            self.handle_message(message)
+
+    # -- frames out ----------------------------------------------------------------------------
+    def send_error(self, msg_id: Any, code: int, message: str) -> None:
+        self._send_data(_error(msg_id, code, message))
+
+    def _send_response(self, msg_id: Any, result: Any = None, error: Any = None) -> None:  # type: ignore[override]
+        """Error responses lose pygls' traceback and exception text: those go to the log only."""
+        if error is not None and (error.code == JsonRpcInternalError.CODE or error.data is not None):
+            error = types.ResponseError(code=error.code, message=INTERNAL_ERROR_MESSAGE
+                                        if error.code == JsonRpcInternalError.CODE else error.message)
+        super()._send_response(msg_id, result, error)
+
     def _execute_handler(self, msg_id, handler, callback, args=None, kwargs=None):  # type: ignore[override]
         super()._execute_handler(msg_id, handler, callback, args, kwargs)
         future = self._request_futures.get(msg_id)
@@ -60,6 +193,15 @@ class FimbleProtocol(LanguageServerProtocol):
                 self._send_response(data["id"], error=err.to_response_error())
                 return _Answered()
             raise
+
+    @lsp_method(types.INITIALIZE)
+    def lsp_initialize(self, params: types.InitializeParams):
+        """pygls' initialize, plus the server's ``experimental`` capabilities (PROTOCOL.md, Capabilities)."""
+        result = yield from super().lsp_initialize(params)
+        experimental = getattr(self._server, "experimental_capabilities", None)
+        if callable(experimental):
+            result.capabilities.experimental = experimental()
+        return result
 
     # -- text sync: our handlers only --------------------------------------------------------
     @lsp_method(types.TEXT_DOCUMENT_DID_OPEN)

@@ -17,6 +17,7 @@ from lsprotocol import types
 from pygls.exceptions import JsonRpcInvalidParams
 from pygls.lsp.server import LanguageServer
 
+from engine.model_info import read_model_info  # no torch
 from lsp_server.completer import Answer, Completer, RequestInfo
 from lsp_server.documents import Document, DocumentStore, PositionError
 from lsp_server.engine_host import EngineHost
@@ -29,6 +30,7 @@ from lsp_server.telemetry import ACCEPT_COMMAND, Telemetry
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 CURSOR_METHOD = "fimble/cursor"
+STATUS_METHOD = "fimble/status"
 _WORD_TAIL = re.compile(r"\w*$")
 
 
@@ -44,6 +46,13 @@ class FimbleServer(LanguageServer):
         self.telemetry = Telemetry(self.stats)
         self.completer = Completer(self.docs, self.host, self.stats, self.telemetry, self.protocol.notify)
         self._reported_error: str | None = None
+        # fimble/status (PROTOCOL.md): sent from `initialized` on, whenever what it says changes.
+        self.model_name = ""
+        self._status_live = False
+        self._status_sent: dict | None = None
+        self._first_latency_ms: int | None = None
+        self._skipped_languages: set[str] = set()  # logged once each (PROTOCOL.md, Languages)
+        self.host.on_change = self.publish_status
 
     @property
     def encoding(self) -> str:
@@ -64,6 +73,10 @@ class FimbleServer(LanguageServer):
         if doc is None or pos.line >= len(doc.lines):
             return None
         if not self.settings.enabled_for(doc.language_id):
+            if doc.language_id not in self._skipped_languages:
+                self._skipped_languages.add(doc.language_id)
+                log.info("no completions for language %r: not in the enabled languages %s (setting `languages`)",
+                         doc.language_id, list(self.settings.effective_languages or ()))
             return None
         try:
             return doc, doc.to_cp(pos.line, pos.character, self.encoding)
@@ -101,8 +114,42 @@ class FimbleServer(LanguageServer):
     def apply_settings(self, options: Any) -> None:
         """Merge wire options; a null model or draft means the server's default (CLI / environment)."""
         s = self.settings.merged(plain(options))
-        self.settings = dataclasses.replace(s, model=s.model or self.defaults.model,
-                                            draft=s.draft or self.defaults.draft)
+        model = s.model or self.defaults.model
+        if model != self.settings.model or not self.model_name:
+            info = read_model_info(model)  # the languages the model was trained on; no model load
+            self.model_name = info.name
+            s = dataclasses.replace(s, model_languages=info.languages)
+        old_langs = self.settings.effective_languages
+        self.settings = dataclasses.replace(s, model=model, draft=s.draft or self.defaults.draft)
+        if self.settings.effective_languages != old_langs:
+            self._skipped_languages.clear()
+            self.publish_status()
+
+    def experimental_capabilities(self) -> dict:
+        """InitializeResult.capabilities.experimental (PROTOCOL.md, Capabilities)."""
+        langs = self.settings.effective_languages
+        return {"fimble": {"languages": None if langs is None else list(langs), "status": True}}
+
+    def status(self) -> dict:
+        """fimble/status's params: the engine's state for the editor's status line."""
+        state = {"starting": "loading"}.get(self.host.state, self.host.state)
+        error = (self.host.error or "unknown error").splitlines()[0][:300] if state == "error" else None
+        message = {"loading": f"loading model {self.model_name}", "ready": f"model {self.model_name} ready",
+                   "stopped": "model not loaded yet", "error": error}[state]
+        langs = self.settings.effective_languages
+        return {"state": state, "message": message, "model": self.model_name,
+                "languages": None if langs is None else list(langs), "firstLatencyMs": self._first_latency_ms}
+
+    def publish_status(self) -> None:
+        """Send fimble/status if the client is initialized and what it says changed."""
+        if self.host.state == "starting":
+            self._first_latency_ms = None  # a (re)start: the next first completion counts again
+        if not self._status_live:
+            return
+        status = self.status()
+        if status != self._status_sent:
+            self._status_sent = status
+            self.protocol.notify(STATUS_METHOD, status)
 
     def report_engine_error(self) -> None:
         """Tell the user once per distinct engine error (every keystroke would be noise)."""
@@ -120,6 +167,9 @@ class FimbleServer(LanguageServer):
         req = RequestInfo(self.protocol.msg_id, token, {"line": pos.line, "character": pos.character}, t0, invoked)
         answer = await self.completer.complete(doc, cursor, self.settings, req, stream=stream)
         self.report_engine_error()
+        if answer is not None and self._first_latency_ms is None and self.host.state == "ready":
+            self._first_latency_ms = round((time.perf_counter() - t0) * 1e3)
+            self.publish_status()
         return None if answer is None else (doc, answer)
 
 
@@ -140,8 +190,10 @@ def _register(ls: FimbleServer) -> None:
 
     @ls.feature(types.INITIALIZED)
     def initialized(ls: FimbleServer, params: types.InitializedParams) -> None:
+        ls._status_live = True
         if ls.settings.preload:
             ls.host.configure(ls.settings)  # load the model now, not on the first keystroke
+        ls.publish_status()
 
     @ls.feature(types.SHUTDOWN)
     async def shutdown(ls: FimbleServer, params: None) -> None:

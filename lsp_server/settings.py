@@ -1,13 +1,16 @@
 """Server settings: defaults, environment, initializationOptions and workspace/didChangeConfiguration.
 
-Keys are camelCase on the wire (PROTOCOL.md lists them). Unknown keys and values of the
-wrong type are ignored with a warning rather than failing the session.
+Keys are camelCase on the wire (PROTOCOL.md lists them). Unknown keys are ignored. A value of
+the wrong type keeps the previous value, a number out of range is clamped into it; either way
+``merge`` returns one line naming the setting, which the server shows the user.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -22,9 +25,20 @@ _WIRE = {  # wire name -> attribute
     "prefixChars": "prefix_chars", "suffixChars": "suffix_chars", "preload": "preload", "answerAt": "answer_at",
     "engineThreads": "engine_threads", "prefetch": "prefetch", "tokenHealing": "token_healing",
     "policy": "policy", "kvCacheMB": "kv_cache_mb", "kvShiftReuse": "kv_shift_reuse", "prewarm": "prewarm",
-    "prewarmDelayMs": "prewarm_delay_ms",
+    "prewarmDelayMs": "prewarm_delay_ms", "languages": "languages",
 }
 _CHOICES = {"drafter": ("auto", "model", "ngram", "none"), "answer_at": ("line", "end")}
+# Integer settings: (lowest, highest). Why bounds at all: 10**400 ms overflowed float
+# conversions in every request, and a debounce of 10**12 ms left requests unanswered.
+_RANGES = {
+    "max_lines": (0, 1000), "max_tokens": (0, 4096), "debounce_ms": (0, 10_000), "early_answer_ms": (0, 10_000),
+    "prefix_chars": (0, 1_000_000), "suffix_chars": (0, 1_000_000), "engine_threads": (0, 1024),
+    "kv_cache_mb": (0, 1 << 20), "prewarm_delay_ms": (0, 60_000),
+}
+# Upper bounds of the policy override fields that engine/policy.py checks only from below.
+_POLICY_MAX = {"temperature": 10.0, "gamma": 64, "max_gamma": 64, "max_tokens": 4096, "max_lines": 1000}
+_DEVICE = re.compile(r"(cpu|mps|cuda(:\d{1,2})?)")
+MAX_PATH_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -47,6 +61,10 @@ class Settings:
     # "end": answer when the decode ends (clients that render fimble/completionDelta meanwhile).
     answer_at: str = "line"
     enable: dict[str, bool] = field(default_factory=lambda: {"*": True})
+    # Language ids to complete (PROTOCOL.md "Languages"): the user's list, or None to follow the
+    # model's own list (``model_languages``, from its fimble.json; None there too: every language).
+    languages: tuple[str, ...] | None = None
+    model_languages: tuple[str, ...] | None = None  # set by the server from the model folder, not a wire key
     streaming: bool = False  # send fimble/completionDelta notifications
     prefix_chars: int = 4000
     suffix_chars: int = 1000
@@ -84,36 +102,113 @@ class Settings:
         """The engine's KV reuse mode for requests (CompletionRequest.reuse)."""
         return "shift" if self.kv_shift_reuse else "exact"
 
+    @property
+    def effective_languages(self) -> tuple[str, ...] | None:
+        """The language ids served (None: every language): the ``languages`` setting, else the model's."""
+        langs = self.languages if self.languages is not None else self.model_languages
+        return None if langs is None or "*" in langs else langs
+
     def enabled_for(self, language_id: str) -> bool:
-        return bool(self.enable.get(language_id, self.enable.get("*", True)))
+        if language_id in self.enable:  # an explicit entry wins over the language list
+            return bool(self.enable[language_id])
+        langs = self.effective_languages
+        if langs is not None and language_id not in langs:
+            return False
+        return bool(self.enable.get("*", True))
 
     def merged(self, options: Any) -> Settings:
-        """A copy with the given wire options applied. Accepts {"fimble": {...}} or the bare dict."""
+        return self.merge(options)[0]
+
+    def merge(self, options: Any) -> tuple[Settings, list[str]]:
+        """A copy with the given wire options applied, and one line per bad value (named by its wire key).
+
+        Accepts {"fimble": {...}} or the bare dict.
+        """
         if not isinstance(options, dict):
-            return self
+            return self, []
         if isinstance(options.get("fimble"), dict):
             options = options["fimble"]
         changes: dict[str, Any] = {}
+        problems: list[str] = []
         types = {f.name: f.type for f in fields(self)}
         for key, value in options.items():
             attr = _WIRE.get(key)
             if attr is None:
                 continue  # other tools' settings share the object
+            if attr == "languages":  # a list of language ids; null: follow the model
+                if value is None or (isinstance(value, list) and len(value) <= 256
+                                     and all(isinstance(v, str) and 0 < len(v) <= 64 for v in value)):
+                    changes["languages"] = None if value is None else tuple(dict.fromkeys(value))
+                else:
+                    problems.append("languages: expected a list of language ids or null; keeping the previous value")
+                continue
             if attr == "policy":  # replaces the previous overrides whole; null or {} clears them
-                problems = check_overrides(value)
-                if problems:
-                    log.warning("ignoring setting policy: %s", "; ".join(problems))
+                bad = _policy_over_max(value) or check_overrides(value)  # first: 10**400 overflows float()
+                if bad:
+                    problems.append(f"policy: {'; '.join(bad)[:500]}; keeping the previous overrides")
                 else:
                     changes["policy"] = dict(value) if value else None
                 continue
             ok = _check(types[attr], value)
-            if ok is None or (attr in _CHOICES and ok not in _CHOICES[attr]):
-                log.warning("ignoring setting %s=%r: wrong type or value", key, value)
+            if ok is None or (attr in _CHOICES and ok not in _CHOICES[attr]) or not _fits(attr, ok):
+                problems.append(f"{key}: {_expected(attr, types[attr])}, got {_shown(value)}; "
+                                f"keeping {_shown(getattr(self, attr))}")
                 continue
+            if attr in _RANGES:
+                low, high = _RANGES[attr]
+                if not low <= ok <= high:
+                    clamped = min(max(ok, low), high)
+                    problems.append(f"{key}: {_shown(ok)} is outside {low}..{high}; using {clamped}")
+                    ok = clamped
             changes[attr] = None if attr in ("model", "draft") and ok == "" else ok
         if isinstance(changes.get("enable"), dict):
             changes["enable"] = {**self.enable, **changes["enable"]}
-        return replace(self, **changes)
+        for line in problems:
+            log.warning("setting %s", line)
+        return replace(self, **changes), problems
+
+
+def _fits(attr: str, value: Any) -> bool:
+    """Checks beyond the type: a device torch knows, a sane path, a bounded ``enable`` table."""
+    if attr == "device":
+        return _DEVICE.fullmatch(value) is not None
+    if attr in ("model", "draft"):
+        return len(value) <= MAX_PATH_CHARS and "\x00" not in value
+    if attr == "enable":
+        return len(value) <= 256 and all(isinstance(k, str) and len(k) <= 64 for k in value)
+    return True
+
+
+def _expected(attr: str, kind: str) -> str:
+    if attr in _CHOICES:
+        return "expected one of " + ", ".join(_CHOICES[attr])
+    if attr in _RANGES:
+        return f"expected an integer from {_RANGES[attr][0]} to {_RANGES[attr][1]}"
+    if attr == "device":
+        return "expected cpu, cuda, cuda:N or mps"
+    if attr == "enable":
+        return "expected true, false or an object of language id -> true/false"
+    return {"bool": "expected true or false"}.get(kind, "expected a string (or null for the default)")
+
+
+def _shown(value: Any) -> str:
+    """A value for a message: short (a 10**400 has 401 digits)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _policy_over_max(overrides: dict | None) -> list[str]:
+    """Policy values engine/policy.py would accept but that break decoding (temperature 1e308, 10**400)."""
+    problems = []
+    rows = overrides.items() if isinstance(overrides, dict) else ()
+    for key, row in rows:
+        for name, value in row.items() if isinstance(row, dict) else ():
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            high = _POLICY_MAX.get(name, 1)  # the others (top_p, confidence_gate) are fractions
+            if (isinstance(value, float) and not math.isfinite(value)) or value > high:
+                problems.append(f"{key}.{name}: {_shown(value)} is over {high}")
+    return problems
 
 
 def _check(kind: str, value: Any) -> Any:
@@ -125,7 +220,7 @@ def _check(kind: str, value: Any) -> Any:
     if kind == "bool":
         return value if isinstance(value, bool) else None
     if kind == "int":
-        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None  # range: _RANGES
     if kind.startswith("dict"):
         if isinstance(value, bool):
             return {"*": value}
