@@ -34,6 +34,9 @@ _CLOSE_TOKENS = {")", "]", "}"}
 _MAX_SIBLINGS = 64  # bound on siblings inspected per level where the tree has errors
 _BIG_NODE = 24  # error-free nodes with more children: only their edges can hold open brackets
 _PLAIN_WINDOW_LINES = 60  # plain-text fallback: how far back the lexical scan starts
+# ... and at most this many bytes back: a 1 MB line above the cursor must not be scanned on
+# every keystroke (the scan runs on the server's event loop).
+_PLAIN_WINDOW_BYTES = 16384
 
 
 def open_frames(doc: SyntaxDocument, offset: int) -> tuple[list[Frame], bool]:
@@ -252,11 +255,20 @@ def _plain_frames(doc: SyntaxDocument, offset: int) -> list[Frame]:
         if start < 0:
             break
     start += 1
+    if offset - start > _PLAIN_WINDOW_BYTES:  # a line start inside the cap, else a char boundary
+        floor = offset - _PLAIN_WINDOW_BYTES
+        nl = data.find(b"\n", floor, offset)
+        start = nl + 1 if nl >= 0 else floor
+        while start < offset and data[start] & 0xC0 == 0x80:  # not inside a UTF-8 sequence
+            start += 1
     text = data[start:offset].decode("utf-8", errors="replace")
     scanner = Scanner(PLAIN, strict=False)
     scanner.feed(text, final=True)
     frames = []
+    pos, byte = 0, start  # frames are in text order: convert their starts to bytes in one pass
     for f in scanner.stack:
-        f.start, f.seeded = start + len(text[: f.start].encode("utf-8")), True
+        byte += len(text[pos : f.start].encode("utf-8"))
+        pos = f.start
+        f.start, f.seeded = byte, True
         frames.append(f)
     return frames
