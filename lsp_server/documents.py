@@ -17,7 +17,9 @@ re-parse the whole document: ~0.7 s a keystroke on a 900 KB file). A language wi
 grammar is plain text there. Parse size limit: a document longer than ``SYNTAX_MAX_CHARS``
 characters is not parsed (plain text there), whether it was opened that big or grew through
 edits; one that shrinks back below ``SYNTAX_RESUME_CHARS`` is parsed again. Why: tree-sitter
-takes about a second per megabyte, on the event loop.
+takes about a second per megabyte, on the event loop. Likewise a document with a line longer
+than ``SYNTAX_MAX_LINE`` (minified code, data) is plain text until no such line is left: an
+edit inside a long line re-parses all of it (1-2 s a keystroke in a 900 KB line).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ SYNTAX_MAX_CHARS = 1_000_000
 # A document over the limit is parsed again only once it is this short: a document edited
 # around the limit must not pay a full parse per keystroke.
 SYNTAX_RESUME_CHARS = SYNTAX_MAX_CHARS * 9 // 10
+SYNTAX_MAX_LINE = 50_000  # characters; about 70 ms of reparse per keystroke inside such a line
 _BARE_CR = re.compile("\r(?!\n)")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -76,6 +79,7 @@ class Document:
     window: tuple[int, int] | None = None
     syntax: SyntaxDocument = field(init=False, repr=False)
     full_parses: int = field(init=False, default=0, repr=False)  # whole-document parses (open, resync, limit)
+    _long_lines: int = field(init=False, default=0, repr=False)  # lines over SYNTAX_MAX_LINE
     _edits: int = field(init=False, default=0, repr=False)  # bumped by every change of the text
     _blocks: tuple[tuple, list[int]] | None = field(init=False, default=None, repr=False)  # block_rows' cache
 
@@ -86,22 +90,26 @@ class Document:
     def set_text(self, text: str) -> None:
         self.lines = split_lines(text)
         self.length = len(text)
+        self._long_lines = _count_long(self.lines)
         self.window = None
         self._sync_all(text)
 
     def _sync_all(self, text: str) -> None:
         self._edits += 1
-        lang = self.language_id if len(text) <= SYNTAX_MAX_CHARS else ""
+        lang = self.language_id if self._parse_allowed(SYNTAX_MAX_CHARS) else ""
         if getattr(self, "_syntax_lang", None) != lang:  # first time, or across the size limit
             self.syntax, self._syntax_lang = SyntaxDocument(lang or "plaintext", ""), lang
         self.syntax.set_text(syntax_text(text))
         self.full_parses += self.syntax.has_tree
 
+    def _parse_allowed(self, max_chars: int) -> bool:
+        return self.length <= max_chars and not self._long_lines
+
     def _check_size_limit(self) -> None:
-        """Stop parsing a document that grew past the limit; parse again one that shrank well below it."""
-        if self._syntax_lang and self.length > SYNTAX_MAX_CHARS:
+        """Stop parsing a document that grew past the limits; parse again one back well within them."""
+        if self._syntax_lang and not self._parse_allowed(SYNTAX_MAX_CHARS):
             self._sync_all(self.source)  # to plain text: no parse
-        elif not self._syntax_lang and self.language_id and self.length <= SYNTAX_RESUME_CHARS:
+        elif not self._syntax_lang and self.language_id and self._parse_allowed(SYNTAX_RESUME_CHARS):
             self._sync_all(self.source)
 
     def byte_offset(self, line: int, col: int) -> int:
@@ -206,6 +214,7 @@ class Document:
         new_lines = split_lines(head + text + tail)
         if last + 1 < len(self.lines):
             new_lines.pop()  # the empty piece after the region's final line break: the next line starts there
+        self._long_lines += _count_long(new_lines) - _count_long(self.lines[first:last + 1])
         self.lines[first:last + 1] = new_lines
         self.length += len(text) - removed
         self._move_window(first, l1, len(new_lines) - (last - first + 1))
@@ -225,6 +234,10 @@ class Document:
             self.window = None  # the edit touches the window's first line: choose again
 
 
+def _count_long(lines: list[str]) -> int:
+    return sum(len(line) > SYNTAX_MAX_LINE for line in lines)
+
+
 class DocumentStore:
     """Open documents by URI."""
 
@@ -241,6 +254,9 @@ class DocumentStore:
 
     def close(self, uri: str) -> Document | None:
         return self._docs.pop(uri, None)
+
+    def uris(self) -> list[str]:
+        return list(self._docs)
 
     def __len__(self) -> int:
         return len(self._docs)
