@@ -16,6 +16,7 @@ import torch
 from engine.compact import SUPPORTED_MODEL_TYPES, CompactConfig, load_compact
 from engine.errors import ModelLoadError
 from engine.fim import FimTemplate, detect_template, template_by_name
+from engine.weights_check import check_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -144,6 +145,7 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
         runtime = load_compact(folder, dtype=dtype, device=device)
     else:
         runtime = _hf_runtime(folder, cfg, dtype, device, trust_remote_code)
+    check_weights(runtime, folder)  # NaN/Inf/implausible weights or probe logits: a load error
     fim = template_by_name(template) if template else detect_template(set(tokenizer.get_vocab()))
     return LoadedModel(
         name=folder.name, folder=folder, runtime=runtime, tokenizer=tokenizer, template=fim,
