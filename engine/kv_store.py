@@ -33,6 +33,12 @@ STAT_NAMES = ("kv_segment_hits", "kv_segment_misses", "kv_evictions", "kv_docume
               "kv_borrowed_tokens")
 
 
+def session_of(doc_id: str) -> str:
+    """The client session a document id belongs to: ids are "<session>\\x00<uri>" where sessions share
+    the engine (lsp_server/transports.py), a bare URI otherwise."""
+    return doc_id.partition("\x00")[0] if "\x00" in doc_id else ""
+
+
 def default_budget_bytes(device: str | torch.device) -> int:
     """1 GiB on CPU; on a GPU a fifth of its memory, at most 8 GiB."""
     dev = torch.device(device)
@@ -153,7 +159,8 @@ class KVStore:
         best: tuple[str, int] | None = None
         for seg in plan.segments:
             found = self._chains.get(seg.chain)
-            if found is None or found[1] != seg.end or found[0] == doc.doc_id or found[0] not in self.docs:
+            if found is None or found[1] != seg.end or found[0] == doc.doc_id or found[0] not in self.docs \
+                    or session_of(found[0]) != session_of(doc.doc_id):  # never across client sessions
                 break
             best = found
         if best is None or best[1] < have + MIN_BORROW_TOKENS:

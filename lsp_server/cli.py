@@ -33,8 +33,19 @@ def _parser() -> argparse.ArgumentParser:
 
     lsp = sub.add_parser("lsp", help="run the language server (stdio unless --tcp/--ws)")
     lsp.add_argument("--stdio", action="store_true", help="talk over stdin/stdout (the default)")
-    lsp.add_argument("--tcp", metavar="HOST:PORT", help="serve one client over TCP (host defaults to 127.0.0.1)")
-    lsp.add_argument("--ws", metavar="HOST:PORT", help="serve one client over WebSocket text frames")
+    lsp.add_argument("--tcp", metavar="HOST:PORT",
+                     help="listen on TCP, one session per connection (host defaults to 127.0.0.1)")
+    lsp.add_argument("--ws", metavar="HOST:PORT", help="listen for WebSocket clients (text frames), one session each")
+    lsp.add_argument("--allow-remote", action="store_true",
+                     help="allow --tcp/--ws on an address that is not loopback (a token is then required)")
+    lsp.add_argument("--require-token", action="store_true", help="require the token on loopback too")
+    lsp.add_argument("--token-file", metavar="PATH",
+                     help="read the token from this file (default: a new one, printed to stderr)")
+    lsp.add_argument("--allow-origin", metavar="ORIGIN", action="append", default=[],
+                     help="a browser Origin (e.g. http://localhost:3000) allowed to open a WS session; repeatable")
+    lsp.add_argument("--max-message-mb", type=int, default=64, help="largest JSON-RPC message accepted (MiB)")
+    lsp.add_argument("--debug", action="store_true",
+                     help="log every message in full and answer fimble/debug/document (both show document text)")
     lsp.add_argument("--log-level", default=os.environ.get("FIMBLE_LOG", "WARNING"))
     lsp.add_argument("--log-file", help="log here instead of stderr")
     _add_model_args(lsp)
@@ -75,28 +86,64 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # -- lsp -------------------------------------------------------------------------------------
+def _quiet_pygls(record: logging.LogRecord) -> bool:
+    """Without --debug, pygls' records lose their arguments (messages, params: document text) and
+    INFO/DEBUG ones are dropped (pygls logs every message sent at INFO)."""
+    if not record.name.startswith("pygls"):
+        return True
+    if record.levelno < logging.WARNING or record.getMessage().startswith("Cancel notification for unknown"):
+        return False
+    if record.args:
+        record.msg, record.args = f"{record.msg} [arguments withheld: run with --debug]", None
+    return True
+
+
 def run_lsp(args: argparse.Namespace) -> int:
-    from lsp_server.server import create_server
+    from lsp_server import auth
+    from lsp_server.framing import Limits
     from lsp_server.settings import Settings
-    from lsp_server.transports import parse_address, serve
+    from lsp_server.transports import ListenOptions, parse_address, serve
 
     level = getattr(logging, str(args.log_level).upper(), None)
     if not isinstance(level, int):
         raise FimbleError(f"unknown log level {args.log_level!r}")
     logging.basicConfig(level=level, filename=args.log_file, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # An editor cancelling a request that has just been answered is normal, not worth a warning.
-    logging.getLogger("pygls.protocol.json_rpc").addFilter(
-        lambda record: not record.getMessage().startswith("Cancel notification for unknown message id"))
-    for addr in (args.tcp, args.ws):
-        if addr:
-            try:
-                parse_address(addr)
-            except ValueError as exc:
-                raise FimbleError(str(exc)) from None
+    if not args.debug:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_quiet_pygls)
+    else:  # an editor cancelling a request that has just been answered is normal, not worth a warning
+        logging.getLogger("pygls.protocol.json_rpc").addFilter(
+            lambda record: not record.getMessage().startswith("Cancel notification for unknown message id"))
+    if args.tcp and args.ws:
+        raise FimbleError("choose one of --tcp and --ws")
+    if not 1 <= args.max_message_mb <= 4096:
+        raise FimbleError("--max-message-mb must be from 1 to 4096")
+    options = ListenOptions(limits=Limits(max_message=args.max_message_mb << 20), debug=args.debug,
+                            allow_origins=tuple(args.allow_origin))
+    address = args.tcp or args.ws
+    if address:
+        try:
+            host, _ = parse_address(address)
+        except ValueError as exc:
+            raise FimbleError(str(exc)) from None
+        loopback = auth.is_loopback(host)
+        if not loopback and not args.allow_remote:
+            raise FimbleError(f"{host} is not a loopback address: other machines could connect. "
+                              "Pass --allow-remote to mean it (a token is then required)")
+        token = None
+        if not loopback or args.require_token or args.token_file:
+            token = auth.read_token(args.token_file) if args.token_file else auth.new_token()
+            if not args.token_file:  # as Jupyter does: the user copies it from here
+                print(f"fimble: token: {token}", file=sys.stderr, flush=True)
+        if not loopback:
+            print(f"fimble: WARNING: listening on {host}, which other machines can reach. Every client must "
+                  "present the token (PROTOCOL.md, Security); traffic is not encrypted.", file=sys.stderr, flush=True)
+        options = dataclasses.replace(options, token=token, loopback=loopback)
+    elif args.allow_remote or args.require_token or args.token_file or args.allow_origin:
+        raise FimbleError("--allow-remote, --require-token, --token-file and --allow-origin need --tcp or --ws")
     defaults = dataclasses.replace(Settings(), model=args.model, draft=args.draft, no_draft=args.no_draft,
                                    device=args.device)
-    serve(create_server(defaults), tcp=args.tcp, ws=args.ws)
-    return 0
+    return serve(defaults, tcp=args.tcp, ws=args.ws, options=options)
 
 
 # -- complete --------------------------------------------------------------------------------

@@ -140,6 +140,11 @@ class Completer:
         # the latest decode submitted or pre-warm scheduled there. fimble/cursor skips a pre-warm for it.
         self._warm_at: dict[str, tuple[int, tuple[int, int]]] = {}
         self.last_policy: dict | None = None  # the latest decode's decision, for fimble/stats
+        self.engine_ns = ""  # the session's id where sessions share the engine (FimbleServer)
+
+    def engine_doc_id(self, uri: str) -> str:
+        """The document's key in the engine: its URI, under the session's namespace when shared."""
+        return f"{self.engine_ns}\x00{uri}" if self.engine_ns else uri
 
     # -- tables (for the bounded-growth check in fimble/stats) -------------------------------
     def tables(self) -> dict:
@@ -192,7 +197,7 @@ class Completer:
             pending.cancel()
         engine = self.host.ready_engine()
         if engine is not None:
-            engine.forget(uri)  # its KV caches: memory for the documents still open
+            engine.forget(self.engine_doc_id(uri))  # its KV caches: memory for the documents still open
         if self.active is not None and self.active.ctx.uri == uri:
             self.active.cancel()
         for gen in self.recent.pop(uri, ()):
@@ -431,12 +436,12 @@ class Completer:
             self.stats.count("segment_lines_errors")
             return None
 
-    @staticmethod
-    def _request(ctx: Context, plan: Plan, settings: Settings) -> Any:
+    def _request(self, ctx: Context, plan: Plan, settings: Settings) -> Any:
         """The engine request for ``ctx``: one code path for completions, prefetches and pre-warms."""
         from engine.api import CompletionRequest  # loaded by the engine host already
 
-        return CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=plan.options, document_id=ctx.uri,
+        return CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=plan.options,
+                                 document_id=self.engine_doc_id(ctx.uri),
                                  segment_lines=plan.segment_lines, reuse=settings.reuse, truncate=True,
                                  heal=settings.token_healing)
 

@@ -155,10 +155,12 @@ class FimbleProtocol(LanguageServerProtocol):
                 self.phase = "running"
             elif method == types.SHUTDOWN:
                 self.phase = "shutdown"
+        if "method" in data and "params" not in data:
+            data = {**data, "params": None}  # JSON-RPC lets params be omitted; pygls' generic types need it
         try:
             message = self.structure_message(data)
         except JsonRpcException:  # requests were answered by structure_message
-            log.warning("dropped a %s message whose params do not fit the LSP types", method or "response")
+            log.warning("dropped a %s message whose params do not fit the LSP types", str(method or "response")[:80])
             return
         if not isinstance(message, _Answered):
             self.handle_message(message)

@@ -11,10 +11,11 @@ import dataclasses
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from lsprotocol import types
-from pygls.exceptions import JsonRpcInvalidParams
+from pygls.exceptions import FeatureRequestError, JsonRpcInvalidParams
 from pygls.lsp.server import LanguageServer
 
 from engine.model_info import read_model_info  # no torch
@@ -23,7 +24,7 @@ from lsp_server.documents import Document, DocumentStore, PositionError
 from lsp_server.engine_host import EngineHost
 from lsp_server.positions import ENCODINGS, UTF16, advance
 from lsp_server.protocol import FimbleProtocol, plain
-from lsp_server.settings import Settings
+from lsp_server.settings import MODEL_UNUSABLE, Settings, usable_model_folder
 from lsp_server.stats import Stats, kv_cache_summary
 from lsp_server.telemetry import ACCEPT_COMMAND, Telemetry
 
@@ -35,16 +36,31 @@ _WORD_TAIL = re.compile(r"\w*$")
 
 
 class FimbleServer(LanguageServer):
-    def __init__(self, defaults: Settings | None = None):
+    """One client's session: its documents, settings, requests, streams and type-through cache.
+
+    ``host``: an engine shared with other sessions (one per TCP/WS connection, see
+    lsp_server/transports.py). Then the engine's model settings are the command line's, and
+    this session's documents reach the engine under ``session_id`` (Completer.engine_doc_id).
+    """
+
+    def __init__(self, defaults: Settings | None = None, host: EngineHost | None = None, *,
+                 session_id: str = "", debug: bool = False):
         super().__init__("fimble", VERSION, protocol_cls=FimbleProtocol,
                          text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
         self.defaults = defaults or Settings.from_env()  # CLI flags / environment
         self.settings = self.defaults
         self.docs = DocumentStore()
-        self.host = EngineHost()
+        self.shared_engine = host is not None
+        self.host = host or EngineHost()
+        self.session_id = session_id
+        self.debug = debug  # fimble/debug/document answers only then
+        self.closer: Callable[[int], None] | None = None  # set by the transport: ends this session
+        self.peers: Callable[[], dict] | None = None  # set by the transport: every session's tables
+        self._reported_internal: set[str] = set()
         self.stats = Stats()
         self.telemetry = Telemetry(self.stats)
         self.completer = Completer(self.docs, self.host, self.stats, self.telemetry, self.protocol.notify)
+        self.completer.engine_ns = session_id
         self._reported_error: str | None = None
         # fimble/status (PROTOCOL.md): sent from `initialized` on, whenever what it says changes.
         self.model_name = ""
@@ -112,8 +128,14 @@ class FimbleServer(LanguageServer):
         return self.client_position(doc, (line, min(col + answer.replace_cols, len(doc.line_text(line)))))
 
     def apply_settings(self, options: Any) -> None:
-        """Merge wire options; a null model or draft means the server's default (CLI / environment)."""
-        s = self.settings.merged(plain(options))
+        """Merge wire options; a null model or draft means the server's default (CLI / environment).
+
+        Each bad value keeps the previous one (or is clamped) and is shown to the user, named.
+        """
+        s, problems = self.settings.merge(plain(options))
+        s = self._checked_engine_settings(s, problems)
+        for line in problems:
+            self.window_show_message(types.ShowMessageParams(types.MessageType.Warning, f"fimble: setting {line}"))
         model = s.model or self.defaults.model
         if model != self.settings.model or not self.model_name:
             info = read_model_info(model)  # the languages the model was trained on; no model load
@@ -133,7 +155,7 @@ class FimbleServer(LanguageServer):
     def status(self) -> dict:
         """fimble/status's params: the engine's state for the editor's status line."""
         state = {"starting": "loading"}.get(self.host.state, self.host.state)
-        error = (self.host.error or "unknown error").splitlines()[0][:300] if state == "error" else None
+        error = (self.public_engine_error() or "unknown error").splitlines()[0][:300] if state == "error" else None
         message = {"loading": f"loading model {self.model_name}", "ready": f"model {self.model_name} ready",
                    "stopped": "model not loaded yet", "error": error}[state]
         langs = self.settings.effective_languages
@@ -151,11 +173,68 @@ class FimbleServer(LanguageServer):
             self._status_sent = status
             self.protocol.notify(STATUS_METHOD, status)
 
+    def _checked_engine_settings(self, s: Settings, problems: list[str]) -> Settings:
+        """Model settings a client may not have: back to the current ones, with a line in ``problems``.
+
+        A shared engine runs the command line's model for every session. A model folder from
+        the client gets one message whatever is wrong with it, so that the server is no
+        oracle of which paths exist on its machine (the CLI's own messages stay specific).
+        """
+        if self.shared_engine and s.engine_key() != self.settings.engine_key():
+            problems.append("model, draft, noDraft, device, engineThreads, kvCacheMB: set by the server's "
+                            "command line while it serves several connections; keeping them")
+            return dataclasses.replace(s, **{k: getattr(self.settings, k) for k in (
+                "model", "draft", "no_draft", "device", "engine_threads", "kv_cache_mb")})
+        for key, attr in (("model", "model"), ("draft", "draft")):
+            path = getattr(s, attr)
+            if path and path != getattr(self.settings, attr) and path != getattr(self.defaults, attr) \
+                    and not usable_model_folder(path):
+                problems.append(f"{key}: {MODEL_UNUSABLE}")
+                s = dataclasses.replace(s, **{attr: getattr(self.settings, attr)})
+        return s
+
+    def public_engine_error(self) -> str | None:
+        """The engine's error as a client may see it (see _checked_engine_settings)."""
+        if not self.host.error:
+            return None
+        if (self.settings.model or None) != (self.defaults.model or None) or \
+                (self.settings.draft or None) != (self.defaults.draft or None):
+            return MODEL_UNUSABLE  # a folder the client chose: the details are in the log
+        return self.host.error
+
     def report_engine_error(self) -> None:
         """Tell the user once per distinct engine error (every keystroke would be noise)."""
-        if self.host.error and self.host.error != self._reported_error:
+        error = self.public_engine_error()
+        if error and self.host.error != self._reported_error:
             self._reported_error = self.host.error
-            self.window_show_message(types.ShowMessageParams(types.MessageType.Error, f"fimble: {self.host.error}"))
+            self.window_show_message(types.ShowMessageParams(types.MessageType.Error, f"fimble: {error}"))
+
+    def report_server_error(self, error: Exception, source: Any) -> None:
+        """pygls' hook for failures outside a request: the details go to the log, never to the client."""
+        if source is FeatureRequestError:  # already answered (and logged) with the request's error response
+            return
+        log.error("internal error (%s): %s", getattr(source, "__name__", source), type(error).__name__)
+        if type(error).__name__ not in self._reported_internal:
+            self._reported_internal.add(type(error).__name__)  # once each: every keystroke would be noise
+            self.window_show_message(types.ShowMessageParams(
+                types.MessageType.Error, "fimble: internal error (details are in the server log)"))
+
+    def end_session(self, code: int) -> None:
+        """`exit`: the transport closes this session (stdio: the process ends with ``code``)."""
+        self.close_session()
+        if self.closer is not None:
+            self.closer(code)
+
+    def close_session(self) -> None:
+        """Forget everything of this session: its documents here and in the engine, its decodes."""
+        self.protocol.phase = "shutdown"
+        for uri in self.docs.uris():
+            self.docs.close(uri)
+            self.completer.document_closed(uri)
+        if self.completer.active is not None:
+            self.completer.active.cancel()
+        for future in list(self.protocol._request_futures.values()):
+            future.cancel()
 
     async def answer(self, uri: str, pos: types.Position, token: Any, invoked: bool, *,
                      stream: bool) -> tuple[Document, Answer] | None:
@@ -173,8 +252,9 @@ class FimbleServer(LanguageServer):
         return None if answer is None else (doc, answer)
 
 
-def create_server(defaults: Settings | None = None) -> FimbleServer:
-    ls = FimbleServer(defaults)
+def create_server(defaults: Settings | None = None, host: EngineHost | None = None, *, session_id: str = "",
+                  debug: bool = False) -> FimbleServer:
+    ls = FimbleServer(defaults, host, session_id=session_id, debug=debug)
     _register(ls)
     return ls
 
@@ -199,7 +279,8 @@ def _register(ls: FimbleServer) -> None:
     async def shutdown(ls: FimbleServer, params: None) -> None:
         if ls.completer.active is not None:
             ls.completer.active.cancel()
-        await ls.host.close()
+        if not ls.shared_engine:  # a shared engine serves the other sessions on
+            await ls.host.close()
 
     @ls.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
     def did_change_configuration(ls: FimbleServer, params: types.DidChangeConfigurationParams) -> None:
@@ -313,7 +394,7 @@ def _register(ls: FimbleServer) -> None:
     async def stats(ls: FimbleServer, params: Any) -> dict:
         snap = ls.stats.snapshot()
         counters = await ls.host.counters()
-        snap["engine"] = {**ls.host.info(), "counters": counters}
+        snap["engine"] = {**ls.host.info(), "counters": counters, "error": ls.public_engine_error()}
         snap["kvCache"] = kv_cache_summary(counters, ls.stats.counters)
         snap["tokens"] = {k: ls.stats.counters[k] for k in ("tokens_generated", "tokens_shown", "tokens_never_shown")}
         snap["tokens"].update(ls.completer.pending_accounting())
@@ -328,9 +409,10 @@ def _register(ls: FimbleServer) -> None:
                             "kvCacheMB": ls.settings.kv_cache_mb, "kvShiftReuse": ls.settings.kv_shift_reuse,
                             "prewarm": ls.settings.prewarm, "prewarmDelayMs": ls.settings.prewarm_delay_ms}
         snap["lastPolicy"] = ls.completer.last_policy
+        if ls.peers is not None:  # all sessions of this listener: counts only, nothing of their content
+            snap["server"] = ls.peers()
         return snap
 
-    @ls.feature("fimble/debug/document")
     def debug_document(ls: FimbleServer, params: Any) -> dict | None:
         params = plain(params)
         uri = params.get("uri") if isinstance(params, dict) else None
@@ -339,3 +421,6 @@ def _register(ls: FimbleServer) -> None:
             return None
         return {"uri": doc.uri, "version": doc.version, "text": doc.source, "lines": len(doc.lines),
                 "length": doc.length}
+
+    if ls.debug:  # it reads out document text: only with `fimble lsp --debug`
+        ls.feature("fimble/debug/document")(debug_document)

@@ -31,7 +31,7 @@ _CHOICES = {"drafter": ("auto", "model", "ngram", "none"), "answer_at": ("line",
 # Integer settings: (lowest, highest). Why bounds at all: 10**400 ms overflowed float
 # conversions in every request, and a debounce of 10**12 ms left requests unanswered.
 _RANGES = {
-    "max_lines": (0, 1000), "max_tokens": (0, 4096), "debounce_ms": (0, 10_000), "early_answer_ms": (0, 10_000),
+    "max_lines": (0, 1000), "max_tokens": (0, 4096), "debounce_ms": (0, 2_000), "early_answer_ms": (0, 10_000),
     "prefix_chars": (0, 1_000_000), "suffix_chars": (0, 1_000_000), "engine_threads": (0, 1024),
     "kv_cache_mb": (0, 1 << 20), "prewarm_delay_ms": (0, 60_000),
 }
@@ -39,6 +39,15 @@ _RANGES = {
 _POLICY_MAX = {"temperature": 10.0, "gamma": 64, "max_gamma": 64, "max_tokens": 4096, "max_lines": 1000}
 _DEVICE = re.compile(r"(cpu|mps|cuda(:\d{1,2})?)")
 MAX_PATH_CHARS = 4096
+MODEL_UNUSABLE = "model not found or not usable"
+
+
+def usable_model_folder(path: str) -> bool:
+    """A folder with a config.json: the least a model folder has (the engine checks the rest)."""
+    try:
+        return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,20 @@
 """stdio, TCP and WebSocket transports. TCP and WS listen on loopback unless told otherwise.
 
-Two departures from pygls' own loops:
-- stdio reads through an asyncio pipe, not a thread-pool hop per header line and body
-  (pygls' reader costs about 0.6 ms a message; a keystroke is several messages);
-- WebSocket messages go out as text frames (pygls sends binary frames, which browser
-  clients such as Monaco and vscode-ws-jsonrpc drop).
+One session per connection: every TCP or WS connection gets its own ``FimbleServer``
+(documents, settings, requests, streams, type-through cache), its responses go only to its
+own connection, and when the connection ends, however it ends (``exit``, a clean close, a
+reset), the session's documents are dropped here and in the engine. The listener keeps
+listening. Why a server object per connection rather than one server multiplexing: a pygls
+``LanguageServer`` owns exactly one protocol (one writer, one set of request futures), so a
+second connection on one server took over the first one's output. Sessions share one
+``EngineHost`` (one engine process, one model in memory); the engine keys each session's
+documents by "<session id>\\x00<uri>" (Completer.engine_doc_id), so no session reaches
+another's KV caches.
+
+Frames are read by lsp_server/framing.py (stdio, TCP) and checked by
+``FimbleProtocol.receive``: a malformed frame is answered and reading goes on.
+WebSocket messages go out as text frames (pygls sends binary frames, which browser clients
+such as Monaco and vscode-ws-jsonrpc drop). Who may connect: lsp_server/auth.py.
 """
 
 from __future__ import annotations
@@ -12,17 +22,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import sys
 import threading
+from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
-from pygls.exceptions import JsonRpcException
-from pygls.io_ import StdinAsyncReader, StdoutWriter, run_async
+from pygls.io_ import StdoutWriter
 
-from lsp_server.server import FimbleServer
+from lsp_server import auth
+from lsp_server.engine_host import EngineHost
+from lsp_server.framing import FrameError, Limits, read_frames
+from lsp_server.protocol import PARSE_ERROR
+from lsp_server.server import FimbleServer, create_server
+from lsp_server.settings import Settings
 
 log = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
+UNAUTHORIZED = -32001  # JSON-RPC server error range: a TCP client without the right token
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -38,6 +56,197 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, number
 
 
+@dataclass(frozen=True)
+class ListenOptions:
+    limits: Limits = Limits()
+    token: str | None = None  # every connection must present it (always set off loopback)
+    allow_origins: tuple[str, ...] = ()  # browser origins a WS handshake may come from
+    loopback: bool = True  # bound to loopback: WS handshakes must also name a loopback Host
+    debug: bool = False
+
+
+@dataclass
+class Sessions:
+    """Makes one server session per connection, all sharing one engine host."""
+
+    defaults: Settings
+    debug: bool = False
+    host: EngineHost = field(default_factory=EngineHost)
+    live: set[FimbleServer] = field(default_factory=set)
+    opened: int = 0
+
+    def new(self) -> FimbleServer:
+        ls = create_server(self.defaults, host=self.host, session_id=secrets.token_hex(8), debug=self.debug)
+        self.host.on_change = self._engine_changed  # (each session sets itself there)
+        ls.peers = self.tables
+        self.live.add(ls)
+        self.opened += 1
+        return ls
+
+    def end(self, ls: FimbleServer) -> None:
+        if ls in self.live:
+            self.live.discard(ls)
+            ls.close_session()
+            ls.peers = None
+            log.info("session ended (%d live)", len(self.live))
+
+    def tables(self) -> dict:
+        """For fimble/stats: how many sessions are live, and their documents together."""
+        return {"sessions": len(self.live), "sessionsOpened": self.opened,
+                "documents": sum(len(ls.docs) for ls in self.live)}
+
+    def _engine_changed(self) -> None:
+        for ls in list(self.live):
+            publish = getattr(ls, "publish_status", None)
+            if publish is not None:
+                publish()
+
+    async def close(self) -> None:
+        for ls in list(self.live):
+            self.end(ls)
+        await self.host.close()
+
+
+# -- stdio ---------------------------------------------------------------------------------
+def _pump_file(src: Any, stream: asyncio.StreamReader, loop: asyncio.AbstractEventLoop) -> None:
+    """Feed a regular file (stdin redirected from one, which asyncio cannot watch) to ``stream``."""
+    while chunk := src.read1(65536):
+        loop.call_soon_threadsafe(stream.feed_data, chunk)
+    loop.call_soon_threadsafe(stream.feed_eof)
+
+
+async def _read_loop(ls: FimbleServer, reader: asyncio.StreamReader, limits: Limits, ended: asyncio.Event) -> None:
+    async for frame in read_frames(reader, limits):
+        if isinstance(frame, FrameError):
+            log.warning("bad frame: %s", frame)
+            ls.protocol.send_error(None, PARSE_ERROR, f"Parse error: {frame}")
+        else:
+            ls.protocol.receive(frame)
+        if ended.is_set():
+            return
+
+
+def start_stdio(ls: FimbleServer, limits: Limits) -> int:
+    ls.protocol.set_writer(StdoutWriter(sys.stdout.buffer))
+    code = 0
+
+    async def main() -> None:
+        nonlocal code
+        loop = asyncio.get_running_loop()
+        ended = asyncio.Event()
+
+        def closer(exit_code: int) -> None:
+            nonlocal code
+            code = exit_code
+            ended.set()
+
+        ls.closer = closer
+        stream = asyncio.StreamReader(limit=limits.max_header_line)
+        try:
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), sys.stdin.buffer)
+        except (ValueError, OSError):  # stdin is a regular file
+            threading.Thread(target=_pump_file, args=(sys.stdin.buffer, stream, loop), daemon=True).start()
+        reading = asyncio.create_task(_read_loop(ls, stream, limits, ended))
+        waiting = asyncio.create_task(ended.wait())
+        await asyncio.wait({reading, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        reading.cancel()
+        waiting.cancel()
+        ls.close_session()
+        await ls.host.close()
+
+    try:
+        asyncio.run(main())
+    except BrokenPipeError:
+        log.error("the client went away")
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    return code
+
+
+# -- TCP -----------------------------------------------------------------------------------
+class _TcpWriter:
+    """pygls' writer interface over one connection; a client that stops reading is dropped."""
+
+    def __init__(self, writer: asyncio.StreamWriter, max_buffer: int):
+        self._writer, self._max = writer, max_buffer
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def write(self, data: bytes) -> None:
+        if self._writer.is_closing():
+            return
+        self._writer.write(data)
+        if self._writer.transport.get_write_buffer_size() > self._max:
+            log.warning("closing a connection whose client does not read its responses")
+            self._writer.transport.abort()
+
+
+def _tcp_token_ok(payload: bytes, token: str) -> tuple[bool, Any]:
+    """Token mode: is this first message an ``initialize`` carrying the token? Also its id."""
+    try:
+        data = json.loads(payload)
+    except (ValueError, RecursionError):
+        return False, None
+    if not isinstance(data, dict):
+        return False, None
+    msg_id = data.get("id") if isinstance(data.get("id"), int | str) else None
+    params = data.get("params")
+    opts = params.get("initializationOptions") if isinstance(params, dict) else None
+    given = opts.get("token") if isinstance(opts, dict) else None
+    if given is None and isinstance(opts, dict) and isinstance(opts.get("fimble"), dict):
+        given = opts["fimble"].get("token")
+    return data.get("method") == "initialize" and auth.token_matches(token, given), msg_id
+
+
+async def _tcp_session(sessions: Sessions, opts: ListenOptions, reader: asyncio.StreamReader,
+                       writer: asyncio.StreamWriter) -> None:
+    ls = sessions.new()
+    ended = asyncio.Event()
+    ls.protocol.set_writer(_TcpWriter(writer, 2 * opts.limits.max_message))
+    ls.closer = lambda _code: ended.set()
+    authorized = opts.token is None
+    try:
+        async for frame in read_frames(reader, opts.limits):
+            if isinstance(frame, FrameError):
+                log.warning("bad frame: %s", frame)
+                ls.protocol.send_error(None, PARSE_ERROR, f"Parse error: {frame}")
+                continue
+            if not authorized:
+                authorized, msg_id = _tcp_token_ok(frame, opts.token or "")
+                if not authorized:  # nothing but an initialize with the token gets through
+                    ls.protocol.send_error(msg_id, UNAUTHORIZED, "Unauthorized: initialize with "
+                                           "initializationOptions.token set to the server's token")
+                    break
+            ls.protocol.receive(frame)
+            if ended.is_set():
+                break
+    except OSError:  # a reset: the session ends the same way
+        pass
+    finally:
+        sessions.end(ls)
+        if not writer.is_closing():
+            try:
+                await writer.drain()
+            except OSError:
+                pass
+            writer.close()
+
+
+async def _serve_tcp(sessions: Sessions, host: str, port: int, opts: ListenOptions) -> None:
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _tcp_session(sessions, opts, reader, writer)
+
+    server = await asyncio.start_server(on_connect, host, port, limit=opts.limits.max_header_line)
+    _announce("tcp", server.sockets, opts)
+    try:
+        async with server:
+            await server.serve_forever()
+    finally:
+        await sessions.close()
+
+
+# -- WebSocket -----------------------------------------------------------------------------
 class TextFrameWriter:
     """pygls writer interface over a websocket connection, one text frame per message."""
 
@@ -48,98 +257,80 @@ class TextFrameWriter:
         return self._ws.close()
 
     def write(self, data: bytes) -> Any:
-        return self._ws.send(data.decode("utf-8"))
+        return self._send(data.decode("utf-8"))
+
+    async def _send(self, text: str) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            await self._ws.send(text)
+        except ConnectionClosed:  # the client left: its session is ending
+            pass
 
 
-async def _ws_session(ls: FimbleServer, ws: Any, stop: threading.Event) -> None:
+async def _ws_session(sessions: Sessions, ws: Any) -> None:
     from websockets.exceptions import ConnectionClosed
 
+    ls = sessions.new()
     ls.protocol.set_writer(TextFrameWriter(ws), include_headers=False)
-    while not stop.is_set():
-        try:
-            data = await ws.recv()
-        except ConnectionClosed:
-            break
-        try:
-            ls.protocol.handle_message(json.loads(data, object_hook=ls.protocol.structure_message))
-        except Exception as exc:  # one bad message must not end the session
-            log.exception("unable to handle message")
-            ls._report_server_error(exc, JsonRpcException)
+    ls.closer = lambda _code: asyncio.ensure_future(ws.close())
+    try:
+        while True:
+            try:
+                data = await ws.recv(decode=False)  # bytes: invalid UTF-8 is answered, not fatal
+            except ConnectionClosed:
+                break
+            ls.protocol.receive(data)
+    finally:
+        sessions.end(ls)
 
 
-def start_ws(ls: FimbleServer, host: str, port: int) -> None:
-    """Serve one WebSocket client; return when it leaves (as pygls' TCP server does)."""
+def _ws_gate(opts: ListenOptions) -> Any:
+    """websockets' process_request hook: refuse a handshake without a loopback Host or the token."""
+    def check(connection: Any, request: Any) -> Any:
+        if opts.loopback and not auth.loopback_host_header(request.headers.get("Host")):
+            return connection.respond(HTTPStatus.FORBIDDEN, "Host header is not a loopback name\n")
+        if opts.token is not None and not (auth.token_matches(opts.token, auth.bearer(request.headers))
+                                           or auth.token_matches(opts.token, auth.query_token(request.path))):
+            return connection.respond(HTTPStatus.UNAUTHORIZED, "a token is required\n")
+        return None
+    return check
+
+
+async def _serve_ws(sessions: Sessions, host: str, port: int, opts: ListenOptions) -> None:
     from websockets.asyncio.server import serve
 
-    stop = threading.Event()
-    ls._stop_event = stop
+    async def handler(ws: Any) -> None:
+        await _ws_session(sessions, ws)
 
-    async def main() -> None:
-        done = asyncio.Event()
+    # origins: None stands for "no Origin header" (editors, scripts); browsers always send one.
+    async with serve(handler, host, port, max_size=opts.limits.max_message, origins=[None, *opts.allow_origins],
+                     process_request=_ws_gate(opts), server_header=None) as server:
+        _announce("ws", server.sockets, opts)
+        try:
+            await server.serve_forever()
+        finally:
+            await sessions.close()
 
-        async def handler(ws: Any) -> None:
-            await _ws_session(ls, ws, stop)
-            done.set()
 
-        async with serve(handler, host, port) as server:
-            log.info("fimble: WebSocket server on %s", [s.getsockname() for s in server.sockets])
-            await done.wait()
+def _announce(scheme: str, sockets: Any, opts: ListenOptions) -> None:
+    for sock in sockets:
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"fimble: listening on {scheme}://{shown}:{port}" + (" (token required)" if opts.token else ""),
+              file=sys.stderr, flush=True)
 
+
+def serve(defaults: Settings, tcp: str | None = None, ws: str | None = None, *,
+          options: ListenOptions = ListenOptions()) -> int:
+    """Run the server on the chosen transport until it ends; the process's exit status."""
+    if not tcp and not ws:
+        return start_stdio(create_server(defaults, debug=options.debug), options.limits)
+    sessions = Sessions(defaults, debug=options.debug)
+    host, port = parse_address(tcp or ws or "")
+    run = _serve_tcp if tcp else _serve_ws
     try:
-        asyncio.run(main())
+        asyncio.run(run(sessions, host, port, options))
     except (KeyboardInterrupt, SystemExit):
         pass
-    finally:
-        ls.shutdown()
-
-
-class _PipeReader:
-    """pygls' AsyncReader interface over an asyncio StreamReader; EOF reads as b"" (pygls' loop then ends)."""
-
-    def __init__(self, reader: asyncio.StreamReader):
-        self._reader = reader
-
-    async def readline(self) -> bytes:
-        return await self._reader.readline()
-
-    async def readexactly(self, n: int) -> bytes:
-        try:
-            return await self._reader.readexactly(n)
-        except asyncio.IncompleteReadError:
-            return b""
-
-
-def start_stdio(ls: FimbleServer) -> None:
-    stop = threading.Event()
-    ls._stop_event = stop
-    ls.protocol.set_writer(StdoutWriter(sys.stdout.buffer))
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        reader: Any
-        try:
-            stream = asyncio.StreamReader(limit=1 << 20)
-            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), sys.stdin.buffer)
-            reader = _PipeReader(stream)
-        except (ValueError, OSError):  # stdin is a regular file: asyncio can't watch it
-            reader = StdinAsyncReader(sys.stdin.buffer, ls.thread_pool)
-        await run_async(stop_event=stop, reader=reader, protocol=ls.protocol, logger=log,
-                        error_handler=ls.report_server_error)
-
-    try:
-        asyncio.run(main())
-    except BrokenPipeError:
-        log.error("the client went away")
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    finally:
-        ls.shutdown()
-
-
-def serve(ls: FimbleServer, tcp: str | None = None, ws: str | None = None) -> None:
-    if tcp:
-        ls.start_tcp(*parse_address(tcp))
-    elif ws:
-        start_ws(ls, *parse_address(ws))
-    else:
-        start_stdio(ls)
+    return 0

@@ -28,7 +28,7 @@ vim.opt.runtimepath:prepend({plugin!r})
 vim.o.swapfile = false
 vim.g.python_recommended_style = 0  -- keep <Tab> a tab character in Python buffers
 require("fimble").setup({{
-  cmd = {{ {python!r}, "-m", "lsp_server", "lsp" }},
+  cmd = {{ {python!r}, "-m", "lsp_server", "lsp", "--debug" }},
   settings = {{ maxLines = 4, maxTokens = 32 }},
   debounce_ms = 30,
 }})

@@ -160,7 +160,8 @@ if __name__ == "__main__":
 
 
 # Every test module starts the real server the way an editor would.
-SERVER = ClientServerConfig(server_command=SERVER_CMD, server_env=SERVER_ENV)
+# --debug: the suite reads the server's copy of documents through fimble/debug/document.
+SERVER = ClientServerConfig(server_command=SERVER_CMD + ["--debug"], server_env=SERVER_ENV)
 
 # An unfinished call in the middle of SAMPLE: every model has something to say there.
 UNFINISHED_LINE = "        print(key, "

@@ -130,10 +130,15 @@ async def test_model_setting_restarts_the_engine_and_reports_errors(client: Lang
     uri = "file:///tmp/fimble-generic/e.py"
     open_doc(client, uri, DOC)
     await configure(client, model=str(tmp_path / "no-such-model"))
+    # Refused before the engine: one message whatever is wrong with the path (no existence oracle).
+    assert any(m.message == "fimble: setting model: model not found or not usable" for m in client.messages)
+    assert (await stats(client))["engine"]["state"] == "ready"  # still the previous model
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{ not json")
+    await configure(client, model=str(tmp_path / "broken"))
     assert items_of(await inline(client, uri, *CURSOR)) == []  # no model: an empty answer, not a crash
     s = await stats(client)
-    assert s["engine"]["state"] == "error" and "does not exist" in s["engine"]["error"]
-    assert any("does not exist" in m.message for m in client.messages)  # told once via showMessage
+    assert s["engine"]["state"] == "error" and s["engine"]["error"] == "model not found or not usable"
     await configure(client, model=None)  # back to the default model
     assert isinstance(await inline(client, uri, *CURSOR), types.InlineCompletionList)
     assert (await stats(client))["engine"]["state"] == "ready"

@@ -88,7 +88,12 @@ async def test_tcp_initialize_bad_params_and_exit():
         c.send(_msg(5, "shutdown", None))
         await c.response(5)
         c.send(_msg(None, "exit", None))
-        assert await asyncio.to_thread(proc.wait, 20) == 0
+        # exit ends this connection's session; the server listens on for the next client.
+        assert await asyncio.wait_for(c.reader.read(), 30) == b""
+        d = await TcpClient.connect(port)
+        d.send(_msg(1, "initialize", INIT))
+        assert "capabilities" in (await d.response(1))["result"]
+        assert proc.poll() is None
     finally:
         proc.kill()
         proc.wait()
@@ -116,7 +121,8 @@ async def test_websocket_uses_text_frames():
             await ws.send(json.dumps(_msg(2, "shutdown", None)))
             assert isinstance(await asyncio.wait_for(ws.recv(), 30), str)
             await ws.send(json.dumps(_msg(None, "exit", None)))
-        assert await asyncio.to_thread(proc.wait, 20) == 0
+            await asyncio.wait_for(ws.wait_closed(), 30)  # exit closes this session's connection
+        assert proc.poll() is None  # and the server listens on
     finally:
         proc.kill()
         proc.wait()

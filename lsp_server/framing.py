@@ -1,0 +1,99 @@
+"""Content-Length framing (stdio and TCP) that survives any byte stream a client sends.
+
+pygls' own loop exits on a header line over its reader's limit and goes deaf after a bad
+Content-Length. Here every malformed frame becomes a ``FrameError`` (the caller answers a
+JSON-RPC parse error) and reading resynchronises on the next ``Content-Length:`` header,
+even one glued to the end of a mis-sized body. Memory stays bounded: header lines are cut
+at ``max_header_line`` and a body larger than ``max_message`` is never read as a body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+DEFAULT_MAX_MESSAGE = 64 << 20  # a 10 MB file, JSON-escaped, in one didOpen fits
+DEFAULT_MAX_HEADER_LINE = 64 << 10
+_CONTENT_LENGTH = re.compile(rb"content-length:", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_message: int = DEFAULT_MAX_MESSAGE
+    max_header_line: int = DEFAULT_MAX_HEADER_LINE
+
+
+class FrameError(Exception):
+    """A frame that cannot be read; the message is safe to send to the client."""
+
+
+def _content_length(value: bytes, limits: Limits) -> int | str:
+    """The length, or the problem with it."""
+    value = value.strip()
+    if not value or len(value) > 20 or not value.isdigit():
+        return "Content-Length is not a non-negative integer"
+    n = int(value)
+    if n == 0:
+        return "Content-Length is 0"
+    if n > limits.max_message:
+        return f"message of {n} bytes is over the limit of {limits.max_message} bytes"
+    return n
+
+
+async def read_frames(reader: asyncio.StreamReader, limits: Limits) -> AsyncIterator[bytes | FrameError]:
+    """Yield each message body, or a FrameError for each malformed frame; return at EOF.
+
+    ``reader`` must have been made with ``limit=limits.max_header_line``.
+    """
+    length: int | None = None
+    problem: str | None = None
+    in_long_line = False  # the next line read is the tail of one over the limit
+    while True:
+        try:
+            line = await reader.readuntil(b"\n")
+        except asyncio.IncompleteReadError:
+            return  # EOF (a partial line is dropped)
+        except asyncio.LimitOverrunError as exc:
+            # The line is over the limit: drop what is buffered of it and go on reading.
+            await reader.readexactly(max(1, exc.consumed))
+            problem = problem or f"header line over {limits.max_header_line} bytes"
+            in_long_line = True
+            continue
+        if in_long_line:
+            in_long_line = False
+            continue
+        line = line.rstrip(b"\r\n")
+        if not line:  # end of a header block
+            if problem is None and length is None:
+                problem = "no Content-Length header"
+            if problem is not None:
+                yield FrameError(problem)
+            else:
+                assert length is not None
+                try:
+                    body = await reader.readexactly(length)
+                except asyncio.IncompleteReadError:
+                    return
+                yield body
+            length, problem = None, None
+            continue
+        match = _CONTENT_LENGTH.search(line)
+        if match is not None and match.start() > 0:
+            # A header glued to the tail of a body whose Content-Length was too small (that
+            # body was already answered as unparseable): a new frame starts here.
+            line = line[match.start():]
+            length, problem = None, None
+        name, sep, value = line.partition(b":")
+        if not sep:
+            problem = problem or "malformed header line"
+        elif name.strip().lower() == b"content-length":
+            got = _content_length(value, limits)
+            if length is not None:
+                problem = problem or "duplicate Content-Length header"
+            elif isinstance(got, str):
+                problem = problem or got
+            else:
+                length = got
+        # Other headers (Content-Type) are accepted and ignored.
