@@ -136,7 +136,7 @@ def run_lsp(args: argparse.Namespace) -> int:
             if not args.token_file:  # as Jupyter does: the user copies it from here
                 print(f"fimble: token: {token}", file=sys.stderr, flush=True)
         if not loopback:
-            print(f"fimble: WARNING: listening on {host}, which other machines can reach. Every client must "
+            print(f"fimble: WARNING: serving on {host}, which other machines can reach. Every client must "
                   "present the token (PROTOCOL.md, Security); traffic is not encrypted.", file=sys.stderr, flush=True)
         options = dataclasses.replace(options, token=token, loopback=loopback)
     elif args.allow_remote or args.require_token or args.token_file or args.allow_origin:

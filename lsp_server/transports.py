@@ -288,7 +288,8 @@ async def _ws_session(sessions: Sessions, ws: Any) -> None:
 def _ws_gate(opts: ListenOptions) -> Any:
     """websockets' process_request hook: refuse a handshake without a loopback Host or the token."""
     def check(connection: Any, request: Any) -> Any:
-        if opts.loopback and not auth.loopback_host_header(request.headers.get("Host")):
+        hosts = request.headers.get_all("Host")
+        if opts.loopback and (len(hosts) > 1 or not auth.loopback_host_header(hosts[0] if hosts else None)):
             return connection.respond(HTTPStatus.FORBIDDEN, "Host header is not a loopback name\n")
         if opts.token is not None and not (auth.token_matches(opts.token, auth.bearer(request.headers))
                                            or auth.token_matches(opts.token, auth.query_token(request.path))):

@@ -69,7 +69,7 @@ class Listener:
         deadline = time.monotonic() + CALL_TIMEOUT
         while time.monotonic() < deadline:
             for line in self.stderr().splitlines():
-                if "listening on" in line:
+                if line.startswith("fimble: listening on "):
                     return int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.stderr()}")

@@ -1,0 +1,118 @@
+"""Who may connect, and what the logs keep (issue 14, findings 1, 4, 5).
+
+Before: --ws accepted any Origin and any Host and had no token, so any web page open in
+the user's browser could drive a local server; --ws/--tcp 0.0.0.0 bound without a word;
+pygls logged every message in full (document text) at INFO.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from rel_helpers import SERVER_CMD, Listener, StdioServer, TcpClient, WsClient, did_open, server_env
+
+SECRET = "password = 'do not log me 7f3a'\n"
+
+
+@pytest.fixture
+def ws_server():
+    server = Listener("--ws", "--allow-origin", "http://localhost:3000")
+    yield server
+    server.close()
+
+
+async def _refused(port: int, **kwargs) -> int:
+    from websockets.exceptions import InvalidStatus
+
+    with pytest.raises(InvalidStatus) as refused:
+        await WsClient.connect(port, **kwargs)
+    return refused.value.response.status_code
+
+
+async def test_evil_origin_and_rebound_host_are_refused(ws_server):
+    assert await _refused(ws_server.port, origin="http://evil.example") == 403
+    assert await _refused(ws_server.port, origin="null") == 403
+    assert await _refused(ws_server.port, additional_headers={"Host": "evil.example:80"}) == 403
+    # No Origin (an editor, a script) and an allowed one are served.
+    for kwargs in ({}, {"origin": "http://localhost:3000"}):
+        c = await WsClient.connect(ws_server.port, **kwargs)
+        assert "capabilities" in (await c.initialize())["result"]
+        await c.close()
+    assert ws_server.alive()
+
+
+async def test_websocket_token(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token-for-tests-0123456789\n")
+    server = Listener("--ws", "--token-file", str(token_file))
+    try:
+        assert await _refused(server.port) == 401
+        assert await _refused(server.port, additional_headers={"Authorization": "Bearer wrong"}) == 401
+        assert await _refused(server.port, path="/?token=s3cret-token-for-tests-012345678") == 401
+        for kwargs in ({"additional_headers": {"Authorization": "Bearer s3cret-token-for-tests-0123456789"}},
+                       {"path": "/?token=s3cret-token-for-tests-0123456789"}):
+            c = await WsClient.connect(server.port, **kwargs)
+            assert "capabilities" in (await c.initialize())["result"]
+            await c.close()
+        assert "s3cret" not in server.stderr()  # read from the file: never printed
+    finally:
+        server.close()
+
+
+async def test_tcp_token_in_initialize():
+    server = Listener("--tcp", "--require-token")
+    try:
+        token = server.token()  # generated and printed, as Jupyter does
+        for options in ({}, {"token": "wrong"}, {"token": token[:-1]}):
+            c = await TcpClient.connect(server.port)
+            r = await c.initialize(options)
+            assert r["error"]["code"] == -32001
+            with pytest.raises((EOFError, ConnectionResetError)):
+                await c.next()  # and the connection is closed
+        c = await TcpClient.connect(server.port)
+        c.send({"jsonrpc": "2.0", "id": 1, "method": "fimble/stats"})  # anything before initialize: refused
+        assert (await c.response(1))["error"]["code"] == -32001
+        c = await TcpClient.connect(server.port)
+        assert "capabilities" in (await c.initialize({"token": token}))["result"]
+        assert "latency_ms" in (await c.call("fimble/stats"))["result"]
+        await c.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("flag", ["--tcp", "--ws"])
+def test_non_loopback_bind_needs_allow_remote(flag):
+    r = subprocess.run(SERVER_CMD + [flag, "0.0.0.0:0"], env=server_env(), capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "--allow-remote" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_allow_remote_warns_and_requires_a_token():
+    server = Listener("--tcp", "--allow-remote", host="0.0.0.0")
+    try:
+        err = server.stderr()
+        assert "WARNING" in err and "other machines" in err and "(token required)" in err
+        assert len(server.token()) >= 32
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("debug", [False, True])
+async def test_logs_hold_no_document_text_without_debug(debug):
+    s = await StdioServer.start("--log-level", "DEBUG", *(["--debug"] if debug else []))
+    try:
+        await s.initialize()
+        s.send(did_open("file:///secret.py", SECRET))
+        s.send({"jsonrpc": "2.0", "method": "textDocument/didChange", "params": {
+            "textDocument": {"uri": "file:///secret.py", "version": 2}, "contentChanges": [{"text": None}]}})
+        r = await s.call("fimble/debug/document", {"uri": "file:///secret.py"})
+        if debug:
+            assert r["result"]["text"] == SECRET
+        else:
+            assert r["error"]["code"] == -32601  # no such method without --debug
+        await s.call("fimble/stats")
+        logged = s.stderr()
+        assert ("do not log me" in logged) == debug  # with --debug it is there: the check can fail
+    finally:
+        await s.stop()
