@@ -6,9 +6,17 @@ format a shared engine daemon will speak over a websocket.
 
 Messages (each one msgpack map):
   client -> engine: {op: submit, id, request} | {op: cancel, id} | {op: counters, id}
-                    | {op: prewarm, request} | {op: forget, document} | {op: close}
+                    | {op: prewarm, request} | {op: forget, document} | {op: ping, id} | {op: close}
   engine -> client: {op: ready, info} | {op: fatal, error} | {op: delta, id, delta}
                     | {op: result, id, result} (sent just before the final delta) | {op: counters, id, counters}
+                    | {op: pong, id} (from the engine's reader thread, whatever the decode loop does)
+
+Supervision (lsp_server/engine_host.py watches these): ``last_heard`` is when the engine last
+sent anything, ``ping()`` asks for a sign of life, ``stalled_for()`` is how long the oldest open
+request has gone without a delta, ``abandon()`` ends every open request now (with the text it
+has), ``kill()`` ends the process. Messages to the engine go through a writer thread: a stopped
+engine (SIGSTOP) stops reading its stdin, and a blocking write would then hang the caller (the
+server's event loop) once the pipe's buffer is full.
 """
 
 from __future__ import annotations
@@ -17,9 +25,12 @@ import argparse
 import asyncio
 import itertools
 import os
+import queue
+import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -99,6 +110,8 @@ def serve(args: argparse.Namespace) -> int:
                     streams[rid].cancel()
                 elif op == "counters":
                     send({"op": "counters", "id": rid, "counters": engine.counters()})
+                elif op == "ping":
+                    send({"op": "pong", "id": rid})
                 elif op == "close":
                     break
         engine.close()  # stdin closed: the client is gone
@@ -129,13 +142,19 @@ class EngineProcess:
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._ids = itertools.count(1)
         self._streams: dict[int, CompletionStream] = {}
+        self._progress: dict[int, float] = {}  # request id -> when it was submitted or last got a delta
         self._pending_counters: dict[int, tuple[threading.Event, list]] = {}
-        self._write_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._ready = threading.Event()
         self.info: dict = {}
         self.error: str | None = None
+        self.last_heard = time.monotonic()  # when the engine last sent anything
+        self.abandoned = False
+        self.started_at = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="fimble-engine-client", daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="fimble-engine-writer", daemon=True)
+        self._writer.start()
         if not self._ready.wait(startup_timeout) or self.error:
             self.close()
             raise FimbleError(self.error or f"engine did not start within {startup_timeout:.0f}s")
@@ -145,30 +164,46 @@ class EngineProcess:
         return self._proc.pid
 
     def _send(self, msg: dict) -> None:
-        data = msgpack.packb(msg, use_bin_type=True)
-        with self._write_lock:
+        """Queue ``msg`` for the writer thread: never blocks, even when the engine has stopped reading."""
+        self._outbox.put(msgpack.packb(msg, use_bin_type=True))
+
+    def _write(self) -> None:
+        stdin = self._proc.stdin
+        assert stdin is not None
+        while (data := self._outbox.get()) is not None:
             try:
-                assert self._proc.stdin is not None
-                self._proc.stdin.write(data)
-                self._proc.stdin.flush()
+                stdin.write(data)
+                stdin.flush()
             except (BrokenPipeError, ValueError, OSError):
                 self.error = self.error or "engine process has exited"
+                self._end_streams(self.error)
+                break
+        try:
+            stdin.close()
+        except OSError:
+            pass
 
     def _read(self) -> None:
         unpacker = msgpack.Unpacker(raw=False)
         assert self._proc.stdout is not None
         while chunk := self._proc.stdout.read1(65536):
+            self.last_heard = time.monotonic()
             unpacker.feed(chunk)
             for msg in unpacker:
                 self._dispatch(msg)
         # The process is gone: end every open stream rather than leave a caller waiting.
-        self.error = self.error or f"engine process exited with code {self._proc.wait()}"
+        self.error = self.error or _exit_reason(self._proc.wait())
         self._ready.set()
-        for rid, stream in list(self._streams.items()):
-            stream.push(Delta("", True, "error", self.error))
-            self._streams.pop(rid, None)
+        self._end_streams(self.error)
         for event, _ in self._pending_counters.values():
             event.set()
+
+    def _end_streams(self, error: str) -> None:
+        """End every open request with ``error`` (each keeps the text it had)."""
+        for rid, stream in list(self._streams.items()):
+            if self._streams.pop(rid, None) is not None:
+                self._progress.pop(rid, None)
+                stream.push(Delta("", True, "error", error))
 
     def _dispatch(self, msg: dict) -> None:
         op = msg.get("op")
@@ -184,8 +219,11 @@ class EngineProcess:
             stream = self._streams.get(msg["id"])
             if stream is not None:
                 delta = Delta(**msg["delta"])
+                self._progress[msg["id"]] = time.monotonic()
                 if delta.finished:
-                    self._streams.pop(msg["id"], None)
+                    if self._streams.pop(msg["id"], None) is None:
+                        return  # abandoned meanwhile: already ended
+                    self._progress.pop(msg["id"], None)
                 stream.push(delta)
         elif op == "counters" and msg["id"] in self._pending_counters:
             event, box = self._pending_counters.pop(msg["id"])
@@ -203,6 +241,7 @@ class EngineProcess:
         if self.error:
             stream.push(Delta("", True, "error", self.error))
             return stream
+        self._progress[rid] = time.monotonic()
         self._streams[rid] = stream
         self._send({"op": "submit", "id": rid, "request": request.to_dict()})
         return stream
@@ -225,14 +264,57 @@ class EngineProcess:
         event.wait(timeout)
         return box[0] if box else {}
 
+    # -- supervision (lsp_server/engine_host.py) ----------------------------------------------
+    def alive(self) -> bool:
+        """Whether the process still runs (a cheap waitpid): a kill is seen before the reader thread sees EOF."""
+        if self.error:
+            return False
+        if self._proc.poll() is not None:
+            self.error = _exit_reason(self._proc.returncode)
+            return False
+        return True
+
+    def ping(self) -> None:
+        """Ask for a sign of life: the engine's reader thread answers at once (it moves ``last_heard``)."""
+        if not self.error:
+            self._send({"op": "ping", "id": next(self._ids)})
+
+    def stalled_for(self) -> float:
+        """Seconds the longest-waiting open request has gone without a delta (0 with none open)."""
+        oldest = min(self._progress.values(), default=None)
+        return 0.0 if oldest is None else time.monotonic() - oldest
+
+    def abandon(self, error: str) -> None:
+        """Give up on the engine: end every open request now, with ``error``, and refuse new ones."""
+        self.error = self.error or error
+        self.abandoned = True  # its requests were answered with what they had: not to be retried
+        self._end_streams(error)
+
+    def kill(self) -> None:
+        """End the process now (SIGKILL also ends a stopped one); the reader thread then sees the exit."""
+        try:
+            self._proc.kill()
+        except OSError:
+            pass
+
     def close(self) -> None:
         self._send({"op": "close"})
+        self._outbox.put(None)  # the writer closes stdin after what is queued
         try:
-            if self._proc.stdin:
-                self._proc.stdin.close()
             self._proc.wait(timeout=5)
         except (subprocess.TimeoutExpired, OSError):
             self._proc.kill()
+
+
+def _exit_reason(code: int) -> str:
+    """One line on how the engine process ended: "killed by signal 9 (SIGKILL)" or "exited with code 1"."""
+    if code < 0:
+        try:
+            name = f" ({signal.Signals(-code).name})"
+        except ValueError:
+            name = ""
+        return f"engine process was killed by signal {-code}{name}"
+    return f"engine process exited with code {code}"
 
 
 def main(argv: list[str] | None = None) -> int:

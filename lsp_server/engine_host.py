@@ -3,6 +3,21 @@
 The model runs in ``engine.process.EngineProcess`` (its own process, main thread), so the
 server never imports torch on its event loop: importing and starting happen in a worker
 thread, and every blocking call (counters, close) goes through ``asyncio.to_thread``.
+
+Supervision: while an engine runs, a watchdog task on the event loop looks at it every
+``WATCH_INTERVAL_S``:
+- died (SIGKILL, crash): the user is told (``notice``), its open requests already ended with
+  their text (engine/process.py), and a new engine starts at once;
+- stalled (SIGSTOP, a hung process): nothing heard for ``STALL_TIMEOUT_S`` though pinged:
+  its open requests end now with what they have, it is killed and restarted;
+- stuck (answers pings, but a request gets no delta for ``STEP_TIMEOUT_S``, the per-step
+  watchdog): the same.
+A decode lost to an engine that died (not one that stalled: those answer with what they
+have) is submitted once more to the restarted engine (``SupervisedStream``), so the request
+that was waiting on it is served after the cold start instead of answering empty.
+Restarts back off (``RESTART_BACKOFF_S``) when engines keep failing soon after starting, and
+after ``MAX_QUICK_FAILURES`` in a row the host gives up with a clear error (state "error")
+until the settings change. A request that arrives meanwhile waits for the restart (``get``).
 """
 
 from __future__ import annotations
@@ -11,12 +26,21 @@ import asyncio
 import logging
 import os
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from lsp_server.settings import Settings
 
 log = logging.getLogger(__name__)
+WATCH_INTERVAL_S = 0.25
+PING_AFTER_S = 1.0  # quiet this long: ask for a sign of life
+STALL_TIMEOUT_S = float(os.environ.get("FIMBLE_ENGINE_STALL_S", 6.0))  # quiet this long though pinged: stalled
+STEP_TIMEOUT_S = float(os.environ.get("FIMBLE_ENGINE_STEP_S", 30.0))  # a request without a delta this long: stuck
+QUICK_FAILURE_S = 60.0  # an engine that fails sooner than this after starting counts as a quick failure
+RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0)  # delay before restart n+1 after n quick failures in a row
+MAX_QUICK_FAILURES = len(RESTART_BACKOFF_S)
 
 
 def _start(settings: Settings) -> Any:
@@ -47,6 +71,84 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
     return fut
 
 
+class SupervisedStream:
+    """A CompletionStream that survives one engine death: the request goes once more to the next engine.
+
+    Only when the engine died before this stream produced any text, and not when the host gave up
+    on a stalled engine (``abandoned``: its requests answer with what they have, at once).
+    """
+
+    def __init__(self, host: EngineHost, engine: Any, request: Any):
+        self._host, self._engine, self._request = host, engine, request
+        self._inner = engine.submit(request)
+        self._cancelled = False
+        self.retried = False
+
+    @property
+    def id(self) -> Any:
+        return self._inner.id
+
+    @property
+    def result(self) -> Any:
+        return self._inner.result
+
+    @property
+    def text(self) -> str:
+        return self._inner.text
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled or self._inner.cancelled
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._inner.cancel()
+
+    def _retryable(self, got_text: bool) -> bool:
+        engine = self._engine
+        return not (self.retried or got_text or self._cancelled or _alive(engine)
+                    or getattr(engine, "abandoned", False) or self._host.state == "error")
+
+    async def __aiter__(self):
+        from engine.errors import FimbleError
+
+        while True:
+            got_text = False
+            try:
+                async for delta in self._inner:
+                    got_text = got_text or bool(delta.text)
+                    yield delta
+                return
+            except FimbleError:
+                if not self._retryable(got_text):
+                    raise
+            self.retried = True
+            self._host.supervision["retried"] += 1
+            engine = await self._host.restarted()
+            if engine is None or self._cancelled:
+                raise FimbleError("the engine stopped and could not be restarted")
+            self._engine, self._inner = engine, engine.submit(self._request)
+
+
+class SupervisedEngine:
+    """The engine as callers see it: ``submit`` returns a SupervisedStream; the rest is the engine's own."""
+
+    def __init__(self, host: EngineHost, engine: Any):
+        self._host, self._engine = host, engine
+
+    def submit(self, request: Any) -> SupervisedStream:
+        return SupervisedStream(self._host, self._engine, request)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def _alive(engine: Any) -> bool:
+    """Not known to have died (an EngineProcess also checks its process; other engines report ``error``)."""
+    alive = getattr(engine, "alive", None)
+    return alive() if alive is not None else not engine.error
+
+
 class EngineHost:
     def __init__(self) -> None:
         self._engine: Any = None
@@ -55,6 +157,32 @@ class EngineHost:
         self.error: str | None = None
         self.restarts = 0
         self.on_change: Callable[[], None] | None = None  # called after each state change (fimble/status)
+        # Listeners for supervision news, (level "error"|"warning"|"info", message): each session's
+        # window/showMessage. Weak: a session that ended must not be kept alive (or told) by the engine.
+        self._notice_listeners: list[weakref.WeakMethod] = []
+        self._settings: Settings | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._quick_failures = 0  # engines in a row that failed soon after starting
+        self._last_ping = 0.0
+        self.supervision = {"deaths": 0, "stalls": 0, "stuck": 0, "gave_up": 0, "retried": 0}
+
+    def add_notice_listener(self, method: Callable[[str, str], None]) -> None:
+        """``method`` (a bound method) hears of engine deaths, stalls, restarts and giving up."""
+        self._notice_listeners.append(weakref.WeakMethod(method))
+
+    def notice(self, level: str, message: str) -> None:
+        log.log(logging.ERROR if level == "error" else logging.WARNING, "%s", message)
+        alive = []
+        for ref in self._notice_listeners:
+            fn = ref()
+            if fn is None:
+                continue
+            alive.append(ref)
+            try:
+                fn(level, message)
+            except Exception:  # telling the user must never break supervision
+                log.exception("engine notice listener failed")
+        self._notice_listeners = alive
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -72,14 +200,17 @@ class EngineHost:
         return "error" if self.error else "stopped"
 
     def info(self) -> dict:
-        return {"state": self.state, "error": self.error, "restarts": self.restarts,
+        return {"state": self.state, "error": self.error, "restarts": self.restarts, "supervision": self.supervision,
                 "pid": getattr(self._engine, "pid", None), "info": getattr(self._engine, "info", None) or {}}
 
     def configure(self, settings: Settings) -> None:
         """Start (or restart) the engine if the model settings differ from the running one."""
         if settings.engine_key() == self._key and self.state != "stopped":
             return  # same model: keep it (or its start error: retrying would fail the same way)
+        if settings.engine_key() != self._key:
+            self._quick_failures = 0  # new settings: the user may have fixed the cause
         self._key = settings.engine_key()
+        self._settings = settings
         old, self._engine = self._engine, None
         self.error = None
         if old is not None:
@@ -92,12 +223,16 @@ class EngineHost:
         self._starting = asyncio.create_task(self._launch(settings))
         self._changed()  # -> "starting"
 
-    async def _launch(self, settings: Settings) -> None:
+    async def _launch(self, settings: Settings, delay: float = 0.0) -> None:
         from engine.errors import FimbleError
 
         try:
+            if delay:
+                await asyncio.sleep(delay)  # backoff: engines have been failing soon after starting
             self._engine = await _in_daemon_thread(lambda: _start(settings))
             log.info("engine ready: %s", self._engine.info)
+            if self._watchdog is None or self._watchdog.done():
+                self._watchdog = asyncio.create_task(self._watch())
         except FimbleError as exc:
             self.error = str(exc)
             log.error("engine failed to start: %s", exc)
@@ -107,21 +242,88 @@ class EngineHost:
         finally:  # report once this task is done: until then the state still reads "starting"
             asyncio.get_running_loop().call_soon(self._changed)
 
+    # -- supervision ---------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """Look at the running engine every WATCH_INTERVAL_S: died, stalled or stuck -> replace it."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            engine = self._engine
+            if engine is None or not hasattr(engine, "last_heard"):
+                if self.state != "starting":
+                    return  # closed, or gave up: the next configure starts a new watchdog
+                continue
+            try:
+                self._check(engine)
+            except Exception:  # the watchdog must outlive any surprise
+                log.exception("engine watchdog failed")
+
+    def _check(self, engine: Any) -> None:
+        if not _alive(engine):
+            self.supervision["deaths"] += 1
+            self._replace(engine, f"the engine stopped ({engine.error})")
+            return
+        now = time.monotonic()
+        quiet = now - engine.last_heard
+        if quiet >= STALL_TIMEOUT_S:
+            self.supervision["stalls"] += 1
+            self._replace(engine, f"the engine did not respond for {quiet:.0f} s", kill=True)
+            return
+        if engine.stalled_for() >= STEP_TIMEOUT_S:
+            self.supervision["stuck"] += 1
+            self._replace(engine, f"a completion made no progress for {STEP_TIMEOUT_S:.0f} s", kill=True)
+            return
+        if quiet >= PING_AFTER_S and now - self._last_ping >= PING_AFTER_S:
+            self._last_ping = now
+            engine.ping()
+
+    def _replace(self, engine: Any, what: str, *, kill: bool = False) -> None:
+        """The engine failed (``what``): end its requests, stop it, start another after the backoff, or give up."""
+        if kill:
+            engine.abandon(what)  # its waiting requests answer now, with the text they have
+            engine.kill()
+        self._engine = None
+        self.restarts += 1
+        quick = time.monotonic() - getattr(engine, "started_at", 0.0) < QUICK_FAILURE_S
+        self._quick_failures = self._quick_failures + 1 if quick else 1
+        settings = self._settings
+        if settings is None:
+            return
+        if self._quick_failures > MAX_QUICK_FAILURES:
+            self.supervision["gave_up"] += 1
+            self.error = (f"{what}; it failed {self._quick_failures} times in a row within "
+                          f"{QUICK_FAILURE_S:.0f} s of starting, so it is not restarted again. "
+                          "Check the server log, then change a model setting or restart the server")
+            self.notice("error", f"fimble: {self.error}")
+            self._changed()
+            return
+        delay = RESTART_BACKOFF_S[self._quick_failures - 1]
+        self.notice("warning", f"fimble: {what}; restarting it" + (f" in {delay:.0f} s" if delay else ""))
+        self._starting = asyncio.create_task(self._launch(settings, delay))
+        self._changed()  # -> "starting"
+
     async def get(self, settings: Settings) -> Any | None:
         """The running engine, starting or restarting it as needed; None if it cannot start."""
-        if self._engine is not None and self._engine.error and self.state != "starting":
-            log.warning("engine process died (%s): restarting", self._engine.error)
-            self.restarts += 1
-            self._key = None
+        engine = self._engine
+        if engine is not None and not _alive(engine) and self.state != "starting":  # died since the watchdog looked
+            self.supervision["deaths"] += 1
+            self._replace(engine, f"the engine stopped ({engine.error})")
         self.configure(settings)
         if self._starting is not None:
             await asyncio.shield(self._starting)
-        return self._engine if self._engine is not None and not self._engine.error else None
+        return self.ready_engine()
+
+    async def restarted(self) -> Any | None:
+        """The engine once the restart after a failure is done (no new start of its own); None if none."""
+        engine = self._engine
+        if engine is not None and not _alive(engine) and self.state != "starting":
+            self.supervision["deaths"] += 1
+            self._replace(engine, f"the engine stopped ({engine.error})")
+        return await self.wait_ready()
 
     def ready_engine(self) -> Any | None:
         """The engine if it is up right now (no waiting, no starting)."""
         engine = self._engine
-        return engine if engine is not None and not engine.error else None
+        return SupervisedEngine(self, engine) if engine is not None and _alive(engine) else None
 
     async def wait_ready(self) -> Any | None:
         """The engine once a start under way has finished; None if none is running or starting.
@@ -143,5 +345,7 @@ class EngineHost:
         engine, self._engine = self._engine, None
         if self._starting is not None and not self._starting.done():
             self._starting.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if engine is not None:
             await asyncio.to_thread(engine.close)
