@@ -69,6 +69,7 @@ class FimbleServer(LanguageServer):
         self._first_latency_ms: int | None = None
         self._skipped_languages: set[str] = set()  # logged once each (PROTOCOL.md, Languages)
         self.host.on_change = self.publish_status
+        self.host.add_notice_listener(self.engine_notice)  # engine died / stalled / restarted / gave up
 
     @property
     def encoding(self) -> str:
@@ -201,6 +202,14 @@ class FimbleServer(LanguageServer):
                 (self.settings.draft or None) != (self.defaults.draft or None):
             return MODEL_UNUSABLE  # a folder the client chose: the details are in the log
         return self.host.error
+
+    def engine_notice(self, level: str, message: str) -> None:
+        """The engine host's supervision news, shown as it happens (lsp_server/engine_host.py)."""
+        kinds = {"error": types.MessageType.Error, "warning": types.MessageType.Warning}
+        kind = kinds.get(level, types.MessageType.Info)
+        if level == "error":
+            self._reported_error = self.host.error  # report_engine_error: already told
+        self.window_show_message(types.ShowMessageParams(kind, message))
 
     def report_engine_error(self) -> None:
         """Tell the user once per distinct engine error (every keystroke would be noise)."""
