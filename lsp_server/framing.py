@@ -17,6 +17,9 @@ from dataclasses import dataclass
 DEFAULT_MAX_MESSAGE = 64 << 20  # a 10 MB file, JSON-escaped, in one didOpen fits
 DEFAULT_MAX_HEADER_LINE = 64 << 10
 _CONTENT_LENGTH = re.compile(rb"content-length:", re.IGNORECASE)
+# An HTTP request line. A web page can POST to a loopback TCP port (no CORS check happens before
+# the bytes are sent) with a body that holds LSP frames: a connection that opens like HTTP ends.
+_HTTP_REQUEST = re.compile(rb"[A-Z]{3,10} \S+ HTTP/\d")
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ async def read_frames(reader: asyncio.StreamReader, limits: Limits) -> AsyncIter
     length: int | None = None
     problem: str | None = None
     in_long_line = False  # the next line read is the tail of one over the limit
+    first = True
     while True:
         try:
             line = await reader.readuntil(b"\n")
@@ -64,6 +68,11 @@ async def read_frames(reader: asyncio.StreamReader, limits: Limits) -> AsyncIter
         if in_long_line:
             in_long_line = False
             continue
+        if first:
+            first = False
+            if _HTTP_REQUEST.match(line):
+                yield FrameError("an HTTP request, not LSP: closing the connection")
+                return
         line = line.rstrip(b"\r\n")
         if not line:  # end of a header block
             if problem is None and length is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from rel_helpers import SERVER_CMD, Listener, StdioServer, TcpClient, WsClient, did_open, server_env
+from rel_helpers import SERVER_CMD, Listener, StdioServer, TcpClient, WsClient, did_open, frame, msg, server_env
 
 SECRET = "password = 'do not log me 7f3a'\n"
 
@@ -116,3 +116,21 @@ async def test_logs_hold_no_document_text_without_debug(debug):
         assert ("do not log me" in logged) == debug  # with --debug it is there: the check can fail
     finally:
         await s.stop()
+
+
+async def test_http_post_from_a_web_page_cannot_drive_a_tcp_session():
+    """A page can POST text/plain to a loopback port; a body holding LSP frames must not reach a session."""
+    server = Listener("--tcp")
+    try:
+        lsp = frame(msg(1, "initialize", {"capabilities": {}, "initializationOptions": {"preload": False}}))
+        body = b"\r\n" + lsp
+        c = await TcpClient.connect(server.port)
+        c.send_raw(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain\r\n"
+                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        first = await c.next()
+        assert first["id"] is None and first["error"]["code"] == -32700
+        with pytest.raises((EOFError, ConnectionResetError)):
+            await c.next()  # closed: the initialize in the body never ran
+        assert server.alive()
+    finally:
+        server.close()
