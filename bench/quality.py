@@ -257,7 +257,7 @@ _ENGINE = None
 _PASS_CACHE: dict[int, bool] = {}
 
 
-def _init_worker(model: str | None, threads: int) -> None:
+def _init_worker(model: str | None, threads: int, newline_heal: bool = True, template: str | None = None) -> None:
     global _ENGINE
     import torch
 
@@ -265,7 +265,8 @@ def _init_worker(model: str | None, threads: int) -> None:
         torch.set_num_threads(threads)
     from engine.local import open_engine
 
-    _ENGINE = open_engine(model, use_draft=True, start_thread=False)
+    _ENGINE = open_engine(model, use_draft=True, start_thread=False, template=template)
+    _ENGINE.prompts.newline_healing = newline_heal  # engine/healing.py; off only to measure the older rule
 
 
 def _limits() -> None:
@@ -395,15 +396,16 @@ def rescore(records: list[dict], problems: list[Problem]) -> list[dict]:
     return out
 
 
-def run_jobs(jobs: list, procs: int, model: str | None) -> list[dict]:
+def run_jobs(jobs: list, procs: int, model: str | None, newline_heal: bool = True,
+             template: str | None = None) -> list[dict]:
     done: list[dict] = []
     t0 = time.time()
     if procs <= 1:
-        _init_worker(model, 1)
+        _init_worker(model, 1, newline_heal, template)
         results = map(run_one, jobs)
         pool = None
     else:
-        pool = mp.get_context("spawn").Pool(procs, _init_worker, (model, 1))
+        pool = mp.get_context("spawn").Pool(procs, _init_worker, (model, 1, newline_heal, template))
         results = pool.imap_unordered(run_one, jobs, chunksize=2)
     for i, r in enumerate(results, 1):
         done.append(r)
@@ -493,6 +495,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also run every policy candidate (CANDIDATES)")
     ap.add_argument("--limit", type=int, help="problems per set (default: all; 20 with --quick)")
     ap.add_argument("--model")
+    ap.add_argument("--template", help="FIM template name, or prefix-only (default: detected)")
+    ap.add_argument("--no-newline-heal", action="store_true",
+                    help="the older healing rule: a prefix ending in a line break is not healed (to measure it)")
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--procs", type=int, default=min(2, os.cpu_count() or 1),
                     help="worker processes, one engine and one torch thread each")
@@ -534,7 +539,7 @@ def main() -> None:
             wanted.append((i, v, index[key]))
     print(f"quality: {len(problems)} problems, {len(variants)} variants, {len(jobs)} completions, "
           f"{args.procs} procs", file=sys.stderr, flush=True)
-    done = run_jobs(jobs, args.procs, args.model)
+    done = run_jobs(jobs, args.procs, args.model, not args.no_newline_heal, args.template)
     by_job = {r["job"]: r for r in done}
     records = [{**by_job[j], "variant": v.name, "group": v.group} for _, v, j in wanted]
     report(records, problems, sets, decisions, args.sweep, t0, args.json)

@@ -18,13 +18,24 @@ class FimTemplate:
     prefix_token: str
     suffix_token: str
     middle_token: str
-    order: str = "psm"  # "psm" or "spm"
+    order: str = "psm"  # "psm", "spm", or "prefix" (no FIM: PREFIX_ONLY)
     # Extra tokens that end a completion besides the tokenizer's EOS.
     stop_tokens: tuple[str, ...] = ()
     # CodeLlama's sentinels are followed by a space in its reference format.
     spaced: bool = False
 
+    @property
+    def prefix_only(self) -> bool:
+        """No sentinels: the prompt is the text before the cursor, the suffix goes unused."""
+        return self.order == "prefix"
+
+    @property
+    def sentinels(self) -> tuple[str, str, str]:
+        return self.prefix_token, self.suffix_token, self.middle_token
+
     def build(self, prefix: str, suffix: str) -> str:
+        if self.prefix_only:
+            return prefix
         sp = " " if self.spaced else ""
         if self.order == "spm":
             return f"{self.suffix_token}{sp}{suffix}{self.prefix_token}{sp}{prefix}{self.middle_token}"
@@ -32,6 +43,8 @@ class FimTemplate:
 
     def pieces(self, prefix: str, suffix: str) -> list[tuple[str, bool]]:
         """The prompt as (text, is_special) pieces, in order: tokenise each piece on its own."""
+        if self.prefix_only:
+            return [(prefix, False)]
         sp = " " if self.spaced else ""
         pre = [(self.prefix_token, True), (sp + prefix, False)]
         suf = [(self.suffix_token, True), (sp + suffix, False)]
@@ -57,6 +70,10 @@ TEMPLATES: dict[str, FimTemplate] = {
 }
 
 
+# A model without FIM sentinels completes from the text before the cursor alone.
+PREFIX_ONLY = FimTemplate("prefix-only", "", "", "", "prefix")
+
+
 def detect_template(vocab_tokens: set[str]) -> FimTemplate | None:
     """The first template whose three sentinels all exist in the tokenizer's vocabulary."""
     order = ["fimble", "qwen2.5-coder", "starcoder2", "deepseek-coder", "codestral", "codellama"]
@@ -71,7 +88,23 @@ def detect_template(vocab_tokens: set[str]) -> FimTemplate | None:
 
 
 def template_by_name(name: str) -> FimTemplate:
+    if name == PREFIX_ONLY.name:
+        return PREFIX_ONLY
     try:
         return TEMPLATES[name]
     except KeyError:
-        raise FimbleError(f"unknown FIM template {name!r}; known: {', '.join(sorted(TEMPLATES))}") from None
+        known = ", ".join([*sorted(TEMPLATES), PREFIX_ONLY.name])
+        raise FimbleError(f"unknown FIM template {name!r}; known: {known}") from None
+
+
+def missing_sentinels(template: FimTemplate, vocab_tokens: set[str]) -> list[str]:
+    """The template's sentinel tokens that the tokenizer does not have (none for prefix-only)."""
+    if template.prefix_only:
+        return []
+    return [t for t in template.sentinels if t not in vocab_tokens]
+
+
+def fitting_templates(vocab_tokens: set[str]) -> list[str]:
+    """Names of the templates whose sentinels the tokenizer has, prefix-only last."""
+    fits = [name for name, t in TEMPLATES.items() if not missing_sentinels(t, vocab_tokens)]
+    return [*fits, PREFIX_ONLY.name]

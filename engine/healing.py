@@ -13,6 +13,8 @@ from __future__ import annotations
 import bisect
 
 MAX_HEAL_CHARS = 24
+# Newline healing re-types the prefix's trailing line break(s) and indentation, up to this long.
+MAX_NEWLINE_HEAL_CHARS = 64
 
 
 class TokenIndex:
@@ -47,16 +49,29 @@ class TokenIndex:
         return ids + self._sorted_ids[lo:hi]
 
 
-def split_heal(prefix: str, last_token_text: str | None) -> tuple[str, str, bool]:
+def split_heal(prefix: str, last_token_text: str | None, newline: bool = True) -> tuple[str, str, bool]:
     """(prefix to prompt with, text taken off, whether decoding must be constrained to re-type it).
 
-    Indentation is taken off without a constraint: the model writes the line's indentation
-    itself, fully speculatively, and the engine drops the leading blanks of the first line,
-    since the cursor already sits after them. A ragged word ("os.pa") must be re-typed
-    exactly, so the first tokens are constrained, one verify step each.
+    A prefix that ends in a line break, or in a line break and indentation (the cursor at a
+    line start or on its indentation), ends the prompt *before* that break: byte-level BPE
+    tokenizers merge "\n" with the next line's indentation, so a prompt ending in a bare
+    break is a boundary the model rarely saw. The trailing whitespace is then re-typed under
+    a constraint (tokens like "\n    " or "\n        return" fit), and only what follows it
+    is shown. ``newline=False`` keeps the older rule, measured against in bench/quality.py:
+    indentation taken off without a constraint, the prompt ending at the break.
+    A ragged word ("os.pa") must be re-typed exactly, so the first tokens are constrained,
+    one verify step each.
     """
     line_start = prefix.rfind("\n") + 1
     tail = prefix[line_start:]
+    if newline and line_start > 0 and not tail.strip():
+        body = prefix.rstrip()
+        trailing = prefix[len(body):]
+        if len(trailing) > MAX_NEWLINE_HEAL_CHARS:  # many blank lines: re-type from the last break only
+            trailing = prefix[line_start - 1:]
+            body = prefix[: line_start - 1]
+        if body and trailing.isascii() and len(trailing) <= MAX_NEWLINE_HEAL_CHARS:
+            return body, trailing, True
     if tail and not tail.strip() and line_start > 0:
         # Cursor on indentation: end the prompt at the line break, as line-aligned training did.
         return prefix[:line_start], tail, False

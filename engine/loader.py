@@ -7,15 +7,17 @@ is switched offline. ``trust_remote_code`` stays off unless the caller asks.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from engine import fim as fim_templates
 from engine.compact import SUPPORTED_MODEL_TYPES, CompactConfig, load_compact
 from engine.errors import ModelLoadError
-from engine.fim import FimTemplate, detect_template, template_by_name
+from engine.fim import PREFIX_ONLY, FimTemplate
 from engine.weights_check import check_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,6 +26,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET = REPO_MODELS / "fimble-target"
 DEFAULT_DRAFT = REPO_MODELS / "fimble-draft"
+# End-of-text tokens of common model families. A tokenizer may mark one as its unk token
+# (SmolLM2 does with <|endoftext|>), so they are looked up in the vocabulary, not through
+# convert_tokens_to_ids, which cannot tell them from unknown text.
+KNOWN_END_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "</s>",
+                    "<|EOT|>", "<｜end▁of▁sentence｜>", "<eos>", "<end_of_turn>")
+log = logging.getLogger("fimble.loader")
 
 
 @dataclass
@@ -36,7 +44,10 @@ class LoadedModel:
     stop_ids: set[int] = field(default_factory=set)
     max_len: int = 2048
     backend: str = "compact"
+    # One line for the user when the model works in a reduced way (no FIM template matched).
+    notice: str | None = None
     _token_index: object = None
+    _vocab: dict | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -59,8 +70,11 @@ class LoadedModel:
         return self._token_index
 
     def token_id(self, token: str) -> int | None:
-        tid = self.tokenizer.convert_tokens_to_ids(token)
-        return None if tid is None or tid == self.tokenizer.unk_token_id else int(tid)
+        """The id of a token the vocabulary has (its unk token included), else None."""
+        if self._vocab is None:
+            self._vocab = self.tokenizer.get_vocab()
+        tid = self._vocab.get(token)
+        return None if tid is None else int(tid)
 
 
 def _read_config(folder: Path) -> dict:
@@ -93,19 +107,54 @@ def _load_tokenizer(folder: Path, trust_remote_code: bool):
     return tok
 
 
-def _stop_ids(tokenizer, template: FimTemplate | None, cfg: dict) -> set[int]:
-    ids: set[int] = set()
-    eos = cfg.get("eos_token_id", tokenizer.eos_token_id)
-    for e in eos if isinstance(eos, list) else [eos]:
-        if e is not None:
-            ids.add(int(e))
+def _id_list(value) -> list[int]:
+    """An ``eos_token_id`` entry (int, list of ints, or None) as a list."""
+    values = value if isinstance(value, list) else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+def _generation_config(folder: Path) -> dict:
+    path = folder / "generation_config.json"
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return {}  # optional file: a corrupt one only loses its extra stop ids
+    return data if isinstance(data, dict) else {}
+
+
+def _stop_ids(tokenizer, template: FimTemplate | None, cfg: dict, gen_cfg: dict, vocab: dict[str, int]) -> set[int]:
+    """Ids that end a completion: config and generation-config EOS, the tokenizer's EOS, the
+    known end tokens and the template's stop tokens, each found in the vocabulary even where
+    the tokenizer calls it unk."""
+    ids = set(_id_list(cfg.get("eos_token_id")) + _id_list(gen_cfg.get("eos_token_id")))
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
+    added = set(tokenizer.get_added_vocab())  # an end token must be a special token, never merged text
+    for tok in KNOWN_END_TOKENS:
+        if tok in added and tok in vocab:
+            ids.add(int(vocab[tok]))
     for tok in template.stop_tokens if template else ():
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if tid is not None and tid != tokenizer.unk_token_id:
-            ids.add(int(tid))
-    return ids
+        if tok in vocab:
+            ids.add(int(vocab[tok]))
+    return {i for i in ids if i < max(len(vocab), len(tokenizer))}
+
+
+def _resolve_template(name: str, vocab: dict[str, int], forced: str | None) -> tuple[FimTemplate, str | None]:
+    """(template, notice). A forced template must fit; with none that matches, prefix-only."""
+    tokens = set(vocab)
+    if forced:
+        fim = fim_templates.template_by_name(forced)
+        missing = fim_templates.missing_sentinels(fim, tokens)
+        if missing:
+            fits = ", ".join(fim_templates.fitting_templates(tokens))
+            raise ModelLoadError(f"template {forced!r} does not fit model {name}: its tokenizer has no "
+                                 f"{', '.join(missing)}; templates that fit: {fits}")
+        return fim, None
+    fim = fim_templates.detect_template(tokens)
+    if fim is None:
+        return PREFIX_ONLY, (f"model {name} has no fill-in-the-middle tokens of a known template: completing "
+                             "from the text before the cursor only (the text after it is not used)")
+    return fim, None
 
 
 def _hf_runtime(folder: Path, cfg: dict, dtype: torch.dtype, device: str, trust_remote_code: bool):
@@ -146,9 +195,13 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
     else:
         runtime = _hf_runtime(folder, cfg, dtype, device, trust_remote_code)
     check_weights(runtime, folder)  # NaN/Inf/implausible weights or probe logits: a load error
-    fim = template_by_name(template) if template else detect_template(set(tokenizer.get_vocab()))
+    vocab = tokenizer.get_vocab()
+    fim, notice = _resolve_template(folder.name, vocab, template)
+    if notice:
+        log.warning("fimble: %s", notice)
     return LoadedModel(
         name=folder.name, folder=folder, runtime=runtime, tokenizer=tokenizer, template=fim,
-        stop_ids=_stop_ids(tokenizer, fim, cfg), max_len=int(cfg.get("max_position_embeddings", 2048)),
-        backend="compact" if use_compact else "hf",
+        stop_ids=_stop_ids(tokenizer, fim, cfg, _generation_config(folder), vocab),
+        max_len=int(cfg.get("max_position_embeddings", 2048)),
+        backend="compact" if use_compact else "hf", notice=notice, _vocab=vocab,
     )

@@ -117,6 +117,8 @@ class PromptBuilder:
     def __init__(self, model, psm_suffix_tokens: int = PSM_SUFFIX_TOKENS):
         self.model = model
         self.psm_suffix_tokens = psm_suffix_tokens
+        # Newline healing (engine/healing.py); off only to measure the older rule (bench/quality.py).
+        self.newline_healing = True
         self._memo: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
 
     def _encode(self, text: str) -> tuple[list[int], bytes]:
@@ -150,9 +152,15 @@ class PromptBuilder:
             ids = self._encode(last_piece)[0]
             if ids:
                 last = m.tokenizer.decode(ids[-1:], clean_up_tokenization_spaces=False)
-                prefix_text, heal, constrained = split_heal(prefix_text, last)
+                prefix_text, heal, constrained = split_heal(prefix_text, last, self.newline_healing)
         prefix = self._part(prefix_text, 0, lines)
-        suffix = self._part(request.suffix, request.prefix.count("\n"), lines)
+        if template.prefix_only:  # no FIM tokens (engine/fim.py PREFIX_ONLY): the suffix goes unused
+            if not prefix.size:
+                raise PromptError("empty prompt: this model completes from the text before the cursor only, "
+                                  "and there is none")
+            suffix = _Part()
+        else:
+            suffix = self._part(request.suffix, request.prefix.count("\n"), lines)
         psm = template.order != "spm"
         if psm and suffix.size > self.psm_suffix_tokens:
             _keep_leading(suffix, self.psm_suffix_tokens)
