@@ -103,11 +103,6 @@ class _Skip(Exception):
     """The syntax policy does not apply here (see POLICY_MAX_LINE)."""
 
 
-def _partial(gen: Generation, offset: int) -> bool:
-    """Whether an answer from ``gen`` now would be part of a first line (the earlyAnswerMs case)."""
-    return not gen.done and first_line_end(gen.text[offset:]) == -1
-
-
 def _clamp(doc: Document, cursor: tuple[int, int] | None) -> tuple[int, int]:
     """``cursor`` inside ``doc`` (None: the document's end)."""
     last = len(doc.lines) - 1
@@ -339,14 +334,14 @@ class Completer:
             """Whether an early answer of complete lines shapes to something (else: wait for more).
 
             A block header alone (``if x:``, its body not decoded yet) is cut by validation."""
-            if doc.version != ctx.version or self.docs.get(doc.uri) is not doc or _partial(gen, offset):
+            if doc.version != ctx.version or self.docs.get(doc.uri) is not doc:
                 return True  # _finish_answer decides
-            return bool(self._shape_answer(doc, ctx.cursor, gen, offset, text, partial=False)[0])
+            return bool(self._shape_answer(doc, ctx.cursor, gen, offset, text)[0])
 
         gen.waiting += 1
         try:
             text = await self._wait_answer(gen, offset, req.t0 + settings.early_answer_ms / 1e3,
-                                           settings.answer_at == "end", shows)
+                                           settings.answer_at == "end", shows, partial_ok=not req.invoked)
         except asyncio.CancelledError:  # $/cancelRequest: stop the decode unless another request uses it
             self.stats.count("cancel_requests")
             if sub is not None:
@@ -532,7 +527,7 @@ class Completer:
         gen.replace_cols = len(shaper.doc.bytes[shaped.replace_start:shaped.replace_end].decode("utf-8", "replace"))
 
     def _shape_answer(self, doc: Document, cursor: tuple[int, int], gen: Generation, start: int,
-                      text: str, partial: bool) -> tuple[str, int]:
+                      text: str) -> tuple[str, int]:
         """(text to show, code points after the cursor it replaces) for ``text`` at ``cursor`` now.
 
         ``text`` is ``gen.text[start:]`` or a prefix of it. The finished decode's own shaping
@@ -545,9 +540,6 @@ class Completer:
             return "", 0
         if len(doc.lines[cursor[0]]) > POLICY_MAX_LINE:
             return text, 0  # see POLICY_MAX_LINE
-        if partial:
-            line, col = cursor
-            return text, fit_to_line_rest(text, doc.line_text(line)[col:], doc.syntax.language_id)[1]
         to_end = gen.done and gen.text[start:].rstrip() == text
         if to_end and gen.replace_cols is not None:
             return text, gen.replace_cols
@@ -576,7 +568,7 @@ class Completer:
                 self._account(old)
 
     async def _wait_answer(self, gen: Generation, offset: int, deadline: float, at_end: bool,
-                           shows: Callable[[str], bool] | None = None) -> str:
+                           shows: Callable[[str], bool] | None = None, *, partial_ok: bool = True) -> str:
         while True:
             if at_end:
                 await gen.wait_change(None)
@@ -584,7 +576,7 @@ class Completer:
                     return gen.text[offset:].rstrip()
                 continue
             now = time.perf_counter()
-            text = _early_text(gen.text[offset:], gen.done, now >= deadline)
+            text = _early_text(gen.text[offset:], gen.done, partial_ok and now >= deadline)
             if text is not None and (gen.done or shows is None or shows(text)):
                 return text
             await gen.wait_change(deadline - now if now < deadline else None)
@@ -603,7 +595,7 @@ class Completer:
             self.stats.count("stale_rebased")
             text, consumed = text[len(typed):], len(typed)
             cursor = advance(*cursor, typed)
-        text, replace_cols = self._shape_answer(doc, cursor, gen, offset + consumed, text, _partial(gen, offset))
+        text, replace_cols = self._shape_answer(doc, cursor, gen, offset + consumed, text)
         now = time.perf_counter()
         self.stats.observe("answer", (now - req.t0) * 1e3)
         if not text.strip():
