@@ -43,7 +43,7 @@ from engine.syntax.context import classify
 from lsp_server.documents import Document, DocumentStore
 from lsp_server.engine_host import EngineHost
 from lsp_server.generation import Generation, first_line_end
-from lsp_server.positions import advance
+from lsp_server.positions import advance, from_codepoints
 from lsp_server.prompt import Context, build_context, clean, typed_since
 from lsp_server.segments import segment_lines
 from lsp_server.settings import Settings
@@ -78,6 +78,7 @@ class RequestInfo:
     position: dict  # client units, echoed in deltas
     t0: float
     invoked: bool = False  # explicitly asked for: skip the debounce
+    encoding: str = "utf-16"  # the session's position encoding (units of ``position`` and deltas' replaceEnd)
 
 
 def _early_text(rem: str, done: bool, past_deadline: bool) -> str | None:
@@ -328,7 +329,8 @@ class Completer:
         sub = None
         if stream:
             sub = Subscription(gen, offset, req.request_id, req.token, completion_id, doc.uri, ctx.version,
-                               req.position, cached=cached)
+                               req.position, cached=cached,
+                               replace_end=self._delta_replace_end(doc, ctx, gen, offset, req))
             self.streamer.subscribe(sub)
         def shows(text: str) -> bool:
             """Whether an early answer of complete lines shapes to something (else: wait for more).
@@ -556,6 +558,36 @@ class Completer:
                 gen.cut_to(start + len(shaped.text))
                 gen.replace_cols = cols
         return shaped.text, cols
+
+    @staticmethod
+    def _delta_replace_end(doc: Document, ctx: Context, gen: Generation, offset: int,
+                           req: RequestInfo) -> Callable[[str, bool], dict]:
+        """For deltas: text -> the end of what it replaces at the request's cursor (its ``replaceEnd``).
+
+        A subscription lives for one document version, so the rest of the cursor's line is read
+        once, now. The finished decode's own shaped range holds for its whole text (see
+        _shape_answer); a text still streaming is fitted to the closers after the cursor, as a
+        partial answer is.
+        """
+        line, col = ctx.cursor
+        line_text = doc.line_text(line)
+        rest = line_text[col:]
+        language = doc.syntax.language_id if doc.syntax is not None else None
+
+        def replace_end(text: str, done: bool) -> dict:
+            cols = 0
+            if text.strip() and rest.strip() and len(line_text) <= POLICY_MAX_LINE:
+                if done and gen.done and gen.replace_cols is not None and gen.text[offset:] == text:
+                    cols = gen.replace_cols
+                else:
+                    try:
+                        cols = fit_to_line_rest(text, rest, language)[1]
+                    except Exception:  # a syntax-layer bug costs the range, not the stream
+                        log.exception("fitting a delta to the line's closers failed")
+            return {"line": req.position["line"],
+                    "character": req.position["character"]
+                    + from_codepoints(rest, min(cols, len(rest)), req.encoding)}
+        return replace_end
 
     def _remember(self, gen: Generation) -> None:
         dq = self.recent.pop(gen.ctx.uri, None) or deque()

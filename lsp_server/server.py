@@ -252,7 +252,8 @@ class FimbleServer(LanguageServer):
         if target is None:
             return None
         doc, cursor = target
-        req = RequestInfo(self.protocol.msg_id, token, {"line": pos.line, "character": pos.character}, t0, invoked)
+        req = RequestInfo(self.protocol.msg_id, token, {"line": pos.line, "character": pos.character}, t0, invoked,
+                          encoding=self.encoding)
         answer = await self.completer.complete(doc, cursor, self.settings, req, stream=stream)
         self.report_engine_error()
         if answer is not None and self._first_latency_ms is None and self.host.state == "ready":

@@ -31,6 +31,10 @@ class Subscription:
     sent: int = -1  # length of the text last sent
     closed: bool = False
     listener: Callable[[Generation], None] | None = field(default=None, repr=False)
+    # text, done -> the end of what ``text`` replaces (client units: past the cursor over the
+    # auto-paired closers it re-types), sent as ``replaceEnd`` so a client that builds its item
+    # from a delta never doubles a closer (PROTOCOL.md). None: no ``replaceEnd``.
+    replace_end: Callable[[str, bool], dict | None] | None = field(default=None, repr=False)
 
 
 class DeltaStreamer:
@@ -83,8 +87,11 @@ class DeltaStreamer:
     def _send(self, sub: Subscription, text: str, done: bool, reason: str | None) -> None:
         sub.sent = len(text)
         sub.gen.shown = max(sub.gen.shown, sub.offset + len(text))
-        self._notify(METHOD, {
+        params = {
             "requestId": sub.request_id, "token": sub.token, "completionId": sub.completion_id, "uri": sub.uri,
             "version": sub.version, "position": sub.position, "text": text, "done": done,
             "finishReason": reason, "cached": sub.cached,
-        })
+        }
+        if sub.replace_end is not None:
+            params["replaceEnd"] = sub.replace_end(text, done)
+        self._notify(METHOD, params)

@@ -10,6 +10,7 @@ import * as vscode from 'vscode';
 import {
   LanguageClient,
   LanguageClientOptions,
+  ServerCapabilities,
   ServerOptions,
   State,
   StaticFeature,
@@ -17,25 +18,49 @@ import {
 } from 'vscode-languageclient/node';
 import { CompletionDelta, DeltaStreamer, Pos } from './stream';
 import { CURSOR_METHOD, CursorParams, CursorReporter } from './cursor';
-import { ConfigReader, ServerLaunch, needsRestart, serverLaunch, wireSettings } from './settings';
+import { ConfigReader, ServerLaunch, clientKey, needsRestart, serverLaunch, wireSettings } from './settings';
+import { DocumentFilterLike, documentSelector, enabledLanguages, modelLanguages, userLanguages } from './languages';
+import { EngineStatus, STATUS_METHOD, StatusWatcher } from './status';
 
-export { wireSettings, serverLaunch, needsRestart } from './settings';
-export { DeltaStreamer, remainder } from './stream';
+export { wireSettings, serverLaunch, needsRestart, clientKey, userValue, LAUNCH_SETTINGS } from './settings';
+export { DeltaStreamer, remainder, RETRY_MS, MAX_RETRIES } from './stream';
 export { CursorReporter, CURSOR_METHOD } from './cursor';
+export { SOURCE_LANGUAGES, enabledLanguages, languageEnabled, documentSelector, modelLanguages } from './languages';
+export { StatusWatcher, STATUS_METHOD, parseStatus } from './status';
 
 export const DELTA_METHOD = 'fimble/completionDelta';
 export const SECTION = 'fimble';
-/** The documents the client syncs to the server (and reports the cursor of). */
-export const DOCUMENT_SELECTOR = [{ scheme: 'file' }, { scheme: 'untitled' }];
+/** How long a stop (restart, settings change) waits for the server's shutdown before it is killed. */
+export const STOP_TIMEOUT_MS = 10000;
 
-/** Advertise `experimental.fimble.completionDelta` so the server streams even if `streaming` is unset. */
-export class CompletionDeltaFeature implements StaticFeature {
+/**
+ * Advertise `experimental.fimble.completionDelta` so the server streams even if `streaming` is unset, and
+ * adapt the client to the server's answer before any feature starts (`preInitialize` runs first):
+ * - the documents synced are the source files of the enabled languages (the model's, from the
+ *   InitializeResult, and the user's `fimble.languages`), written into the shared selector in place;
+ * - the server's `textDocument/completion` fallback is for clients without inline completions: in VS Code
+ *   it would put a competing entry into the suggest widget (which hides the ghost text), so it is not
+ *   registered.
+ */
+export class FimbleFeature implements StaticFeature {
+  constructor(
+    private readonly selector: DocumentFilterLike[],
+    private readonly userLangs: () => Record<string, boolean>,
+    private readonly onLanguages: (languages: string[], model: string[] | null) => void,
+  ) {}
   fillClientCapabilities(capabilities: { experimental?: unknown }): void {
     const exp = (capabilities.experimental ?? {}) as Record<string, unknown>;
     const fimble = (exp.fimble ?? {}) as Record<string, unknown>;
-    capabilities.experimental = { ...exp, fimble: { ...fimble, completionDelta: true } };
+    capabilities.experimental = { ...exp, fimble: { ...fimble, completionDelta: true, status: true } };
   }
   fillInitializeParams(): void {}
+  preInitialize(capabilities: ServerCapabilities): void {
+    const model = modelLanguages(capabilities);
+    const langs = enabledLanguages(model, this.userLangs());
+    this.selector.splice(0, this.selector.length, ...documentSelector(langs));
+    delete (capabilities as { completionProvider?: unknown }).completionProvider;
+    this.onLanguages(langs, model);
+  }
   initialize(): void {}
   getState(): { kind: 'static' } {
     return { kind: 'static' };
@@ -43,7 +68,7 @@ export class CompletionDeltaFeature implements StaticFeature {
   clear(): void {}
 }
 
-type UiState = 'starting' | 'ready' | 'busy' | 'off' | 'stopped' | 'error';
+type UiState = 'starting' | 'loading' | 'ready' | 'busy' | 'off' | 'stopped' | 'error';
 
 /** The extension's running state (one per activation); exported for tests. */
 export class Fimble {
@@ -52,9 +77,15 @@ export class Fimble {
   readonly status: vscode.StatusBarItem;
   readonly streamer: DeltaStreamer<vscode.InlineCompletionItem>;
   readonly cursor: CursorReporter;
-  private launch: ServerLaunch | undefined;
+  /** The documents the client syncs (and reports the cursor of): rewritten when a server starts. */
+  readonly selector: DocumentFilterLike[] = [];
+  languages: string[] = [];
+  private key: ServerLaunch | undefined;
   private prewarm = true; // the server's `prewarm` setting: off, no fimble/cursor either
   private state: UiState = 'starting';
+  private engine: StatusWatcher | undefined;
+  private reason = ''; // why the state is "error" or "stopped"
+  private queue: Promise<void> = Promise.resolve(); // start / stop / restart, one at a time
   lastLatencyMs: number | undefined;
 
   constructor(private readonly context: vscode.ExtensionContext) {
@@ -63,10 +94,12 @@ export class Fimble {
     this.status.command = 'fimble.toggle';
     this.status.show();
     this.streamer = new DeltaStreamer<vscode.InlineCompletionItem>({
-      makeItem: (text, pos, like) =>
-        new vscode.InlineCompletionItem(text, new vscode.Range(toVs(pos), toVs(pos)), like?.command),
+      makeItem: (text, start, end, like) =>
+        new vscode.InlineCompletionItem(text, new vscode.Range(toVs(start), toVs(end)), like?.command),
       itemText: (item) => (typeof item.insertText === 'string' ? item.insertText : undefined),
-      retrigger: () => void vscode.commands.executeCommand('editor.action.inlineSuggest.trigger'),
+      itemRangeEnd: (item) => (item.range ? { line: item.range.end.line, character: item.range.end.character } : undefined),
+      retrigger: (force) => void this.retrigger(force),
+      later: (fn, ms) => void setTimeout(fn, ms),
       cursorOf: (uri) => {
         const editor = vscode.window.activeTextEditor;
         if (!editor || editor.document.uri.toString() !== uri) return undefined;
@@ -89,25 +122,46 @@ export class Fimble {
     return vscode.workspace.getConfiguration(SECTION);
   }
 
-  setState(state: UiState): void {
+  private async retrigger(force: boolean): Promise<void> {
+    if (force) await vscode.commands.executeCommand('editor.action.inlineSuggest.hide');
+    await vscode.commands.executeCommand('editor.action.inlineSuggest.trigger');
+  }
+
+  setState(state: UiState, reason?: string): void {
     this.state = state;
+    if (reason !== undefined) this.reason = reason;
     const ms = this.lastLatencyMs !== undefined ? ` ${this.lastLatencyMs} ms` : '';
-    const icon: Record<UiState, string> = {
-      starting: '$(loading~spin)',
-      ready: '$(sparkle)',
-      busy: '$(sync~spin)',
-      off: '$(circle-slash)',
-      stopped: '$(debug-stop)',
-      error: '$(error)',
+    const view: Record<UiState, [string, string]> = {
+      starting: ['$(loading~spin) fimble', 'starting the server'],
+      loading: ['$(loading~spin) fimble: loading model', 'loading the model: no completions until it is ready'],
+      ready: [`$(sparkle) fimble${ms}`, ms ? `ready (last completion${ms})` : 'ready'],
+      busy: [`$(sync~spin) fimble${ms}`, 'completing'],
+      off: ['$(circle-slash) fimble', 'off'],
+      stopped: ['$(debug-stop) fimble: stopped', `stopped${this.reason ? `: ${this.reason}` : ''}`],
+      error: ['$(error) fimble: error', `error: ${this.reason || 'unknown'}`],
     };
-    this.status.text = `${icon[state]} fimble${state === 'ready' || state === 'busy' ? ms : ''}`;
-    this.status.tooltip = `fimble: ${state}${ms ? ` (last completion${ms})` : ''}. Click to turn ${
-      state === 'off' ? 'on' : 'off'
-    }.`;
+    const [text, tip] = view[state];
+    this.status.text = text;
+    this.status.tooltip = `fimble: ${tip}. Click to turn ${state === 'off' ? 'on' : 'off'}.`;
   }
 
   getState(): UiState {
     return this.state;
+  }
+
+  /** The engine's state changed (fimble/status, or polled): loading model / ready / error. */
+  private engineChanged(s: EngineStatus): void {
+    if (!this.streamer.enabled || this.state === 'off') return;
+    if (s.state === 'error') {
+      const first = this.state !== 'error';
+      this.setState('error', s.error ?? 'the model could not be loaded');
+      this.output.error(`fimble: engine error: ${this.reason}`);
+      if (first) void vscode.window.showErrorMessage(`fimble: ${this.reason}`);
+    } else if (s.state === 'starting') {
+      this.setState('loading');
+    } else if (this.state !== 'busy') {
+      this.setState('ready'); // "ready", or "stopped" with preload off: the model loads at the first request
+    }
   }
 
   /** A selection change or another active editor: report the cursor once it rests (fimble/cursor). */
@@ -115,7 +169,7 @@ export class Fimble {
     const client = this.client;
     if (!editor || !client || !this.prewarm || !this.streamer.enabled) return;
     const doc = editor.document;
-    if (vscode.languages.match(DOCUMENT_SELECTOR, doc) <= 0) return;
+    if (this.selector.length === 0 || vscode.languages.match(this.selector, doc) <= 0) return;
     const c2p = client.code2ProtocolConverter;
     this.cursor.moved(c2p.asUri(doc.uri), doc.version, c2p.asPosition(editor.selection.active));
   }
@@ -128,73 +182,131 @@ export class Fimble {
     });
   }
 
-  async start(): Promise<void> {
+  /** Run start / stop / restart one after another (a restart while starting waits for the start). */
+  private serial(job: () => Promise<void>): Promise<void> {
+    const run = this.queue.then(job, job);
+    this.queue = run.catch(() => undefined);
+    return run;
+  }
+
+  start(): Promise<void> {
+    return this.serial(() => this.doStart());
+  }
+
+  stop(): Promise<void> {
+    return this.serial(() => this.doStop());
+  }
+
+  /** Stop (however long the old server takes: it is killed past STOP_TIMEOUT_MS), then always start again. */
+  restart(): Promise<void> {
+    return this.serial(async () => {
+      if (this.streamer.enabled) this.setState('starting');
+      await this.doStop();
+      await this.doStart();
+    });
+  }
+
+  private async doStart(): Promise<void> {
     const cfg = this.config();
-    this.launch = serverLaunch(cfg as ConfigReader);
+    const launch = serverLaunch(cfg as ConfigReader);
+    this.key = clientKey(cfg as ConfigReader);
     this.prewarm = cfg.get<boolean>('prewarm') !== false;
     this.cursor.reset();
+    if (this.streamer.enabled) this.setState('starting', '');
     const run = {
-      command: this.launch.command,
-      args: this.launch.args,
+      command: launch.command,
+      args: launch.args,
       transport: TransportKind.stdio,
-      options: { env: { ...process.env, ...this.launch.env } },
+      options: { env: { ...process.env, ...launch.env } },
     };
     const serverOptions: ServerOptions = { run, debug: run };
+    this.selector.splice(0, this.selector.length); // nothing synced until the server said which languages
     const clientOptions: LanguageClientOptions = {
-      documentSelector: DOCUMENT_SELECTOR,
+      documentSelector: this.selector,
       initializationOptions: wireSettings(cfg as ConfigReader),
       outputChannel: this.output,
       middleware: {
-        provideInlineCompletionItems: (document, position, _context, token, next) =>
-          this.streamer.provide(document, position, () => next(document, position, _context, token), () => token.isCancellationRequested),
+        provideInlineCompletionItems: (document, position, context, token, next) =>
+          this.streamer.provide(
+            document,
+            position,
+            () => next(document, position, context, token),
+            token,
+            context.triggerKind === vscode.InlineCompletionTriggerKind.Invoke,
+          ),
       },
     };
     const client = new LanguageClient('fimble', 'fimble', serverOptions, clientOptions);
-    client.registerFeature(new CompletionDeltaFeature());
+    const userLangs = () => userLanguages(this.config().get<unknown>('languages'));
+    client.registerFeature(
+      new FimbleFeature(this.selector, userLangs, (langs, model) => {
+        this.languages = langs;
+        this.output.info(`fimble: completing ${langs.join(', ') || 'no languages'} (model: ${model ? model.join(', ') : 'any language'})`);
+      }),
+    );
     this.client = client;
     client.onDidChangeState((e) => {
-      if (e.newState === State.Running) this.setState(this.streamer.enabled ? 'ready' : 'off');
-      else if (e.newState === State.Stopped) this.setState('stopped');
+      if (this.client !== client) return; // an old client stopping
+      if (e.newState === State.Stopped) this.setState(this.streamer.enabled ? 'stopped' : 'off', 'the server exited');
     });
+    const engine = new StatusWatcher(
+      () => client.sendRequest('fimble/stats', {}),
+      (s) => {
+        if (this.client === client) this.engineChanged(s);
+      },
+      (fn, ms) => setTimeout(fn, ms),
+    );
+    this.engine = engine;
+    client.onNotification(STATUS_METHOD, (p: unknown) => engine.notified(p));
+    client.onNotification(DELTA_METHOD, (d: CompletionDelta) => this.streamer.onDelta(d));
     try {
       await client.start();
-      client.onNotification(DELTA_METHOD, (d: CompletionDelta) => this.streamer.onDelta(d));
-      this.output.info(`fimble: started ${this.launch.command} ${this.launch.args.join(' ')}`);
-      this.setState(this.streamer.enabled ? 'ready' : 'off');
+      this.output.info(`fimble: started ${launch.command} ${launch.args.join(' ')}`);
+      if (this.streamer.enabled) this.setState('loading');
+      engine.start();
     } catch (err) {
-      this.setState('error');
-      this.output.error(`fimble: could not start ${this.launch.command}: ${String(err)}`);
+      this.setState('error', `could not start "${launch.command}"`);
+      this.output.error(`fimble: could not start ${launch.command}: ${String(err)}`);
       void vscode.window.showErrorMessage(
-        `fimble: could not start "${this.launch.command}". Set fimble.server.command to the fimble executable.`,
+        `fimble: could not start "${launch.command}". Set fimble.server.command (user settings) to the fimble executable.`,
       );
     }
   }
 
-  async stop(): Promise<void> {
+  private async doStop(): Promise<void> {
     const client = this.client;
     this.client = undefined;
+    this.engine?.stop();
+    this.engine = undefined;
     this.streamer.forget();
     this.cursor.reset();
-    if (client && client.state !== State.Stopped) await client.stop();
-  }
-
-  async restart(): Promise<void> {
-    await this.stop();
-    await this.start();
+    if (!client) return;
+    try {
+      if (client.state === State.Running) await client.stop(STOP_TIMEOUT_MS);
+      else if (client.state === State.Starting) await client.dispose(STOP_TIMEOUT_MS);
+    } catch (err) {
+      // Timed out or failed: the language client kills the process; the next start must not depend on it.
+      this.output.warn(`fimble: the server did not stop cleanly (${String(err)}); it is ended`);
+    }
   }
 
   toggle(): boolean {
     this.streamer.enabled = !this.streamer.enabled;
     this.streamer.forget();
-    this.setState(this.streamer.enabled ? (this.client ? 'ready' : 'stopped') : 'off');
+    if (this.streamer.enabled) {
+      this.setState(this.client ? 'ready' : 'stopped');
+      this.engine?.start(); // re-read the engine's state
+    } else {
+      this.setState('off');
+    }
     if (!this.streamer.enabled) void vscode.commands.executeCommand('editor.action.inlineSuggest.hide');
     return this.streamer.enabled;
   }
 
   async configurationChanged(): Promise<void> {
     const cfg = this.config();
-    const launch = serverLaunch(cfg as ConfigReader);
-    if (!this.launch || needsRestart(this.launch, launch)) {
+    const key = clientKey(cfg as ConfigReader);
+    if (!this.key || needsRestart(this.key, key)) {
       await this.restart();
       return;
     }

@@ -20,11 +20,17 @@ async function waitFor(pred, what, ms = 10000) {
 test('activate, stream ghost text, drop stale answers, toggle, deactivate', async (t) => {
   Object.assign(vscode.state.config, {
     'fimble.server.command': process.execPath,
-    'fimble.server.args': [FAKE],
+    'fimble.server.args': [FAKE, '--languages=["python"]', '--status', '--ready-ms=300'],
     'fimble.model': '/models/m',
     'fimble.maxLines': 3,
     'fimble.languages': { markdown: false },
   });
+  // Open before activation: a Python file, the user's settings.json and a Markdown file.
+  vscode.state.textDocuments.push(
+    new vscode.StubDocument('file:///work/open.py', 'x = 1\n', 'python', 1),
+    new vscode.StubDocument('file:///work/.vscode/settings.json', '{}', 'jsonc', 1),
+    new vscode.StubDocument('file:///work/README.md', '# hi', 'markdown', 1),
+  );
   const context = { subscriptions: [], extensionPath: path.join(__dirname, '..'), extensionUri: vscode.Uri.file('/x') };
   const fimble = await ext.activate(context);
   t.after(() => ext.deactivate());
@@ -33,10 +39,18 @@ test('activate, stream ghost text, drop stale answers, toggle, deactivate', asyn
   for (const c of ['fimble.toggle', 'fimble.showLogs', 'fimble.restart']) assert.ok(vscode.calls.commands.includes(c), c);
   const status = vscode.calls.statusItems[0];
   assert.ok(status.visible);
-  assert.match(status.text, /fimble/);
-  assert.equal(fimble.getState(), 'ready');
+  // Loading state: "loading model" until the server's fimble/status says the engine is ready.
+  assert.equal(fimble.getState(), 'loading');
+  assert.match(status.text, /loading model/);
+  await waitFor(() => fimble.getState() === 'ready', 'the engine to be ready');
+  assert.doesNotMatch(status.text, /loading/);
   const got = await fimble.client.sendRequest('fake/received');
   assert.deepEqual(got.initialize.initializationOptions, { model: '/models/m', maxLines: 3, enable: { markdown: false }, streaming: true });
+  // Only source files of the model's languages are synced (issue 13, VS Code 7): not settings.json, not Markdown.
+  assert.deepEqual(fimble.selector, [{ scheme: 'file', language: 'python' }, { scheme: 'untitled', language: 'python' }]);
+  assert.deepEqual(got.opened, [{ uri: 'file:///work/open.py', languageId: 'python' }]);
+  // The server's textDocument/completion fallback is not registered (issue 13, VS Code 8).
+  assert.equal(vscode.calls.completionProviders.length, 0);
   assert.equal(got.initialize.capabilities.experimental.fimble.completionDelta, true);
   assert.ok(got.initialize.capabilities.textDocument.inlineCompletion, 'the client advertises inline completion');
   await waitFor(() => vscode.calls.providers.length > 0, 'the inline completion provider');

@@ -22,6 +22,7 @@ test('VS Code settings map to the wire names of PROTOCOL.md', () => {
     model: '/models/qwen', noDraft: true, device: 'cuda', engineThreads: 2, drafter: 'ngram', maxLines: 3,
     maxTokens: 48, debounceMs: 20, earlyAnswerMs: 100, answerAt: 'end', prefetch: false, tokenHealing: true,
     prefixChars: 2000, suffixChars: 500, preload: false, streaming: false, enable: { '*': true, markdown: false },
+    languages: ['*'],
   });
 });
 
@@ -38,4 +39,25 @@ test('server launch: command, args, env; restart only when they change', () => {
   assert.equal(ext.needsRestart(a, a), false);
   assert.equal(ext.needsRestart(a, b), true);
   assert.deepEqual(ext.serverLaunch(reader({ 'server.args': [1] })).args, ['lsp']);
+});
+
+test('launch settings come from the user, never from the workspace', () => {
+  const layered = (layers) => ({
+    get: (k) => {
+      const l = layers[k];
+      return l ? l.workspaceValue ?? l.globalValue ?? l.defaultValue : undefined;
+    },
+    inspect: (k) => layers[k],
+  });
+  const cfg = layered({
+    'server.command': { defaultValue: 'fimble', workspaceValue: '/bin/sh' },
+    'server.args': { defaultValue: ['lsp'], globalValue: ['lsp', '--stdio'], workspaceValue: ['-c', 'evil'] },
+    'server.env': { defaultValue: {}, workspaceValue: { LD_PRELOAD: '/tmp/x.so' } },
+    model: { defaultValue: '', workspaceValue: '/tmp/evil' },
+    draft: { defaultValue: '', globalValue: '/models/draft' },
+  });
+  assert.deepEqual(ext.serverLaunch(cfg), { command: 'fimble', args: ['lsp', '--stdio'], env: {} });
+  const wire = ext.wireSettings(cfg);
+  assert.equal(wire.model, undefined);
+  assert.equal(wire.draft, '/models/draft');
 });

@@ -9,13 +9,27 @@ const URI = 'file:///a.py';
 
 function setup() {
   const editor = { version: 3, position: { line: 1, character: 4 }, lines: ['def f(x):', '    '] };
+  const timers = [];
   const host = {
     retriggers: 0,
-    makeItem: (text, pos, like) => ({ insertText: text, pos, command: like && like.command }),
+    forced: 0,
+    makeItem: (text, start, end, like) => ({ insertText: text, pos: start, range: { start, end }, command: like && like.command }),
     itemText: (item) => (typeof item.insertText === 'string' ? item.insertText : undefined),
-    retrigger: () => (host.retriggers += 1),
+    itemRangeEnd: (item) => (item.range ? item.range.end : undefined),
+    retrigger: (force) => {
+      host.retriggers += 1;
+      if (force) host.forced += 1;
+      if (host.onRetrigger) host.onRetrigger(force);
+    },
+    later: (fn, ms) => timers.push({ fn, ms }),
     cursorOf: (uri) => (uri === URI ? { version: editor.version, position: { ...editor.position } } : undefined),
     now: () => 0,
+  };
+  /** Run the timers due (the streamer's re-trigger checks). */
+  const tick = () => {
+    const due = timers.splice(0, timers.length);
+    for (const t of due) t.fn();
+    return due.length;
   };
   const doc = {
     uri: { toString: () => URI },
@@ -28,10 +42,11 @@ function setup() {
   const delta = (text, extra = {}) => ({
     requestId: 1, uri: URI, version: editor.version, position: { ...editor.position }, text, done: false, ...extra,
   });
-  return { editor, host, doc, s, delta };
+  return { editor, host, doc, s, delta, tick, timers };
 }
 
-const serverAnswer = (text) => () => Promise.resolve({ items: [{ insertText: text, command: { command: 'fimble.acceptCompletion', arguments: ['c1'] } }] });
+const serverAnswer = (text, range) => () =>
+  Promise.resolve({ items: [{ insertText: text, range, command: { command: 'fimble.acceptCompletion', arguments: ['c1'] } }] });
 
 test('remainder: typed text that agrees keeps the rest; disagreement drops it', () => {
   const at = { line: 0, character: 4 };
@@ -129,4 +144,98 @@ test('disabled: no requests, no re-triggers', async () => {
   s.onDelta(delta('return 1'));
   assert.equal(called, 0);
   assert.equal(host.retriggers, 0);
+});
+
+// Issue 13, VS Code 1: VS Code drops a re-trigger (it does not ask again at the same cursor and version
+// after an explicitly requested answer). Before: the pending flag stayed set, the ghost text froze at a
+// cut-off text and Tab inserted it. Now: a re-trigger after an explicit answer is forced, and one the
+// provider never saw is retried (forced), so what is shown ends as the server's final text.
+test('a dropped re-trigger is retried until the final text is shown', async () => {
+  const { host, doc, s, delta, editor, tick } = setup();
+  const shown = [];
+  // VS Code model: it calls the provider on a re-trigger only if forced or if what it shows came from an
+  // automatic request (VS Code 1.100's "satisfies" rule); otherwise it drops it.
+  let lastExplicit = false;
+  const ask = async (explicit) => {
+    const items = await s.provide(doc, editor.position, serverAnswer("(path, 'rb') as f:"), undefined, explicit);
+    lastExplicit = explicit;
+    shown.push(items.length ? items[0].insertText : null);
+  };
+  host.onRetrigger = (force) => {
+    if (force || !lastExplicit) void ask(true);
+  };
+  await ask(false); // automatic request: the server's first answer
+  s.onDelta(delta("(path, '"));
+  await new Promise((r) => setImmediate(r));
+  s.onDelta(delta("(path, 'rb"));
+  await new Promise((r) => setImmediate(r));
+  s.onDelta(delta("(path, 'rb') as f:", { done: true, finishReason: 'stop' }));
+  await new Promise((r) => setImmediate(r));
+  for (let i = 0; i < 5 && tick(); i++) await new Promise((r) => setImmediate(r));
+  assert.equal(shown[shown.length - 1], "(path, 'rb') as f:", `shown: ${JSON.stringify(shown)}`);
+  assert.equal(s.retriggerPending, false);
+  assert.ok(host.forced >= 1, 'a re-trigger after an explicit answer is forced');
+});
+
+test('a re-trigger VS Code never answers is retried, forced, a bounded number of times', async () => {
+  const { host, s, delta, tick } = setup();
+  host.onRetrigger = () => {}; // dropped every time (e.g. the editor lost focus)
+  s.onDelta(delta('return x'));
+  assert.equal(host.retriggers, 1);
+  for (let i = 0; i < 10; i++) tick();
+  assert.equal(host.retriggers, 1 + ext.MAX_RETRIES);
+  assert.equal(host.forced, ext.MAX_RETRIES);
+  assert.equal(s.retriggerPending, false, 'gives up: the next delta starts again');
+  s.onDelta(delta('return x + 1'));
+  assert.equal(host.retriggers, 2 + ext.MAX_RETRIES);
+});
+
+test('a final text shorter than the shown one (validation cut it) replaces it', async () => {
+  const { host, doc, s, delta, editor } = setup();
+  await s.provide(doc, editor.position, serverAnswer('x = 1'));
+  s.onDelta(delta('x = 1\nif y:'));
+  assert.equal(host.retriggers, 1);
+  const longer = await s.provide(doc, editor.position, () => assert.fail('answered locally'), undefined, true);
+  assert.equal(longer[0].insertText, 'x = 1\nif y:');
+  s.onDelta(delta('x = 1\n', { done: true, finishReason: 'stop' }));
+  assert.equal(host.retriggers, 2);
+  assert.equal(host.forced, 1, 'after an explicit (re-triggered) answer the re-trigger is forced');
+  const final = await s.provide(doc, editor.position, () => assert.fail('answered locally'), undefined, true);
+  assert.equal(final[0].insertText, 'x = 1\n');
+});
+
+// Issue 13, VS Code 2: the server's range covers the auto-paired closer its text re-types; items built by
+// the extension kept only the cursor, so `math.sqrt(|)` + `1.0) / 2.0` gave `math.sqrt(1.0) / 2.0)`.
+test('items keep the range past auto-paired closers, from the answer and from deltas', async () => {
+  const { doc, s, delta, editor } = setup();
+  editor.lines[1] = '    return math.sqrt()';
+  editor.position = { line: 1, character: 21 };
+  const at = { ...editor.position };
+  const past = { line: 1, character: 22 };
+  const first = await s.provide(doc, at, serverAnswer('1.0) / 2.0', { start: at, end: past }));
+  assert.deepEqual(first[0].range, { start: at, end: past });
+  s.onDelta(delta('1.0) / 2.0 + 3', { replaceEnd: past }));
+  const grown = await s.provide(doc, at, () => assert.fail('answered locally'), undefined, true);
+  assert.equal(grown[0].insertText, '1.0) / 2.0 + 3');
+  assert.deepEqual(grown[0].range, { start: at, end: past });
+  // Accepting replaces the `)`: one closer, not two.
+  const line = editor.lines[1];
+  const accepted = line.slice(0, at.character) + grown[0].insertText + line.slice(past.character);
+  assert.equal(accepted, '    return math.sqrt(1.0) / 2.0 + 3');
+});
+
+test('an answer from before an auto-closed bracket is not re-based across it', async () => {
+  const { doc, s, editor } = setup();
+  // `with open|`: the answer `(path, 'rb') as f:` comes back after the user typed `(`, which VS Code
+  // auto-closed: `with open(|)`. Re-basing it would show `path, 'rb') as f:` before the `)` without a range.
+  editor.lines[1] = '    with open';
+  editor.position = { line: 1, character: 13 };
+  const items = await s.provide(doc, { line: 1, character: 13 }, () => {
+    editor.version += 1;
+    editor.lines[1] = '    with open()';
+    editor.position = { line: 1, character: 14 };
+    return serverAnswer("(path, 'rb') as f:")();
+  });
+  assert.deepEqual(items, []);
+  assert.equal(s.counts.staleDropped, 1);
 });

@@ -3,7 +3,21 @@
 // (the first line) and fimble/completionDelta notifications whose `text` grows, then `done`.
 'use strict';
 
-const received = { initialize: null, methods: [], cursor: [] };
+const received = {
+  initialize: null, methods: [], cursor: [], opened: [], pid: process.pid, argv: process.argv.slice(1),
+  env: { NODE_OPTIONS: process.env.NODE_OPTIONS },
+};
+// Command-line knobs: --languages=JSON (InitializeResult experimental.fimble.languages),
+// --shutdown-ms=N (answer `shutdown` after N ms, like a loaded server closing its engine),
+// --status (send fimble/status: starting at `initialized`, ready --ready-ms=N later).
+const arg = (name) => {
+  const hit = process.argv.find((a) => a === `--${name}` || a.startsWith(`--${name}=`));
+  return hit === undefined ? undefined : hit.includes('=') ? hit.slice(hit.indexOf('=') + 1) : true;
+};
+const LANGUAGES = arg('languages') !== undefined ? JSON.parse(arg('languages')) : undefined;
+const SHUTDOWN_MS = Number(arg('shutdown-ms') || 0);
+const STATUS = arg('status') !== undefined;
+const READY_MS = Number(arg('ready-ms') || 200);
 let buffer = Buffer.alloc(0);
 
 function send(msg) {
@@ -63,14 +77,26 @@ function handle(msg) {
           capabilities: {
             textDocumentSync: { openClose: true, change: 2 },
             inlineCompletionProvider: {},
+            completionProvider: {},
             executeCommandProvider: { commands: ['fimble.acceptCompletion'] },
+            ...(LANGUAGES !== undefined ? { experimental: { fimble: { languages: LANGUAGES } } } : {}),
           },
           serverInfo: { name: 'fake-fimble', version: '0' },
         },
       });
       break;
+    case 'initialized':
+      if (STATUS) {
+        send({ method: 'fimble/status', params: { state: 'starting', error: null } });
+        setTimeout(() => send({ method: 'fimble/status', params: { state: 'ready', error: null } }), READY_MS);
+      }
+      break;
+    case 'fimble/stats':
+      send({ id: msg.id, result: { engine: { state: 'ready', error: null } } });
+      break;
     case 'textDocument/didOpen':
       received.versions[msg.params.textDocument.uri] = msg.params.textDocument.version;
+      received.opened.push({ uri: msg.params.textDocument.uri, languageId: msg.params.textDocument.languageId });
       break;
     case 'textDocument/didChange':
       received.versions[msg.params.textDocument.uri] = msg.params.textDocument.version;
@@ -90,7 +116,7 @@ function handle(msg) {
       send({ id: msg.id, result: null });
       break;
     case 'shutdown':
-      send({ id: msg.id, result: null });
+      setTimeout(() => send({ id: msg.id, result: null }), SHUTDOWN_MS);
       break;
     case 'exit':
       process.exit(0);

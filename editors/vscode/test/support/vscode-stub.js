@@ -4,8 +4,10 @@
 // disposables, so the language client's many registrations succeed without doing anything.
 'use strict';
 
-const calls = { commands: [], executed: [], providers: [], messages: [], statusItems: [], outputs: [] };
-const state = { config: {}, activeTextEditor: undefined, textDocuments: [], onExecute: {} };
+const calls = { commands: [], executed: [], providers: [], completionProviders: [], messages: [], statusItems: [], outputs: [] };
+// config: resolved values by full key; configLayers: full key -> { defaultValue, globalValue, workspaceValue }
+// (what `inspect` returns; a key there resolves workspace > global > default, as VS Code does).
+const state = { config: {}, configLayers: {}, activeTextEditor: undefined, textDocuments: [], onExecute: {}, isTrusted: true };
 
 function auto(name = 'auto') {
   const fn = function () {};
@@ -174,11 +176,20 @@ class StubDocument {
 }
 
 function config(section) {
+  const full = (key) => (section ? `${section}.${key}` : key);
   const get = (key, dflt) => {
-    const full = section ? `${section}.${key}` : key;
-    return Object.prototype.hasOwnProperty.call(state.config, full) ? state.config[full] : dflt;
+    const layers = state.configLayers[full(key)];
+    if (layers) {
+      for (const v of [layers.workspaceValue, layers.globalValue, layers.defaultValue]) if (v !== undefined) return v;
+      return dflt;
+    }
+    return Object.prototype.hasOwnProperty.call(state.config, full(key)) ? state.config[full(key)] : dflt;
   };
-  return { get, has: (k) => get(k) !== undefined, inspect: () => undefined, update: async () => {} };
+  const inspect = (key) => {
+    const layers = state.configLayers[full(key)];
+    return layers ? { key: full(key), ...layers } : undefined;
+  };
+  return { get, has: (k) => get(k) !== undefined, inspect, update: async () => {} };
 }
 
 const configChanged = new EventEmitter();
@@ -192,6 +203,9 @@ const workspace = withAuto(
       return state.textDocuments;
     },
     workspaceFolders: undefined,
+    get isTrusted() {
+      return state.isTrusted;
+    },
     onDidOpenTextDocument: new EventEmitter().event,
     onDidCloseTextDocument: new EventEmitter().event,
     onDidChangeTextDocument: new EventEmitter().event,
@@ -234,6 +248,7 @@ const window = withAuto(
       return state.activeTextEditor ? [state.activeTextEditor] : [];
     },
     onDidChangeActiveTextEditor: new EventEmitter().event,
+    tabGroups: { all: [], onDidChangeTabs: new EventEmitter().event, onDidChangeTabGroups: new EventEmitter().event },
     onDidChangeTextEditorSelection: selectionChanged.event,
     onDidChangeVisibleTextEditors: new EventEmitter().event,
     createOutputChannel: outputChannel,
@@ -275,7 +290,27 @@ const languages = withAuto(
       calls.providers.push(entry);
       return new Disposable(() => calls.providers.splice(calls.providers.indexOf(entry), 1));
     },
-    match: () => 10,
+    registerCompletionItemProvider(selector, provider) {
+      const entry = { selector, provider };
+      calls.completionProviders.push(entry);
+      return new Disposable(() => calls.completionProviders.splice(calls.completionProviders.indexOf(entry), 1));
+    },
+    /** VS Code's score, simplified: 10 if a filter's scheme and language (where given) both match. */
+    match(selector, doc) {
+      const filters = Array.isArray(selector) ? selector : [selector];
+      let best = 0;
+      for (const f of filters) {
+        if (typeof f === 'string') {
+          if (f === doc.languageId || f === '*') best = Math.max(best, 10);
+          continue;
+        }
+        if (f.scheme && f.scheme !== doc.uri.scheme) continue;
+        if (f.language && f.language !== doc.languageId && f.language !== '*') continue;
+        if (f.pattern) continue; // not needed by the extension
+        best = Math.max(best, 10);
+      }
+      return best;
+    },
   },
   'languages',
 );

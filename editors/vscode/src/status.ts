@@ -1,0 +1,93 @@
+// The engine's state for the status bar: "loading model" until the model is loaded, then ready, or an
+// error with its reason (issue 13).
+//
+// The server reports it with `fimble/status` notifications (lsp_server/PROTOCOL.md) when it has them;
+// otherwise (an older server, or until the first notification) the watcher polls `fimble/stats`
+// (`engine.state`, `engine.error`) until the engine is ready or has failed. Either way the listener hears
+// each state once.
+//
+// Pure: no `vscode` import, so it is unit-tested directly.
+
+export const STATUS_METHOD = 'fimble/status';
+
+export type EngineState = 'starting' | 'ready' | 'error' | 'stopped';
+
+export interface EngineStatus {
+  state: EngineState;
+  error?: string | null;
+}
+
+const STATES: readonly string[] = ['starting', 'ready', 'error', 'stopped'];
+
+/** An engine state from a `fimble/status` notification or a `fimble/stats` answer (`{engine: {...}}`). */
+export function parseStatus(p: unknown): EngineStatus | undefined {
+  if (!p || typeof p !== 'object') return undefined;
+  const obj = p as Record<string, unknown>;
+  const src = (obj.engine && typeof obj.engine === 'object' ? obj.engine : obj) as Record<string, unknown>;
+  const state = typeof src.state === 'string' ? src.state : undefined;
+  if (state === undefined || !STATES.includes(state)) return undefined;
+  const error = typeof src.error === 'string' ? src.error : null;
+  return { state: state as EngineState, error };
+}
+
+export class StatusWatcher {
+  private last: string | undefined;
+  private polling = false;
+  private notifiedOnce = false;
+  private polls = 0;
+  private generation = 0;
+
+  constructor(
+    private readonly stats: () => PromiseLike<unknown>,
+    private readonly listener: (s: EngineStatus) => void,
+    private readonly later: (fn: () => void, ms: number) => unknown,
+    readonly intervalMs = 500,
+    readonly maxPolls = 1200, // ten minutes of loading at most
+  ) {}
+
+  /** Start (or restart) polling until the engine is ready or failed, unless the server notifies. */
+  start(): void {
+    this.generation++;
+    this.polls = 0;
+    this.polling = true;
+    void this.poll(this.generation);
+  }
+
+  stop(): void {
+    this.generation++;
+    this.polling = false;
+  }
+
+  /** A `fimble/status` notification: it is the source from now on. */
+  notified(p: unknown): void {
+    const s = parseStatus(p);
+    if (!s) return;
+    this.notifiedOnce = true;
+    this.emit(s);
+  }
+
+  private emit(s: EngineStatus): void {
+    const key = `${s.state}\u0000${s.error ?? ''}`;
+    if (key === this.last) return;
+    this.last = key;
+    this.listener(s);
+  }
+
+  private async poll(gen: number): Promise<void> {
+    if (!this.polling || gen !== this.generation || this.notifiedOnce) return;
+    let s: EngineStatus | undefined;
+    try {
+      s = parseStatus(await this.stats());
+    } catch {
+      s = undefined; // the server is going away or too old: try again later
+    }
+    if (gen !== this.generation || this.notifiedOnce) return;
+    if (s) this.emit(s);
+    this.polls++;
+    if (s && (s.state === 'ready' || s.state === 'error')) {
+      this.polling = false;
+      return;
+    }
+    if (this.polls < this.maxPolls) this.later(() => void this.poll(gen), this.intervalMs);
+  }
+}
