@@ -40,6 +40,7 @@ from engine.policy import decide
 from engine.postprocess import CompletionShaper
 from engine.syntax.brackets import fit_to_line_rest
 from engine.syntax.context import classify
+from lsp_server import indent
 from lsp_server.documents import Document, DocumentStore
 from lsp_server.engine_host import EngineHost
 from lsp_server.generation import Generation, first_line_end
@@ -449,6 +450,9 @@ class Completer:
         stream = engine.submit(self._request(ctx, plan, settings))
         gen = Generation(ctx, stream, t0, build_ms)
         gen.shaper = plan.shaper
+        line_before = ctx.prefix[ctx.prefix.rfind("\n") + 1:]
+        if indent.applies(line_before, ctx.suffix.split("\n", 1)[0]):
+            gen.indent_fit = indent.IndentFit()  # no indentation added to the editor's (lsp_server/indent.py)
         self.active = gen
         if self.docs.get(ctx.uri) is not None:  # (not closed while the engine started)
             self._warm_at[ctx.uri] = (ctx.version, ctx.cursor)
@@ -465,7 +469,9 @@ class Completer:
         try:
             async for delta in gen.stream:
                 if delta.text and not gen.cut:
-                    self._add_guarded(gen, delta.text)
+                    text = gen.indent_fit.feed(delta.text) if gen.indent_fit is not None else delta.text
+                    if text:
+                        self._add_guarded(gen, text)
                 if delta.finished:
                     reason = delta.finish_reason
                 gen.changed()

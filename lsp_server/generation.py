@@ -55,6 +55,9 @@ class Generation:
         self.shaper: Any = None
         self.cut = False
         self.replace_cols: int | None = None
+        # lsp_server.indent.IndentFit when the cursor sits in a line's auto-indentation (set by the
+        # completer): streamed text passes through it first.
+        self.indent_fit: Any = None
         self.listeners: list[Callable[[Generation], None]] = []
         self._waiters: list[asyncio.Future] = []
 

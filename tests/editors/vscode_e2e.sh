@@ -66,7 +66,8 @@ install_code_server() {
   # 6. The built-in extensions' dependencies.
   step 6-extensions in "$CS/lib/vscode/extensions" nice npm install --omit=dev --no-audit --no-fund --loglevel=error
   # 7. code-server's own native module (password hashing), built here.
-  step 7-argon2 in "$CS" env npm_config_nodedir=/usr nice npm rebuild argon2 --build-from-source --loglevel=error
+  step 7-argon2 in "$CS_DIR" env npm_config_nodedir=/usr npm_config_build_from_source=true nice npm rebuild argon2 --loglevel=error
+  [ -f "$CS_DIR/node_modules/argon2/lib/binding/napi-v3/argon2.node" ] || { log "argon2 was not built"; exit 1; }
   touch "$CS_DIR/.complete"
   log "code-server installed"
 }

@@ -87,6 +87,7 @@ export class Fimble {
   private reason = ''; // why the state is "error" or "stopped"
   private queue: Promise<void> = Promise.resolve(); // start / stop / restart, one at a time
   lastLatencyMs: number | undefined;
+  firstLatencyMs: number | undefined; // the server's (fimble/status): the user's first wait after a start
 
   constructor(private readonly context: vscode.ExtensionContext) {
     this.output = vscode.window.createOutputChannel('fimble', { log: true });
@@ -130,11 +131,15 @@ export class Fimble {
   setState(state: UiState, reason?: string): void {
     this.state = state;
     if (reason !== undefined) this.reason = reason;
-    const ms = this.lastLatencyMs !== undefined ? ` ${this.lastLatencyMs} ms` : '';
+    const latest = this.lastLatencyMs ?? this.firstLatencyMs;
+    const ms = latest !== undefined ? ` ${latest} ms` : '';
+    const first = this.firstLatencyMs !== undefined ? `first completion ${this.firstLatencyMs} ms` : '';
+    const last = this.lastLatencyMs !== undefined ? `last ${this.lastLatencyMs} ms` : '';
+    const timings = [first, last].filter(Boolean).join(', ');
     const view: Record<UiState, [string, string]> = {
       starting: ['$(loading~spin) fimble', 'starting the server'],
       loading: ['$(loading~spin) fimble: loading model', 'loading the model: no completions until it is ready'],
-      ready: [`$(sparkle) fimble${ms}`, ms ? `ready (last completion${ms})` : 'ready'],
+      ready: [`$(sparkle) fimble${ms}`, timings ? `ready (${timings})` : 'ready'],
       busy: [`$(sync~spin) fimble${ms}`, 'completing'],
       off: ['$(circle-slash) fimble', 'off'],
       stopped: ['$(debug-stop) fimble: stopped', `stopped${this.reason ? `: ${this.reason}` : ''}`],
@@ -151,6 +156,7 @@ export class Fimble {
 
   /** The engine's state changed (fimble/status, or polled): loading model / ready / error. */
   private engineChanged(s: EngineStatus): void {
+    if (typeof s.firstLatencyMs === 'number') this.firstLatencyMs = Math.round(s.firstLatencyMs);
     if (!this.streamer.enabled || this.state === 'off') return;
     if (s.state === 'error') {
       const first = this.state !== 'error';
@@ -210,6 +216,8 @@ export class Fimble {
     const cfg = this.config();
     const launch = serverLaunch(cfg as ConfigReader);
     this.key = clientKey(cfg as ConfigReader);
+    this.firstLatencyMs = undefined;
+    this.lastLatencyMs = undefined;
     this.prewarm = cfg.get<boolean>('prewarm') !== false;
     this.cursor.reset();
     if (this.streamer.enabled) this.setState('starting', '');

@@ -15,19 +15,30 @@ export type EngineState = 'starting' | 'ready' | 'error' | 'stopped';
 export interface EngineStatus {
   state: EngineState;
   error?: string | null;
+  /** The first completion's latency since the engine became ready (fimble/status `firstLatencyMs`). */
+  firstLatencyMs?: number | null;
 }
 
-const STATES: readonly string[] = ['starting', 'ready', 'error', 'stopped'];
-
-/** An engine state from a `fimble/status` notification or a `fimble/stats` answer (`{engine: {...}}`). */
+/**
+ * An engine state from a `fimble/status` notification (`{state, message, firstLatencyMs, ...}`, state
+ * `stopped` / `loading` / `ready` / `error`) or a `fimble/stats` answer (`{engine: {state, error}}`, state
+ * `starting` while loading).
+ */
 export function parseStatus(p: unknown): EngineStatus | undefined {
   if (!p || typeof p !== 'object') return undefined;
   const obj = p as Record<string, unknown>;
-  const src = (obj.engine && typeof obj.engine === 'object' ? obj.engine : obj) as Record<string, unknown>;
-  const state = typeof src.state === 'string' ? src.state : undefined;
-  if (state === undefined || !STATES.includes(state)) return undefined;
-  const error = typeof src.error === 'string' ? src.error : null;
-  return { state: state as EngineState, error };
+  const fromStats = !!obj.engine && typeof obj.engine === 'object';
+  const src = (fromStats ? obj.engine : obj) as Record<string, unknown>;
+  const raw = typeof src.state === 'string' ? src.state : undefined;
+  const state = raw === 'loading' ? 'starting' : raw;
+  if (state !== 'starting' && state !== 'ready' && state !== 'error' && state !== 'stopped') return undefined;
+  const reason = fromStats ? src.error : state === 'error' ? (src.message ?? src.error) : src.error;
+  const first = src.firstLatencyMs;
+  return {
+    state,
+    error: typeof reason === 'string' ? reason : null,
+    firstLatencyMs: typeof first === 'number' && Number.isFinite(first) ? first : null,
+  };
 }
 
 export class StatusWatcher {
@@ -67,7 +78,7 @@ export class StatusWatcher {
   }
 
   private emit(s: EngineStatus): void {
-    const key = `${s.state}\u0000${s.error ?? ''}`;
+    const key = `${s.state}\u0000${s.error ?? ''}\u0000${s.firstLatencyMs ?? ''}`;
     if (key === this.last) return;
     this.last = key;
     this.listener(s);

@@ -87,8 +87,11 @@ function handle(msg) {
       break;
     case 'initialized':
       if (STATUS) {
-        send({ method: 'fimble/status', params: { state: 'starting', error: null } });
-        setTimeout(() => send({ method: 'fimble/status', params: { state: 'ready', error: null } }), READY_MS);
+        const status = (state, message, firstLatencyMs = null) =>
+          send({ method: 'fimble/status', params: { state, message, model: 'fake', languages: LANGUAGES ?? null, firstLatencyMs } });
+        status('loading', 'loading model fake');
+        setTimeout(() => status('ready', 'model fake ready'), READY_MS);
+        if (arg('fail')) setTimeout(() => status('error', 'fake: config.json is missing'), READY_MS * 2);
       }
       break;
     case 'fimble/stats':

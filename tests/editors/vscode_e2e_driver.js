@@ -1,0 +1,446 @@
+#!/usr/bin/env node
+// Real VS Code (code-server 4.100.3 = VS Code 1.100.3) with the built fimble .vsix, the real `fimble lsp`
+// (through lsp_tap.js, which logs what the server sent) and the embedded model, driven in Debian's
+// chromium by playwright-core over CDP. Run by tests/editors/vscode_e2e.sh, which installs everything.
+//
+// With auto-closing brackets and auto-indent on, it types real keystrokes into real Python files and,
+// for each of 20 scripted completions, checks:
+//   - the ghost text VS Code shows at the end equals the server's final text (its `done` delta);
+//   - accepting (Tab, next word, next line) leaves the document as the server's text says (Tab: exactly
+//     text before + final text over its range + text after; word / line: a prefix of it);
+//   - no doubled bracket on the accepted line, and no indentation added to the editor's auto-indent;
+// then restarts the server ("fimble: Restart server") and checks completions come back.
+// It measures keystroke-to-ghost-text latency (a MutationObserver on the ghost text, against the last
+// keydown) and saves a screenshot of streaming ghost text.
+'use strict';
+
+const { spawn, execFileSync } = require('node:child_process');
+const fs = require('node:fs');
+const os = require('node:os');
+const path = require('node:path');
+const net = require('node:net');
+const { chromium } = require('playwright-core');
+
+const REPO = process.env.FIMBLE_REPO;
+const CODE_SERVER = process.env.FIMBLE_CODE_SERVER;
+const VSIX = process.env.FIMBLE_VSIX;
+const OUT = process.env.FIMBLE_E2E_OUT;
+const SHOT = path.join(REPO, 'docs', 'screenshots', 'vscode-ghost-text.png');
+const WANT = Number(process.env.FIMBLE_E2E_COMPLETIONS || 20);
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const t0 = Date.now();
+const say = (...a) => console.log(`[${((Date.now() - t0) / 1000).toFixed(1).padStart(6)}s]`, ...a);
+
+function freePort() {
+  return new Promise((resolve) => {
+    const srv = net.createServer();
+    srv.listen(0, '127.0.0.1', () => {
+      const { port } = srv.address();
+      srv.close(() => resolve(port));
+    });
+  });
+}
+
+async function waitFor(pred, what, ms = 60000, every = 100) {
+  const start = Date.now();
+  for (;;) {
+    const v = await pred();
+    if (v) return v;
+    if (Date.now() - start > ms) throw new Error(`timed out after ${ms} ms waiting for ${what}`);
+    await sleep(every);
+  }
+}
+
+// --- the scripted completions ------------------------------------------------------------------------
+// Each types `keys` at the end of a fresh copy of a real Python file (the context), with VS Code's
+// auto-closing and auto-indent doing what they do; `accept` is how the suggestion is taken.
+// `\n` is Enter (VS Code auto-indents the new line).
+const SCENARIOS = [
+  { keys: 'def read_bytes(path):\n', accept: 'tab' },
+  { keys: 'def read_bytes(path):\n    with open(', accept: 'tab', note: 'inside auto-closed ()' },
+  { keys: 'import math\n\n\ndef half_root(x):\n    return math.sqrt(', accept: 'tab', note: 'inside auto-closed ()' },
+  { keys: 'def area(radius):\n', accept: 'tab' },
+  { keys: 'class Point:\n    def __init__(self, x, y):\n', accept: 'tab' },
+  { keys: 'for i in range(', accept: 'tab', note: 'inside auto-closed ()' },
+  { keys: 'print(', accept: 'tab', note: 'inside auto-closed ()' },
+  { keys: 'def parse_args(argv):\n    parser = ', accept: 'tab' },
+  { keys: 'if __name__ == "__main__":\n', accept: 'tab' },
+  { keys: 'def count_words(text):\n    counts = {', accept: 'tab', note: 'inside auto-closed {}' },
+  { keys: 'def is_even(n):\n    return ', accept: 'tab' },
+  { keys: 'def load(path):\n    with open(path) as f:\n', accept: 'tab' },
+  { keys: 'def main():\n', accept: 'word' },
+  { keys: 'def total(items):\n    return sum(', accept: 'word', note: 'inside auto-closed ()' },
+  { keys: 'def first(items):\n    for item in ', accept: 'word' },
+  { keys: 'def join_lines(lines):\n    return "', accept: 'word', note: 'inside auto-closed ""' },
+  { keys: 'def square(x):\n', accept: 'line' },
+  { keys: 'def clamp(value, low, high):\n    return max(', accept: 'line', note: 'inside auto-closed ()' },
+  { keys: 'def greet(name):\n    print(', accept: 'line', note: 'inside auto-closed ()' },
+  { keys: 'def mean(values):\n', accept: 'line' },
+  // Spares, used only if an earlier spot got no suggestion at all.
+  { keys: 'def read_lines(path):\n', accept: 'tab' },
+  { keys: 'def cube(x):\n    return ', accept: 'tab' },
+  { keys: 'def norm(v):\n    return math.sqrt(', accept: 'tab' },
+  { keys: 'def head(items, n):\n', accept: 'tab' },
+];
+
+// --- the tap log (what the server sent) ----------------------------------------------------------
+class Tap {
+  constructor(file) {
+    this.file = file;
+    this.offset = 0;
+    this.entries = [];
+  }
+  read() {
+    let data = '';
+    try {
+      data = fs.readFileSync(this.file, 'utf8');
+    } catch {
+      return this.entries;
+    }
+    const fresh = data.slice(this.offset);
+    const end = fresh.lastIndexOf('\n');
+    if (end < 0) return this.entries;
+    for (const line of fresh.slice(0, end).split('\n')) if (line) this.entries.push(JSON.parse(line));
+    this.offset += end + 1;
+    return this.entries;
+  }
+  latestVersion(uri) {
+    let v;
+    for (const e of this.read()) if ((e.method === 'textDocument/didChange' || e.method === 'textDocument/didOpen') && e.uri === uri) v = e.version;
+    return v;
+  }
+  /** The last `done` delta for `uri` at `version` that ended the decode (not a superseded or stale stream). */
+  finalFor(uri, version) {
+    let hit;
+    for (const e of this.read()) {
+      if (e.method !== 'fimble/completionDelta' || !e.done || e.uri !== uri || e.version !== version) continue;
+      if (['stale', 'superseded', 'cancelled', 'closed'].includes(e.finishReason)) continue;
+      if (e.docText === undefined) continue;
+      hit = e;
+    }
+    return hit;
+  }
+}
+
+// --- checks --------------------------------------------------------------------------------------
+function unmatchedClosers(line) {
+  const stripped = line.replace(/'[^'\n]*'|"[^"\n]*"/g, '');
+  let depth = 0;
+  let unmatched = 0;
+  for (const ch of stripped) {
+    if ('([{'.includes(ch)) depth++;
+    else if (')]}'.includes(ch)) {
+      if (depth) depth--;
+      else unmatched++;
+    }
+  }
+  return unmatched;
+}
+
+function offsetAt(text, pos) {
+  const lines = text.split('\n');
+  let off = 0;
+  for (let i = 0; i < pos.line; i++) off += lines[i].length + 1;
+  return off + Math.min(pos.character, lines[pos.line].length);
+}
+
+/** Whitespace-free text, with the replaced closers (`removed`) taken out once each, in order. */
+function normalise(text, removed = '') {
+  let out = text;
+  for (const ch of removed) {
+    const i = out.indexOf(ch);
+    if (i >= 0) out = out.slice(0, i) + out.slice(i + 1);
+  }
+  return out.replace(/[\s\u00a0]+/g, '');
+}
+
+async function main() {
+  const work = fs.mkdtempSync(path.join(os.tmpdir(), 'fimble-vscode-e2e-'));
+  const ws = path.join(work, 'workspace');
+  const userData = path.join(work, 'user-data');
+  const extDir = path.join(work, 'extensions');
+  fs.mkdirSync(ws);
+  fs.mkdirSync(path.join(userData, 'User'), { recursive: true });
+  const tapLog = path.join(work, 'tap.jsonl');
+  const context = fs.readFileSync(path.join(REPO, 'lsp_server', 'positions.py'), 'utf8'); // a real Python file
+  const fimbleBin = path.join(REPO, '.venv', 'bin', 'fimble');
+  const settings = {
+    'fimble.server.command': process.execPath,
+    'fimble.server.args': [path.join(REPO, 'tests', 'editors', 'lsp_tap.js'), fimbleBin, 'lsp'],
+    'fimble.server.env': { FIMBLE_TAP_LOG: tapLog },
+    'editor.autoClosingBrackets': 'always',
+    'editor.autoClosingQuotes': 'always',
+    'editor.autoIndent': 'full',
+    'editor.inlineSuggest.enabled': true,
+    'workbench.startupEditor': 'none',
+    'workbench.tips.enabled': false,
+    'workbench.enableExperiments': false,
+    'extensions.ignoreRecommendations': true,
+    'security.workspace.trust.enabled': false,
+    'telemetry.telemetryLevel': 'off',
+    'update.mode': 'none',
+    'files.autoSave': 'off',
+    'window.commandCenter': false,
+    'chat.commandCenter.enabled': false,
+    'editor.minimap.enabled': false,
+    'editor.fontSize': 15,
+  };
+  fs.writeFileSync(path.join(userData, 'User', 'settings.json'), JSON.stringify(settings, null, 2));
+
+  say(`code-server: ${CODE_SERVER}`);
+  say(`installing ${VSIX}`);
+  execFileSync(process.execPath, [CODE_SERVER, '--user-data-dir', userData, '--extensions-dir', extDir, '--install-extension', VSIX], { stdio: 'pipe' });
+  const port = await freePort();
+  const cs = spawn(process.execPath, [CODE_SERVER, '--auth', 'none', '--bind-addr', `127.0.0.1:${port}`, '--user-data-dir', userData,
+    '--extensions-dir', extDir, '--disable-telemetry', '--disable-update-check', '--disable-workspace-trust', '--disable-getting-started-override', ws],
+  { stdio: ['ignore', 'pipe', 'pipe'] });
+  let csLog = '';
+  cs.stdout.on('data', (d) => (csLog += d));
+  cs.stderr.on('data', (d) => (csLog += d));
+  const cdpPort = await freePort();
+  const browserData = path.join(work, 'chromium');
+  const browser = spawn('chromium', ['--headless=new', `--remote-debugging-port=${cdpPort}`, '--remote-debugging-address=127.0.0.1', '--no-sandbox',
+    '--disable-gpu', '--no-first-run', `--user-data-dir=${browserData}`, '--window-size=1500,950', 'about:blank'], { stdio: 'ignore' });
+  const cleanup = () => {
+    for (const p of [browser, cs]) {
+      try {
+        p.kill('SIGTERM');
+      } catch {}
+    }
+  };
+  process.on('exit', cleanup);
+  const results = [];
+  let restartOk = false;
+  const latencies = [];
+  try {
+    await waitFor(() => /HTTP server listening/.test(csLog), 'code-server to listen', 60000);
+    const cdp = await waitFor(async () => {
+      try {
+        return await chromium.connectOverCDP(`http://127.0.0.1:${cdpPort}`);
+      } catch {
+        return undefined;
+      }
+    }, 'chromium over CDP', 30000, 500);
+    const ctx = cdp.contexts()[0];
+    const page = ctx.pages()[0] || (await ctx.newPage());
+    await page.setViewportSize({ width: 1500, height: 950 });
+    await page.goto(`http://127.0.0.1:${port}/?folder=${encodeURIComponent(ws)}`);
+    await page.waitForSelector('.monaco-workbench', { timeout: 120000 });
+    say('workbench up');
+    // Ghost-text timing: the last keydown, and every change of the ghost text (MutationObserver).
+    await page.evaluate(() => {
+      window.__fimble = { lastKey: 0, events: [] };
+      document.addEventListener('keydown', () => (window.__fimble.lastKey = performance.now()), true);
+      const ghost = () => {
+        const parts = [...document.querySelectorAll('.monaco-editor.focused .ghost-text-decoration, .monaco-editor.focused .ghost-text-decoration-preview, .monaco-editor.focused .ghost-text .view-line')];
+        return parts.map((e) => e.textContent).join('\u0001');
+      };
+      let last = '';
+      new MutationObserver(() => {
+        const now = ghost();
+        if (now !== last) {
+          last = now;
+          window.__fimble.events.push({ t: performance.now(), text: now });
+        }
+      }).observe(document.body, { subtree: true, childList: true, characterData: true });
+    });
+
+    const statusText = () => page.evaluate(() => [...document.querySelectorAll('.statusbar-item')].map((e) => e.textContent || '').find((t) => /fimble/.test(t)) || '');
+    const ghostNow = () => page.evaluate(() => {
+      const ed = document.querySelector('.monaco-editor.focused');
+      if (!ed) return null;
+      const inline = [...ed.querySelectorAll('.ghost-text-decoration, .ghost-text-decoration-preview')].map((e) => e.textContent).join('');
+      const lines = [...ed.querySelectorAll('.ghost-text .view-line')].map((e) => e.textContent);
+      return (inline + (lines.length ? '\n' + lines.join('\n') : '')).replace(/\u00a0/g, ' ');
+    });
+    const command = async (name) => {
+      await page.keyboard.press('F1');
+      await page.waitForSelector('.quick-input-widget input', { state: 'visible' });
+      await page.keyboard.type(name, { delay: 10 });
+      await sleep(400);
+      await page.keyboard.press('Enter');
+    };
+    const openFile = async (name) => {
+      const opened = () => page.evaluate((n) => {
+        const tab = document.querySelector('.tab.active');
+        return !!tab && (tab.getAttribute('aria-label') || '').startsWith(n) && !!document.querySelector('.monaco-editor.focused');
+      }, name);
+      for (let attempt = 0; attempt < 3; attempt++) {
+        await page.keyboard.press('Control+P');
+        await page.waitForSelector('.quick-input-widget input', { state: 'visible' });
+        await page.keyboard.type(name, { delay: 10 });
+        // Enter only once the file is listed (the file search runs in the background).
+        await page.waitForFunction((n) => [...document.querySelectorAll('.quick-input-list .monaco-list-row')].some((r) => (r.textContent || '').includes(n)), name, { timeout: 20000 });
+        await sleep(200);
+        await page.keyboard.press('Enter');
+        try {
+          await waitFor(opened, `${name} to open`, 10000, 100);
+          return;
+        } catch {
+          await page.keyboard.press('Escape');
+        }
+      }
+      throw new Error(`could not open ${name}`);
+    };
+
+    const tap = new Tap(tapLog);
+    let shotTaken = false;
+    let done = 0;
+    let index = 0;
+    const runScenario = async (sc, label) => {
+      const name = `s${String(++index).padStart(2, '0')}.py`;
+      const file = path.join(ws, name);
+      fs.writeFileSync(file, context.replace(/\n*$/, '\n\n\n'));
+      const uri = `file://${file}`;
+      await openFile(name);
+      await waitFor(() => tap.latestVersion(uri) !== undefined, `didOpen of ${name}`, 30000);
+      await page.keyboard.press('Control+End');
+      // Type: characters, and Enter for "\n" (VS Code auto-indents; the rest of the keys then follow it).
+      const lines = sc.keys.split('\n');
+      for (let i = 0; i < lines.length; i++) {
+        // After an Enter, the editor's auto-indent is there already: type the line without its own indent.
+        const text = i === 0 ? lines[i] : lines[i].replace(/^ +/, '');
+        if (text) await page.keyboard.type(text, { delay: 40 });
+        if (i < lines.length - 1) await page.keyboard.press('Enter');
+      }
+      const tKeys = Date.now();
+      // Wait for the server's final text for the document as it is now, then for VS Code to show it.
+      let fin;
+      let triggered = false;
+      for (;;) {
+        const version = tap.latestVersion(uri);
+        fin = tap.finalFor(uri, version);
+        if (fin) break;
+        if (!triggered && Date.now() - tKeys > 20000) {
+          triggered = true;
+          await page.keyboard.press('Alt+Backslash'); // ask explicitly once
+        }
+        if (Date.now() - tKeys > 45000) break;
+        await sleep(150);
+      }
+      const r = { label, name, keys: sc.keys, accept: sc.accept, note: sc.note || '' };
+      if (!fin || !fin.text.trim()) {
+        r.outcome = 'no suggestion';
+        say(`${label} ${name}: no suggestion (${fin ? 'empty final text' : 'no final text'})`);
+        await page.keyboard.press('Escape');
+        return r;
+      }
+      // Give VS Code time to show the final text (a re-trigger round trip), then read the ghost text.
+      let ghost = null;
+      const serverText = fin.text;
+      const docText = fin.docText;
+      const at = offsetAt(docText, fin.position);
+      const endPos = fin.replaceEnd || fin.position;
+      const end = offsetAt(docText, endPos);
+      const replaced = docText.slice(at, end);
+      const want = normalise(serverText, replaced);
+      try {
+        ghost = await waitFor(async () => {
+          const g = await ghostNow();
+          return g !== null && normalise(g) === want ? g : undefined;
+        }, 'the ghost text to equal the final text', 8000, 100);
+      } catch {
+        ghost = await ghostNow();
+      }
+      r.serverText = serverText;
+      r.ghostText = ghost;
+      r.ghostEqualsFinal = ghost !== null && normalise(ghost) === want;
+      const evs = await page.evaluate(() => window.__fimble);
+      const firstGhost = evs.events.find((e) => e.t >= evs.lastKey && e.text);
+      r.latencyMs = firstGhost ? Math.round(firstGhost.t - evs.lastKey) : null;
+      if (r.latencyMs !== null) latencies.push(r.latencyMs);
+      if (!shotTaken && ghost && ghost.includes('\n')) {
+        fs.mkdirSync(path.dirname(SHOT), { recursive: true });
+        await page.screenshot({ path: SHOT });
+        shotTaken = true;
+        r.screenshot = true;
+      }
+      // Accept.
+      const cursorLineBefore = docText.slice(docText.lastIndexOf('\n', at - 1) + 1, at);
+      if (sc.accept === 'tab') await page.keyboard.press('Tab');
+      else if (sc.accept === 'word') await page.keyboard.press('Control+ArrowRight');
+      else await page.keyboard.press('Control+Alt+ArrowDown');
+      await sleep(300);
+      await page.keyboard.press('Escape');
+      await page.keyboard.press('Control+S');
+      await sleep(600);
+      const after = fs.readFileSync(file, 'utf8');
+      const expectFull = docText.slice(0, at) + serverText + docText.slice(end);
+      const inserted = after.length >= docText.length - (end - at) ? after.slice(at, after.length - (docText.length - end)) : null;
+      if (sc.accept === 'tab') r.docOk = after === expectFull;
+      else r.docOk = inserted !== null && inserted.length > 0 && serverText.startsWith(inserted) && after.slice(0, at) === docText.slice(0, at);
+      // Checks on the accepted line(s): no doubled closer, no indentation added to the editor's auto-indent.
+      const lineStart = docText.lastIndexOf('\n', at - 1) + 1;
+      const acceptedLine = after.slice(lineStart).split('\n')[0];
+      r.acceptedLine = acceptedLine;
+      r.doubledBracket = unmatchedClosers(acceptedLine) > 0;
+      const onBlankIndent = /^[ \t]*$/.test(cursorLineBefore);
+      r.addedIndent = onBlankIndent && /^[ \t]/.test(serverText);
+      r.outcome = r.ghostEqualsFinal && r.docOk && !r.doubledBracket && !r.addedIndent ? 'ok' : 'FAIL';
+      say(`${label} ${name} [${sc.accept}] ${r.outcome}: ghost==final ${r.ghostEqualsFinal}, doc ${r.docOk}, doubled ${r.doubledBracket}, ` +
+        `added indent ${r.addedIndent}, latency ${r.latencyMs} ms; line: ${JSON.stringify(acceptedLine)}`);
+      if (r.outcome !== 'ok') say(`   server final ${JSON.stringify(serverText)} (replaces ${JSON.stringify(replaced)}); ghost ${JSON.stringify(ghost)}`);
+      done++;
+      return r;
+    };
+
+    // The model loads first: the status bar says so, then is ready.
+    fs.writeFileSync(path.join(ws, 'warmup.py'), context);
+    await openFile('warmup.py');
+    const st0 = await statusText();
+    say(`status bar at first: ${JSON.stringify(st0)}`);
+    await waitFor(async () => /fimble/.test(await statusText()) && !/loading|starting/.test(await statusText()), 'fimble ready in the status bar', 180000, 250);
+    say(`status bar when ready: ${JSON.stringify(await statusText())}`);
+    const sawLoading = tap.read().some((e) => e.method === 'fimble/status' && e.params && e.params.state === 'starting') || /loading/.test(st0);
+    say(`loading state seen: ${sawLoading}`);
+
+    for (const [i, sc] of SCENARIOS.entries()) {
+      if (done >= WANT) break;
+      results.push(await runScenario(sc, `#${i + 1}`));
+    }
+
+    // Restart recovery: "fimble: Restart server", then completions again.
+    say('restarting the server (fimble: Restart server)');
+    const spawnsBefore = tap.read().filter((e) => e.event === 'spawn').length;
+    await command('fimble: Restart server');
+    await waitFor(() => tap.read().filter((e) => e.event === 'spawn').length > spawnsBefore, 'a new server process', 60000, 250);
+    await waitFor(async () => /fimble/.test(await statusText()) && !/loading|starting|stopped|error/.test(await statusText()), 'fimble ready after the restart', 180000, 250);
+    say(`status bar after restart: ${JSON.stringify(await statusText())}`);
+    const again = await runScenario({ keys: 'def double(x):\n', accept: 'tab' }, 'restart');
+    restartOk = again.outcome === 'ok';
+    results.push(again);
+  } catch (err) {
+    try {
+      const pages = [];
+      for (const c of (await chromium.connectOverCDP(`http://127.0.0.1:${cdpPort}`)).contexts()) pages.push(...c.pages());
+      if (pages[0]) await pages[0].screenshot({ path: path.join(OUT, 'vscode-failure.png') });
+    } catch {}
+    throw err;
+  } finally {
+    const ok = results.filter((r) => r.label !== 'restart' && r.outcome === 'ok').length;
+    const counted = results.filter((r) => r.label !== 'restart' && r.outcome !== 'no suggestion');
+    const sorted = [...latencies].sort((a, b) => a - b);
+    const pct = (p) => (sorted.length ? sorted[Math.min(sorted.length - 1, Math.floor(p * sorted.length))] : null);
+    console.log('\n== summary ==');
+    console.log(`completions: ${counted.length} (no suggestion at ${results.filter((r) => r.outcome === 'no suggestion').length} spots)`);
+    console.log(`ghost text == server's final text: ${counted.filter((r) => r.ghostEqualsFinal).length}/${counted.length}`);
+    console.log(`document after accept as the server's text says: ${counted.filter((r) => r.docOk).length}/${counted.length}`);
+    console.log(`doubled brackets: ${counted.filter((r) => r.doubledBracket).length}/${counted.length}`);
+    console.log(`added indentation: ${counted.filter((r) => r.addedIndent).length}/${counted.length}`);
+    console.log(`restart recovery: ${restartOk ? 'ok' : 'FAILED'}`);
+    console.log(`keystroke-to-ghost-text latency (ms, n=${sorted.length}): median ${pct(0.5)}, p90 ${pct(0.9)}, min ${sorted[0]}, max ${sorted[sorted.length - 1]}`);
+    console.log(`load average: ${os.loadavg().map((x) => x.toFixed(2)).join(' ')}; cores: ${os.cpus().length}`);
+    console.log(`screenshot: ${fs.existsSync(SHOT) ? path.relative(REPO, SHOT) : 'none'}`);
+    const pass = counted.length >= WANT && ok === counted.length && restartOk;
+    console.log(`RESULT: ${pass ? 'PASS' : 'FAIL'} (${ok}/${counted.length} completions ok)`);
+    fs.writeFileSync(path.join(OUT, 'vscode-latest.json'), JSON.stringify({ results, latencies }, null, 1));
+    cleanup();
+    process.exitCode = pass ? 0 : 1;
+  }
+}
+
+main().catch((err) => {
+  console.error(`vscode e2e failed: ${err.stack || err}`);
+  process.exit(2);
+});
