@@ -41,6 +41,7 @@ from lsp_server.settings import Settings
 log = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 UNAUTHORIZED = -32001  # JSON-RPC server error range: a TCP client without the right token
+SERVER_BUSY = -32000  # ... and one over --max-sessions
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -63,6 +64,7 @@ class ListenOptions:
     allow_origins: tuple[str, ...] = ()  # browser origins a WS handshake may come from
     loopback: bool = True  # bound to loopback: WS handshakes must also name a loopback Host
     debug: bool = False
+    max_sessions: int = 64
 
 
 @dataclass
@@ -71,9 +73,14 @@ class Sessions:
 
     defaults: Settings
     debug: bool = False
+    max_sessions: int = 64  # each holds documents and a protocol: a bound, so idle connections can't pile up
     host: EngineHost = field(default_factory=EngineHost)
     live: set[FimbleServer] = field(default_factory=set)
     opened: int = 0
+
+    @property
+    def full(self) -> bool:
+        return len(self.live) >= self.max_sessions
 
     def new(self) -> FimbleServer:
         ls = create_server(self.defaults, host=self.host, session_id=secrets.token_hex(8), debug=self.debug)
@@ -201,6 +208,12 @@ def _tcp_token_ok(payload: bytes, token: str) -> tuple[bool, Any]:
 
 async def _tcp_session(sessions: Sessions, opts: ListenOptions, reader: asyncio.StreamReader,
                        writer: asyncio.StreamWriter) -> None:
+    if sessions.full:
+        body = json.dumps({"jsonrpc": "2.0", "id": None, "error": {
+            "code": SERVER_BUSY, "message": f"Server busy: {sessions.max_sessions} sessions are open"}}).encode()
+        writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        writer.close()
+        return
     ls = sessions.new()
     ended = asyncio.Event()
     ls.protocol.set_writer(_TcpWriter(writer, 2 * opts.limits.max_message))
@@ -285,7 +298,7 @@ async def _ws_session(sessions: Sessions, ws: Any) -> None:
         sessions.end(ls)
 
 
-def _ws_gate(opts: ListenOptions) -> Any:
+def _ws_gate(opts: ListenOptions, sessions: Sessions) -> Any:
     """websockets' process_request hook: refuse a handshake without a loopback Host or the token."""
     def check(connection: Any, request: Any) -> Any:
         hosts = request.headers.get_all("Host")
@@ -294,6 +307,8 @@ def _ws_gate(opts: ListenOptions) -> Any:
         if opts.token is not None and not (auth.token_matches(opts.token, auth.bearer(request.headers))
                                            or auth.token_matches(opts.token, auth.query_token(request.path))):
             return connection.respond(HTTPStatus.UNAUTHORIZED, "a token is required\n")
+        if sessions.full:
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "too many sessions\n")
         return None
     return check
 
@@ -306,7 +321,7 @@ async def _serve_ws(sessions: Sessions, host: str, port: int, opts: ListenOption
 
     # origins: None stands for "no Origin header" (editors, scripts); browsers always send one.
     async with serve(handler, host, port, max_size=opts.limits.max_message, origins=[None, *opts.allow_origins],
-                     process_request=_ws_gate(opts), server_header=None) as server:
+                     process_request=_ws_gate(opts, sessions), server_header=None) as server:
         _announce("ws", server.sockets, opts)
         try:
             await server.serve_forever()
@@ -327,7 +342,7 @@ def serve(defaults: Settings, tcp: str | None = None, ws: str | None = None, *,
     """Run the server on the chosen transport until it ends; the process's exit status."""
     if not tcp and not ws:
         return start_stdio(create_server(defaults, debug=options.debug), options.limits)
-    sessions = Sessions(defaults, debug=options.debug)
+    sessions = Sessions(defaults, debug=options.debug, max_sessions=options.max_sessions)
     host, port = parse_address(tcp or ws or "")
     run = _serve_tcp if tcp else _serve_ws
     try:

@@ -134,3 +134,27 @@ async def test_32_clients_50_requests_each_reach_their_own_client(tcp_debug):
     assert sum(e for _, e in results) == 0
     assert sum(o for o, _ in results) == clients * requests
     assert tcp_debug.alive()
+
+
+async def test_sessions_are_capped_and_freed():
+    server = Listener("--tcp", "--max-sessions", "2")
+    try:
+        a, b = await TcpClient.connect(server.port), await TcpClient.connect(server.port)
+        await a.initialize()
+        await b.initialize()
+        c = await TcpClient.connect(server.port)
+        busy = await c.next()
+        assert busy["id"] is None and busy["error"]["code"] == -32000
+        with pytest.raises(EOFError):
+            await c.next()
+        await b.close()
+        for _ in range(200):  # b's session ends asynchronously
+            if (await a.call("fimble/stats"))["result"]["server"]["sessions"] == 1:
+                break
+            await asyncio.sleep(0.05)
+        d = await TcpClient.connect(server.port)
+        assert "capabilities" in (await d.initialize())["result"]
+        await d.close()
+        await a.close()
+    finally:
+        server.close()
