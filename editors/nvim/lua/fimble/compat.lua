@@ -12,6 +12,21 @@ M.has_native_inline = vim.lsp.inline_completion ~= nil and type(vim.lsp.inline_c
 M.method_calls = has("0.11") -- client:request(...) instead of client.request(...)
 M.new_str_index = has("0.11") -- vim.str_utfindex(s, encoding, index) / vim.str_byteindex(s, encoding, index)
 
+--- Start the client without attaching any buffer (the plugin attaches once it knows the server's
+--- languages). 0.11 deprecates vim.lsp.start_client for vim.lsp.start(config, { attach = false }).
+function M.start_client(config)
+  if has("0.11") then
+    return vim.lsp.start(config, { attach = false })
+  end
+  return vim.lsp.start_client(config)
+end
+
+--- Whether the client is attached to the buffer now. Not client.attached_buffers: 0.7.2 leaves the
+--- buffer there after `:e!` or an unload detached it (and sent didClose).
+function M.is_attached(bufnr, client_id)
+  return vim.lsp.buf_is_attached(bufnr, client_id)
+end
+
 function M.get_client(id)
   return id and vim.lsp.get_client_by_id(id) or nil
 end

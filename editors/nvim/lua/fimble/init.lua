@@ -5,6 +5,12 @@
 -- virt_lines for further lines) before that. On 0.12, `native = true` hands the display to
 -- vim.lsp.inline_completion instead (editors/README.md).
 --
+-- Languages: by default the plugin attaches only to buffers whose filetype is among the languages the
+-- server's model was trained on (the server advertises them at initialize, lsp_server/PROTOCOL.md
+-- "Languages"); `filetypes` overrides that list, and is sent to the server as its `languages`.
+-- The status line shows "loading model" until the server's engine is ready (fimble/status), then the
+-- latency of the latest completion, or the engine's error.
+--
 -- One suggestion at a time: it is anchored where its request was made (row, byte column, and the line's
 -- text before it). It is shown only while the buffer between the anchor and the cursor equals the start
 -- of the suggestion (the user typed along it); anything else hides it at once, so a stale suggestion
@@ -20,7 +26,7 @@ local defaults = {
   cmd = { "fimble", "lsp" },
   cmd_env = nil,
   root_dir = nil, -- default: the working directory at setup()
-  filetypes = nil, -- nil: every file buffer with a filetype; or a list, e.g. { "python", "lua" }
+  filetypes = nil, -- nil: the languages the server's model was trained on; or a list, e.g. { "python", "lua" }
   exclude_filetypes = { "help", "gitcommit", "gitrebase", "TelescopePrompt", "NvimTree", "neo-tree", "lazy", "qf" },
   settings = {}, -- initializationOptions, keys of lsp_server/PROTOCOL.md ("maxLines", "model", ...)
   debounce_ms = 60, -- wait after a keystroke before asking (the server prefetches meanwhile)
@@ -28,7 +34,7 @@ local defaults = {
   native = false, -- Neovim 0.12+: use vim.lsp.inline_completion for display and accept
   cursor_prewarm = true, -- tell the server where the cursor rests (fimble/cursor): it pre-warms its cache there
   cursor_prewarm_ms = 150, -- how long the cursor must rest before that
-  hl_group = "FimbleSuggestion", -- linked to Comment unless defined
+  hl_group = "FimbleGhostText", -- grey italic unless defined (`:highlight FimbleGhostText guifg=...`)
   keymaps = {
     accept = "<Tab>", -- falls through to a plain <Tab> when nothing is shown
     accept_word = "<M-Right>",
@@ -49,6 +55,12 @@ local S = {
   cursor_sent = nil, -- { bufnr, tick, row, col } of the last fimble/cursor
   tick_seen = nil,
   start_error = nil,
+  exit_reason = nil, -- why the server stopped, if it did
+  status = nil, -- the server's latest fimble/status: { state, message, model, languages, firstLatencyMs }
+  languages = nil, -- the filetypes the server serves (nil: every one); known once languages_known
+  languages_known = false,
+  pending = {}, -- buffers waiting for the server's language list (bufnr -> true)
+  insert_tick = nil, -- the buffer's changedtick at InsertEnter: a request needs an edit since
   last_latency_ms = nil,
   counters = { requests = 0, cancelled = 0, responses = 0, deltas = 0, stale = 0, shown = 0, accepted = 0, partial = 0, cursor = 0 },
 }
@@ -97,10 +109,7 @@ local function attached(bufnr)
   if not c then
     return nil
   end
-  if c.attached_buffers then
-    return c.attached_buffers[bufnr] and c or nil
-  end
-  return vim.lsp.buf_is_attached(bufnr, c.id) and c or nil
+  return compat.is_attached(bufnr, c.id) and c or nil
 end
 
 -- Text of the buffer from (r1, c1) to (r2, c2) (bytes, 0-based), or nil if (r2, c2) is before it.
@@ -151,6 +160,11 @@ end
 local function draw(bufnr, row, col, text)
   local hl = config.hl_group
   local lines = split(text)
+  -- A suggestion that ends in a line break ends in an empty line: as a virtual line it would show
+  -- as a blank phantom line under the cursor. The break itself is inserted on accept all the same.
+  while #lines > 1 and lines[#lines] == "" do
+    table.remove(lines)
+  end
   local first = lines[1]
   local after = get_line(bufnr, row):sub(col + 1)
   local virt_lines = {}
@@ -212,7 +226,8 @@ end
 
 local function cancel_pending()
   local req = S.req
-  if req and not req.answered and req.id then
+  if req and not req.answered and not req.cancelled and req.id then
+    req.cancelled = true -- once: a keystroke reaches here from several autocmds
     local c = client()
     if c then
       compat.cancel(c, req.id)
@@ -502,9 +517,74 @@ local function capabilities()
   return caps
 end
 
+local function redraw_status()
+  vim.schedule(function()
+    pcall(vim.cmd, "redrawstatus")
+  end)
+end
+
+-- Attach every loaded buffer the plugin wants (after the server's language list arrived or changed).
+local function attach_all()
+  for _, b in ipairs(vim.api.nvim_list_bufs()) do
+    if vim.api.nvim_buf_is_loaded(b) then
+      M.attach(b)
+    end
+  end
+end
+
+-- The server's language list (capabilities.experimental.fimble.languages or fimble/status): a list of
+-- language ids, or nil for every language (JSON null, or a server that does not say).
+local function parse_languages(value)
+  if type(value) ~= "table" then
+    return nil
+  end
+  return vim.tbl_filter(function(v)
+    return type(v) == "string"
+  end, value)
+end
+
+-- fimble/status (PROTOCOL.md): the engine's state, the model's languages and the first latency.
+local function on_status(_, params)
+  if type(params) ~= "table" then
+    return
+  end
+  local old = S.status
+  S.status = params
+  if not old or old.state ~= params.state then
+    log("server: %s", tostring(params.message ~= vim.NIL and params.message or params.state))
+  end
+  local langs = parse_languages(params.languages)
+  if S.languages_known and not vim.deep_equal(langs, S.languages) then
+    S.languages = langs
+    vim.schedule(attach_all)
+  end
+  redraw_status()
+end
+
+local function on_init(_, result)
+  local caps = type(result) == "table" and result.capabilities or {}
+  local exp = type(caps) == "table" and caps.experimental or nil
+  local fimble = type(exp) == "table" and exp.fimble or nil
+  S.languages = parse_languages(type(fimble) == "table" and fimble.languages or nil)
+  S.languages_known = true
+  log("server serves %s", S.languages and table.concat(S.languages, ", ") or "every language")
+  vim.schedule(function()
+    local pending = S.pending
+    S.pending = {}
+    for b in pairs(pending) do
+      if vim.api.nvim_buf_is_valid(b) and vim.api.nvim_buf_is_loaded(b) then
+        M.attach(b)
+      end
+    end
+  end)
+end
+
 local function client_config()
   local init = vim.tbl_deep_extend("force", {}, config.settings or {})
   init.streaming = not config.native
+  if config.filetypes and init.languages == nil then
+    init.languages = config.filetypes -- the user's list: the server serves these whatever the model says
+  end
   return {
     name = "fimble",
     cmd = config.cmd,
@@ -512,11 +592,13 @@ local function client_config()
     root_dir = config.root_dir,
     capabilities = capabilities(),
     init_options = init,
-    handlers = { ["fimble/completionDelta"] = on_delta },
+    handlers = { ["fimble/completionDelta"] = on_delta, ["fimble/status"] = on_status },
+    on_init = on_init,
     flags = { debounce_text_changes = 0 }, -- the server prefetches on each keystroke
     on_attach = function(_, bufnr)
       -- Typed while the server was starting: ask now rather than at the next keystroke.
-      if not config.native and bufnr == vim.api.nvim_get_current_buf() and in_insert() then
+      if not config.native and bufnr == vim.api.nvim_get_current_buf() and in_insert()
+        and S.insert_tick and vim.api.nvim_buf_get_changedtick(bufnr) ~= S.insert_tick then
         schedule_request()
       end
     end,
@@ -525,6 +607,10 @@ local function client_config()
       vim.schedule(function()
         M.dismiss()
         S.client_id = nil
+        S.status = nil
+        S.languages_known = false
+        S.exit_reason = string.format("server exited (code %s)", tostring(code))
+        redraw_status()
       end)
     end,
   }
@@ -544,41 +630,54 @@ local function wanted(bufnr)
   return config.filetypes == nil or vim.tbl_contains(config.filetypes, ft)
 end
 
---- Start the server if needed and attach it to the buffer.
-function M.attach(bufnr)
-  bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
-  if not wanted(bufnr) or attached(bufnr) then
-    return
+-- Whether the server completes the buffer's filetype: the user's `filetypes`, else the server's list.
+local function serves(bufnr)
+  if config.filetypes then
+    return true -- (wanted() checked the list)
+  end
+  return S.languages == nil or vim.tbl_contains(S.languages, vim.bo[bufnr].filetype)
+end
+
+-- Start the server (not attached to any buffer yet); false if it cannot start.
+local function ensure_started()
+  if client() then
+    return true
   end
   if vim.fn.executable(config.cmd[1]) ~= 1 then
     if not S.start_error then
       S.start_error = "not executable: " .. config.cmd[1]
       vim.notify("fimble: " .. S.start_error .. " (set cmd in require('fimble').setup)", vim.log.levels.ERROR)
     end
-    return
+    return false
   end
-  local ok, id
-  if compat.has_lsp_start then
-    ok, id = pcall(vim.api.nvim_buf_call, bufnr, function()
-      return vim.lsp.start(client_config(), { bufnr = bufnr })
-    end)
-  else
-    if not client() then
-      ok, id = pcall(vim.lsp.start_client, client_config())
-    else
-      ok, id = true, S.client_id
-    end
-    if ok and id then
-      vim.lsp.buf_attach_client(bufnr, id)
-    end
-  end
+  S.languages_known = false
+  local ok, id = pcall(compat.start_client, client_config())
   if not ok or not id then
     S.start_error = tostring(id)
     log("start failed: %s", S.start_error)
+    return false
+  end
+  S.client_id, S.start_error, S.exit_reason, S.status = id, nil, nil, nil
+  redraw_status()
+  return true
+end
+
+--- Start the server if needed and attach it to the buffer, if the server serves its filetype. Also
+--- after `:e!`, a reload of a file changed on disk or an unloaded buffer shown again: Neovim then
+--- detaches the client (didClose) and never re-attaches it by itself.
+function M.attach(bufnr)
+  bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
+  if not wanted(bufnr) or attached(bufnr) or not ensure_started() then
     return
   end
-  S.client_id = id
-  S.start_error = nil
+  if not S.languages_known then
+    S.pending[bufnr] = true -- attached once the server has said which languages it serves (on_init)
+    return
+  end
+  if not serves(bufnr) then
+    return
+  end
+  vim.lsp.buf_attach_client(bufnr, S.client_id)
   if config.native and compat.has_native_inline then
     vim.lsp.inline_completion.enable(true, { bufnr = bufnr })
   end
@@ -637,18 +736,46 @@ function M.status()
     state = string.format("running (client %d)", c.id)
   elseif S.start_error then
     state = "not started: " .. S.start_error
+  elseif S.exit_reason then
+    state = S.exit_reason
   else
     state = "not started (no matching buffer yet)"
+  end
+  local buf = vim.api.nvim_get_current_buf()
+  local here = "attached to this buffer"
+  if not attached(buf) then
+    local ft = vim.bo[buf].filetype
+    here = "not attached to this buffer"
+    if c and S.languages_known and wanted(buf) and not serves(buf) then
+      here = here .. string.format(" (filetype %s is not among the model's languages; set filetypes to add it)", ft)
+    end
   end
   out[#out + 1] = string.format(
     "fimble: %s; %s; %s; Neovim %s, %s ghost text, %s",
     state,
     S.enabled and "enabled" or "disabled",
-    attached(vim.api.nvim_get_current_buf()) and "attached to this buffer" or "not attached to this buffer",
+    here,
     tostring(vim.version().major .. "." .. vim.version().minor .. "." .. vim.version().patch),
     config.native and compat.has_native_inline and "native" or (compat.has_inline_virt_text and "inline" or "overlay"),
     compat.has_lsp_start and "vim.lsp.start" or "vim.lsp.start_client"
   )
+  if c then
+    local st = S.status
+    local engine
+    if not st then
+      engine = "starting the server"
+    elseif st.state == "error" then
+      engine = "error: " .. tostring(st.message)
+    else
+      engine = tostring(st.message ~= vim.NIL and st.message or st.state)
+      if type(st.firstLatencyMs) == "number" then
+        engine = engine .. string.format("; first completion %d ms", st.firstLatencyMs)
+      end
+    end
+    local langs = S.languages_known and (S.languages and table.concat(S.languages, ", ") or "every language") or "?"
+    out[#out + 1] = string.format("engine: %s; languages: %s%s", engine, langs,
+      config.filetypes and " (filetypes setting)" or " (the model's)")
+  end
   local k = S.counters
   out[#out + 1] = string.format(
     "last latency: %s; requests %d, cancelled %d, stale %d, deltas %d, shown %d, accepted %d, partial %d",
@@ -672,14 +799,30 @@ function M.status()
   return out
 end
 
+--- For the status line: "fimble: loading model" until the engine is ready, then the latest completion's
+--- latency ("fimble 120 ms"; "fimble ready" before the first), "fimble: error (...)" if it failed.
 function M.statusline()
   if not client() then
-    return ""
+    if S.start_error then
+      return "fimble: not started"
+    end
+    return S.exit_reason and "fimble: stopped" or ""
   end
   if not S.enabled then
     return "fimble off"
   end
-  return S.last_latency_ms and string.format("fimble %d ms", S.last_latency_ms) or "fimble"
+  local st = S.status
+  if not st or st.state == "loading" then
+    return "fimble: loading model"
+  end
+  if st.state == "error" then
+    local msg = tostring(st.message ~= vim.NIL and st.message or "")
+    return "fimble: error (" .. (#msg > 40 and (msg:sub(1, 39) .. "…") or msg) .. ")"
+  end
+  if S.last_latency_ms then
+    return string.format("fimble %d ms", S.last_latency_ms)
+  end
+  return st.state == "ready" and "fimble ready" or "fimble"
 end
 
 function M.toggle(on)
@@ -701,14 +844,24 @@ function M.debug()
     attached = attached(vim.api.nvim_get_current_buf()) ~= nil,
     enabled = S.enabled,
     request_id = S.req and S.req.id or nil,
+    timer_pending = S.timer ~= nil and S.timer:is_active() == true,
     answered = S.req ~= nil and S.req.answered == true,
     suggestion = sug and { row = sug.row, col = sug.col, text = sug.text, done = sug.done == true } or nil,
     shown = S.shown,
     counters = vim.deepcopy(S.counters),
     cursor_sent = S.cursor_sent and vim.deepcopy(S.cursor_sent) or nil,
     last_latency_ms = S.last_latency_ms,
+    status = S.status and vim.deepcopy(S.status) or nil,
+    languages = S.languages and vim.deepcopy(S.languages) or nil,
+    languages_known = S.languages_known,
     log = vim.deepcopy(log_lines),
   }
+end
+
+-- `default`: a user's (or colour scheme's) own FimbleGhostText wins. Not Comment: in 0.7.2's default
+-- colours that is bright cyan and upright, and ghost text must not look like real code.
+local function define_highlights()
+  vim.cmd("highlight default FimbleGhostText ctermfg=244 guifg=#808080 cterm=italic gui=italic")
 end
 
 function M.setup(opts)
@@ -724,21 +877,22 @@ function M.setup(opts)
     vim.notify("fimble: native = true needs Neovim 0.12 (vim.lsp.inline_completion); using fimble's ghost text", vim.log.levels.WARN)
     config.native = false
   end
-  vim.cmd("highlight default link FimbleSuggestion Comment")
+  define_highlights()
 
   local group = vim.api.nvim_create_augroup("fimble", { clear = true })
   local function au(events, fn)
     vim.api.nvim_create_autocmd(events, { group = group, callback = function(args) fn(args) end })
   end
-  au({ "FileType", "BufEnter" }, function(args)
+  -- BufReadPost: `:e!` and reloads of files changed on disk detach the client (see M.attach).
+  au({ "FileType", "BufEnter", "BufReadPost" }, function(args)
     M.attach(args.buf)
   end)
+  au("ColorScheme", define_highlights) -- `:colorscheme` clears the highlight groups first
   if not config.native then
     au("InsertEnter", function()
-      if attached(vim.api.nvim_get_current_buf()) then
-        S.tick_seen = vim.api.nvim_buf_get_changedtick(0)
-        schedule_request()
-      end
+      -- No request here: a suggestion comes after an edit in insert mode (or require("fimble").request()).
+      S.tick_seen = vim.api.nvim_buf_get_changedtick(0)
+      S.insert_tick = S.tick_seen
     end)
     au({ "TextChangedI", "TextChangedP" }, on_text_changed)
     au("CursorMovedI", on_cursor_moved)
@@ -764,16 +918,11 @@ function M.setup(opts)
     print("fimble " .. (M.toggle() and "enabled" or "disabled"))
   end, { desc = "fimble: turn suggestions on or off" })
   vim.api.nvim_create_user_command("FimbleLog", function()
-    for _, line in ipairs(log_lines) do
-      print(line)
-    end
+    -- One message: each line once (separate prints are re-shown as the message area scrolls).
+    vim.api.nvim_echo({ { #log_lines > 0 and table.concat(log_lines, "\n") or "fimble: the log is empty" } }, false, {})
   end, { desc = "fimble: the plugin's recent log" })
 
-  for _, b in ipairs(vim.api.nvim_list_bufs()) do
-    if vim.api.nvim_buf_is_loaded(b) then
-      M.attach(b)
-    end
-  end
+  attach_all()
 end
 
 return M
