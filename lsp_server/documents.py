@@ -20,11 +20,18 @@ edits; one that shrinks back below ``SYNTAX_RESUME_CHARS`` is parsed again. Why:
 takes about a second per megabyte, on the event loop. Likewise a document with a line longer
 than ``SYNTAX_MAX_LINE`` (minified code, data) is plain text until no such line is left: an
 edit inside a long line re-parses all of it (1-2 s a keystroke in a 900 KB line).
+A whole parse of more than ``SLICED_PARSE_CHARS`` characters (open, full replacement, back under
+the limits) runs in slices of ``PARSE_SLICE_S`` on the event loop, between other messages
+(``SyntaxDocument.build_in_slices``); meanwhile the syntax copy is plain text, edits made
+meanwhile are replayed onto the new trees, incrementally, when the parse is done.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from engine.syntax.document import SyntaxDocument  # no torch: tree-sitter only
@@ -37,6 +44,9 @@ SYNTAX_MAX_CHARS = 1_000_000
 # around the limit must not pay a full parse per keystroke.
 SYNTAX_RESUME_CHARS = SYNTAX_MAX_CHARS * 9 // 10
 SYNTAX_MAX_LINE = 50_000  # characters; about 70 ms of reparse per keystroke inside such a line
+SLICED_PARSE_CHARS = 100_000  # a whole parse of more runs in slices (about 100 ms of parse per 100 KB)
+PARSE_SLICE_S = 0.03
+log = logging.getLogger(__name__)
 _BARE_CR = re.compile("\r(?!\n)")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -58,6 +68,16 @@ def split_lines(text: str) -> list[str]:
     lines = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
     lines.append(parts[-1])
     return lines
+
+
+@dataclass
+class _ParseJob:
+    """A whole parse running in slices, and the syntax edits made since its text was taken."""
+
+    steps: Generator[None, None, SyntaxDocument]
+    loop: asyncio.AbstractEventLoop
+    handle: asyncio.Handle | None = None
+    replay: list[tuple[int, int, str]] = field(default_factory=list)
 
 
 def strip_eol(line: str) -> str:
@@ -82,6 +102,7 @@ class Document:
     _long_lines: int = field(init=False, default=0, repr=False)  # lines over SYNTAX_MAX_LINE
     _edits: int = field(init=False, default=0, repr=False)  # bumped by every change of the text
     _blocks: tuple[tuple, list[int]] | None = field(init=False, default=None, repr=False)  # block_rows' cache
+    _job: _ParseJob | None = field(init=False, default=None, repr=False)  # a sliced whole parse under way
 
     def __post_init__(self) -> None:
         self.set_text(self.text)
@@ -96,11 +117,54 @@ class Document:
 
     def _sync_all(self, text: str) -> None:
         self._edits += 1
+        self.cancel_parse()
         lang = self.language_id if self._parse_allowed(SYNTAX_MAX_CHARS) else ""
-        if getattr(self, "_syntax_lang", None) != lang:  # first time, or across the size limit
-            self.syntax, self._syntax_lang = SyntaxDocument(lang or "plaintext", ""), lang
-        self.syntax.set_text(syntax_text(text))
-        self.full_parses += self.syntax.has_tree
+        self._syntax_lang = lang
+        target = SyntaxDocument(lang or "plaintext", "")
+        text = syntax_text(text)
+        loop = _running_loop()
+        if target.has_tree and len(text) > SLICED_PARSE_CHARS and loop is not None:
+            self.syntax = SyntaxDocument("plaintext", text)  # plain text until the parse is done
+            self._job = _ParseJob(SyntaxDocument.build_in_slices(lang, text, PARSE_SLICE_S), loop)
+            self._job.handle = loop.call_soon(self._parse_slice)
+            return
+        target.set_text(text)
+        self.syntax = target
+        self.full_parses += target.has_tree
+
+    def _parse_slice(self) -> None:
+        job = self._job
+        if job is None:
+            return
+        try:
+            next(job.steps)
+        except StopIteration as done:
+            self._job = None
+            syntax = done.value
+            for start, end, text in job.replay:
+                syntax.apply_edit(start, end, text)
+            self.syntax = syntax
+            self._edits += 1
+            self.full_parses += 1
+            return
+        except Exception:  # a parser failure must not cost the document: it stays plain text
+            log.exception("sliced parse failed; the document stays plain text")
+            self._job = None
+            return
+        job.handle = job.loop.call_soon(self._parse_slice)
+
+    @property
+    def parsing(self) -> bool:
+        """Whether a sliced whole parse is under way (the syntax copy is plain text until it ends)."""
+        return self._job is not None
+
+    def cancel_parse(self) -> None:
+        """Stop a sliced parse under way (the text was replaced, or the document closed)."""
+        job, self._job = self._job, None
+        if job is not None:
+            if job.handle is not None:
+                job.handle.cancel()
+            job.steps.close()
 
     def _parse_allowed(self, max_chars: int) -> bool:
         return self.length <= max_chars and not self._long_lines
@@ -220,7 +284,10 @@ class Document:
         self._move_window(first, l1, len(new_lines) - (last - first + 1))
         self._edits += 1
         new = "\r" + text if cr_before else text
-        self.syntax.apply_edit(b0 - cr_before, b1, syntax_text(new + after)[:len(new)])
+        edit = (b0 - cr_before, b1, syntax_text(new + after)[:len(new)])
+        self.syntax.apply_edit(*edit)
+        if self._job is not None:
+            self._job.replay.append(edit)  # for the trees being built from the text before it
         self._check_size_limit()
 
     def _move_window(self, first: int, last: int, line_delta: int) -> None:
@@ -232,6 +299,13 @@ class Document:
             self.window = (wl + line_delta, self.window[1])
         elif first <= wl:
             self.window = None  # the edit touches the window's first line: choose again
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # no event loop (tests, the CLI): parse at once
+        return None
 
 
 def _count_long(lines: list[str]) -> int:
@@ -253,7 +327,10 @@ class DocumentStore:
         return self._docs.get(uri)
 
     def close(self, uri: str) -> Document | None:
-        return self._docs.pop(uri, None)
+        doc = self._docs.pop(uri, None)
+        if doc is not None:
+            doc.cancel_parse()
+        return doc
 
     def uris(self) -> list[str]:
         return list(self._docs)

@@ -17,7 +17,8 @@ does not swallow the functions after it, which is what classification and valida
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+import time
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
 from tree_sitter import Node, Parser, Point, Range, Tree
@@ -177,6 +178,58 @@ class SyntaxDocument:
         clone._segments = [s.copy() for s in self._segments]
         return clone
 
+    @classmethod
+    def build_in_slices(cls, language_id: str, text: str | bytes,
+                        slice_s: float) -> Generator[None, None, SyntaxDocument]:
+        """Parse ``text`` in slices of about ``slice_s`` seconds: a generator that yields between
+        slices and returns the document. Why: a whole parse costs about a second per megabyte, and
+        its caller (the server's event loop) must answer other messages meanwhile. tree-sitter
+        resumes a parse cancelled by its progress callback where it stopped, given the same input.
+        The text must not change until the generator is done (apply later edits to the result).
+        """
+        doc = cls(language_id, "")
+        doc._bytes = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        doc._text = text if isinstance(text, str) else None
+        if doc._parser is not None:
+            doc._segments = yield from doc._build_segments_sliced(0, len(doc._bytes), 0, _Slices(slice_s))
+        return doc
+
+    def _parse_sliced(self, start: int, end: int, row: int, slices: _Slices) -> Generator[None, None, Tree]:
+        assert self._parser is not None
+        data = self._bytes
+        self._parser.included_ranges = [Range(Point(row, 0), _point(data, end), start, end)]
+
+        def read(byte: int, _point: Point) -> bytes:
+            return data[byte : byte + 65536]
+
+        while True:
+            try:
+                tree = self._parser.parse(read, progress_callback=slices.over)
+            except ValueError:  # cancelled at the deadline: resume in the next slice
+                tree = None
+            if tree is not None:
+                self._parser.included_ranges = []
+                return tree
+            yield
+            slices.renew()
+
+    def _build_segments_sliced(self, start: int, end: int, row: int,
+                               slices: _Slices) -> Generator[None, None, list[_Segment]]:
+        """``_build_segments``, yielding whenever a slice's time is up."""
+        whole = yield from self._parse_sliced(start, end, row, slices)
+        cuts = yield from _cut_point_steps(whole.root_node, start, row, self._bytes, end, slices)
+        if len(cuts) == 1:
+            return [_Segment(start, end, row, whole, start, row)]
+        bounds = cuts + [(end, -1)]
+        segments = []
+        for (s, r), (e, _) in zip(bounds, bounds[1:], strict=False):
+            tree = yield from self._parse_sliced(s, e, r, slices)
+            segments.append(_Segment(s, e, r, tree, s, r))
+            if slices.over():
+                yield
+                slices.renew()
+        return segments
+
     def with_edit(self, start_byte: int, old_end_byte: int, new_text: str | bytes) -> SyntaxDocument:
         """A copy with one edit applied; the original is untouched (used to test completions)."""
         clone = self.snapshot()
@@ -287,13 +340,42 @@ class SyntaxDocument:
         return start, end
 
 
+class _Slices:
+    """The deadline of the current slice of a sliced parse."""
+
+    def __init__(self, slice_s: float) -> None:
+        self.slice_s = slice_s
+        self.renew()
+
+    def renew(self) -> None:
+        self.deadline = time.perf_counter() + self.slice_s
+
+    def over(self, *_state: object) -> bool:  # also tree-sitter's progress callback: True cancels (resumably)
+        return time.perf_counter() > self.deadline
+
+
 def _cut_points(root: Node, start: int, row: int, data: bytes, end: int) -> list[tuple[int, int]]:
     """(byte, row) segment starts: top-level children at column 0, about SEGMENT_LINES apart."""
+    steps = _cut_point_steps(root, start, row, data, end, None)
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        return done.value
+
+
+def _cut_point_steps(root: Node, start: int, row: int, data: bytes, end: int,
+                     slices: _Slices | None) -> Generator[None, None, list[tuple[int, int]]]:
+    """``_cut_points``, yielding when a slice's time is up (a file of 150,000 one-line statements
+    has as many top-level children: a 0.3 s loop)."""
     cuts = [(start, row)]
-    for child in root.children:
+    for i, child in enumerate(root.children):
         r = child.start_point.row
         if child.start_point.column == 0 and child.start_byte > start and r - cuts[-1][1] >= SEGMENT_LINES:
             cuts.append((child.start_byte, r))
+        if slices is not None and i % 512 == 511 and slices.over():
+            yield
+            slices.renew()
     if len(cuts) > 1 and data.count(b"\n", cuts[-1][0], end) < SEGMENT_LINES // 3:
         cuts.pop()  # fold a short tail into the previous segment
     return cuts
