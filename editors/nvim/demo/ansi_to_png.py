@@ -36,15 +36,16 @@ def main() -> None:
     ap.add_argument("--font", default="/usr/share/fonts/truetype/dejavu/DejaVuSansMono.ttf")
     ap.add_argument("--size", type=int, default=16)
     args = ap.parse_args()
-    fonts = {False: ImageFont.truetype(args.font, args.size),
-             True: ImageFont.truetype(args.font.replace(".ttf", "-Bold.ttf"), args.size)}
-    cw = int(fonts[False].getlength("M"))
+    # (bold, italic) -> font; DejaVu names its italics "Oblique" (the ghost text is italic)
+    variants = {(False, False): "", (True, False): "-Bold", (False, True): "-Oblique", (True, True): "-BoldOblique"}
+    fonts = {k: ImageFont.truetype(args.font.replace(".ttf", v + ".ttf"), args.size) for k, v in variants.items()}
+    cw = int(fonts[False, False].getlength("M"))
     ch = int(args.size * 1.35)
     lines = open(args.src, encoding="utf-8").read().rstrip("\n").split("\n")
     cols = max(len(SGR.sub("", x)) for x in lines)
     img = Image.new("RGB", (cw * max(cols, 90) + 20, ch * len(lines) + 20), BG)
     draw = ImageDraw.Draw(img)
-    fg, bg, bold, reverse = FG, None, False, False  # SGR state carries across lines, as in the capture
+    fg, bg, bold, reverse, italic = FG, None, False, False, False  # SGR state carries across lines, as captured
     for row, line in enumerate(lines):
         col, pos = 0, 0
         for m in [*SGR.finditer(line), None]:
@@ -54,7 +55,7 @@ def main() -> None:
                 x, y = 10 + col * cw, 10 + row * ch
                 if b:
                     draw.rectangle([x, y, x + cw, y + ch], fill=b)
-                draw.text((x, y), c, font=fonts[bold], fill=f)
+                draw.text((x, y), c, font=fonts[bold, italic], fill=f)
                 col += 1
             if m is None:
                 break
@@ -64,9 +65,13 @@ def main() -> None:
             while i < len(codes):
                 c = codes[i]
                 if c == 0:
-                    fg, bg, bold, reverse = FG, None, False, False
+                    fg, bg, bold, reverse, italic = FG, None, False, False, False
                 elif c == 1:
                     bold = True
+                elif c == 3:
+                    italic = True
+                elif c == 23:
+                    italic = False
                 elif c == 7:
                     reverse = True
                 elif c == 22:

@@ -19,7 +19,6 @@ vim.o.laststatus = 2
 vim.o.termguicolors = false
 vim.g.python_recommended_style = 0
 vim.cmd("syntax on")
-vim.cmd("highlight FimbleSuggestion ctermfg=244 cterm=italic")
 vim.o.statusline = " %f %= %{luaeval('require(\"fimble\").statusline()')} "
 require("fimble").setup({ cmd = { "$FIMBLE", "lsp" }, settings = { maxLines = 4 } })
 LUA
