@@ -369,13 +369,19 @@ def _cut_point_steps(root: Node, start: int, row: int, data: bytes, end: int,
     """``_cut_points``, yielding when a slice's time is up (a file of 150,000 one-line statements
     has as many top-level children: a 0.3 s loop)."""
     cuts = [(start, row)]
-    for i, child in enumerate(root.children):
+    cursor = root.walk()  # one child at a time: no list of every child at once
+    more, i = cursor.goto_first_child(), 0
+    while more:
+        child = cursor.node
+        assert child is not None
         r = child.start_point.row
         if child.start_point.column == 0 and child.start_byte > start and r - cuts[-1][1] >= SEGMENT_LINES:
             cuts.append((child.start_byte, r))
-        if slices is not None and i % 512 == 511 and slices.over():
+        i += 1
+        if slices is not None and i % 512 == 0 and slices.over():
             yield
             slices.renew()
+        more = cursor.goto_next_sibling()
     if len(cuts) > 1 and data.count(b"\n", cuts[-1][0], end) < SEGMENT_LINES // 3:
         cuts.pop()  # fold a short tail into the previous segment
     return cuts

@@ -34,7 +34,7 @@ class RawServer:
 
     def __init__(self, env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
         self.proc = subprocess.Popen(SERVER_CMD + list(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env=env or SERVER_ENV, cwd=REPO)
+                                     stderr=open(os.environ.get("RAW_SERVER_STDERR", os.devnull), "ab"), env=env or SERVER_ENV, cwd=REPO)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._cond = threading.Condition()
