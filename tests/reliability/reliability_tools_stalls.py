@@ -33,8 +33,9 @@ class RawServer:
     """``fimble lsp`` over stdio, driven by blocking calls; every frame from it is timestamped."""
 
     def __init__(self, env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
+        self._stderr = open(os.environ.get("RAW_SERVER_STDERR", os.devnull), "ab")  # noqa: SIM115 (closed in close)
         self.proc = subprocess.Popen(SERVER_CMD + list(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(os.environ.get("RAW_SERVER_STDERR", os.devnull), "ab"), env=env or SERVER_ENV, cwd=REPO)
+                                     stderr=self._stderr, env=env or SERVER_ENV, cwd=REPO)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._cond = threading.Condition()
@@ -168,6 +169,7 @@ class RawServer:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._stderr.close()
 
 
 class Pinger:
