@@ -158,3 +158,34 @@ async def test_sessions_are_capped_and_freed():
         await a.close()
     finally:
         server.close()
+
+
+async def test_engine_keeps_documents_per_session_and_frees_them():
+    """One engine, two sessions with the same URI: two KV documents; a reset frees its session's one."""
+    server = Listener("--tcp")
+    try:
+        # Long enough that, within one session, a second document would borrow this one's KV blocks.
+        head = "".join(f"def f{i}(x):\n    return x * {i} + {i}\n\n\n" for i in range(40))
+        text = head + "def add(a, b):\n    return a + b\n\n\nprint(add(1, "
+        line = text.count("\n")
+        clients = [await TcpClient.connect(server.port) for _ in range(2)]
+        for c in clients:
+            await c.initialize({"preload": True, "maxTokens": 4, "maxLines": 1, "prewarm": False})
+            c.send(did_open("file:///same.py", text))
+            r = await c.call("textDocument/inlineCompletion", {
+                "textDocument": {"uri": "file:///same.py"},
+                "position": {"line": line, "character": len("print(add(1, ")},
+                "context": {"triggerKind": 1}})
+            assert "result" in r
+        a, b = clients
+        assert (await b.call("fimble/stats"))["result"]["kvCache"]["documents"] == 2  # not shared across sessions
+        a.reset()
+        for _ in range(400):
+            kv = (await b.call("fimble/stats"))["result"]["kvCache"]
+            if kv["documents"] == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert kv["documents"] == 1 and kv["borrowedTokens"] == 0
+        await b.close()
+    finally:
+        server.close()
