@@ -55,6 +55,9 @@ class SpeculativeDecoder:
         # Token healing (engine/healing.py): text the first tokens must re-type.
         self.forced = forced if token_index is not None else ""
         self.token_index = token_index
+        # Set to a list to record, for every greedy choice (stop tokens included), the token and the logits
+        # row it was the argmax of, healing mask applied: how a test tells a near-tie flip from a divergence.
+        self.trace: list[tuple[int, Tensor]] | None = None
 
     # -- token choice ---------------------------------------------------------
     def _choose(self, logits: Tensor) -> int:
@@ -68,6 +71,8 @@ class SpeculativeDecoder:
             tok = int(logits.argmax())
         else:
             tok = draw(distribution(logits, self.opt.temperature, self.opt.top_p), self.gen)
+        if self.trace is not None:
+            self.trace.append((tok, logits.detach().clone()))
         if self.forced:
             text = self.token_index.text.get(tok, "")
             self.forced = self.forced[len(text):] if self.forced.startswith(text) and text else ""
@@ -155,6 +160,8 @@ class SpeculativeDecoder:
             n = 0
             while n < len(d) and d[n] == best[n]:
                 n += 1
+            if self.trace is not None:
+                self.trace.extend((best[j], logits[j].detach().clone()) for j in range(n + 1))
             return d[:n] + [best[n]]
         p = distribution(logits, self.opt.temperature, self.opt.top_p)
         for i, tok in enumerate(d):

@@ -1,19 +1,22 @@
-"""Deterministic FIM prompts cut from real Python files of the running interpreter's stdlib."""
+"""Deterministic FIM prompts cut from Python files frozen under tests/data/lossless_corpus.
+
+The files are copies of fimble's own modules at one commit, so every interpreter and every
+machine draws the same prompts (an earlier version cut them from the running Python's stdlib,
+which changes with the Python version).
+"""
 
 from __future__ import annotations
 
+import json
 import random
-import sysconfig
 from pathlib import Path
 
-STDLIB_FILES = ["json/encoder.py", "textwrap.py", "argparse.py", "csv.py", "dataclasses.py", "shlex.py",
-                "difflib.py", "fractions.py", "heapq.py", "bisect.py", "string.py", "fnmatch.py"]
+CORPUS = Path(__file__).resolve().parent.parent / "data" / "lossless_corpus"
 
 
 def fim_prompts(n: int, seed: int = 0, window: int = 1200) -> list[tuple[str, str]]:
     """(prefix, suffix) pairs with the cursor at random places, some mid-line, some at line ends."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(stdlib / f).read_text() for f in STDLIB_FILES if (stdlib / f).exists()]
+    texts = [f.read_text() for f in sorted(CORPUS.glob("*.py.txt"))]
     rng = random.Random(seed)
     out = []
     while len(out) < n:
@@ -26,3 +29,9 @@ def fim_prompts(n: int, seed: int = 0, window: int = 1200) -> list[tuple[str, st
         end = len(text) if end == -1 else end
         out.append((text[max(0, cut - window): cut], text[end: end + window // 3]))
     return out
+
+
+def pinned_tie_prompt() -> tuple[str, str]:
+    """The prompt of the divergence seen on a clean clone (../shared/notes/lossless-repro.md)."""
+    case = json.loads((CORPUS / "argparse_tie.json").read_text())
+    return case["prefix"], case["suffix"]

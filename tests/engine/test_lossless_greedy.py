@@ -1,66 +1,66 @@
-"""Greedy speculative decoding must reproduce plain greedy decoding token for token."""
+"""Greedy speculative decoding must reproduce plain greedy decoding token for token.
+
+fp32 results depend on a pass's shape: a 1-token step and an N-token verify (or a full prefill
+and a 1-token re-run of the prompt's last token) can round a logit differently in the last bit.
+Where two candidates are tied to within that rounding, either path may pick either one, and the
+pick can change with the CPU's SIMD kernels. That is the only legitimate difference. A divergence
+counts as a tie only if, at its first position, each path's own logits (the ones it took its
+argmax of, healing mask applied) put the two tokens within ``TIE_TOLERANCE`` of each other.
+"""
 
 from __future__ import annotations
 
 import torch
-from prompts import fim_prompts
+from lossless_check import TIE_TOLERANCE, compare_drafters, decode, first_difference, is_tie
+from prompts import fim_prompts, pinned_tie_prompt
 
+from engine.api import CompletionRequest
 from engine.drafters import ModelDrafter, NgramDrafter
 from engine.local import LocalEngine
-from engine.speculative import DecodeOptions, SpeculativeDecoder
 
 N_PROMPTS = 200
-MAX_TOKENS = 12
-
-
-def decode(target, cache, prompt, heal, drafter_name, model_drafter, ngram) -> tuple[list[int], SpeculativeDecoder]:
-    opts = DecodeOptions(max_tokens=MAX_TOKENS, drafter=drafter_name)
-    dec = SpeculativeDecoder(target.runtime, cache, target.stop_ids, opts, model_drafter, ngram, heal,
-                             target.token_index)
-    # The prompt's keys/values from the previous run over the same prompt stay valid.
-    reuse = min(cache.length, len(prompt) - 1)
-    cache.rollback(reuse)
-    dec.prefill(prompt, reuse)
-    while not dec.done:
-        dec.step()
-    return dec.output, dec
-
-
-def near_tie(target, prompt: list[int], plain: list[int], other: list[int]) -> bool:
-    """At the first differing position, are the target's top two logits within 1e-4?"""
-    i = next((j for j, (a, b) in enumerate(zip(plain, other, strict=False)) if a != b), None)
-    if i is None:
-        return False  # one output is a strict prefix of the other: a real bug
-    cache = target.runtime.new_cache(len(prompt) + i + 1)
-    logits = target.runtime(torch.tensor(prompt + plain[:i]), cache, 0, 1)[-1]
-    top2 = logits.topk(2).values
-    return float(top2[0] - top2[1]) < 1e-4
 
 
 def test_speculative_greedy_equals_plain_greedy(embedded_target, embedded_draft):
-    target = embedded_target
-    engine = LocalEngine(target, None, start_thread=False)  # only for its prompt builder
-    cache = target.runtime.new_cache(target.max_len)
-    model_drafter = ModelDrafter(embedded_draft.runtime, embedded_draft.max_len)
-    ngram = NgramDrafter()
-    from engine.api import CompletionRequest
+    result = compare_drafters(embedded_target, embedded_draft, fim_prompts(N_PROMPTS, window=600))
+    print(f"\n{N_PROMPTS} prompts: {result.summary()}")
+    assert not result.mismatches, f"{len(result.mismatches)} divergences not explained by a near tie: " \
+                                  f"{result.mismatches[:2]}"
+    # Speculation and healing must actually be exercised, or equality proves nothing.
+    assert result.mean_accepted("model") > 1.3
+    assert result.healed >= 20
 
-    mismatches, ties, accepted = [], 0, {"model": [], "ngram": [], "auto": []}
-    for prefix, suffix in fim_prompts(N_PROMPTS, window=600):
-        prompt, heal, constrained = engine.build_prompt(CompletionRequest(prefix, suffix))
-        heal = heal if constrained else ""
-        cache.rollback(0)
-        plain, _ = decode(target, cache, prompt, heal, "none", None, None)
-        for name in ("model", "ngram", "auto"):
-            out, dec = decode(target, cache, prompt, heal, name, model_drafter, ngram)
-            accepted[name].append(dec.stats.mean_accepted)
-            if out != plain:
-                if near_tie(target, prompt, plain, out):
-                    ties += 1
-                else:
-                    mismatches.append((name, prefix[-40:], plain, out))
-    print(f"\n{N_PROMPTS} prompts x 3 drafters: {ties} near-tie divergences; mean tokens per verify step: "
-          + ", ".join(f"{k} {sum(v) / len(v):.2f}" for k, v in accepted.items()))
-    assert not mismatches, f"{len(mismatches)} divergences not explained by a near tie: {mismatches[:2]}"
-    # Speculation must actually be exercised, or equality proves nothing.
-    assert sum(accepted["model"]) / N_PROMPTS > 1.3
+
+def test_pinned_divergence_is_a_constrained_tie(embedded_target, embedded_draft):
+    """The clean-clone failure: after healing re-typed `h`, 'er' and 'ens' (both start with the
+    remaining `e`) score the same to ~1e-6, while the unconstrained leader is far ahead. The old
+    check looked only at unconstrained logits and so called it a real divergence."""
+    target = embedded_target
+    engine = LocalEngine(target, None, start_thread=False)
+    prompt, heal, constrained = engine.build_prompt(CompletionRequest(*pinned_tie_prompt()))
+    assert constrained and heal == "he"
+    cache = target.runtime.new_cache(target.max_len)
+    plain = decode(target, cache, prompt, heal, "none", None, None)
+    er, ens = target.tokenizer.convert_tokens_to_ids(["er", "ens"])
+    tok, row = plain.trace[1]
+    assert tok in (er, ens)
+    assert abs(float(row[er] - row[ens])) < TIE_TOLERANCE * abs(float(row[er]))
+    full = target.runtime(torch.tensor(prompt + plain.output[:1]), target.runtime.new_cache(len(prompt) + 1))[-1]
+    top2 = full.topk(2).values
+    assert float(top2[0] - top2[1]) > 0.1 and int(full.argmax()) not in (er, ens)
+    spec = decode(target, cache, prompt, heal, "model", ModelDrafter(embedded_draft.runtime, 256), NgramDrafter())
+    i = first_difference(plain, spec)
+    assert spec.output == plain.output or (i == 1 and is_tie(plain, spec, i))
+
+
+def test_tie_check_flags_a_real_divergence(embedded_target):
+    """The checker must be able to fail: decoding without the healing constraint diverges from
+    the constrained decode at a masked (-inf) choice, which is never a tie."""
+    target = embedded_target
+    engine = LocalEngine(target, None, start_thread=False)
+    prompt, heal, _ = engine.build_prompt(CompletionRequest(*pinned_tie_prompt()))
+    cache = target.runtime.new_cache(target.max_len)
+    healed = decode(target, cache, prompt, heal, "none", None, None)
+    free = decode(target, cache, prompt, "", "none", None, None)
+    i = first_difference(healed, free)
+    assert i == 0 and not is_tie(healed, free, i)
