@@ -137,7 +137,7 @@ export class Fimble {
     const last = this.lastLatencyMs !== undefined ? `last ${this.lastLatencyMs} ms` : '';
     const timings = [first, last].filter(Boolean).join(', ');
     const view: Record<UiState, [string, string]> = {
-      starting: ['$(loading~spin) fimble', 'starting the server'],
+      starting: ['$(loading~spin) fimble: starting', 'starting the server'],
       loading: ['$(loading~spin) fimble: loading model', 'loading the model: no completions until it is ready'],
       ready: [`$(sparkle) fimble${ms}`, timings ? `ready (${timings})` : 'ready'],
       busy: [`$(sync~spin) fimble${ms}`, 'completing'],
