@@ -68,7 +68,8 @@ sys.path.insert(0, str(REPO))
 DATA = REPO.parent / "shared" / "data" / "humaneval-infilling"
 SETS = {"single-line": "HumanEval-SingleLineInfilling.jsonl.gz",
         "random-span": "HumanEval-RandomSpanInfillingLight.jsonl.gz"}
-ALL_SETS = ("single-line", "random-span", "context-lines")
+ALL_SETS = ("single-line", "random-span", "context-lines", "block-body")
+EXTRA_SETS = ("held-out",)  # per-language held-out files (bench/cursor_sets.py): only when asked for
 RAW_MAX_TOKENS = 96
 LINE_KINDS = ("comment", "string", "import", "attribute_chain", "call_args", "parameters", "mid_statement")
 
@@ -110,6 +111,12 @@ class Problem:
     viable_prefix: bool  # parse-ok rule: a partial fill is legitimate (random spans)
     context: str = ""  # filled by classify_problems
     mid_line: bool = False
+    lang: str = "python"
+    max_lines: int = 0  # raw variant's line cap where the task is not one line (0: none)
+
+    @property
+    def has_tests(self) -> bool:
+        return bool(self.test)
 
     def program(self, middle: str) -> str:
         return self.prompt + middle + self.join + self.suffix
@@ -188,15 +195,58 @@ def context_line_problems(rows: list[dict]) -> list[Problem]:
     return out
 
 
+def block_body_problems(rows: list[dict]) -> list[Problem]:
+    """One multi-line problem per program: a compound statement's whole body inside the solution."""
+    from cursor_sets import block_body_spans
+
+    programs: dict[str, dict] = {}
+    for r in rows:
+        programs.setdefault(r["task_id"].split("/")[2], r)
+    out = []
+    for base, r in sorted(programs.items(), key=lambda kv: int(kv[0])):
+        text = r["prompt"] + r["canonical_solution"] + r["suffix"]
+        sol_start = len(r["prompt"]) - len(r["prompt"].split("\n")[-1])
+        spans = block_body_spans(text, sol_start, len(r["prompt"]) + len(r["canonical_solution"]))
+        if not spans:
+            continue
+        a, b = random.Random(f"block-body/{base}").choice(spans)
+        prompt, middle, suffix = text[:a], text[a:b], text[b:]
+        out.append(Problem("block-body", f"BlockBody/HumanEval/{base}", prompt, suffix, middle, "", r["test"],
+                           r["entry_point"], prompt + suffix, _nbytes(prompt), prompt + suffix, _nbytes(prompt),
+                           one_line=False, viable_prefix=True, max_lines=middle.count("\n") + 1))
+    return out
+
+
+def held_out_problems(langs_dir: Path | None, python_file: Path | None, per_kind: int = 1) -> list[Problem]:
+    """Cursors in files held out of training, per language (no tests: exact match, edit similarity)."""
+    from cursor_sets import held_out_cursors, load_held_out
+
+    out = []
+    for row in load_held_out(langs_dir, python_file):
+        rng = random.Random(f"held-out/{row['lang']}/{row['path']}")
+        for i, c in enumerate(held_out_cursors(row, per_kind, rng)):
+            pre, mid, suf = c["prefix"], c["middle"], c["suffix"]
+            one = c["kind"] != "block_body"
+            p = Problem(f"held-out-{row['lang']}", f"HeldOut/{row['lang']}/{row['path']}/{c['kind']}/{i}", pre, suf,
+                        mid, "", "", "", pre + suf, _nbytes(pre), pre + suf, _nbytes(pre), one_line=one,
+                        viable_prefix=not one, context=c["kind"], mid_line=c["kind"] == "mid_line",
+                        lang=row["lang"], max_lines=0 if one else mid.count("\n") + 1)
+            out.append(p)
+    return out
+
+
 def classify_problems(problems: list[Problem]) -> None:
     from engine.syntax import SyntaxDocument, classify
 
     for p in problems:
+        if p.set.startswith("held-out-"):
+            continue  # context is the cursor kind; other languages' grammars are not needed here
         ctx = classify(SyntaxDocument("python", p.ctx_text), p.ctx_cursor)
         p.context, p.mid_line = ctx.kind.value, not ctx.at_line_end
 
 
-def load_problems(sets: list[str], data_dir: Path, limit: int | None) -> list[Problem]:
+def load_problems(sets: list[str], data_dir: Path, limit: int | None, held_langs: Path | None = None,
+                  held_python: Path | None = None) -> list[Problem]:
     single = load_rows("single-line", data_dir)
     out: list[Problem] = []
     for name in sets:
@@ -204,6 +254,18 @@ def load_problems(sets: list[str], data_dir: Path, limit: int | None) -> list[Pr
             probs = single_line_problems(single)
         elif name == "random-span":
             probs = random_span_problems(load_rows("random-span", data_dir))
+        elif name == "block-body":
+            probs = block_body_problems(single)
+        elif name == "held-out":
+            probs = held_out_problems(held_langs, held_python)
+            if limit:  # the limit applies per language
+                by_lang = defaultdict(list)
+                for p in probs:
+                    by_lang[p.set].append(p)
+                probs = [p for lp in by_lang.values()
+                         for p in (random.Random(0).sample(lp, limit) if limit < len(lp) else lp)]
+            out.extend(probs)
+            continue
         else:
             probs = context_line_problems(single)
         if limit and limit < len(probs):
@@ -238,7 +300,9 @@ def options_for(p: Problem, v: Variant):
 
     seed = zlib.crc32(f"{p.task_id}/{v.name}".encode())
     if not v.policy:
-        return DecodeOptions(max_tokens=RAW_MAX_TOKENS, max_lines=1 if p.one_line else 0, seed=seed), None
+        return DecodeOptions(max_tokens=RAW_MAX_TOKENS, max_lines=1 if p.one_line else p.max_lines, seed=seed), None
+    if p.set.startswith("held-out-"):
+        return None  # raw only: the policy's contexts need each language's grammar
     overrides = None
     if v.group is not None:
         if p.context not in GROUPS[v.group]:
@@ -360,12 +424,17 @@ def shape_and_score(p: Problem, text: str, shape: bool, known: dict | None = Non
     elif p.one_line:
         shown = shown.split("\n")[0]
     same = known is not None and known.get("shown") == shown and "pass" in known
-    return {"shown": shown, "cut": cut, "pass": known["pass"] if same else passes(p.runnable(shown)),
+    python = p.lang == "python" and p.has_tests
+    if same:
+        passed = known["pass"]
+    else:
+        passed = passes(p.runnable(shown)) if p.has_tests else None
+    return {"shown": shown, "cut": cut, "pass": passed,
             "exact": shown.rstrip() == p.middle.rstrip(),  # indentation counts in Python
             "edit_sim": difflib.SequenceMatcher(None, shown.strip(), p.middle.strip()).ratio(),
             "is_shown": bool(shown.strip()),
-            "parse_ok": adds_no_parse_error(p, shown) if shown.strip() else None,
-            "parses": parses(p.program(shown))}
+            "parse_ok": adds_no_parse_error(p, shown) if shown.strip() and python else None,
+            "parses": parses(p.program(shown)) if python else None}
 
 
 def run_one(job: tuple[int, Problem, str, object, bool]) -> dict:
@@ -376,7 +445,8 @@ def run_one(job: tuple[int, Problem, str, object, bool]) -> dict:
     # variant's answer to the same problem: every job starts with none.
     _ENGINE.ngram_drafter.recent.clear()
     t0 = time.perf_counter()
-    result = _ENGINE.complete(CompletionRequest(p.prompt, p.suffix, opts))
+    # Held-out files are dense: a window can exceed a small model's context, so it is trimmed to fit.
+    result = _ENGINE.complete(CompletionRequest(p.prompt, p.suffix, opts, truncate=p.set.startswith("held-out-")))
     ms = (time.perf_counter() - t0) * 1e3
     s = result.stats
     return {"job": job_id, "set": p.set, "task_id": p.task_id, "variant": variant, "context": p.context,
@@ -424,11 +494,14 @@ def summarize(rs: list[dict]) -> dict:
         return {"problems": 0}
     shown = [r for r in rs if r["is_shown"]]
     steps = sum(r["steps"] for r in rs)
-    return {"problems": n, "pass@1": sum(r["pass"] for r in rs) / n, "exact_match": sum(r["exact"] for r in rs) / n,
+    tested = [r for r in rs if r["pass"] is not None]
+    checked = [r for r in shown if r["parse_ok"] is not None]  # Python programs only
+    return {"problems": n, "pass@1": sum(r["pass"] for r in tested) / len(tested) if tested else None,
+            "exact_match": sum(r["exact"] for r in rs) / n,
             "edit_sim": sum(r["edit_sim"] for r in rs) / n, "shown": len(shown) / n,
-            "shown_n": len(shown), "shown_parse_ok_n": sum(1 for r in shown if r["parse_ok"]),
-            "shown_parse_ok": (sum(1 for r in shown if r["parse_ok"]) / len(shown)) if shown else None,
-            "shown_program_parses": (sum(1 for r in shown if r["parses"]) / len(shown)) if shown else None,
+            "shown_n": len(shown), "shown_parse_ok_n": sum(1 for r in checked if r["parse_ok"]),
+            "shown_parse_ok": (sum(1 for r in checked if r["parse_ok"]) / len(checked)) if checked else None,
+            "shown_program_parses": (sum(1 for r in checked if r["parses"]) / len(checked)) if checked else None,
             "mean_accepted": (sum(r["accepted"] for r in rs) + steps) / steps if steps else 0.0,
             "ms_per_token": sum(r["decode_ms"] for r in rs) / max(1, sum(r["tokens"] - 1 for r in rs if r["tokens"])),
             "mean_ms": sum(r["ms"] for r in rs) / n}
@@ -490,7 +563,10 @@ def choose(candidates: dict[str, dict], rows: dict[str, dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a random sample of 20 problems per set")
-    ap.add_argument("--set", choices=[*ALL_SETS, "both", "all"], default="all")
+    ap.add_argument("--set", default="all",
+                    help=f"comma-separated sets ({', '.join([*ALL_SETS, *EXTRA_SETS])}), 'both' or 'all'")
+    ap.add_argument("--held-out-langs", type=Path, help="training/corpus_langs.py output folder (held-out rows)")
+    ap.add_argument("--held-out-python", type=Path, help="heldout_python.jsonl.xz from training/fim_lora.py")
     ap.add_argument("--variants", default="raw,policy", help="comma-separated: raw, policy")
     ap.add_argument("--sweep", action="store_true", help="also run every policy candidate (CANDIDATES)")
     ap.add_argument("--limit", type=int, help="problems per set (default: all; 20 with --quick)")
@@ -506,7 +582,10 @@ def main() -> None:
                     help="no model: re-shape and re-score the engine outputs stored in an earlier --json")
     args = ap.parse_args()
 
-    sets = list(ALL_SETS) if args.set == "all" else list(SETS) if args.set == "both" else [args.set]
+    sets = list(ALL_SETS) if args.set == "all" else list(SETS) if args.set == "both" else args.set.split(",")
+    unknown = [x for x in sets if x not in (*ALL_SETS, *EXTRA_SETS)]
+    if unknown:
+        sys.exit(f"quality: unknown set(s) {unknown}")
     limit = args.limit or (20 if args.quick else None)
     t0 = time.time()
     if args.rescore:
@@ -517,7 +596,7 @@ def main() -> None:
         records = rescore(records, problems)
         report(records, problems, sets, old.get("decisions", {}), bool(old.get("candidates")), t0, args.json)
         return
-    problems = load_problems(sets, args.data, limit)
+    problems = load_problems(sets, args.data, limit, args.held_out_langs, args.held_out_python)
     variants = variants_for([v for v in args.variants.split(",") if v], args.sweep)
     # One job per distinct (problem, options, shaping): candidates that leave a problem's options
     # as the policy has them reuse the policy's result.
@@ -604,6 +683,10 @@ def report(records: list[dict], problems: list[Problem], sets: list[str], decisi
         got = results["sets"].get(s, {})
         if "raw" in got and "policy" in got:
             heads.append(f"{s} pass@1 raw {got['raw']['pass@1']:.3f} -> policy {got['policy']['pass@1']:.3f}")
+    for s in sorted(results["sets"]):
+        if s.startswith("held-out-") and "raw" in results["sets"][s]:
+            got = results["sets"][s]["raw"]
+            heads.append(f"{s} exact {got['exact_match']:.3f} edit {got['edit_sim']:.3f}")
     tot = results["sets"].get("all", {})
     parse = [f"{v} {100 * s['shown_parse_ok']:.1f}% of {s['shown_n']}" for v, s in tot.items()
              if s.get("shown_parse_ok") is not None]
