@@ -276,7 +276,14 @@ def load_compact(folder: Path, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> CompactTransformer:
     cfg_dict = json.loads((folder / "config.json").read_text())
     cfg = CompactConfig.from_hf_dict(cfg_dict)
-    state = _read_safetensors(folder)
+    return compact_from_hf_state(cfg, _read_safetensors(folder), folder, dtype, device)
+
+
+def compact_from_hf_state(cfg: CompactConfig, state: dict[str, Tensor], source: object,
+                          dtype: torch.dtype = torch.float32,
+                          device: str | torch.device = "cpu") -> CompactTransformer:
+    """Build the runtime from HF-named tensors (a safetensors folder, or a GGUF mapped to HF names)."""
+    folder = source
     try:
         converted = _convert_hf_state(state, cfg)
     except KeyError as exc:
@@ -303,5 +310,5 @@ def param_count(cfg: CompactConfig) -> int:
     return v * d + cfg.num_layers * per_layer + d + head
 
 
-__all__ = ["CompactConfig", "CompactTransformer", "KVCache", "load_compact", "param_count",
+__all__ = ["CompactConfig", "CompactTransformer", "KVCache", "compact_from_hf_state", "load_compact", "param_count",
            "SUPPORTED_MODEL_TYPES"]

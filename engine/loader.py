@@ -177,9 +177,17 @@ def _hf_runtime(folder: Path, cfg: dict, dtype: torch.dtype, device: str, trust_
 
 def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                backend: str = "auto", template: str | None = None,
-               trust_remote_code: bool = False) -> LoadedModel:
-    """Load a model folder. ``backend``: "auto" (compact where supported), "compact" or "hf"."""
+               trust_remote_code: bool = False, quant: str = "none") -> LoadedModel:
+    """Load a model folder. ``backend``: "auto" (compact where supported), "compact" or "hf".
+
+    ``quant``: "none" or "int8" (int8 weights on CPU, compact runtime only: engine/quant.py)."""
+    if quant not in ("none", "int8"):
+        raise ModelLoadError(f"unknown quantisation {quant!r}: use none or int8")
+    if quant == "int8" and (backend == "hf" or str(device) != "cpu"):
+        raise ModelLoadError("int8 weights need the compact runtime on the CPU")
     folder = Path(folder).expanduser()
+    if folder.suffix.lower() == ".gguf" and folder.is_file():
+        return _load_gguf_model(folder, device=device, dtype=dtype, template=template, quant=quant)
     cfg = _read_config(folder)
     tokenizer = _load_tokenizer(folder, trust_remote_code)
     use_compact = backend == "compact" or (backend == "auto" and cfg["model_type"] in SUPPORTED_MODEL_TYPES)
@@ -195,6 +203,12 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
     else:
         runtime = _hf_runtime(folder, cfg, dtype, device, trust_remote_code)
     check_weights(runtime, folder)  # NaN/Inf/implausible weights or probe logits: a load error
+    if quant == "int8":
+        if not use_compact or str(device) != "cpu":
+            raise ModelLoadError("int8 weights need the compact runtime on the CPU")
+        from engine.quant import quantize_int8
+
+        quantize_int8(runtime)
     vocab = tokenizer.get_vocab()
     fim, notice = _resolve_template(folder.name, vocab, template)
     if notice:
@@ -205,3 +219,25 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
         max_len=int(cfg.get("max_position_embeddings", 2048)),
         backend="compact" if use_compact else "hf", notice=notice, _vocab=vocab,
     )
+
+
+def _load_gguf_model(path: Path, *, device: str, dtype: torch.dtype, template: str | None,
+                     quant: str) -> LoadedModel:
+    """A GGUF file (engine/gguf_loader.py): weights dequantised into the compact runtime, the
+    tokenizer and FIM template from the file's own metadata."""
+    from engine.gguf_loader import load_gguf
+
+    g = load_gguf(path, dtype=dtype, device=device)
+    check_weights(g.runtime, path)
+    if quant == "int8":
+        from engine.quant import quantize_int8
+
+        quantize_int8(g.runtime)
+    vocab = g.tokenizer.get_vocab()
+    fim, notice = (_resolve_template(path.name, vocab, template) if template
+                   else (g.template, None) if g.template else _resolve_template(path.name, vocab, None))
+    if notice:
+        log.warning("fimble: %s", notice)
+    stops = set(g.stop_ids) | {vocab[t] for t in (fim.stop_tokens if fim else ()) if t in vocab}
+    return LoadedModel(name=path.stem, folder=path.parent, runtime=g.runtime, tokenizer=g.tokenizer, template=fim,
+                       stop_ids=stops, max_len=g.max_len, backend="compact", notice=notice, _vocab=vocab)

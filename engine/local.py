@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import queue
 import threading
 import time
@@ -383,12 +384,15 @@ def open_engine(model: str | Path | None = None, draft: str | Path | None = None
                 template: str | None = None, trust_remote_code: bool = False,
                 use_draft: bool = True, start_thread: bool = True,
                 kv_budget_bytes: int | None = None) -> LocalEngine:
-    """Load the target (default: the embedded model) and, where it shares the tokenizer, a draft."""
+    """Load the target (default: the embedded model) and, where it shares the tokenizer, a draft.
+
+    ``FIMBLE_QUANT=int8`` loads both with int8 weights (CPU only; engine/quant.py)."""
+    quant = os.environ.get("FIMBLE_QUANT", "none")
     target = load_model(model or DEFAULT_TARGET, device=device, template=template,
-                        trust_remote_code=trust_remote_code)
+                        trust_remote_code=trust_remote_code, quant=quant)
     draft_model = None
     if use_draft:
         draft_path = draft or (DEFAULT_DRAFT if model is None else None)
         if draft_path is not None:
-            draft_model = load_model(draft_path, device=device, trust_remote_code=trust_remote_code)
+            draft_model = load_model(draft_path, device=device, trust_remote_code=trust_remote_code, quant=quant)
     return LocalEngine(target, draft_model, start_thread=start_thread, kv_budget_bytes=kv_budget_bytes)

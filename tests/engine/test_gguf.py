@@ -1,0 +1,79 @@
+"""GGUF files load into the compact runtime with the file's own tokenizer and FIM template.
+
+The GGUF is written here from the embedded draft model with the ``gguf`` package (no download).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DRAFT_DIR
+
+from engine.api import CompletionRequest
+from engine.errors import ModelLoadError
+from engine.gguf_export import export_gguf
+from engine.loader import load_model
+from engine.local import LocalEngine
+from engine.options import DecodeOptions
+
+CODE = (DRAFT_DIR.parent.parent / "engine" / "fim.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def folder_model():
+    return load_model(DRAFT_DIR)
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gguf")
+    return {q: export_gguf(DRAFT_DIR, tmp / f"draft-{q}.gguf", q) for q in ("f32", "q8_0")}
+
+
+def test_gguf_matches_the_folder_model(gguf_files, folder_model):
+    model = load_model(gguf_files["f32"])
+    assert model.template.name == "fimble" and model.template.order == "spm"  # from the fim ids
+    assert model.stop_ids == folder_model.stop_ids
+    ids = model.encode(CODE)
+    assert ids == folder_model.encode(CODE) and len(ids) > 500
+    assert model.tokenizer.decode(ids) == CODE
+    tokens = torch.tensor(ids[:300])
+    ours = model.runtime(tokens, model.runtime.new_cache(320), 0, 300)
+    ref = folder_model.runtime(tokens, folder_model.runtime.new_cache(320), 0, 300)
+    assert torch.equal(ours, ref)  # f32 GGUF of bf16-trained weights: the same numbers
+
+
+def test_q8_gguf_completes_with_the_right_template(gguf_files, folder_model):
+    model = load_model(gguf_files["q8_0"])
+    assert model.template.name == "fimble"
+    tokens = torch.tensor(model.encode(CODE)[:200])
+    ours = model.runtime(tokens, model.runtime.new_cache(256), 0, 200)
+    ref = folder_model.runtime(tokens, folder_model.runtime.new_cache(256), 0, 200)
+    agree = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
+    assert agree > 0.9 and not torch.equal(ours, ref)  # really dequantised q8_0, and close
+    assert complete(model).strip()
+
+
+def test_f32_gguf_completes_like_the_folder(gguf_files, folder_model):
+    assert complete(load_model(gguf_files["f32"])) == complete(folder_model) != ""
+
+
+def complete(model) -> str:
+    engine = LocalEngine(model, None)
+    try:
+        request = CompletionRequest("def add(a, b):\n    return ", "\n", DecodeOptions(max_tokens=12))
+        return engine.submit(request).collect()
+    finally:
+        engine.close()
+
+
+def test_bad_gguf_is_a_one_line_error(tmp_path, gguf_files):
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf at all" * 10)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(gguf_files["f32"].read_bytes()[:100_000])
+    for path in (garbage, truncated):
+        with pytest.raises(ModelLoadError) as info:
+            load_model(path)
+        message = str(info.value)
+        assert path.name in message and "\n" not in message and "Traceback" not in message
