@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="a browser Origin (e.g. http://localhost:3000) allowed to open a WS session; repeatable")
     lsp.add_argument("--max-message-mb", type=int, default=64, help="largest JSON-RPC message accepted (MiB)")
     lsp.add_argument("--max-sessions", type=int, default=64, help="connections served at once (--tcp/--ws)")
+    lsp.add_argument("--init-timeout", type=float, default=60.0,
+                     help="seconds a --tcp/--ws connection may stay open without sending initialize")
     lsp.add_argument("--debug", action="store_true",
                      help="log every message in full and answer fimble/debug/document (both show document text)")
     lsp.add_argument("--log-level", default=os.environ.get("FIMBLE_LOG", "WARNING"))
@@ -121,8 +123,11 @@ def run_lsp(args: argparse.Namespace) -> int:
         raise FimbleError("--max-message-mb must be from 1 to 4096")
     if not 1 <= args.max_sessions <= 10_000:
         raise FimbleError("--max-sessions must be from 1 to 10000")
+    if not 0.1 <= args.init_timeout <= 3600:
+        raise FimbleError("--init-timeout must be from 0.1 to 3600 seconds")
     options = ListenOptions(limits=Limits(max_message=args.max_message_mb << 20), debug=args.debug,
-                            allow_origins=tuple(args.allow_origin), max_sessions=args.max_sessions)
+                            allow_origins=tuple(args.allow_origin), max_sessions=args.max_sessions,
+                            init_timeout=args.init_timeout)
     address = args.tcp or args.ws
     if address:
         try:

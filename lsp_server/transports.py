@@ -65,6 +65,7 @@ class ListenOptions:
     loopback: bool = True  # bound to loopback: WS handshakes must also name a loopback Host
     debug: bool = False
     max_sessions: int = 64
+    init_timeout: float = 60.0  # seconds a connection may stay open without sending `initialize`
 
 
 @dataclass
@@ -218,6 +219,7 @@ async def _tcp_session(sessions: Sessions, opts: ListenOptions, reader: asyncio.
     ended = asyncio.Event()
     ls.protocol.set_writer(_TcpWriter(writer, 2 * opts.limits.max_message))
     ls.closer = lambda _code: ended.set()
+    deadline = _init_deadline(ls, opts, writer.transport.abort)
     authorized = opts.token is None
     try:
         async for frame in read_frames(reader, opts.limits):
@@ -237,6 +239,7 @@ async def _tcp_session(sessions: Sessions, opts: ListenOptions, reader: asyncio.
     except OSError:  # a reset: the session ends the same way
         pass
     finally:
+        deadline.cancel()
         sessions.end(ls)
         if not writer.is_closing():
             try:
@@ -257,6 +260,15 @@ async def _serve_tcp(sessions: Sessions, host: str, port: int, opts: ListenOptio
             await server.serve_forever()
     finally:
         await sessions.close()
+
+
+def _init_deadline(ls: FimbleServer, opts: ListenOptions, close: Any) -> asyncio.TimerHandle:
+    """Close a connection that has not sent `initialize` in time: idle ones must not hold session slots."""
+    def check() -> None:
+        if ls.protocol.phase == "new":
+            log.warning("closing a connection that sent no initialize within %.0f s", opts.init_timeout)
+            close()
+    return asyncio.get_running_loop().call_later(opts.init_timeout, check)
 
 
 # -- WebSocket -----------------------------------------------------------------------------
@@ -281,12 +293,13 @@ class TextFrameWriter:
             pass
 
 
-async def _ws_session(sessions: Sessions, ws: Any) -> None:
+async def _ws_session(sessions: Sessions, ws: Any, opts: ListenOptions) -> None:
     from websockets.exceptions import ConnectionClosed
 
     ls = sessions.new()
     ls.protocol.set_writer(TextFrameWriter(ws), include_headers=False)
     ls.closer = lambda _code: asyncio.ensure_future(ws.close())
+    deadline = _init_deadline(ls, opts, lambda: asyncio.ensure_future(ws.close(1008, "no initialize")))
     try:
         while True:
             try:
@@ -295,6 +308,7 @@ async def _ws_session(sessions: Sessions, ws: Any) -> None:
                 break
             ls.protocol.receive(data)
     finally:
+        deadline.cancel()
         sessions.end(ls)
 
 
@@ -317,7 +331,7 @@ async def _serve_ws(sessions: Sessions, host: str, port: int, opts: ListenOption
     from websockets.asyncio.server import serve
 
     async def handler(ws: Any) -> None:
-        await _ws_session(sessions, ws)
+        await _ws_session(sessions, ws, opts)
 
     # origins: None stands for "no Origin header" (editors, scripts); browsers always send one.
     async with serve(handler, host, port, max_size=opts.limits.max_message, origins=[None, *opts.allow_origins],

@@ -189,3 +189,25 @@ async def test_engine_keeps_documents_per_session_and_frees_them():
         await b.close()
     finally:
         server.close()
+
+
+async def test_connections_that_never_initialize_are_closed():
+    from websockets.exceptions import ConnectionClosed
+
+    tcp = Listener("--tcp", "--init-timeout", "0.5")
+    ws = Listener("--ws", "--init-timeout", "0.5")
+    try:
+        idle = await TcpClient.connect(tcp.port)
+        with pytest.raises((EOFError, ConnectionResetError)):
+            await idle.next()  # closed by the server, not by this client
+        ready = await TcpClient.connect(tcp.port)
+        await ready.initialize()
+        await asyncio.sleep(1.0)
+        assert "latency_ms" in (await ready.call("fimble/stats"))["result"]  # initialized: kept
+        idle_ws = await WsClient.connect(ws.port)
+        with pytest.raises(ConnectionClosed) as closed:
+            await idle_ws.next()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+    finally:
+        tcp.close()
+        ws.close()
