@@ -26,6 +26,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET = REPO_MODELS / "fimble-target"
 DEFAULT_DRAFT = REPO_MODELS / "fimble-draft"
+
+
+def default_models() -> tuple[Path, Path | None]:
+    """(target, draft) when none is named. The built fimble-smollm2 (engine/model_info.py) has no
+    draft model sharing its tokenizer yet (the n-gram drafter still runs); the embedded pair has."""
+    from engine.model_info import default_target
+
+    target = default_target()
+    return target, (DEFAULT_DRAFT if target == DEFAULT_TARGET else None)
+
 # End-of-text tokens of common model families. A tokenizer may mark one as its unk token
 # (SmolLM2 does with <|endoftext|>), so they are looked up in the vocabulary, not through
 # convert_tokens_to_ids, which cannot tell them from unknown text.

@@ -28,7 +28,7 @@ from engine.errors import FimbleError, PromptError
 from engine.healing import unheal
 from engine.kv_shift import apply_moves, plan_shift
 from engine.kv_store import DocumentKV, KVStore, common_prefix, default_budget_bytes
-from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load_model
+from engine.loader import LoadedModel, default_models, load_model
 from engine.prompt_plan import PromptBuilder, PromptPlan
 from engine.speculative import SpeculativeDecoder
 
@@ -388,11 +388,12 @@ def open_engine(model: str | Path | None = None, draft: str | Path | None = None
 
     ``FIMBLE_QUANT=int8`` loads both with int8 weights (CPU only; engine/quant.py)."""
     quant = os.environ.get("FIMBLE_QUANT", "none")
-    target = load_model(model or DEFAULT_TARGET, device=device, template=template,
+    default_target, default_draft = default_models()  # engine/model_info.py: fimble-smollm2 once built
+    target = load_model(model or default_target, device=device, template=template,
                         trust_remote_code=trust_remote_code, quant=quant)
     draft_model = None
     if use_draft:
-        draft_path = draft or (DEFAULT_DRAFT if model is None else None)
+        draft_path = draft or (default_draft if model is None else None)
         if draft_path is not None:
             draft_model = load_model(draft_path, device=device, trust_remote_code=trust_remote_code, quant=quant)
     return LocalEngine(target, draft_model, start_thread=start_thread, kv_budget_bytes=kv_budget_bytes)

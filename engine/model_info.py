@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,10 @@ log = logging.getLogger(__name__)
 
 # The same folder as engine.loader.DEFAULT_TARGET, named here so that reading it needs no torch.
 EMBEDDED_TARGET = Path(__file__).resolve().parent.parent / "models" / "fimble-target"
+# The FIM-trained SmolLM2 model (models/MODEL_CARD.md), built by the install step
+# (``python -m training.assemble``, README's first command). Once built it is the default;
+# until then, or with FIMBLE_DEFAULT_MODEL=embedded (the test suite sets it), the embedded model is.
+BUILT_TARGET = EMBEDDED_TARGET.parent / "fimble-smollm2"
 INFO_FILE = "fimble.json"
 MAX_INFO_BYTES = 64 * 1024  # a metadata file, not a data set: refuse anything bigger
 
@@ -30,9 +35,17 @@ class ModelInfo:
     languages: tuple[str, ...] | None  # None: unknown, every language
 
 
+def default_target() -> Path:
+    """The model used when none is named: fimble-smollm2 once built, else the embedded model."""
+    if os.environ.get("FIMBLE_DEFAULT_MODEL", "") == "embedded":
+        return EMBEDDED_TARGET
+    built = (BUILT_TARGET / "built_from.json").is_file() and (BUILT_TARGET / "model.safetensors").is_file()
+    return BUILT_TARGET if built else EMBEDDED_TARGET
+
+
 def model_folder(model: str | None) -> Path:
-    """The folder the engine loads for the ``model`` setting (None: the embedded model)."""
-    return Path(model).expanduser() if model else EMBEDDED_TARGET
+    """The folder the engine loads for the ``model`` setting (None: ``default_target()``)."""
+    return Path(model).expanduser() if model else default_target()
 
 
 def read_model_info(model: str | None) -> ModelInfo:

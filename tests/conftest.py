@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+# The suite tests engine mechanics on the small embedded models, also where the install step has
+# built fimble-smollm2 (engine/model_info.py default_target); servers started by tests inherit it.
+os.environ.setdefault("FIMBLE_DEFAULT_MODEL", "embedded")
 REPO = Path(__file__).resolve().parent.parent
 TARGET_DIR = REPO / "models" / "fimble-target"
 DRAFT_DIR = REPO / "models" / "fimble-draft"

@@ -127,3 +127,20 @@ def test_newline_healing_in_every_prompt_layout(template):
     engine.prompts.newline_healing = False
     old_ids, _, _ = engine.build_prompt(CompletionRequest(prefix, suffix))
     assert old_ids[prefix_end] in newline_ids
+
+
+def test_default_model_is_the_built_smollm2_unless_pinned_or_unbuilt(tmp_path, monkeypatch):
+    from engine import model_info
+    from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, default_models
+
+    built = tmp_path / "fimble-smollm2"
+    built.mkdir()
+    monkeypatch.setattr(model_info, "BUILT_TARGET", built)
+    monkeypatch.delenv("FIMBLE_DEFAULT_MODEL", raising=False)
+    assert default_models() == (DEFAULT_TARGET, DEFAULT_DRAFT)  # not built: the embedded pair
+    (built / "model.safetensors").write_bytes(b"x")
+    (built / "built_from.json").write_text("{}")
+    assert default_models() == (built, None)  # no draft shares its tokenizer
+    assert model_info.model_folder(None) == built  # the server's languages follow the same folder
+    monkeypatch.setenv("FIMBLE_DEFAULT_MODEL", "embedded")
+    assert default_models() == (DEFAULT_TARGET, DEFAULT_DRAFT)
