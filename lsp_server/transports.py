@@ -115,6 +115,15 @@ class Sessions:
         await self.host.close()
 
 
+def bad_frame(ls: FimbleServer, error: FrameError) -> None:
+    """Answer a frame that could not be read; log the first few per session (a flood must not fill the log)."""
+    ls.stats.count("bad_frames")
+    n = ls.stats.counters["bad_frames"]
+    if n <= 10 or n % 1000 == 0:
+        log.warning("bad frame (%d in this session): %s", n, error)
+    ls.protocol.send_error(None, PARSE_ERROR, f"Parse error: {error}")
+
+
 # -- stdio ---------------------------------------------------------------------------------
 def _pump_file(src: Any, stream: asyncio.StreamReader, loop: asyncio.AbstractEventLoop) -> None:
     """Feed a regular file (stdin redirected from one, which asyncio cannot watch) to ``stream``."""
@@ -126,8 +135,7 @@ def _pump_file(src: Any, stream: asyncio.StreamReader, loop: asyncio.AbstractEve
 async def _read_loop(ls: FimbleServer, reader: asyncio.StreamReader, limits: Limits, ended: asyncio.Event) -> None:
     async for frame in read_frames(reader, limits):
         if isinstance(frame, FrameError):
-            log.warning("bad frame: %s", frame)
-            ls.protocol.send_error(None, PARSE_ERROR, f"Parse error: {frame}")
+            bad_frame(ls, frame)
         else:
             ls.protocol.receive(frame)
         if ended.is_set():
@@ -224,8 +232,7 @@ async def _tcp_session(sessions: Sessions, opts: ListenOptions, reader: asyncio.
     try:
         async for frame in read_frames(reader, opts.limits):
             if isinstance(frame, FrameError):
-                log.warning("bad frame: %s", frame)
-                ls.protocol.send_error(None, PARSE_ERROR, f"Parse error: {frame}")
+                bad_frame(ls, frame)
                 continue
             if not authorized:
                 authorized, msg_id = _tcp_token_ok(frame, opts.token or "")

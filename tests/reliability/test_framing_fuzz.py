@@ -160,6 +160,8 @@ async def test_fuzz_10000_messages_stdio():
               f"{parse_errors} parse errors, seed {SEED}")
         assert sent["messages"] >= FUZZ_MESSAGES and answered > sent["requests"] // 2 and parse_errors > 100
         assert not any("traceback" in json.dumps(m).lower() for m in s.seen)
+        assert final["result"]["counters"]["bad_frames"] > 100
+        assert s.stderr().count("bad frame") <= 20  # counted, not each logged: a flood can't fill the log
         # And it still does real work: a document opened now is there, in full.
         s.send(did_open("file:///after.py", "after = 1\n"))
         assert (await s.call("fimble/stats"))["result"]["tables"]["documents"] >= 1
