@@ -148,13 +148,9 @@ class FimbleProtocol(LanguageServerProtocol):
                 if is_request:
                     self.send_error(data["id"], INVALID_REQUEST, "Invalid Request: the server is shutting down")
                 return
-            if method == types.INITIALIZE:
-                if self.phase != "new":
-                    self.send_error(data["id"], INVALID_REQUEST, "Invalid Request: already initialized")
-                    return
-                self.phase = "running"
-            elif method == types.SHUTDOWN:
-                self.phase = "shutdown"
+            if method == types.INITIALIZE and self.phase != "new":
+                self.send_error(data["id"], INVALID_REQUEST, "Invalid Request: already initialized")
+                return
         if "method" in data and "params" not in data:
             data = {**data, "params": None}  # JSON-RPC lets params be omitted; pygls' generic types need it
         try:
@@ -162,8 +158,13 @@ class FimbleProtocol(LanguageServerProtocol):
         except JsonRpcException:  # requests were answered by structure_message
             log.warning("dropped a %s message whose params do not fit the LSP types", str(method or "response")[:80])
             return
-        if not isinstance(message, _Answered):
-            self.handle_message(message)
+        if isinstance(message, _Answered):
+            return  # (an initialize with bad params leaves the session uninitialized)
+        if method == types.INITIALIZE and is_request:
+            self.phase = "running"
+        elif method == types.SHUTDOWN and is_request:
+            self.phase = "shutdown"
+        self.handle_message(message)
 
     # -- frames out ----------------------------------------------------------------------------
     def send_error(self, msg_id: Any, code: int, message: str) -> None:

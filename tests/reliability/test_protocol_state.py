@@ -120,3 +120,14 @@ async def test_error_responses_carry_no_traceback():
     body = b"".join(sent).decode()
     assert '"id": 7' in body and "-32603" in body
     assert "traceback" not in body and __file__ not in body and "OverflowError" not in body
+
+
+async def test_initialize_with_bad_params_leaves_the_session_uninitialized():
+    s = await StdioServer.start()
+    try:
+        assert (await s.call("initialize", {"capabilities": 5}))["error"]["code"] == -32602
+        assert (await s.call("fimble/stats"))["error"]["code"] == -32002  # still not initialized
+        assert "capabilities" in (await s.initialize())["result"]
+        assert "latency_ms" in (await s.call("fimble/stats"))["result"]
+    finally:
+        await s.stop()
