@@ -10,7 +10,7 @@ after. The peer, interleaved prompt by prompt: the same line typed by one client
 ``fimble lsp`` stdio server (how an editor runs it), so the ratio says what sharing one
 engine between N sessions costs each of them.
 
-    python bench/soak.py --quick                 # 4 clients, about 45 s
+    python bench/soak.py --quick                 # 3 clients, under a minute
     python bench/soak.py --clients 32 --rounds 6 --json out.json
 
 The last line printed is the headline.
@@ -235,11 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4, help="lines typed by each session")
     ap.add_argument("--interval-ms", type=float, default=80.0, help="pause between keystrokes")
     ap.add_argument("--chars", type=int, default=80, help="characters typed per line (at most)")
-    ap.add_argument("--quick", action="store_true", help="4 clients, 2 lines of 10 characters (under a minute)")
+    ap.add_argument("--quick", action="store_true", help="3 clients, 2 lines of 8 characters (under a minute)")
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     args = ap.parse_args(argv)
     if args.quick:
-        args.clients, args.rounds, args.chars = 4, 2, 10
+        args.clients, args.rounds, args.chars = 3, 2, 8
     res = asyncio.run(run(args))
     print(f"{'transport':<10} {'sessions':>8} {'requests':>8} {'answered':>8} {'errors':>6} {'misrouted':>9} "
           f"{'p50 ms':>8} {'p95 ms':>8} {'RSS MiB (start->end)':>21}")
