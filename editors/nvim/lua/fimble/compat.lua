@@ -6,7 +6,7 @@ local function has(v)
 end
 
 M.uv = vim.uv or vim.loop
-M.has_lsp_start = type(vim.lsp.start) == "function" -- 0.8
+M.start_unattached = has("0.11") -- vim.lsp.start(config, { attach = false }); vim.lsp.start_client before
 M.has_inline_virt_text = has("0.10") -- virt_text_pos = "inline"
 M.has_native_inline = vim.lsp.inline_completion ~= nil and type(vim.lsp.inline_completion.enable) == "function" -- 0.12
 M.method_calls = has("0.11") -- client:request(...) instead of client.request(...)
@@ -15,7 +15,7 @@ M.new_str_index = has("0.11") -- vim.str_utfindex(s, encoding, index) / vim.str_
 --- Start the client without attaching any buffer (the plugin attaches once it knows the server's
 --- languages). 0.11 deprecates vim.lsp.start_client for vim.lsp.start(config, { attach = false }).
 function M.start_client(config)
-  if has("0.11") then
+  if M.start_unattached then
     return vim.lsp.start(config, { attach = false })
   end
   return vim.lsp.start_client(config)

@@ -757,7 +757,7 @@ function M.status()
     here,
     tostring(vim.version().major .. "." .. vim.version().minor .. "." .. vim.version().patch),
     config.native and compat.has_native_inline and "native" or (compat.has_inline_virt_text and "inline" or "overlay"),
-    compat.has_lsp_start and "vim.lsp.start" or "vim.lsp.start_client"
+    compat.start_unattached and "vim.lsp.start" or "vim.lsp.start_client"
   )
   if c then
     local st = S.status
