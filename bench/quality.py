@@ -1,6 +1,6 @@
 """Completion quality on HumanEval infilling: execution-based pass@1, exact match, parse errors.
 
-    python bench/quality.py [--quick] [--set single-line|random-span|context-lines|both|all]
+    python bench/quality.py [--quick] [--set single-line|random-span|context-lines|block-body|held-out,...|both|all]
                             [--variants raw,policy] [--sweep] [--procs N] [--json PATH]
 
 Sets (from /work/shared/data/humaneval-infilling, or --data DIR):
@@ -11,6 +11,13 @@ Sets (from /work/shared/data/humaneval-infilling, or --data DIR):
   (string), import, attribute chain, call arguments, parameters and mid-statement (where the
   program has one), the rest of the line to fill. Pass@1 in comments and docstrings only says
   the program still runs; exact match and edit similarity carry the quality there.
+- block-body:    multi-line cursors from the same programs: a compound statement's whole body
+  (cursor after the header's line break and the body's indentation), tests run (bench/cursor_sets.py).
+- held-out:      only when named (--set held-out --held-out-langs DIR [--held-out-python FILE]):
+  per trained language, statement-start, mid-line and block-body cursors in files held out of
+  training (training/corpus_langs.py, training/fim_lora.py); raw variant only, no tests: exact
+  match and edit similarity. --limit applies per language.
+--no-newline-heal measures the older healing rule; --template forces a template (or prefix-only).
 
 Variants:
 - raw:    the engine alone: greedy, 96 tokens, one line for single-line/context-lines (the task
