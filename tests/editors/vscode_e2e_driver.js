@@ -235,6 +235,7 @@ async function main() {
   let sawLoading = false;
   let statusSeenCount = 0;
   let restartLoading = false;
+  let suggestWidget = null;
   const latencies = [];
   try {
     await waitFor(() => /HTTP server listening/.test(csLog), 'code-server to listen', 60000);
@@ -251,7 +252,7 @@ async function main() {
     // From page load: the last keydown, every change of the ghost text and of fimble's status bar item
     // (MutationObservers), so the loading state and keystroke-to-ghost-text latency are seen as shown.
     await ctx.addInitScript(() => {
-      window.__fimble = { lastKey: 0, events: [], status: [] };
+      window.__fimble = { lastKey: 0, events: [], status: [], suggestWidget: 0 };
       document.addEventListener('keydown', () => (window.__fimble.lastKey = performance.now()), true);
       const ghost = () => {
         const parts = [...document.querySelectorAll('.monaco-editor.focused .ghost-text-decoration, .monaco-editor.focused .ghost-text-decoration-preview, .monaco-editor.focused .ghost-text .view-line')];
@@ -261,6 +262,9 @@ async function main() {
       new MutationObserver(() => {
         const st = [...document.querySelectorAll('.statusbar-item')].map((e) => e.textContent || '').find((t) => /fimble/.test(t));
         if (st !== undefined && st !== window.__fimble.status[window.__fimble.status.length - 1]) window.__fimble.status.push(st);
+        const widget = !!document.querySelector('.monaco-editor.focused .suggest-widget.visible');
+        if (widget && !window.__fimble.widgetShown) window.__fimble.suggestWidget++;
+        window.__fimble.widgetShown = widget;
         const now = ghost();
         if (now !== last) {
           last = now;
@@ -311,7 +315,6 @@ async function main() {
     };
 
     let best;
-    let streamShot;
     let done = 0;
     let index = 0;
     const runScenario = async (sc, label) => {
@@ -333,19 +336,10 @@ async function main() {
       // Wait for the server's final text for the document as it is now, then for VS Code to show it.
       let fin;
       let triggered = false;
-      let mid; // a screenshot while the ghost text is shown and the stream still runs
       for (;;) {
         const version = tap.latestVersion(uri);
         fin = tap.finalFor(uri, version);
         if (fin) break;
-        if (!streamShot) {
-          const g = await ghostNow();
-          if (g && g.trim()) {
-            const shot = path.join(work, `mid-${name}`.replace(/\.py$/, '.png'));
-            await page.screenshot({ path: shot });
-            if ((await ghostNow()) === g) mid = { shot, ghost: g }; // still shown: the picture has it
-          }
-        }
         if (!triggered && Date.now() - tKeys > 20000) {
           triggered = true;
           await page.keyboard.press('Alt+Backslash'); // ask explicitly once
@@ -384,15 +378,12 @@ async function main() {
       const firstGhost = evs.events.find((e) => e.t >= evs.lastKey && e.text);
       r.latencyMs = firstGhost ? Math.round(firstGhost.t - evs.lastKey) : null;
       if (r.latencyMs !== null) latencies.push(r.latencyMs);
-      // Screenshots: one taken mid-stream (the ghost text shorter than the final text it grew into) is
-      // the one for docs/; else the final suggestion that fits the window best (most lines, up to 70 chars).
-      if (mid && !streamShot && r.ghostEqualsFinal && normalise(mid.ghost).length < normalise(ghost).length && normalise(ghost).startsWith(normalise(mid.ghost))) {
-        streamShot = { shot: mid.shot, name: `${name} (mid-stream: ${JSON.stringify(mid.ghost)} of ${JSON.stringify(serverText)})` };
-      }
+      // A screenshot of each shown suggestion; the one for docs/ prefers a suggestion that replaces an
+      // auto-closed closer (the doubled-bracket fix, visible), then more lines, then a length that fits.
       if (ghost) {
         const shot = path.join(work, `${name}.png`);
         await page.screenshot({ path: shot });
-        const score = ghost.split('\n').length * 1000 + Math.min(ghost.length, 70) - (ghost.length > 70 ? 500 : 0);
+        const score = (replaced.trim() ? 5000 : 0) + ghost.split('\n').length * 1000 + Math.min(ghost.length, 70) - (ghost.length > 70 ? 3000 : 0);
         if (!best || score > best.score) best = { shot, score, name };
       }
       // Accept.
@@ -463,7 +454,8 @@ async function main() {
     const again = await runScenario({ keys: 'def double(x):\n', accept: 'tab' }, 'restart');
     restartOk = again.outcome === 'ok';
     results.push(again);
-    const chosen = streamShot || best;
+    suggestWidget = await page.evaluate(() => window.__fimble.suggestWidget);
+    const chosen = best;
     if (chosen) {
       fs.mkdirSync(path.dirname(SHOT), { recursive: true });
       fs.copyFileSync(chosen.shot, SHOT);
@@ -490,6 +482,9 @@ async function main() {
     console.log(`restart recovery: ${restartOk ? 'ok' : 'FAILED'}`);
     console.log(`status bar showed "loading model" before ready: at start ${sawLoading}, after the restart ${restartLoading}`);
     console.log(`keystroke-to-ghost-text latency (ms, n=${sorted.length}): median ${pct(0.5)}, p90 ${pct(0.9)}, min ${sorted[0]}, max ${sorted[sorted.length - 1]}`);
+    try {
+      console.log(`suggest widget shown while typing the scenarios: ${suggestWidget} times (word-based suggestions are off for Python)`);
+    } catch {}
     console.log(`load average: ${os.loadavg().map((x) => x.toFixed(2)).join(' ')}; cores: ${os.cpus().length}`);
     console.log(`screenshot: ${fs.existsSync(SHOT) ? path.relative(REPO, SHOT) : 'none'}`);
     const pass = counted.length >= WANT && ok === counted.length && restartOk && sawLoading;
