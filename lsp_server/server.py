@@ -90,6 +90,7 @@ class FimbleServer(LanguageServer):
         if doc is None or pos.line >= len(doc.lines):
             return None
         if not self.settings.enabled_for(doc.language_id):
+            self.stats.count("language_disabled")
             if doc.language_id not in self._skipped_languages:
                 self._skipped_languages.add(doc.language_id)
                 log.info("no completions for language %r: not in the enabled languages %s (setting `languages`)",
@@ -417,7 +418,8 @@ def _register(ls: FimbleServer) -> None:
                             "maxTokens": ls.settings.max_tokens, "model": ls.settings.model,
                             "encoding": ls.encoding, "policy": ls.settings.policy,
                             "kvCacheMB": ls.settings.kv_cache_mb, "kvShiftReuse": ls.settings.kv_shift_reuse,
-                            "prewarm": ls.settings.prewarm, "prewarmDelayMs": ls.settings.prewarm_delay_ms}
+                            "prewarm": ls.settings.prewarm, "prewarmDelayMs": ls.settings.prewarm_delay_ms,
+                            "languages": None if (langs := ls.settings.effective_languages) is None else list(langs)}
         snap["lastPolicy"] = ls.completer.last_policy
         if ls.peers is not None:  # all sessions of this listener: counts only, nothing of their content
             snap["server"] = ls.peers()

@@ -100,8 +100,11 @@ async def test_other_languages_get_nothing_until_enabled(client: LanguageClient)
     before = (await stats(client))["counters"]
     for _ in range(3):
         assert items_of(await inline(client, uri, *GO_CURSOR)) == []
-    after = (await stats(client))["counters"]
+    snap = await stats(client)
+    after = snap["counters"]
     assert after.get("generations", 0) == before.get("generations", 0)  # no decode for Go at all
+    assert after["language_disabled"] - before.get("language_disabled", 0) == 3
+    assert snap["settings"]["languages"] == ["python"]
     # The user's list overrides the model's; the status says so.
     await configure(client, languages=["python", "go"])
     await _wait(lambda: client.statuses[-1]["languages"] == ["python", "go"], "the new language list")
