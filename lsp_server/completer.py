@@ -334,15 +334,18 @@ class Completer:
                                replace_end=self._delta_replace_end(doc, ctx, gen, offset, req))
             self.streamer.subscribe(sub)
         def shows(text: str) -> bool:
-            """Whether an early answer of complete lines shapes to something (else: wait for more).
+            """Whether an early answer shapes to something (else: wait for more text).
 
-            A block header alone (``if x:``, its body not decoded yet) is cut by validation."""
+            Validation cuts a block header alone (``if x:``, its body not decoded yet), and part of
+            a first line that would add a parse error (``return self.headers["`` before the rest
+            of the line): a client without streaming shows exactly the answer."""
             if doc.version != ctx.version or self.docs.get(doc.uri) is not doc:
                 return True  # _finish_answer decides
             return bool(self._shape_answer(doc, ctx.cursor, gen, offset, text)[0])
 
         gen.waiting += 1
         try:
+            # An invoked request (the user asked) waits for whole lines or the decode's end: never a fragment.
             text = await self._wait_answer(gen, offset, req.t0 + settings.early_answer_ms / 1e3,
                                            settings.answer_at == "end", shows, partial_ok=not req.invoked)
         except asyncio.CancelledError:  # $/cancelRequest: stop the decode unless another request uses it
@@ -540,9 +543,9 @@ class Completer:
 
         ``text`` is ``gen.text[start:]`` or a prefix of it. The finished decode's own shaping
         holds when the answer runs to its end: typing along a completion leaves the document
-        prefix + typed + rest + suffix the same, and the rest of the line the same. A
-        ``partial`` answer (part of a first line, at earlyAnswerMs) is incomplete by nature:
-        it is only guarded (streaming did that) and fitted to the closers after the cursor.
+        prefix + typed + rest + suffix the same, and the rest of the line the same. Any other
+        text, part of a first line (at earlyAnswerMs) included, is validated here like a whole
+        completion: an answer never adds a parse error.
         """
         if not text.strip():
             return "", 0
