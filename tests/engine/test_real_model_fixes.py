@@ -144,3 +144,13 @@ def test_default_model_is_the_built_smollm2_unless_pinned_or_unbuilt(tmp_path, m
     assert model_info.model_folder(None) == built  # the server's languages follow the same folder
     monkeypatch.setenv("FIMBLE_DEFAULT_MODEL", "embedded")
     assert default_models() == (DEFAULT_TARGET, DEFAULT_DRAFT)
+
+
+def test_unbuilt_adapter_folder_names_the_install_step():
+    from conftest import REPO
+
+    folder = REPO / "models" / "fimble-smollm2"
+    if (folder / "config.json").is_file():
+        pytest.skip("fimble-smollm2 is built here")
+    with pytest.raises(ModelLoadError, match="python -m training.assemble"):
+        load_model(folder)
