@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -61,6 +62,10 @@ PREFETCH_MIN_GAP_S = 0.02
 # Cursor lines longer than this (minified code, data) skip the syntax policy and shaping:
 # classifying such a line costs milliseconds per thousand characters and grows faster.
 POLICY_MAX_LINE = 4000
+# A request waits at most this long on a running engine, then answers with the text it has (the
+# decode goes on for type-through). Time while the engine (re)starts does not count: a request
+# after an engine crash is served once the new engine is up (lsp_server/engine_host.py).
+REQUEST_BUDGET_S = float(os.environ.get("FIMBLE_REQUEST_BUDGET_S", 20.0))
 
 
 @dataclass
@@ -610,17 +615,25 @@ class Completer:
 
     async def _wait_answer(self, gen: Generation, offset: int, deadline: float, at_end: bool,
                            shows: Callable[[str], bool] | None = None, *, partial_ok: bool = True) -> str:
+        budget_end = time.perf_counter() + REQUEST_BUDGET_S
         while True:
+            now = time.perf_counter()
+            if self.host.state == "starting":
+                budget_end = now + REQUEST_BUDGET_S  # (re)starting engine: the budget waits with us
+            elif now >= budget_end and not gen.done:
+                self.stats.count("request_budget_expired")
+                rem = gen.text[offset:]  # what it has (whole lines only where fragments are not wanted);
+                return (rem if partial_ok else rem[:max(0, rem.rfind("\n"))]).rstrip()  # the decode goes on
+            left = budget_end - now
             if at_end:
-                await gen.wait_change(None)
+                await gen.wait_change(left)
                 if gen.done:
                     return gen.text[offset:].rstrip()
                 continue
-            now = time.perf_counter()
             text = _early_text(gen.text[offset:], gen.done, partial_ok and now >= deadline)
             if text is not None and (gen.done or shows is None or shows(text)):
                 return text
-            await gen.wait_change(deadline - now if now < deadline else None)
+            await gen.wait_change(min(deadline - now, left) if now < deadline else left)
 
     def _finish_answer(self, doc: Document, ctx: Context, gen: Generation, offset: int, text: str,
                        completion_id: str, cached: bool, req: RequestInfo) -> Answer | None:

@@ -140,3 +140,26 @@ async def test_a_restart_loop_backs_off_and_gives_up_with_a_clear_error(monkeypa
     assert await host.get(Settings()) is None and len(starts) == 4  # a request does not restart it either
     await host.close()
 
+
+
+def test_a_request_on_a_silent_engine_answers_within_its_budget():
+    """The request budget (FIMBLE_REQUEST_BUDGET_S) answers before the stall watchdog acts, and the
+    decode it waited on still counts nothing against the next keystroke (the loop stays free)."""
+    env = dict(SERVER_ENV, FIMBLE_ENGINE_STALL_S="600", FIMBLE_REQUEST_BUDGET_S="2")
+    srv = RawServer(env=env)
+    try:
+        srv.initialize()
+        srv.open(URI, TEXT)
+        assert _items(srv.wait(srv.inline(URI, *CURSOR), ANSWER_TIMEOUT_S)), "no completion before the stop"
+        stopped = kill_engine(srv, signal.SIGSTOP)
+        try:
+            with Pinger(srv) as pinger:
+                srv.change(URI, 2, (0, 0), (0, 0), "import os\n")
+                line, col = CURSOR
+                answer = srv.wait(srv.inline(URI, line + 1, col), 60)  # not the watchdog's 600 s
+            assert "result" in answer and pinger.max_block < 2.0
+            assert srv.stats()["counters"].get("request_budget_expired", 0) >= 1
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+    finally:
+        srv.close()
