@@ -33,8 +33,10 @@ COMMENT_DOC = SAMPLE.replace("    config = {}\n", "    # Parse each line of the\
 COMMENT_CURSOR = (6, len("    # Parse each line of the"))
 CODE_DOC, CODE_CURSOR = UNFINISHED_DOC, UNFINISHED_CURSOR
 # A statement start inside a function body: several lines are decoded there.
-BLOCK_DOC = SAMPLE.replace("    config = {}\n", "    config = {}\n    \n")
-BLOCK_CURSOR = (7, 4)
+# (A cursor where the embedded model's greedy answer is a valid block: validation drops an answer that
+# would add a parse error, so a cursor where the model writes invalid code tests nothing here.)
+BLOCK_DOC = SAMPLE.replace("    return config\n", "    \n    return config\n")
+BLOCK_CURSOR = (BLOCK_DOC.split("\n").index("    "), 4)
 
 
 @pytest_lsp.fixture(config=SERVER,
