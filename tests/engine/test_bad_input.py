@@ -89,7 +89,8 @@ def test_bad_options_are_rejected(embedded_target):
         engine.complete(CompletionRequest("x = ", "", DecodeOptions(drafter="psychic")))
 
 
-def test_model_without_fim_tokens_needs_a_template(tmp_path):
+def test_model_without_fim_tokens_completes_from_the_prefix_and_a_forced_template_must_fit(tmp_path):
+    # Issue 12: prefix-only with a notice (tests/engine/test_real_model_fixes.py has the details).
     folder = build_tiny_model(tmp_path / "nofim", vocab_size=300, with_tokenizer=False)
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -97,5 +98,8 @@ def test_model_without_fim_tokens_needs_a_template(tmp_path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(folder)
-    with pytest.raises(FimbleError, match="no fill-in-the-middle tokens"):
-        LocalEngine(load_model(folder), None, start_thread=False)
+    model = load_model(folder)
+    assert model.template.name == "prefix-only" and "no fill-in-the-middle tokens" in model.notice
+    LocalEngine(model, None, start_thread=False)
+    with pytest.raises(FimbleError, match="does not fit"):
+        load_model(folder, template="starcoder2")
