@@ -123,6 +123,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.splits = (q_dim, kv_dim, kv_dim)
+        self.row_attention_max = 0  # > 0: blocks up to this many tokens attend row by row (batch-invariant)
 
     def forward(self, x: Tensor, layer: int, cache: KVCache, start: int,
                 cos: Tensor, sin: Tensor, mask: Tensor | None, slots: Tensor | slice) -> Tensor:
@@ -136,11 +137,20 @@ class Block(nn.Module):
         cache.keys[layer, :, slots] = k
         cache.values[layer, :, slots] = v
         keys, values = cache.keys[layer, :, :end], cache.values[layer, :, :end]
-        attn = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
-            # A fresh prefill is plainly causal: the fused kernel needs no mask tensor.
-            is_causal=mask is None and t > 1, enable_gqa=cfg.num_kv_heads != cfg.num_heads,
-        )[0]
+        gqa = cfg.num_kv_heads != cfg.num_heads
+        if 1 < t <= self.row_attention_max and start > 0 and isinstance(slots, slice):
+            # Batch-invariant mode (int8, engine/quant.py): each query row attends exactly as a
+            # 1-token step at its position would, so a verify block's rows are bit-identical to
+            # plain decoding's; int8 activation rounding would otherwise amplify fp32 noise.
+            attn = torch.cat([F.scaled_dot_product_attention(
+                q[:, i:i + 1].unsqueeze(0), keys[:, :start + i + 1].unsqueeze(0),
+                values[:, :start + i + 1].unsqueeze(0), enable_gqa=gqa)[0] for i in range(t)], dim=1)
+        else:
+            attn = F.scaled_dot_product_attention(
+                q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+                # A fresh prefill is plainly causal: the fused kernel needs no mask tensor.
+                is_causal=mask is None and t > 1, enable_gqa=gqa,
+            )[0]
         x = x + self.o_proj(attn.transpose(0, 1).reshape(t, -1))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)

@@ -23,6 +23,9 @@ import torch
 from torch import Tensor, nn
 
 QUANT_MODES = ("none", "int8")
+# Longest block that attends row by row in int8 mode: a verify block (gamma <= 12, plus one), or
+# a keystroke's few new tokens. Longer prefills attend in one pass.
+ROW_ATTENTION_MAX = 16
 
 
 def int8_available() -> bool:
@@ -69,5 +72,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
             lin = getattr(layer, name)
             setattr(layer, name, Int8Linear(lin.weight, lin.bias))
     model.lm_head = Int8Linear(model.lm_head.weight, None)
+    for layer in model.layers:  # verify blocks (<= max_gamma + 1 tokens) attend row by row
+        layer.row_attention_max = ROW_ATTENTION_MAX
     model.quant = "int8"
     return model

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.api import CompletionRequest
 from engine.drafters import ModelDrafter, NgramDrafter
 from engine.local import LocalEngine
@@ -73,7 +75,10 @@ def compare_drafters(target, draft, prompts: list[tuple[str, str]]) -> Compariso
         prompt, heal, constrained = engine.build_prompt(CompletionRequest(prefix, suffix))
         heal = heal if constrained else ""
         out.healed += bool(heal)
+        # Every run starts from the same prompt state: all but the last prompt token cached, that one
+        # re-run as a 1-token pass (what the engine does for a cached document).
         cache.rollback(0)
+        target.runtime(torch.tensor(prompt[:-1]), cache, 0, 1)
         plain = decode(target, cache, prompt, heal, "none", None, None)
         for name in ("model", "ngram", "auto"):
             dec = decode(target, cache, prompt, heal, name, model_drafter, ngram)
