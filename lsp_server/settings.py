@@ -52,7 +52,7 @@ def usable_model_folder(path: str) -> bool:
 
 @dataclass(frozen=True)
 class Settings:
-    model: str | None = None  # None: the embedded model (engine.loader.DEFAULT_TARGET)
+    model: str | None = None  # None: the default model (engine.model_info.default_target)
     draft: str | None = None
     no_draft: bool = False
     device: str = "cpu"
