@@ -822,6 +822,11 @@ function M.statusline()
   if S.last_latency_ms then
     return string.format("fimble %d ms", S.last_latency_ms)
   end
+  -- No answer of ours has arrived yet (streamed ghost text, or a superseded request): the server's
+  -- measure of the first completion still tells the user how fast it is.
+  if type(st.firstLatencyMs) == "number" then
+    return string.format("fimble %d ms", st.firstLatencyMs)
+  end
   return st.state == "ready" and "fimble ready" or "fimble"
 end
 
