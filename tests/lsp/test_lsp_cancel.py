@@ -165,10 +165,10 @@ async def test_request_after_a_cancel_gets_a_decode_of_its_own(client: LanguageC
 
     async def second_started() -> bool:
         counters = (await stats(client))["counters"]
-        return counters["generations"] >= before["generations"] + 2 or second.done()
+        return counters.get("generations", 0) >= before.get("generations", 0) + 2 or second.done()
     await _until(second_started)
     after = (await stats(client))["counters"]
-    assert after["generations"] == before["generations"] + 2, "the second request did not start a decode"
+    assert after.get("generations", 0) == before.get("generations", 0) + 2, "the second request did not start a decode"
     assert after.get("inflight_hits", 0) == before.get("inflight_hits", 0)
     assert not second.done()  # decoding for itself (400 tokens), not answered with the cut-off text
     client.cancel_request(types.CancelParams(id=f"second-{id(client)}"))
