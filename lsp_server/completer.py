@@ -349,6 +349,9 @@ class Completer:
             return bool(self._shape_answer(doc, ctx.cursor, gen, offset, text)[0])
 
         gen.waiting += 1
+        task = asyncio.current_task()
+        if task is not None:
+            gen.waiter_tasks.add(task)
         try:
             # An invoked request (the user asked) waits for whole lines or the decode's end: never a fragment.
             text = await self._wait_answer(gen, offset, req.t0 + settings.early_answer_ms / 1e3,
@@ -362,10 +365,21 @@ class Completer:
             raise
         finally:
             gen.waiting -= 1
+            gen.waiter_tasks.discard(task)
         answer = self._finish_answer(doc, ctx, gen, offset, text, completion_id, cached, req)
         if instant:
             self.stats.observe("cache_answer", (time.perf_counter() - req.t0) * 1e3)
         return answer
+
+    def _doomed(self, gen: Generation) -> bool:
+        """Whether every request waiting on ``gen`` has a cancel pending, so the decode is about to stop.
+
+        `$/cancelRequest` cancels the request's task, but its CancelledError (which cancels the
+        decode) arrives only at that task's next step; messages read in the same chunk are handled
+        first. A request arriving in between must not attach to a decode that is being cancelled."""
+        tasks = gen.waiter_tasks
+        return (not gen.done and bool(tasks) and all(t.cancelling() for t in tasks)
+                and self.streamer.live(gen) <= len(tasks))
 
     def _lookup(self, ctx: Context) -> tuple[Generation, int] | None:
         """A generation whose anchor + the text typed since matches ``ctx``, with the typed length."""
@@ -374,7 +388,7 @@ class Completer:
             candidates.insert(0, self.active)
         for gen in candidates:
             a = gen.ctx
-            if not gen.usable or a.window != ctx.window or a.suffix != ctx.suffix:
+            if not gen.usable or self._doomed(gen) or a.window != ctx.window or a.suffix != ctx.suffix:
                 continue
             if len(ctx.prefix) < len(a.prefix) or not ctx.prefix.startswith(a.prefix):
                 continue

@@ -38,6 +38,7 @@ class Generation:
         self.error: str | None = None
         self.shown = 0  # characters of ``text`` sent to the client (answers and deltas)
         self.waiting = 0  # requests waiting for an answer from it
+        self.waiter_tasks: set[asyncio.Task] = set()  # their tasks (see Completer._doomed)
         self.tokens = 0  # from the engine's result
         self.accounted = False  # its tokens are counted as shown / never shown
         self.prefetched = False  # started by a keystroke, before any request asked
