@@ -125,7 +125,29 @@ class FrameReader:
                 return m
 
 
-class TcpClient(FrameReader):
+class FrameClient(FrameReader):
+    """A FrameReader that also writes frames (``send_raw`` from the subclass) and numbers its calls."""
+
+    _ids = 0
+
+    def send_raw(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def send(self, m: dict | list) -> None:
+        self.send_raw(frame(m))
+
+    async def call(self, method: str, params: Any = None) -> dict:
+        self._ids += 1
+        self.send(msg(self._ids, method, params))
+        return await self.response(self._ids)
+
+    async def initialize(self, options: dict | None = None) -> dict:
+        init = dict(INIT, initializationOptions={**INIT["initializationOptions"], **(options or {})})
+        result = await self.call("initialize", init)
+        self.send(msg(None, "initialized", {}))
+        return result
+
+class TcpClient(FrameClient):
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         super().__init__(reader)
         self.writer = writer
@@ -138,20 +160,6 @@ class TcpClient(FrameReader):
 
     def send_raw(self, data: bytes) -> None:
         self.writer.write(data)
-
-    def send(self, m: dict | list) -> None:
-        self.writer.write(frame(m))
-
-    async def call(self, method: str, params: Any = None) -> dict:
-        self._ids += 1
-        self.send(msg(self._ids, method, params))
-        return await self.response(self._ids)
-
-    async def initialize(self, options: dict | None = None) -> dict:
-        init = dict(INIT, initializationOptions={**INIT["initializationOptions"], **(options or {})})
-        result = await self.call("initialize", init)
-        self.send(msg(None, "initialized", {}))
-        return result
 
     def reset(self) -> None:
         """Leave with a TCP reset (RST), as a crashed client or a dropped network does."""
@@ -205,7 +213,7 @@ class WsClient:
         await self.ws.close()
 
 
-class StdioServer(FrameReader):
+class StdioServer(FrameClient):
     """``fimble lsp`` over stdio (asyncio subprocess), stderr in a file."""
 
     def __init__(self, proc: asyncio.subprocess.Process, log: Any):
@@ -227,20 +235,6 @@ class StdioServer(FrameReader):
     def send_raw(self, data: bytes) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(data)
-
-    def send(self, m: dict | list) -> None:
-        self.send_raw(frame(m))
-
-    async def call(self, method: str, params: Any = None) -> dict:
-        self._ids += 1
-        self.send(msg(self._ids, method, params))
-        return await self.response(self._ids)
-
-    async def initialize(self, options: dict | None = None) -> dict:
-        init = dict(INIT, initializationOptions={**INIT["initializationOptions"], **(options or {})})
-        result = await self.call("initialize", init)
-        self.send(msg(None, "initialized", {}))
-        return result
 
     async def stop(self) -> int | None:
         if self.proc.returncode is None:
