@@ -28,8 +28,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 REPO = Path(__file__).resolve().parent.parent
 SERVER_CMD = [sys.executable, "-m", "lsp_server", "lsp"]
 BASE = '''import os
@@ -145,11 +143,26 @@ class Typist:
             self.wrong_document += 1
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, from /proc (Linux; no psutil: it is not a fimble dependency)."""
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        for children in Path(f"/proc/{p}/task").glob("*/children"):
+            todo += [int(c) for c in children.read_text().split()]
+    return pids
+
+
 def rss_mib(pid: int) -> float:
     try:
-        proc = psutil.Process(pid)
-        return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
-    except psutil.Error:
+        total_kib = 0
+        for p in _tree(pid):
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total_kib += int(line.split()[1])
+        return total_kib / 1024
+    except (OSError, ValueError):
         return float("nan")
 
 
