@@ -26,6 +26,43 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """A non-local engine: an OpenAI-compatible or llama.cpp server (engine/remote.py)."""
+    p.add_argument("--engine", metavar="SPEC",
+                   help="use a running engine instead of a local model: openai+http(s)://HOST:PORT/v1 "
+                        "(vLLM, SGLang, llama-server, Ollama, fimble serve) or llamacpp+http(s)://HOST:PORT (/infill)")
+    p.add_argument("--remote-model", metavar="NAME",
+                   help="the server's model name (openai+: default, the first of GET /v1/models)")
+    p.add_argument("--remote-template", metavar="NAME",
+                   help="the served model's FIM template, for fimble to lay out the prompt (default: from the "
+                        "model name; unknown: the server gets prompt + suffix)")
+    p.add_argument("--engine-token-file", metavar="PATH", help="send the token on this file's first line as a Bearer")
+    p.add_argument("--engine-timeout", type=float, default=30.0,
+                   help="seconds to wait for the engine server to connect or send more (default 30)")
+    p.add_argument("--engine-allow-http", action="store_true",
+                   help="allow plain http to an engine that is not on loopback (code and token travel unencrypted)")
+
+
+def _remote_spec(args: argparse.Namespace):
+    """The --engine flags as an engine.remote.RemoteSpec (None: the local model), checked now."""
+    given = [f for f in ("remote_model", "remote_template", "engine_token_file") if getattr(args, f)]
+    if not args.engine:
+        if given or args.engine_allow_http:
+            raise FimbleError("--remote-model, --remote-template, --engine-token-file and --engine-allow-http "
+                              "need --engine")
+        return None
+    from engine.remote import RemoteSpec, check_spec, parse_engine, read_token
+
+    kind, url = parse_engine(args.engine)
+    spec = RemoteSpec(kind, url, model=args.remote_model, token_file=args.engine_token_file,
+                      template=args.remote_template, timeout_s=args.engine_timeout,
+                      allow_remote=args.engine_allow_http)
+    check_spec(spec)
+    if spec.token_file:
+        read_token(spec.token_file)  # a missing or empty file is an error now, not at the first completion
+    return spec
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fimble", description="Local code completion over LSP")
     ap.add_argument("--version", action="version", version="fimble 0.1.0")
@@ -52,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     lsp.add_argument("--log-level", default=os.environ.get("FIMBLE_LOG", "WARNING"))
     lsp.add_argument("--log-file", help="log here instead of stderr")
     _add_model_args(lsp)
+    _add_engine_args(lsp)
 
     comp = sub.add_parser("complete", help="print a completion at FILE:LINE:COL (1-based)")
     comp.add_argument("spec", metavar="FILE:LINE:COL")
@@ -150,7 +188,7 @@ def run_lsp(args: argparse.Namespace) -> int:
     elif args.allow_remote or args.require_token or args.token_file or args.allow_origin:
         raise FimbleError("--allow-remote, --require-token, --token-file and --allow-origin need --tcp or --ws")
     defaults = dataclasses.replace(Settings(), model=args.model, draft=args.draft, no_draft=args.no_draft,
-                                   device=args.device)
+                                   device=args.device, engine_spec=_remote_spec(args))
     return serve(defaults, tcp=args.tcp, ws=args.ws, options=options)
 
 

@@ -44,6 +44,12 @@ MAX_QUICK_FAILURES = len(RESTART_BACKOFF_S)
 
 
 def _start(settings: Settings) -> Any:
+    from engine.remote import RemoteSpec  # no torch
+
+    if isinstance(settings.engine_spec, RemoteSpec):  # an OpenAI-compatible or llama.cpp server
+        from engine.remote import open_remote
+
+        return open_remote(settings.engine_spec)
     from engine.process import EngineProcess  # imported here: pulls in torch (about a second)
 
     return EngineProcess(settings.model, settings.draft, device=settings.device, no_draft=settings.no_draft,

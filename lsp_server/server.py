@@ -139,7 +139,10 @@ class FimbleServer(LanguageServer):
         for line in problems:
             self.window_show_message(types.ShowMessageParams(types.MessageType.Warning, f"fimble: setting {line}"))
         model = s.model or self.defaults.model
-        if model != self.settings.model or not self.model_name:
+        if s.engine_spec is not None:  # a server's model (--engine): its languages are not known here, so all
+            self.model_name = getattr(s.engine_spec, "model", None) or "remote"
+            s = dataclasses.replace(s, model_languages=None)
+        elif model != self.settings.model or not self.model_name:
             info = read_model_info(model)  # the languages the model was trained on; no model load
             self.model_name = info.name
             s = dataclasses.replace(s, model_languages=info.languages)

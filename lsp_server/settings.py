@@ -97,6 +97,9 @@ class Settings:
     # didOpen and once edits settle for prewarmDelayMs, so the next completion prefills little.
     prewarm: bool = True
     prewarm_delay_ms: int = 300
+    # A non-local engine chosen on the command line (--engine): an engine.remote.RemoteSpec, or the
+    # shared daemon's spec. Not a wire key: a client never picks the server the code is sent to.
+    engine_spec: Any = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -104,7 +107,8 @@ class Settings:
 
     def engine_key(self) -> tuple:
         """Settings whose change needs a new engine process."""
-        return self.model, self.draft, self.no_draft, self.device, self.engine_threads, self.kv_cache_mb
+        return (self.model, self.draft, self.no_draft, self.device, self.engine_threads, self.kv_cache_mb,
+                self.engine_spec)
 
     @property
     def reuse(self) -> str:
