@@ -1,4 +1,5 @@
-"""``fimble`` command line: ``lsp`` (the server), ``complete FILE:LINE:COL`` and ``bench-lsp``.
+"""``fimble`` command line: ``lsp`` (the server), ``serve`` (one engine for many editors),
+``complete FILE:LINE:COL`` and ``bench-lsp``.
 
 User errors print one line, ``fimble: <message>``, and exit with status 2: no traceback.
 """
@@ -29,7 +30,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """A non-local engine: an OpenAI-compatible or llama.cpp server (engine/remote.py)."""
     p.add_argument("--engine", metavar="SPEC",
-                   help="use a running engine instead of a local model: openai+http(s)://HOST:PORT/v1 "
+                   help="use a running engine instead of a local model: ws://HOST:PORT (a `fimble serve` daemon), "
+                        "openai+http(s)://HOST:PORT/v1 "
                         "(vLLM, SGLang, llama-server, Ollama, fimble serve) or llamacpp+http(s)://HOST:PORT (/infill)")
     p.add_argument("--remote-model", metavar="NAME",
                    help="the server's model name (openai+: default, the first of GET /v1/models)")
@@ -51,6 +53,12 @@ def _remote_spec(args: argparse.Namespace):
             raise FimbleError("--remote-model, --remote-template, --engine-token-file and --engine-allow-http "
                               "need --engine")
         return None
+    if args.engine.startswith(("ws://", "wss://")):  # a shared `fimble serve` daemon (engine/serve/)
+        from engine.serve.client import serve_spec
+
+        if args.remote_model or args.remote_template:
+            raise FimbleError("--remote-model and --remote-template are for openai+/llamacpp+ engines, not ws://")
+        return serve_spec(args.engine, args.engine_token_file, args.engine_timeout, args.engine_allow_http)
     from engine.remote import RemoteSpec, check_spec, parse_engine, read_token
 
     kind, url = parse_engine(args.engine)
@@ -102,6 +110,28 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--trust-remote-code", action="store_true",
                       help="let transformers run code shipped in the model folder (off by default)")
 
+    srv = sub.add_parser("serve", help="run one engine for many editors (websockets + OpenAI /v1/completions)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8765, help="port (0: any free one, printed at start)")
+    srv.add_argument("--allow-remote", action="store_true",
+                     help="allow a --host that is not loopback (a token is then required)")
+    srv.add_argument("--token-file", metavar="PATH",
+                     help="clients must present this token (default off loopback: a new one, printed to stderr)")
+    srv.add_argument("--require-token", action="store_true", help="require a token on loopback too")
+    srv.add_argument("--allow-origin", metavar="ORIGIN", action="append", default=[],
+                     help="a browser Origin allowed to connect; repeatable (default: none)")
+    srv.add_argument("--max-message-mb", type=int, default=16, help="largest message accepted (MiB, 1-1024)")
+    srv.add_argument("--max-sessions", type=int, default=256, help="websocket sessions at once (1-10000)")
+    srv.add_argument("--max-active", type=int, default=64, help="sequences stepped together (1-1024)")
+    srv.add_argument("--no-batch", action="store_true",
+                     help="step sequences round-robin, one forward each, instead of one batched forward")
+    srv.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default; up to 1024)")
+    srv.add_argument("--kv-budget-mb", type=int, default=0, help="KV cache budget in MiB (0: the default)")
+    srv.add_argument("--model-name", default="fimble", help="the model name the OpenAI API reports")
+    srv.add_argument("--log-level", default=os.environ.get("FIMBLE_LOG", "WARNING"))
+    srv.add_argument("--log-file", help="log here instead of stderr")
+    _add_model_args(srv)
+
     sub.add_parser("bench-lsp", help="headless LSP latency benchmark (bench/lsp_latency.py; --help for its options)")
     return ap
 
@@ -118,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "lsp":
             return run_lsp(args)
+        if args.command == "serve":
+            from engine.serve.cli import run_serve  # the daemon's options, checked there
+
+            return run_serve(args)
         return run_complete(args)
     except FimbleError as exc:
         print(f"fimble: {exc}", file=sys.stderr)

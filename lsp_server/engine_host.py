@@ -45,6 +45,10 @@ MAX_QUICK_FAILURES = len(RESTART_BACKOFF_S)
 
 def _start(settings: Settings) -> Any:
     from engine.remote import RemoteSpec  # no torch
+    from engine.serve.client import ServeSpec  # no torch
+
+    if isinstance(settings.engine_spec, ServeSpec):  # a shared `fimble serve` daemon, over a websocket
+        return settings.engine_spec.open()
 
     if isinstance(settings.engine_spec, RemoteSpec):  # an OpenAI-compatible or llama.cpp server
         from engine.remote import open_remote

@@ -1,0 +1,24 @@
+"""``fimble serve``: one engine daemon shared by many editors (issue 11, item 2).
+
+Modules:
+- ``protocol``: the wire format (engine/process.py's msgpack messages over websockets, a
+  version handshake first), limits and request checking.
+- ``scheduler``: ``ServeEngine``, a LocalEngine that steps every active sequence each round
+  (continuous batching at step granularity; round-robin where a batch cannot run).
+- ``batched``: one target forward over many sequences with their own caches and lengths.
+- ``daemon``: ``EngineDaemon``, the listeners (websocket sessions, the OpenAI HTTP API) on one port.
+- ``openai_http``: ``POST /v1/completions`` (FIM ``suffix``, SSE ``stream``).
+- ``client``: ``WSEngine``, the daemon as an engine with EngineProcess's API (``fimble lsp --engine``).
+
+Build a daemon around an engine::
+
+    from engine.serve.scheduler import open_serve_engine   # or ServeEngine(target, draft) from LoadedModels
+    from engine.serve.daemon import EngineDaemon, ServeOptions
+    engine = open_serve_engine(model=None, draft=None)   # the default models, as open_engine
+    daemon = EngineDaemon(engine, ServeOptions(host="127.0.0.1", port=0, token=None))
+    port = daemon.start()                                # listeners in a background thread
+    engine.serve_forever()                               # decode loop in the main thread
+
+Connect: ``WSEngine("ws://127.0.0.1:%d" % port, token=None)`` (submit/cancel/counters as
+EngineProcess), or an OpenAI client with ``base_url="http://127.0.0.1:%d/v1" % port``.
+"""

@@ -1,0 +1,136 @@
+"""One target forward pass over several sequences, each with its own KV cache and cache length.
+
+``CompactTransformer.forward`` (engine/compact.py) runs one sequence. The serve scheduler
+(engine/serve/scheduler.py) steps many sequences at once, so this module runs their blocks
+(a prefill, a 1-token step, an 8-token verify, each at its own start position) through
+every weight matrix together: the tokens of all sequences are stacked as rows, the
+projections and the MLP read each weight once per step for all of them, and only
+attention, which needs each sequence's own cache, runs per sequence, exactly as
+``Block.forward`` does it.
+
+Lossless: a row's result must not depend on the other rows. CPU fp32 GEMM (MKL) picks a
+different kernel below a few rows (measured: rows of 1-3-row matmuls differ in the last bit
+from the same rows in a 4+ row matmul; 4+ rows agree bit for bit), so every projection here
+runs on at least ``MIN_ROWS`` rows (zero rows pad a small batch). A sequence's logits are then
+the same bit for bit whether it runs alone or among others (tests/serve/test_batched.py).
+int8 weights (engine/quant.py) are batch-invariant by construction and are not padded.
+They are not bit-identical to ``CompactTransformer.forward`` on one row (that takes the
+1-row kernel): like a verify block against a 1-token step, they may differ at a fp32 tie.
+
+The attention code mirrors ``Block.forward``; if that changes, change this too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.compact import CompactTransformer, rotate
+
+MIN_ROWS = 8  # pad matmuls to at least this many rows: one kernel for every batch size (see above)
+
+
+@dataclass
+class Forward:
+    """One sequence's share of a pass: ``tokens`` at positions ``start..`` into ``cache``."""
+
+    tokens: Tensor  # 1-D token ids
+    cache: object  # engine.compact.KVCache (or the runtime's own cache type)
+    start: int
+    num_logits: int = 1
+
+
+def supports_batch(runtime: object) -> bool:
+    """Whether ``runtime`` can run a batch here (the compact runtime; transformers models cannot)."""
+    return isinstance(runtime, CompactTransformer)
+
+
+def run_one(runtime, call: Forward) -> Tensor:
+    """A pass of one sequence through the runtime's own forward (round-robin mode, other runtimes)."""
+    return runtime(call.tokens, call.cache, call.start, call.num_logits)
+
+
+def _linear(lin: nn.Module, x: Tensor) -> Tensor:
+    rows = x.shape[0]
+    if rows >= MIN_ROWS or not isinstance(lin, nn.Linear):
+        return lin(x)
+    padded = torch.cat((x, x.new_zeros(MIN_ROWS - rows, x.shape[1])))
+    return lin(padded)[:rows]
+
+
+@torch.inference_mode()
+def batched_forward(model: CompactTransformer, calls: list[Forward]) -> list[Tensor]:
+    """Run every call's tokens in one pass; return each call's last ``num_logits`` logits (float32)."""
+    cfg = model.cfg
+    spans, pos = [], 0
+    for c in calls:
+        t = c.tokens.shape[0]
+        end = c.start + t
+        if c.start > c.cache.length:
+            raise ValueError(f"position {c.start} leaves a gap after cache length {c.cache.length}")
+        if end > c.cache.max_len:
+            raise ValueError(f"sequence of {end} tokens exceeds the cache's {c.cache.max_len}")
+        spans.append((pos, pos + t))
+        pos += t
+    x = model.embed(torch.cat([c.tokens for c in calls]))
+    ropes, masks = [], []
+    for c, (a, b) in zip(calls, spans, strict=True):
+        t, end = b - a, c.start + b - a
+        ropes.append((model.rope_cos[c.start : end], model.rope_sin[c.start : end]))
+        masks.append(
+            torch.ones(t, end, dtype=torch.bool, device=model.device).tril(diagonal=c.start)
+            if t > 1 and c.start > 0
+            else None
+        )
+    gqa = cfg.num_kv_heads != cfg.num_heads
+    for li, layer in enumerate(model.layers):
+        qkv = _linear(layer.qkv, layer.attn_norm(x))
+        outs = []
+        for c, (a, b), (cos, sin), mask in zip(calls, spans, ropes, masks, strict=True):
+            t, start = b - a, c.start
+            q, k, v = qkv[a:b].split(layer.splits, dim=-1)
+            q = rotate(q.view(t, cfg.num_heads, cfg.head_dim).transpose(0, 1), cos, sin)
+            k = rotate(k.view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1), cos, sin)
+            v = v.view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+            end = start + t
+            c.cache.keys[li, :, start:end] = k
+            c.cache.values[li, :, start:end] = v
+            keys, values = c.cache.keys[li, :, :end], c.cache.values[li, :, :end]
+            if 1 < t <= layer.row_attention_max and start > 0:  # as Block.forward (int8 mode)
+                attn = torch.cat(
+                    [
+                        F.scaled_dot_product_attention(
+                            q[:, i : i + 1].unsqueeze(0),
+                            keys[:, : start + i + 1].unsqueeze(0),
+                            values[:, : start + i + 1].unsqueeze(0),
+                            enable_gqa=gqa,
+                        )[0]
+                        for i in range(t)
+                    ],
+                    dim=1,
+                )
+            else:
+                attn = F.scaled_dot_product_attention(
+                    q.unsqueeze(0),
+                    keys.unsqueeze(0),
+                    values.unsqueeze(0),
+                    attn_mask=mask,
+                    is_causal=mask is None and t > 1,
+                    enable_gqa=gqa,
+                )[0]
+            outs.append(attn.transpose(0, 1).reshape(t, -1))
+        x = x + _linear(layer.o_proj, torch.cat(outs))
+        gate, up = _linear(layer.gate_up, layer.mlp_norm(x)).chunk(2, dim=-1)
+        x = x + _linear(layer.down, F.silu(gate) * up)
+    for c, (a, b) in zip(calls, spans, strict=True):
+        c.cache.length = c.start + b - a
+    wanted = [(b - min(c.num_logits, b - a), b) for c, (a, b) in zip(calls, spans, strict=True)]
+    logits = _linear(model.lm_head, model.norm(torch.cat([x[a:b] for a, b in wanted]))).float()
+    out, pos = [], 0
+    for a, b in wanted:
+        out.append(logits[pos : pos + b - a])
+        pos += b - a
+    return out

@@ -1,0 +1,87 @@
+"""``fimble serve``: check the options, load the engine, run the daemon (engine/serve/daemon.py).
+
+Every option is range-checked before the model loads; a bad one is one line, exit status 2
+(lsp_server/cli.py prints FimbleError that way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from engine.errors import FimbleError
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise FimbleError(f"--{name} must be from {low} to {high}")
+
+
+def serve_options(args: argparse.Namespace):
+    """The listener options from the command line (token rules as `fimble lsp --tcp/--ws`)."""
+    from engine.serve.daemon import ServeOptions
+    from lsp_server import auth
+
+    _check_range("port", args.port, 0, 65535)
+    _check_range("max-message-mb", args.max_message_mb, 1, 1024)
+    _check_range("max-sessions", args.max_sessions, 1, 10_000)
+    _check_range("max-active", args.max_active, 1, 1024)
+    _check_range("threads", args.threads, 0, 1024)
+    _check_range("kv-budget-mb", args.kv_budget_mb, 0, 1 << 20)
+    if not args.model_name or len(args.model_name) > 200:
+        raise FimbleError("--model-name must be 1-200 characters")
+    loopback = auth.is_loopback(args.host)
+    if not loopback and not args.allow_remote:
+        raise FimbleError(
+            f"{args.host} is not a loopback address: other machines could connect. "
+            "Pass --allow-remote to mean it (a token is then required)"
+        )
+    token = None
+    if not loopback or args.require_token or args.token_file:
+        token = auth.read_token(args.token_file) if args.token_file else auth.new_token()
+        if not args.token_file:
+            print(f"fimble: token: {token}", file=sys.stderr, flush=True)
+    if not loopback:
+        print(
+            f"fimble: WARNING: serving on {args.host}, which other machines can reach. Every client must "
+            "present the token; traffic is not encrypted.",
+            file=sys.stderr,
+            flush=True,
+        )
+    return ServeOptions(
+        host=args.host,
+        port=args.port,
+        token=token,
+        loopback=loopback,
+        allow_origins=tuple(args.allow_origin),
+        max_message=args.max_message_mb << 20,
+        max_sessions=args.max_sessions,
+        model_name=args.model_name,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    level = getattr(logging, str(args.log_level).upper(), None)
+    if not isinstance(level, int):
+        raise FimbleError(f"unknown log level {args.log_level!r}")
+    logging.basicConfig(level=level, filename=args.log_file, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    options = serve_options(args)
+
+    from engine.serve.daemon import run_daemon
+    from engine.serve.scheduler import open_serve_engine
+
+    engine = open_serve_engine(
+        args.model,
+        args.draft,
+        device=args.device,
+        use_draft=not args.no_draft,
+        batch=not args.no_batch,
+        max_active=args.max_active,
+        kv_budget_bytes=args.kv_budget_mb << 20 if args.kv_budget_mb else None,
+        threads=args.threads or None,
+    )
+    try:
+        return run_daemon(engine, options, announce=lambda line: print(line, file=sys.stderr, flush=True))
+    except OSError as exc:  # the port is taken, the address is not ours
+        raise FimbleError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None

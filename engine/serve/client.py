@@ -1,0 +1,273 @@
+"""``WSEngine``: a ``fimble serve`` daemon as an engine, with ``EngineProcess``'s API.
+
+``fimble lsp --engine ws://HOST:PORT`` uses it in place of the engine child process
+(lsp_server/engine_host.py picks it). Same calls (submit, prewarm, forget, counters, close)
+and the same supervision surface (``alive``, ``last_heard``, ``ping``, ``stalled_for``,
+``abandon``, ``kill``, ``error``), so the host's watchdog and restart path work unchanged:
+when the daemon goes away, open requests end with a clear error, the host reports it and
+makes a new ``WSEngine``, whose constructor reconnects with backoff (0.25 s doubling to 2 s)
+until ``startup_timeout``.
+
+Threads, as EngineProcess: a reader thread receives messages, a writer thread sends the
+outbox, so a daemon that stops reading never blocks the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.sync.client import ClientConnection, connect
+
+from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta
+from engine.errors import FimbleError
+from engine.serve import protocol
+
+RETRY_FIRST_S, RETRY_MAX_S = 0.25, 2.0
+
+
+def check_url(url: str) -> str:
+    """A ws:// or wss:// URL with a host; FimbleError (one line) otherwise."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise FimbleError(f"--engine {url!r}: not a URL") from None
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+        raise FimbleError(f"--engine {url!r}: expected ws://HOST:PORT (or wss://)")
+    if port is not None and not 1 <= port <= 65535:
+        raise FimbleError(f"--engine {url!r}: port must be from 1 to 65535")
+    return url
+
+
+class WSEngine:
+    """An engine in a ``fimble serve`` daemon, reached over a websocket."""
+
+    pid = None  # no local process
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        startup_timeout: float = 60.0,
+        max_message: int = protocol.DEFAULT_MAX_MESSAGE,
+        client: str = "fimble-lsp",
+    ):
+        self.url = check_url(url)
+        self._ws = self._connect(token, startup_timeout, max_message)
+        try:
+            self._ws.send(protocol.pack(protocol.hello(client)))
+            reply = protocol.unpack(self._ws.recv(timeout=startup_timeout))
+        except (ConnectionClosed, TimeoutError, protocol.ProtocolError, OSError) as exc:
+            self._ws.close()
+            raise FimbleError(f"the engine at {url} did not complete the handshake ({type(exc).__name__})") from None
+        if reply.get("op") != "ready":
+            self._ws.close()
+            raise FimbleError(f"the engine at {url} refused this client: {reply.get('error', 'no reason given')}")
+        self.info: dict = dict(reply.get("info") or {}, session=reply.get("session"), url=url)
+        self._ids = itertools.count(1)
+        self._streams: dict[int, CompletionStream] = {}
+        self._progress: dict[int, float] = {}
+        self._pending_counters: dict[int, tuple[threading.Event, list]] = {}
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.error: str | None = None
+        self.abandoned = False
+        self.last_heard = self.started_at = time.monotonic()
+        self._reader = threading.Thread(target=self._read, name="fimble-ws-engine-reader", daemon=True)
+        self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="fimble-ws-engine-writer", daemon=True)
+        self._writer.start()
+
+    def _connect(self, token: str | None, timeout: float, max_message: int) -> ClientConnection:
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        deadline, delay = time.monotonic() + timeout, RETRY_FIRST_S
+        while True:
+            try:
+                return connect(
+                    self.url,
+                    additional_headers=headers,
+                    max_size=max_message,
+                    compression=None,
+                    open_timeout=min(10.0, max(1.0, timeout)),
+                    user_agent_header=None,
+                )
+            except InvalidStatus as exc:  # the daemon answered and said no: retrying will not help
+                status = exc.response.status_code
+                what = "a valid token (--engine-token-file)" if status == 401 else f"HTTP {status}"
+                raise FimbleError(f"the engine at {self.url} refused the connection: it needs {what}") from None
+            except InvalidURI:
+                raise FimbleError(f"--engine {self.url!r}: not a websocket URL") from None
+            except (OSError, InvalidHandshake, TimeoutError) as exc:
+                if time.monotonic() + delay > deadline:
+                    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+                    raise FimbleError(f"cannot reach the engine at {self.url}: {reason}") from None
+            time.sleep(delay)
+            delay = min(RETRY_MAX_S, delay * 2)
+
+    # -- threads -----------------------------------------------------------------------------
+    def _send(self, msg: dict) -> None:
+        self._outbox.put(protocol.pack(msg))
+
+    def _write(self) -> None:
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._ws.send(data)
+            except (ConnectionClosed, OSError, RuntimeError):
+                self._lost("the connection to the engine closed")
+                return
+        try:
+            self._ws.close()
+        except (OSError, RuntimeError):
+            pass
+
+    def _read(self) -> None:
+        try:
+            for raw in self._ws:
+                self.last_heard = time.monotonic()
+                try:
+                    self._dispatch(protocol.unpack(raw))
+                except protocol.ProtocolError:
+                    continue
+        except (ConnectionClosed, OSError, RuntimeError):
+            pass
+        self._lost(f"the engine at {self.url} closed the connection")
+
+    def _lost(self, error: str) -> None:
+        self.error = self.error or error
+        for rid, stream in list(self._streams.items()):
+            if self._streams.pop(rid, None) is not None:
+                self._progress.pop(rid, None)
+                stream.push(Delta("", True, "error", self.error))
+        for event, _ in list(self._pending_counters.values()):
+            event.set()
+
+    def _dispatch(self, msg: dict) -> None:
+        op, rid = msg.get("op"), msg.get("id")
+        if op == "result" and rid in self._streams:
+            self._streams[rid].result = CompletionResult(**msg["result"])
+        elif op == "delta":
+            stream = self._streams.get(rid)
+            if stream is not None:
+                delta = Delta(**msg["delta"])
+                self._progress[rid] = time.monotonic()
+                if delta.finished:
+                    if self._streams.pop(rid, None) is None:
+                        return
+                    self._progress.pop(rid, None)
+                stream.push(delta)
+        elif op == "counters" and rid in self._pending_counters:
+            event, box = self._pending_counters.pop(rid)
+            box.append(msg["counters"])
+            event.set()
+
+    # -- Engine API ----------------------------------------------------------------------------
+    def submit(self, request: CompletionRequest) -> CompletionStream:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        rid = next(self._ids)
+        stream = CompletionStream(rid, loop, on_cancel=lambda: self._send({"op": "cancel", "id": rid}))
+        if self.error:
+            stream.push(Delta("", True, "error", self.error))
+            return stream
+        self._progress[rid] = time.monotonic()
+        self._streams[rid] = stream
+        self._send({"op": "submit", "id": rid, "request": request.to_dict()})
+        return stream
+
+    def prewarm(self, request: CompletionRequest) -> None:
+        if not self.error:
+            self._send({"op": "prewarm", "request": request.to_dict()})
+
+    def forget(self, document_id: str) -> None:
+        if not self.error:
+            self._send({"op": "forget", "document": document_id})
+
+    def counters(self, timeout: float = 5.0) -> dict:
+        if self.error:
+            return {}
+        rid = next(self._ids)
+        event, box = threading.Event(), []
+        self._pending_counters[rid] = (event, box)
+        self._send({"op": "counters", "id": rid})
+        event.wait(timeout)
+        return box[0] if box else {}
+
+    # -- supervision (lsp_server/engine_host.py) ---------------------------------------------
+    def alive(self) -> bool:
+        return not self.error
+
+    def ping(self) -> None:
+        if not self.error:
+            self._send({"op": "ping", "id": next(self._ids)})
+
+    def stalled_for(self) -> float:
+        oldest = min(self._progress.values(), default=None)
+        return 0.0 if oldest is None else time.monotonic() - oldest
+
+    def abandon(self, error: str) -> None:
+        self.error = self.error or error
+        self.abandoned = True
+        self._lost(error)
+
+    def kill(self) -> None:
+        """Drop the connection now (a stopped daemon would never finish a closing handshake)."""
+        try:
+            self._ws.socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._send({"op": "close"})
+        self._outbox.put(None)
+        self._writer.join(timeout=5)
+        self.kill()
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """What ``fimble lsp --engine ws://HOST:PORT`` asks for (Settings.engine_spec; hashable)."""
+
+    url: str
+    token_file: str | None = None
+    timeout_s: float = 60.0
+
+    def open(self) -> WSEngine:
+        token = read_token(self.token_file) if self.token_file else None
+        return WSEngine(self.url, token, startup_timeout=self.timeout_s)
+
+
+def serve_spec(url: str, token_file: str | None, timeout_s: float, allow_plain: bool) -> ServeSpec:
+    """Check ``--engine ws://...`` and its token file now (a user error before any connection)."""
+    from lsp_server.auth import is_loopback
+
+    check_url(url)
+    host = urlsplit(url).hostname or ""
+    if urlsplit(url).scheme == "ws" and not is_loopback(host) and not allow_plain:
+        raise FimbleError(
+            f"--engine {url}: plain ws to {host}, which is not loopback, would send document text "
+            "(and the token) unencrypted. Use wss://, or pass --engine-allow-http to mean it"
+        )
+    if not 0.5 <= timeout_s <= 600:
+        raise FimbleError("--engine-timeout must be from 0.5 to 600 seconds")
+    if token_file:
+        read_token(token_file)
+    return ServeSpec(url, token_file, max(timeout_s, 60.0))
+
+
+def read_token(path: str) -> str:
+    from lsp_server.auth import read_token as read
+
+    try:
+        return read(path)
+    except FimbleError as exc:
+        raise FimbleError(str(exc).replace("--token-file", "--engine-token-file", 1)) from None

@@ -1,0 +1,367 @@
+"""``fimble serve``: one engine, many clients, over websockets and an OpenAI-compatible HTTP API.
+
+One port answers two kinds of request:
+- a websocket upgrade (``GET /`` with ``Upgrade: websocket``): an engine session speaking
+  engine/serve/protocol.py (engine/process.py's msgpack messages after a version handshake);
+- ``POST /v1/completions`` (and ``GET /v1/models``): engine/serve/openai_http.py.
+websockets' own HTTP parser accepts no request body, so the port is a small asyncio front
+(``_front``) that reads the request head and either answers HTTP itself or relays the bytes of
+a websocket upgrade to the websockets server listening on a private unix socket.
+
+Threads: the engine's decode loop runs in the main thread (``serve_forever``: on CPU torch is
+about 2x slower elsewhere), the asyncio loop with every connection in a background thread.
+Deltas cross from the engine thread to the loop with ``call_soon_threadsafe``.
+
+Security: loopback by default; any other address needs a token (the CLI enforces
+``--allow-remote``); the token is checked in constant time on the HTTP upgrade and on every
+HTTP request; browser Origins are refused unless allowed; a loopback bind also refuses a
+non-loopback Host header (DNS rebinding). Replies and logs carry no document text and no
+tracebacks.
+
+Entry points (for other modules, e.g. a Ray Serve replica)::
+
+    engine = ServeEngine(target, draft)                     # engine/serve/scheduler.py
+    daemon = EngineDaemon(engine, ServeOptions(port=0))     # port 0: any free port
+    port = daemon.start()                                   # listeners up, in a background thread
+    engine.serve_forever()                                  # the decode loop, in this (main) thread
+    ...; daemon.stop(); engine.close()
+or ``run_daemon(engine, options)`` for all of that with signal handling. A client connects with
+``engine.serve.client.WSEngine("ws://127.0.0.1:PORT", token=...)`` (the EngineProcess API) or
+any OpenAI client at ``http://127.0.0.1:PORT/v1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import tempfile
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from websockets.asyncio.server import ServerConnection, unix_serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Response
+
+from engine.api import CompletionRequest, CompletionStream, Delta
+from engine.serve import protocol
+from engine.serve.protocol import ProtocolError
+
+log = logging.getLogger("fimble.serve")
+HEAD_LIMIT = 16 << 10  # bytes of an HTTP request head
+HEAD_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = 10.0
+OUTBOX_LIMIT = 10_000  # messages queued for a client that does not read: then it is dropped
+DAEMON_COUNTERS = (
+    "sessions_open",
+    "sessions_total",
+    "refused_token",
+    "refused_version",
+    "refused_origin",
+    "refused_busy",
+    "bad_messages",
+    "disconnect_cancels",
+    "documents_freed",
+    "http_requests",
+    "http_errors",
+)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = protocol.DEFAULT_PORT
+    token: str | None = None  # required from every client when set (always set off loopback)
+    loopback: bool = True  # the bind address is loopback: Host headers must be too
+    allow_origins: tuple[str, ...] = ()
+    max_message: int = protocol.DEFAULT_MAX_MESSAGE
+    max_sessions: int = 256
+    model_name: str = "fimble"  # the OpenAI "model" this server reports
+
+
+@dataclass
+class _Session:
+    id: str
+    streams: dict[int, CompletionStream] = field(default_factory=dict)
+    documents: set[str] = field(default_factory=set)
+
+
+class EngineDaemon:
+    """Serves ``engine`` (a ServeEngine, or any LocalEngine) to websocket and HTTP clients."""
+
+    def __init__(self, engine: Any, options: ServeOptions | None = None):
+        self.engine = engine
+        self.options = options or ServeOptions()
+        self.counts = dict.fromkeys(DAEMON_COUNTERS, 0)
+        self.port: int | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._sockdir = tempfile.mkdtemp(prefix="fimble-serve-")  # 0700: only this user reaches the relay
+        self._sock_path = os.path.join(self._sockdir, "ws.sock")
+        self._stop: asyncio.Event | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> int:
+        """Bind and serve in a background thread; return the port (useful with port 0)."""
+        self._thread = threading.Thread(target=self._thread_main, name="fimble-serve-io", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+        assert self.port is not None
+        return self.port
+
+    def stop(self) -> None:
+        if self.loop is not None and self._stop is not None:
+            self.loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            os.unlink(self._sock_path)
+            os.rmdir(self._sockdir)
+        except OSError:
+            pass
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # a bind error: handed to start()
+            self._error = exc
+            self._started.set()
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        ws_server = await unix_serve(
+            self._ws_session,
+            path=self._sock_path,
+            max_size=self.options.max_message,
+            process_request=self._check_upgrade,
+            compression=None,
+            server_header=None,
+            logger=logging.getLogger("fimble.serve.ws"),
+        )
+        front = await asyncio.start_server(self._front, self.options.host, self.options.port, limit=HEAD_LIMIT)
+        self.port = front.sockets[0].getsockname()[1]
+        self._started.set()
+        try:
+            await self._stop.wait()
+        finally:
+            front.close()
+            ws_server.close()
+
+    def counters(self) -> dict:
+        """The engine's counters plus the daemon's (sessions, refusals, freed sequences)."""
+        return {**self.engine.counters(), **self.counts}
+
+    # -- the shared port -------------------------------------------------------------------------
+    async def _front(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        from engine.serve import openai_http
+
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            writer.close()
+            return
+        try:
+            if openai_http.is_websocket_upgrade(head):
+                await self._relay(head, reader, writer)
+            else:
+                await openai_http.handle(self, head, reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except Exception:  # the details stay in the log at DEBUG: no traceback reaches a client
+            log.debug("connection failed", exc_info=True)
+            log.warning("a connection failed (details at log level DEBUG)")
+        finally:
+            writer.close()
+
+    async def _relay(self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Pass a websocket connection's bytes to and from the websockets server on the unix socket."""
+        inner_r, inner_w = await asyncio.open_unix_connection(self._sock_path)
+        inner_w.write(head)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(1 << 16):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, inner_w), pipe(inner_r, writer))
+
+    def authorized(self, headers: Any) -> str | None:
+        """None if a request with these headers may proceed, else (status, reason) as 'CODE reason'."""
+        from lsp_server import auth
+
+        origin = headers.get("Origin")
+        if origin is not None and origin not in self.options.allow_origins:
+            self.counts["refused_origin"] += 1
+            return "403 Origin not allowed"
+        if self.options.loopback and not auth.loopback_host_header(headers.get("Host")):
+            self.counts["refused_origin"] += 1
+            return "403 Host must be a loopback address"
+        if self.options.token is not None and not auth.token_matches(self.options.token, auth.bearer(headers)):
+            self.counts["refused_token"] += 1
+            return "401 a valid bearer token is required"
+        return None
+
+    # -- websocket sessions ---------------------------------------------------------------------
+    def _check_upgrade(self, connection: ServerConnection, request: Any) -> Response | None:
+        refused = self.authorized(request.headers)
+        if refused is None and self.counts["sessions_open"] >= self.options.max_sessions:
+            self.counts["refused_busy"] += 1
+            refused = "503 too many sessions"
+        if refused is None:
+            return None
+        code, reason = refused.split(" ", 1)
+        body = (reason + "\n").encode()
+        return Response(
+            int(code),
+            reason,
+            Headers({"Content-Type": "text/plain", "Content-Length": str(len(body)), "Connection": "close"}),
+            body,
+        )
+
+    async def _ws_session(self, ws: ServerConnection) -> None:
+        try:
+            first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S)
+            refusal = protocol.check_hello(protocol.unpack(first))
+        except (TimeoutError, ConnectionClosed):
+            return
+        except ProtocolError as exc:
+            refusal = str(exc)
+        if refusal is not None:
+            self.counts["refused_version"] += 1
+            await ws.send(protocol.pack({"op": "refused", "error": refusal}))
+            await ws.close(protocol.REFUSED_CLOSE_CODE, "refused")
+            return
+        session = _Session(secrets.token_hex(6))
+        self.counts["sessions_open"] += 1
+        self.counts["sessions_total"] += 1
+        outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def send(msg: dict) -> None:  # from any thread
+            data = protocol.pack(msg)
+            loop.call_soon_threadsafe(outbox.put_nowait, data)
+
+        async def writer() -> None:
+            while (data := await outbox.get()) is not None:
+                if outbox.qsize() > OUTBOX_LIMIT:  # the client stopped reading
+                    await ws.close(1008, "client too slow")
+                    return
+                await ws.send(data)
+
+        write_task = asyncio.create_task(writer())
+        send({"op": "ready", "version": protocol.PROTOCOL_VERSION, "session": session.id, "info": self.engine.info()})
+        try:
+            async for raw in ws:
+                try:
+                    if self._dispatch(session, protocol.unpack(raw), send) == "close":
+                        break
+                except ProtocolError as exc:
+                    self.counts["bad_messages"] += 1
+                    send({"op": "error", "error": str(exc)})
+        except ConnectionClosed:
+            pass
+        finally:
+            self._end_session(session)
+            outbox.put_nowait(None)
+            try:
+                await asyncio.wait_for(write_task, 5)
+            except (TimeoutError, ConnectionClosed):
+                write_task.cancel()
+
+    def _dispatch(self, session: _Session, msg: dict, send) -> str | None:
+        op = msg["op"]
+        if op == "submit":
+            rid = protocol.request_id(msg)
+            try:
+                req = protocol.parse_request(msg.get("request"), session.id)
+            except ProtocolError as exc:
+                send({"op": "delta", "id": rid, "delta": asdict(Delta("", True, "error", str(exc), "PromptError"))})
+                return None
+            session.documents.add(req.document_id)
+            session.streams[rid] = self.submit(
+                req, lambda delta, stream: self._forward(session, rid, delta, stream, send)
+            )
+        elif op == "cancel":
+            stream = session.streams.get(protocol.request_id(msg))
+            if stream is not None:
+                stream.cancel()
+        elif op == "prewarm":
+            req = protocol.parse_request(msg.get("request"), session.id)
+            session.documents.add(req.document_id)
+            self.engine.prewarm(req)
+        elif op == "forget":
+            key = protocol.document_key(session.id, msg.get("document"))
+            session.documents.discard(key)
+            self.engine.forget(key)
+        elif op == "counters":
+            send({"op": "counters", "id": protocol.request_id(msg), "counters": self.counters()})
+        elif op == "ping":
+            send({"op": "pong", "id": protocol.request_id(msg)})
+        elif op == "close":
+            return "close"
+        else:
+            raise ProtocolError(f"unknown op {op[:40]!r}")
+        return None
+
+    def submit(self, request: CompletionRequest, on_delta) -> CompletionStream:
+        """Submit to the engine; ``on_delta(delta, stream)`` is called from the engine thread."""
+        box: list[CompletionStream] = []
+        stream = self.engine.submit(request, on_delta=lambda d: on_delta(d, box[0] if box else None))
+        box.append(stream)
+        return stream
+
+    @staticmethod
+    def _forward(session: _Session, rid: int, delta: Delta, stream: CompletionStream | None, send) -> None:
+        if delta.finished:
+            session.streams.pop(rid, None)
+            if stream is not None and stream.result is not None:
+                send({"op": "result", "id": rid, "result": asdict(stream.result)})
+        send({"op": "delta", "id": rid, "delta": asdict(delta)})
+
+    def _end_session(self, session: _Session) -> None:
+        """The client left: cancel its running requests and free its documents' caches."""
+        self.counts["sessions_open"] -= 1
+        for stream in list(session.streams.values()):
+            stream.cancel()
+            self.counts["disconnect_cancels"] += 1
+        session.streams.clear()
+        for doc in session.documents:
+            self.engine.forget(doc)  # done by the engine once the cancelled sequence has stopped
+            self.counts["documents_freed"] += 1
+        session.documents.clear()
+
+
+def run_daemon(engine: Any, options: ServeOptions, announce=print) -> int:
+    """Serve until SIGINT/SIGTERM: listeners in a thread, the decode loop in this (main) thread."""
+    daemon = EngineDaemon(engine, options)
+    port = daemon.start()
+    host = options.host if ":" not in options.host else f"[{options.host}]"
+    announce(
+        f"fimble: serving {engine.info().get('model')} on ws://{host}:{port} "
+        f"(OpenAI API: http://{host}:{port}/v1/completions)"
+    )
+
+    def stop(_signum: int, _frame: Any) -> None:
+        engine.close()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        engine.serve_forever()
+    finally:
+        daemon.stop()
+    return 0

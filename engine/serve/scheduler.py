@@ -1,0 +1,375 @@
+"""Step-level scheduling for the shared engine: every active sequence advances one step per round.
+
+``ServeEngine`` is a ``LocalEngine`` (same submit/prewarm/forget/counters API, same prompt
+layout, KV store and reuse rules) whose worker loop runs many requests at once instead of
+one after another. Each request becomes a generator (``_steps``) that yields the target pass
+it needs next (its prefill, then one verify block per step) and is sent back the logits. A
+round collects one pass from every active sequence and runs them together:
+
+- batched (``batch=True``, the compact runtime): one forward for all of them
+  (engine/serve/batched.py), each sequence with its own cache and cache length;
+- round-robin (``batch=False``, or a transformers runtime): one after another.
+
+Drafting stays per sequence (its own ``ModelDrafter`` bound to its document's draft cache).
+Each sequence keeps its own accepted length, cache and detokeniser.
+
+Fairness: a new request is admitted at the next round, so its prefill runs alongside the
+others' steps and a long completion never holds back another editor's first token.
+Cancellation is checked before every step of every sequence (stops within one step); a
+request that waits is finished at once when cancelled. Two requests for the same document
+never run together (they share a cache): the newer waits for the older, which the editor
+has usually cancelled already.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.api import CompletionRequest, CompletionStream, Delta
+from engine.detok import IncrementalDetokenizer, StopRules
+from engine.drafters import Draft, ModelDrafter
+from engine.errors import FimbleError, PromptError
+from engine.healing import unheal
+from engine.local import _WAKE, REUSE_MODES, LocalEngine
+from engine.serve.batched import Forward, batched_forward, run_one, supports_batch
+from engine.speculative import SpeculativeDecoder
+
+SCHED_COUNTERS = (
+    "sched_rounds",
+    "sched_passes",
+    "sched_batched_rows",
+    "sched_max_batch",
+    "sched_active",
+    "sched_waiting",
+    "sched_admitted",
+)
+MAX_ACTIVE = 64  # sequences stepped together; more wait their turn
+
+
+class StepDecoder(SpeculativeDecoder):
+    """``SpeculativeDecoder`` split around its target pass, so a scheduler can batch the passes.
+
+    ``begin_step`` drafts and returns the pass; ``end_step`` verifies its logits. Together they
+    do exactly what ``step`` does.
+    """
+
+    _pending: tuple[Draft, int] | None = None
+
+    def prefill_pass(self, prompt: list[int], reuse: int) -> Forward:
+        if reuse < self.cache.length:
+            self.cache.rollback(reuse)
+        return Forward(torch.tensor(prompt[reuse:], dtype=torch.long, device=self.runtime.device), self.cache, reuse, 1)
+
+    def prefill_done(self, prompt: list[int], logits: torch.Tensor) -> list[int]:
+        first = self._choose(logits[-1])
+        self.ids = list(prompt) + [first]
+        return self._commit([first])
+
+    def begin_step(self) -> Forward | None:
+        """The verify pass of the next step, or None when decoding is over."""
+        if self.done:
+            return None
+        if len(self.ids) >= self.cache.max_len:
+            self.done, self.finish_reason = True, "context"
+            return None
+        draft = Draft([]) if self.forced else self._draft()  # healing: one constrained token at a time
+        k = len(draft.tokens)
+        start = len(self.ids) - 1
+        self._pending = (draft, start)
+        block = torch.tensor([self.ids[-1]] + draft.tokens, dtype=torch.long, device=self.runtime.device)
+        return Forward(block, self.cache, start, k + 1)
+
+    def end_step(self, logits: torch.Tensor) -> list[int]:
+        assert self._pending is not None
+        draft, start = self._pending
+        self._pending = None
+        k = len(draft.tokens)
+        new = self._verify(draft, logits)
+        n_accepted = len(new) - 1
+        self.cache.rollback(start + 1 + n_accepted)  # keep the fed token and the accepted drafts
+        self.ids.extend(new)
+        self.stats.steps += 1
+        self.stats.drafted += k
+        self.stats.accepted += n_accepted
+        self.stats.target_tokens += k + 1
+        if self.opt.adaptive_gamma and k:
+            self.gamma = min(self.opt.max_gamma, self.gamma + 2) if n_accepted == k else max(1, self.gamma - 1)
+        return self._commit(new)
+
+
+@dataclass
+class _Seq:
+    request: CompletionRequest
+    stream: CompletionStream
+    steps: Generator
+    key: str
+    pending: Forward | None = None
+    admitted_at: float = field(default_factory=time.monotonic)
+
+
+class ServeEngine(LocalEngine):
+    """A LocalEngine that steps up to ``max_active`` requests together (see the module docstring)."""
+
+    def __init__(self, target, draft=None, *, batch: bool = True, max_active: int = MAX_ACTIVE, **kw):
+        kw["start_thread"] = False  # the daemon runs serve_forever() in its main thread (CPU speed)
+        super().__init__(target, draft, **kw)
+        self.batched = batch and supports_batch(target.runtime)
+        self.max_active = max_active
+        self._counters.update(dict.fromkeys(SCHED_COUNTERS, 0))
+        self._active: list[_Seq] = []
+        self._held: list[tuple[CompletionRequest, CompletionStream]] = []  # submitted, not yet admitted
+        self._forgets: list[str] = []  # forget requests for documents in use: done when they are free
+
+    def info(self) -> dict:
+        return {
+            **super().info(),
+            "scheduler": "batched" if self.batched else "round-robin",
+            "max_active": self.max_active,
+        }
+
+    def active_documents(self) -> list[str]:
+        """Document keys of the sequences running now (for tests and the daemon's counters)."""
+        return [s.key for s in self._active]
+
+    # -- the worker loop ------------------------------------------------------------------
+    def _run(self) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)
+        while True:
+            idle = not self._active and not self._held
+            if not self._take(block=idle and not self._prewarms):
+                break  # close()
+            self._admit()
+            if not self._active:
+                if not self._held and self._prewarms:
+                    self._next_prewarm()
+                continue
+            self._round()
+
+    def _take(self, block: bool) -> bool:
+        """Move queued items in; False once close() was called."""
+        while True:
+            try:
+                item = self._queue.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if item is None:
+                for seq in self._active:
+                    seq.steps.close()  # releases each document (the generators' finally)
+                    seq.stream.push(Delta("", True, "cancelled"))
+                return False
+            if item is _WAKE:
+                continue
+            if item[0] == "forget":
+                self._forgets.append(item[1])
+            else:
+                self._held.append(item)
+
+    def _admit(self) -> None:
+        busy = {s.key for s in self._active}
+        for doc_id in list(self._forgets):
+            if doc_id not in busy:
+                self._forgets.remove(doc_id)
+                self._handle(("forget", doc_id))
+        keep = []
+        for request, stream in self._held:
+            key = request.document_id or ""
+            if stream.cancelled:  # cancelled while waiting: answer now, without a pass
+                with self._lock:
+                    self._waiting -= 1
+                self._finish(stream, "", "cancelled", 0, {"queue_ms": 0.0})
+            elif key in busy or len(self._active) >= self.max_active:
+                keep.append((request, stream))
+            else:
+                with self._lock:
+                    self._waiting -= 1
+                busy.add(key)
+                seq = _Seq(request, stream, self._steps(request, stream), key)
+                self._count("sched_admitted")
+                if self._advance(seq, None):
+                    self._active.append(seq)
+        self._held = keep
+        self._gauges()
+
+    def _round(self) -> None:
+        """One pass for every active sequence, then each one's next step is prepared."""
+        seqs = [s for s in self._active if s.pending is not None]
+        calls = [s.pending for s in seqs]
+        runtime = self.target.runtime
+        if self.batched and len(calls) > 0:
+            logits = batched_forward(runtime, calls)
+            self._count("sched_passes")
+        else:
+            logits = [run_one(runtime, c) for c in calls]
+            self._count("sched_passes", len(calls))
+        self._count("sched_rounds")
+        self._count("sched_batched_rows", sum(c.tokens.shape[0] for c in calls))
+        with self._lock:
+            self._counters["sched_max_batch"] = max(self._counters["sched_max_batch"], len(calls))
+        still = []
+        for seq, out in zip(seqs, logits, strict=True):
+            if self._advance(seq, out):
+                still.append(seq)
+        self._active = still
+        self._snapshot_kv()
+        self._gauges()
+
+    def _advance(self, seq: _Seq, logits: torch.Tensor | None) -> bool:
+        """Send ``logits`` to the sequence; True while it wants another pass."""
+        try:
+            seq.pending = seq.steps.send(logits)
+            return True
+        except StopIteration:
+            pass
+        except FimbleError as exc:
+            self._count("failed")
+            seq.stream.push(Delta("", True, "error", str(exc), type(exc).__name__))
+        except Exception as exc:  # one request must never take the others down
+            self._count("failed")
+            seq.stream.push(Delta("", True, "error", f"internal error: {type(exc).__name__}"))
+        seq.pending = None
+        return False
+
+    def _gauges(self) -> None:
+        with self._lock:
+            self._counters["sched_active"] = len(self._active)
+            self._counters["sched_waiting"] = len(self._held)
+
+    # -- one request as a generator of passes --------------------------------------------
+    def _steps(self, request: CompletionRequest, stream: CompletionStream) -> Generator[Forward, torch.Tensor, None]:
+        """``LocalEngine._serve`` with its target passes handed to the scheduler (``yield``)."""
+        t0 = time.perf_counter()
+        if stream.cancelled:
+            self._finish(stream, "", "cancelled", 0, {"queue_ms": 0.0})
+            return
+        opt = request.options
+        opt.validate()
+        if request.reuse not in REUSE_MODES:
+            raise PromptError(f"unknown reuse mode {request.reuse!r}: use {', '.join(REUSE_MODES)}")
+        plan = self.prompts.build(request)
+        prompt, heal, constrained = plan.ids, plan.heal, plan.constrained
+        t_prompt = time.perf_counter()
+        doc = self._open_document(request, plan)
+        drafter = ModelDrafter(self.draft.runtime, 0) if self.draft is not None else None
+        reuse = 0
+        try:
+            reuse, runs, shifted = self._reuse(doc, plan, request.reuse)
+            prefilled = sum(b - a for a, b in runs) if runs is not None else len(prompt) - reuse
+            decoder = StepDecoder(
+                self.target.runtime,
+                doc.target,
+                self.target.stop_ids,
+                opt,
+                drafter,
+                self.ngram_drafter,
+                heal if constrained else "",
+                self.target.token_index if constrained else None,
+            )
+            if drafter is not None:
+                drafter.bind(doc.draft, doc.draft_ids)
+            doc.ids = []  # the cache is about to change; valid again after prefill
+            if runs:  # shift reuse: scattered positions, its own pass (compact runtime)
+                first = decoder.prefill(prompt, reuse, runs)
+            else:
+                first = decoder.prefill_done(prompt, (yield decoder.prefill_pass(prompt, reuse)))
+            self._count("tokens_prefilled", prefilled)
+            self._count("tokens_reused", len(prompt) - prefilled)
+            self._count("tokens_shifted", shifted)
+            t_first = time.perf_counter()
+            text, shown, reason = yield from self._decode_steps(decoder, stream, first, heal, constrained)
+            doc.ids = decoder.ids[: doc.target.length]
+            doc.exact_len = len(doc.ids) if runs is None or not shifted else reuse
+        finally:
+            if drafter is not None:
+                doc.draft_ids = drafter.ids if doc.ids else []
+            self.store.release(doc, plan, reuse)
+        if self.ngram_drafter is not None:
+            self.ngram_drafter.remember(decoder.output)
+        t_end = time.perf_counter()
+        s = decoder.stats
+        stats = {
+            "prompt_tokens": len(prompt),
+            "reused_tokens": len(prompt) - prefilled,
+            "prefilled_tokens": prefilled,
+            "shifted_tokens": shifted,
+            "truncated_tokens": plan.truncated,
+            "prompt_ms": (t_prompt - t0) * 1e3,
+            "first_token_ms": (t_first - t0) * 1e3,
+            "total_ms": (t_end - t0) * 1e3,
+            "new_tokens": len(decoder.output),
+            "steps": s.steps,
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "mean_accepted": s.mean_accepted,
+        }
+        self._finish(stream, text[:shown], reason or "stop", len(decoder.output), stats)
+
+    def _decode_steps(
+        self, decoder: StepDecoder, stream: CompletionStream, first: list[int], heal: str, constrained: bool
+    ) -> Generator[Forward, torch.Tensor, tuple[str, int, str | None]]:
+        """``LocalEngine._decode`` with each verify pass yielded to the scheduler."""
+        opt = decoder.opt
+        detok = IncrementalDetokenizer(self.target.tokenizer)
+        rules = StopRules(opt.stop, opt.max_lines)
+        shown = 0
+        new_tokens = first
+        reason = None
+        while True:
+            self._count("tokens_generated", len(new_tokens))
+            detok.add(new_tokens)
+            text, hit = rules.cut(unheal(detok.text, heal, constrained))
+            if hit:
+                reason = "stop"
+            safe = len(text) if (hit or decoder.done) else rules.safe_length(text)
+            if safe > shown:
+                stream.push(Delta(text[shown:safe]))
+                shown = safe
+            if reason or decoder.done:
+                break
+            if stream.cancelled:
+                reason = "cancelled"
+                break
+            call = decoder.begin_step()
+            new_tokens = decoder.end_step((yield call)) if call is not None else []
+            self._count("decode_steps")
+        if decoder.done and not reason:
+            detok.flush()
+            text, _ = rules.cut(unheal(detok.text, heal, constrained))
+            if len(text) > shown:
+                stream.push(Delta(text[shown:]))
+                shown = len(text)
+            reason = "eos" if decoder.finish_reason == "stop" else decoder.finish_reason
+        return text, shown, reason
+
+
+def open_serve_engine(
+    model: str | None = None,
+    draft: str | None = None,
+    *,
+    device: str = "cpu",
+    use_draft: bool = True,
+    batch: bool = True,
+    max_active: int = MAX_ACTIVE,
+    kv_budget_bytes: int | None = None,
+    threads: int | None = None,
+) -> ServeEngine:
+    """Load the models as ``engine.local.open_engine`` does, into a ServeEngine."""
+    from engine.local import open_engine
+
+    loaded = open_engine(
+        model, draft, device=device, use_draft=use_draft, start_thread=False, kv_budget_bytes=kv_budget_bytes
+    )
+    return ServeEngine(
+        loaded.target,
+        loaded.draft,
+        batch=batch,
+        max_active=max_active,
+        threads=threads,
+        kv_budget_bytes=loaded.store.budget,
+    )
