@@ -130,6 +130,14 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--model-name", default="fimble", help="the model name the OpenAI API reports")
     srv.add_argument("--log-level", default=os.environ.get("FIMBLE_LOG", "WARNING"))
     srv.add_argument("--log-file", help="log here instead of stderr")
+    srv.add_argument("--ray", action="store_true",
+                     help="run the engine as Ray Serve replicas, a document kept on one (engine/ray_serve.py; "
+                          "needs pip install 'fimble[ray]')")
+    srv.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas (1-1024, default 2)")
+    srv.add_argument("--ray-address", metavar="ADDRESS",
+                     help="with --ray: the Ray cluster to join (e.g. auto, ray://HOST:10001; default: a local one)")
+    srv.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs reserved per replica")
+    srv.add_argument("--replica-gpus", type=float, default=0.0, help="with --ray: GPUs per replica (use --device cuda)")
     _add_model_args(srv)
 
     sub.add_parser("bench-lsp", help="headless LSP latency benchmark (bench/lsp_latency.py; --help for its options)")

@@ -71,16 +71,21 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine.serve.daemon import run_daemon
     from engine.serve.scheduler import open_serve_engine
 
-    engine = open_serve_engine(
-        args.model,
-        args.draft,
-        device=args.device,
-        use_draft=not args.no_draft,
-        batch=not args.no_batch,
-        max_active=args.max_active,
-        kv_budget_bytes=args.kv_budget_mb << 20 if args.kv_budget_mb else None,
-        threads=args.threads or None,
-    )
+    if getattr(args, "ray", False):  # replicas on Ray Serve; this process only fronts them (engine/ray_serve.py)
+        from engine.ray_serve import open_ray_engine
+
+        engine = open_ray_engine(args)
+    else:
+        engine = open_serve_engine(
+            args.model,
+            args.draft,
+            device=args.device,
+            use_draft=not args.no_draft,
+            batch=not args.no_batch,
+            max_active=args.max_active,
+            kv_budget_bytes=args.kv_budget_mb << 20 if args.kv_budget_mb else None,
+            threads=args.threads or None,
+        )
     try:
         return run_daemon(engine, options, announce=lambda line: print(line, file=sys.stderr, flush=True))
     except OSError as exc:  # the port is taken, the address is not ours
