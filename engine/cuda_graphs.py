@@ -47,16 +47,16 @@ def key_bucket(end: int, max_len: int) -> int:
     return min(length, max_len)
 
 
-class _Static:
+class StaticInputs:
     """Inputs every graph of one runtime reads: token ids and the start position."""
 
-    def __init__(self, device: torch.device):
-        self.tokens = torch.zeros(max(BLOCKS), dtype=torch.long, device=device)
+    def __init__(self, device: torch.device, size: int = max(BLOCKS)):
+        self.tokens = torch.zeros(size, dtype=torch.long, device=device)
         self.start = torch.zeros((), dtype=torch.long, device=device)
-        self.offsets = torch.arange(max(BLOCKS), device=device)
+        self.offsets = torch.arange(size, device=device)
 
 
-def static_forward(model: CompactTransformer, cache: KVCache, inp: _Static, block: int, keys_len: int) -> Tensor:
+def static_forward(model: CompactTransformer, cache: KVCache, inp: StaticInputs, block: int, keys_len: int) -> Tensor:
     """One pass over ``block`` tokens at positions start.. with attention over ``keys_len`` keys.
 
     Shapes depend only on (block, keys_len); positions only on device tensors. Elementwise math is
@@ -119,7 +119,7 @@ class GraphRuntime:
         # On a CPU (tests only: maybe_wrap never wraps a CPU model) the static passes run without graphs.
         self.use_graphs = model.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.inp = _Static(model.device)
+        self.inp = StaticInputs(model.device)
         # id(cache) -> (cache, {(block, keys_len): (graph, logits)}); the cache is kept alive with its graphs.
         self._graphs: OrderedDict[int, tuple[KVCache, dict]] = OrderedDict()
         self.captures = 0
@@ -214,4 +214,65 @@ def maybe_wrap(runtime, enabled: bool = True):
     return GraphRuntime(runtime)
 
 
-__all__ = ["BLOCKS", "GraphRuntime", "block_bucket", "capture", "key_bucket", "maybe_wrap", "static_forward"]
+class BatchedCache:
+    """Keys/values of ``streams`` sequences, one slot each: [layers, streams, kv_heads, max_len, head_dim].
+
+    ``slot(i)`` is a ``KVCache`` view of one stream, so the eager path (a prefill) writes into it.
+    """
+
+    def __init__(self, model: CompactTransformer, streams: int, max_len: int):
+        cfg = model.cfg
+        model._ensure_rope(max_len)
+        shape = (cfg.num_layers, streams, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.keys = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.values = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.streams, self.max_len = streams, max_len
+
+    def slot(self, i: int) -> KVCache:
+        view = KVCache.__new__(KVCache)
+        view.keys, view.values = self.keys[:, i], self.values[:, i]
+        view.max_len, view.length = self.max_len, 0
+        return view
+
+
+@torch.inference_mode()
+def batched_forward(
+    model: CompactTransformer, cache: BatchedCache, tokens: Tensor, positions: Tensor, keys_len: int
+) -> Tensor:
+    """One token for each of the cache's streams, stream i at ``positions[i]`` (device tensors).
+
+    Static shapes, so one graph serves every step while all positions stay under ``keys_len``.
+    Returns float32 logits [streams, vocab].
+    """
+    cfg = model.cfg
+    s, heads, kv_heads, hd = tokens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rows = torch.arange(s, device=tokens.device)
+    cos = model.rope_cos.index_select(0, positions)[:, None, :]
+    sin = model.rope_sin.index_select(0, positions)[:, None, :]
+    mask = (torch.arange(keys_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
+    x = model.embed(tokens)
+    for i, layer in enumerate(model.layers):
+        q, k, v = layer.qkv(layer.attn_norm(x)).split(layer.splits, dim=-1)
+        q = rotate(q.view(s, heads, hd), cos, sin)
+        k = rotate(k.view(s, kv_heads, hd), cos, sin)
+        cache.keys[i][rows, :, positions] = k
+        cache.values[i][rows, :, positions] = v.view(s, kv_heads, hd)
+        keys, values = cache.keys[i, :, :, :keys_len], cache.values[i, :, :, :keys_len]
+        attn = F.scaled_dot_product_attention(q.view(s, kv_heads, heads // kv_heads, hd), keys, values, attn_mask=mask)
+        x = x + layer.o_proj(attn.reshape(s, heads * hd))
+        gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
+        x = x + layer.down(F.silu(gate) * up)
+    return model.lm_head(model.norm(x)).float()
+
+
+__all__ = [
+    "BLOCKS",
+    "BatchedCache",
+    "GraphRuntime", "StaticInputs",
+    "batched_forward",
+    "block_bucket",
+    "capture",
+    "key_bucket",
+    "maybe_wrap",
+    "static_forward",
+]

@@ -1,0 +1,527 @@
+"""GPU decode speed: eager steps against CUDA-graph steps (engine/cuda_graphs.py), on one GPU, in one run.
+
+    python bench/gpu.py [--quick] [--json PATH]
+
+1. Per shape (Qwen2.5 0.5B / 1.5B / 7B with random bf16 weights built from their configs, no download;
+   the embedded target and draft from models/), cache filled to --context tokens: the eager 1-token step,
+   the eager 8-token verify, the same two replayed as graphs, and the floor. Step = call + reading the
+   argmax back to the host (what a decode step costs the loop). "graph GPU" = back-to-back replays with
+   no host sync (device time alone). Floor = bytes of weights one step reads (every weight but the
+   embedding table, from which a step reads one row) / device-to-device copy bandwidth measured at the
+   start of this run (bytes read + written).
+2. The embedded pair on real FIM prompts (tests/data/lossless_corpus), bf16: eager and graph, plain and
+   speculative, interleaved per prompt, outputs compared with eager plain greedy; tok/s per stream.
+3. Replay: random weights make acceptance meaningless, so the verify steps recorded from the embedded
+   pair (graph auto) are replayed on the 1.5B / 7B shapes with the 0.5B shape as draft model: the same
+   block sizes, draft lengths and accepted counts, real graph passes, random tokens. Labelled "replay".
+4. Batched: --streams streams of the 1.5B shape decode one token each per step in one captured graph
+   (prompts of --batch-prompt tokens prefilled by a captured graph as they arrive, one per step);
+   aggregate tok/s, and first delta = arrival to first token on the host, p50/p95, for arrivals spread
+   at random over one second and for all streams arriving at once.
+
+The last line is the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "engine"))  # prompts.py: FIM prompts cut from the frozen corpus
+
+from engine.api import CompletionRequest  # noqa: E402
+from engine.compact import CompactConfig, CompactTransformer  # noqa: E402
+from engine.cuda_graphs import (  # noqa: E402
+    BatchedCache,
+    GraphRuntime,
+    StaticInputs,
+    batched_forward,
+    capture,
+    key_bucket,
+    static_forward,
+)
+from engine.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
+from engine.local import LocalEngine  # noqa: E402
+from engine.speculative import DecodeOptions, SpeculativeDecoder  # noqa: E402
+
+QWEN = dict(model_type="qwen2", hidden_act="silu", rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768)
+SHAPES = {
+    "0.5B": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "1.5B": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "7B": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+}
+DEV = "cuda"
+DTYPE = torch.bfloat16
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def random_model(name: str) -> CompactTransformer:
+    cfg = CompactConfig.from_hf_dict({**QWEN, **SHAPES[name]})
+    with torch.device("meta"):
+        model = CompactTransformer(cfg)
+    model = model.to_empty(device=DEV).to(DTYPE)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=DEV).float() / cfg.head_dim))
+    return model.eval()
+
+
+def weight_bytes(model: CompactTransformer) -> int:
+    """Bytes one decode step reads: every weight but the embedding table (one row of it is read)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total - model.embed.weight.numel() * model.embed.weight.element_size()
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20 copies of 2 GiB)."""
+    src = torch.randn(1 << 30, dtype=DTYPE, device=DEV)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(23):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        sync()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * (1 << 31) / statistics.median(times[3:])
+
+
+def median_ms(fn, n: int, warm: int = 3) -> float:
+    for _ in range(warm):
+        fn()
+    sync()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def step_table(name: str, model: CompactTransformer, context: int, bandwidth: float, n: int) -> dict:
+    """Eager and graph 1-token step and 8-token verify at a cache of ``context`` tokens."""
+    runtime = GraphRuntime(model)
+    cache = model.new_cache(context + 64)
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.cfg.vocab_size
+    model(torch.randint(0, vocab, (context,), generator=gen).to(DEV), cache, 0, 1)
+    one = torch.randint(0, vocab, (1,), generator=gen).to(DEV)
+    eight = torch.randint(0, vocab, (8,), generator=gen).to(DEV)
+    row = {
+        "shape": name,
+        "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
+        "weight_GB": weight_bytes(model) / 1e9,
+    }
+    row["eager_step_ms"] = median_ms(lambda: model(one, cache, context, 1).argmax(-1).tolist(), n)
+    row["eager_verify8_ms"] = median_ms(lambda: model(eight, cache, context, 8).argmax(-1).tolist(), n)
+    row["graph_step_ms"] = median_ms(lambda: runtime(one, cache, context, 1).argmax(-1).tolist(), n)
+    row["graph_verify8_ms"] = median_ms(lambda: runtime(eight, cache, context, 8).argmax(-1).tolist(), n)
+    runtime(one, cache, context, 1)
+    graph, _ = runtime._graph(cache, 1, key_bucket(context + 1, cache.max_len))
+    reps = max(20, n)
+
+    def replays():
+        for _ in range(reps):
+            graph.replay()
+
+    row["graph_gpu_step_ms"] = median_ms(replays, 5, warm=1) / reps
+    row["floor_ms"] = weight_bytes(model) / bandwidth * 1e3
+    row["graph_step_over_floor"] = row["graph_step_ms"] / row["floor_ms"]
+    row["graph_gpu_over_floor"] = row["graph_gpu_step_ms"] / row["floor_ms"]
+    row["graph_plain_tok_s"] = 1e3 / row["graph_step_ms"]
+    row["eager_plain_tok_s"] = 1e3 / row["eager_step_ms"]
+    row["captures"] = runtime.captures
+    return row
+
+
+class CountingDrafter(ModelDrafter):
+    """A ModelDrafter that notes each call's requested draft length (what the draft model computes)."""
+
+    def __init__(self, runtime, max_len: int):
+        super().__init__(runtime, max_len)
+        self.requests: list[int] = []
+
+    def propose(self, context, k, temperature, top_p, gate, gen):
+        self.requests.append(k)
+        return super().propose(context, k, temperature, top_p, gate, gen)
+
+
+def decode(runtime, cache, prompt, n, drafter_name, model_drafter, ngram, trace=None) -> tuple[list[int], float, float]:
+    """Decode exactly ``n`` tokens; return (output, prefill seconds, decode seconds)."""
+    opts = DecodeOptions(max_tokens=n, drafter=drafter_name)
+    cache.rollback(0)
+    sync()
+    t0 = time.perf_counter()
+    dec = SpeculativeDecoder(runtime, cache, set(), opts, model_drafter, ngram)
+    dec.prefill(prompt)
+    sync()
+    t1 = time.perf_counter()
+    while not dec.done:
+        before = (dec.stats.drafted, dec.stats.accepted, len(model_drafter.requests) if model_drafter else 0)
+        dec.step()
+        if trace is not None:
+            asked = model_drafter.requests[-1] if model_drafter and len(model_drafter.requests) > before[2] else 0
+            trace.append((dec.stats.drafted - before[0], dec.stats.accepted - before[1], asked))
+    sync()
+    return dec.output, t1 - t0, time.perf_counter() - t1
+
+
+def pair_table(n_prompts: int, n_tokens: int) -> tuple[list[dict], list[list[tuple[int, int, int]]], dict]:
+    from prompts import fim_prompts
+
+    target = load_model(DEFAULT_TARGET, device=DEV, dtype=DTYPE)
+    draft = load_model(DEFAULT_DRAFT, device=DEV, dtype=DTYPE)
+    builder = LocalEngine(target, None, start_thread=False)
+    prompts = []
+    for prefix, suffix in fim_prompts(n_prompts + 1, seed=11, window=1200):
+        ids, _, _ = builder.build_prompt(CompletionRequest(prefix, suffix, heal=False))
+        prompts.append(ids)
+    g_target, g_draft = GraphRuntime(target.runtime), GraphRuntime(draft.runtime)
+    max_len = max(len(p) for p in prompts) + n_tokens + 32
+    caches = {"eager": target.runtime.new_cache(max_len), "graph": target.runtime.new_cache(max_len)}
+    e_md = CountingDrafter(draft.runtime, max_len)
+    g_md = CountingDrafter(g_draft, max_len)
+    ngram = NgramDrafter(history=0)
+    methods = {
+        "eager plain": ("eager", target.runtime, "none", None),
+        "eager spec: auto": ("eager", target.runtime, "auto", e_md),
+        "graph plain": ("graph", g_target, "none", None),
+        "graph spec: draft model": ("graph", g_target, "model", g_md),
+        "graph spec: n-gram": ("graph", g_target, "ngram", None),
+        "graph spec: auto": ("graph", g_target, "auto", g_md),
+    }
+    rows = {m: {"prefill_s": 0.0, "decode_s": 0.0, "tokens": 0, "identical": 0} for m in methods}
+    traces: list[list[tuple[int, int, int]]] = []
+    for i, prompt in enumerate(prompts):
+        reference = None
+        for name, (kind, runtime, drafter, md) in methods.items():
+            trace = [] if name == "graph spec: auto" else None
+            out, pre, dec = decode(runtime, caches[kind], prompt, n_tokens, drafter, md, ngram, trace)
+            reference = out if reference is None else reference
+            if i == 0:
+                continue  # warm-up prompt: captures and first calls are not timed
+            r = rows[name]
+            r["prefill_s"] += pre
+            r["decode_s"] += dec
+            r["tokens"] += len(out)
+            r["identical"] += int(out == reference)
+            if trace is not None:
+                traces.append(trace)
+    table = []
+    for name, r in rows.items():
+        table.append(
+            {
+                "method": name,
+                "decode_tok_s": r["tokens"] / r["decode_s"],
+                "with_prefill_tok_s": r["tokens"] / (r["decode_s"] + r["prefill_s"]),
+                "prefill_ms": r["prefill_s"] / n_prompts * 1e3,
+                "identical_to_eager_plain": f"{r['identical']}/{n_prompts}",
+            }
+        )
+    steps = [s for t in traces for s in t]
+    info = {
+        "prompt_tokens_mean": statistics.mean(len(p) for p in prompts[1:]),
+        "tokens_per_verify": sum(a + 1 for _, a, _ in steps) / len(steps),
+        "model_draft_share": sum(1 for *_, m in steps if m) / len(steps),
+        "graph_captures": g_target.captures + g_draft.captures,
+    }
+    return table, traces, info
+
+
+def replay(target: CompactTransformer, drafter: CompactTransformer, traces, prompt_len: int) -> dict:
+    """Run the recorded verify steps on other shapes: real graph passes, random tokens."""
+    rt, dt = GraphRuntime(target), GraphRuntime(drafter)
+    total = sum(1 + a for t in traces for _, a, _ in t)
+    max_len = prompt_len + max(sum(1 + k for k, _, _ in t) for t in traces) + 64
+    cache, dcache = target.new_cache(max_len), drafter.new_cache(max_len)
+    rng = random.Random(0)
+    vocab = min(target.cfg.vocab_size, drafter.cfg.vocab_size)
+    seconds = plain_seconds = 0.0
+    plain_tokens = 0
+    for run, trace in enumerate([traces[0]] + traces):  # run 0 warms up (captures), untimed
+        ids = [rng.randrange(vocab) for _ in range(prompt_len)]
+        cache.rollback(0)
+        target(torch.tensor(ids[:-1], device=DEV), cache, 0, 1)
+        dcache.rollback(0)
+        drafter(torch.tensor(ids[:-1], device=DEV), dcache, 0, 1)
+        dids = ids[:-1]
+        sync()
+        t0 = time.perf_counter()
+        for k, a, asked in trace:
+            if asked:
+                _, dids = dt.propose_greedy(dcache, dids, ids, asked, 0.0)
+            start = len(ids) - 1
+            block = torch.tensor(ids[-1:] + [rng.randrange(vocab) for _ in range(k)], device=DEV)
+            rt(block, cache, start, k + 1).argmax(-1).tolist()
+            cache.rollback(start + 1 + a)
+            ids += [rng.randrange(vocab) for _ in range(a + 1)]
+        sync()
+        elapsed = time.perf_counter() - t0
+        # Plain decoding of as many tokens on the same shape and cache, for the ratio.
+        n = sum(1 + a for _, a, _ in trace)
+        start = len(ids) - n - 1
+        cache.rollback(start)
+        t1 = time.perf_counter()
+        for j in range(n):
+            rt(torch.tensor(ids[start + j : start + j + 1], device=DEV), cache, start + j, 1).argmax(-1).tolist()
+        sync()
+        if run:
+            seconds += elapsed
+            plain_seconds += time.perf_counter() - t1
+            plain_tokens += n
+    return {
+        "replay_tok_s": total / seconds,
+        "graph_plain_tok_s": plain_tokens / plain_seconds,
+        "speedup": (total / seconds) / (plain_tokens / plain_seconds),
+    }
+
+
+def batched(model: CompactTransformer, streams: int, prompt_len: int, new_tokens: int, arrivals: list[float]) -> dict:
+    """``streams`` sequences decoded one token each per graph step; prompts prefilled by a graph on arrival."""
+    vocab = model.cfg.vocab_size
+    keys_len = key_bucket(prompt_len + new_tokens + 1, 1 << 20)
+    cache = BatchedCache(model, streams, keys_len)
+    tokens = torch.zeros(streams, dtype=torch.long, device=DEV)
+    positions = torch.zeros(streams, dtype=torch.long, device=DEV)
+    active = torch.zeros(streams, dtype=torch.long, device=DEV)
+
+    def step():
+        logits = batched_forward(model, cache, tokens, positions, keys_len)
+        tokens.copy_(logits.argmax(-1))
+        positions.add_(active)  # idle slots stay put
+        return logits
+
+    pool = torch.cuda.graph_pool_handle()
+    with torch.inference_mode():
+        step_graph, _ = capture(step, pool)
+        scratch = model.new_cache(keys_len)
+        inp = StaticInputs(model.device, prompt_len)
+        prefill_graph, prefill_logits = capture(lambda: static_forward(model, scratch, inp, prompt_len, keys_len), pool)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen) for _ in range(streams)]
+    waiting = sorted(range(streams), key=lambda i: arrivals[i])
+    counts = [0] * streams
+    first_delta = [0.0] * streams
+    step_times = []
+    done = 0
+    t_start = time.perf_counter()
+    with torch.inference_mode():
+        while done < streams:
+            now = time.perf_counter() - t_start
+            if waiting and arrivals[waiting[0]] <= now:
+                i = waiting.pop(0)
+                inp.tokens.copy_(prompts[i], non_blocking=True)
+                inp.start.fill_(0)
+                prefill_graph.replay()
+                first = prefill_logits[-1].argmax()
+                cache.keys[:, i, :, :prompt_len].copy_(scratch.keys[:, :, :prompt_len])
+                cache.values[:, i, :, :prompt_len].copy_(scratch.values[:, :, :prompt_len])
+                tokens[i] = first
+                positions[i] = prompt_len
+                active[i] = 1
+                first.item()  # the first token reaches the host
+                first_delta[i] = time.perf_counter() - t_start - arrivals[i]
+                counts[i] = 1
+            elif not any(0 < c < new_tokens for c in counts):
+                continue  # nothing to decode yet: wait for the next arrival
+            live = [i for i, c in enumerate(counts) if 0 < c < new_tokens]
+            if not live:
+                continue
+            t0 = time.perf_counter()
+            step_graph.replay()
+            tokens.tolist()  # the step's one sync: every stream's new token on the host
+            step_times.append((time.perf_counter() - t0, len(live)))
+            for i in live:
+                counts[i] += 1
+                if counts[i] == new_tokens:
+                    active[i] = 0
+                    done += 1
+    wall = time.perf_counter() - t_start
+    full = [t for t, n in step_times if n == streams]
+    deltas = sorted(first_delta)
+    return {
+        "streams": streams,
+        "prompt_tokens": prompt_len,
+        "new_tokens": new_tokens,
+        "aggregate_tok_s": streams * new_tokens / (wall - min(arrivals)),
+        "full_batch_step_ms": statistics.median(full) * 1e3 if full else None,
+        "full_batch_tok_s": streams / statistics.median(full) if full else None,
+        "first_delta_p50_ms": statistics.median(deltas) * 1e3,
+        "first_delta_p95_ms": deltas[min(len(deltas) - 1, round(0.95 * (len(deltas) - 1)))] * 1e3,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="0.5B only, few prompts, 8 streams: under a minute")
+    ap.add_argument("--shapes", default=None, help="comma list of 0.5B,1.5B,7B")
+    ap.add_argument("--context", type=int, default=1024, help="tokens in the cache when steps are timed")
+    ap.add_argument("--prompts", type=int)
+    ap.add_argument("--tokens", type=int)
+    ap.add_argument("--streams", type=int)
+    ap.add_argument("--batch-prompt", type=int, default=512)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/gpu.py needs a CUDA GPU")
+    shapes = (args.shapes or ("0.5B" if args.quick else "0.5B,1.5B,7B")).split(",")
+    n_prompts = args.prompts or (4 if args.quick else 24)
+    n_tokens = args.tokens or (64 if args.quick else 96)
+    streams = args.streams or (8 if args.quick else 32)
+    reps = 20 if args.quick else 50
+    torch.manual_seed(0)
+    result: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "dtype": "bfloat16",
+        "threads": torch.get_num_threads(),
+        "context": args.context,
+    }
+    bw = copy_bandwidth()
+    result["copy_bandwidth_TBps"] = bw / 1e12
+    print(f"device {result['device']}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+
+    steps = []
+    target = load_model(DEFAULT_TARGET, device=DEV, dtype=DTYPE).runtime
+    draft = load_model(DEFAULT_DRAFT, device=DEV, dtype=DTYPE).runtime
+    steps.append(step_table("embedded target", target, args.context, bw, reps))
+    steps.append(step_table("embedded draft", draft, args.context, bw, reps))
+    del target, draft
+    models = {}
+    for name in shapes:
+        models[name] = random_model(name)
+        steps.append(step_table(name, models[name], args.context, bw, reps))
+        print(f"  steps timed: {name}", flush=True)
+    result["steps"] = steps
+
+    pair, traces, info = pair_table(n_prompts, n_tokens)
+    result["pair"], result["pair_info"] = pair, info
+    result["trace"] = traces
+    print("  embedded pair timed", flush=True)
+
+    replays = {}
+    if "0.5B" in models:
+        prompt_len = round(info["prompt_tokens_mean"])
+        for name in [s for s in ("1.5B", "7B") if s in models]:
+            replays[name] = replay(models[name], models["0.5B"], traces, prompt_len)
+            print(f"  replay on {name}", flush=True)
+    result["replay"] = replays
+
+    bshape = "1.5B" if "1.5B" in models else shapes[0]
+    new_tokens = 32 if args.quick else 128
+    rng = random.Random(3)
+    spread = sorted(rng.uniform(0, 1.0) for _ in range(streams))
+    result["batched"] = {
+        "shape": bshape,
+        "spread_1s": batched(models[bshape], streams, args.batch_prompt, new_tokens, spread),
+        "burst": batched(models[bshape], streams, args.batch_prompt, new_tokens, [0.0] * streams),
+    }
+    load = os.getloadavg()
+    result["loadavg"] = load
+
+    print(
+        f"\nbench/gpu.py: {result['device']}, bf16, cache at {args.context} tokens, copy bandwidth "
+        f"{bw / 1e12:.2f} TB/s, threads={result['threads']}, load average {load[0]:.2f}"
+    )
+    print(
+        "floor = weight bytes read per step / measured copy bandwidth; step = call + argmax read back; "
+        "graph GPU = back-to-back replays"
+    )
+    print(
+        f"{'shape':16s} {'weights GB':>10s} {'eager step':>10s} {'eager ver8':>10s} {'graph step':>10s} "
+        f"{'graph ver8':>10s} {'graph GPU':>9s} {'floor':>7s} {'step/floor':>10s} {'GPU/floor':>9s}"
+    )
+    for r in steps:
+        print(
+            f"{r['shape']:16s} {r['weight_GB']:10.3f} {r['eager_step_ms']:8.3f}ms {r['eager_verify8_ms']:8.3f}ms "
+            f"{r['graph_step_ms']:8.3f}ms {r['graph_verify8_ms']:8.3f}ms {r['graph_gpu_step_ms']:7.3f}ms "
+            f"{r['floor_ms']:5.3f}ms {r['graph_step_over_floor']:10.2f} {r['graph_gpu_over_floor']:9.2f}"
+        )
+    print(
+        f"\nembedded pair, {n_prompts} FIM prompts (~{info['prompt_tokens_mean']:.0f} tokens), {n_tokens} new tokens "
+        f"each, greedy; graph auto: {info['tokens_per_verify']:.2f} tokens per verify, draft model on "
+        f"{info['model_draft_share']:.0%} of steps"
+    )
+    eager_auto = next(r for r in pair if r["method"] == "eager spec: auto")["decode_tok_s"]
+    print(f"{'method':26s} {'decode tok/s':>12s} {'incl. prefill':>13s} {'x eager auto':>12s} {'identical':>9s}")
+    for r in pair:
+        print(
+            f"{r['method']:26s} {r['decode_tok_s']:12.0f} {r['with_prefill_tok_s']:13.0f} "
+            f"{r['decode_tok_s'] / eager_auto:12.2f} {r['identical_to_eager_plain']:>9s}"
+        )
+    for name, r in replays.items():
+        print(
+            f"replay on {name} (draft: 0.5B shape): {r['replay_tok_s']:.0f} tok/s per stream, graph plain "
+            f"{r['graph_plain_tok_s']:.0f} tok/s ({r['speedup']:.2f}x)"
+        )
+    for label, r in result["batched"].items():
+        if label == "shape":
+            continue
+        print(
+            f"batched {bshape} x {r['streams']} streams, arrivals {label}: aggregate {r['aggregate_tok_s']:.0f} tok/s "
+            f"(full batch {r['full_batch_tok_s'] or 0:.0f} tok/s, step {r['full_batch_step_ms'] or 0:.2f} ms), "
+            f"first delta p50 {r['first_delta_p50_ms']:.1f} ms p95 {r['first_delta_p95_ms']:.1f} ms"
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    best = max((r for r in pair if r["method"].startswith("graph spec")), key=lambda r: r["decode_tok_s"])
+    ratios = ", ".join(f"{r['shape']} {r['graph_step_over_floor']:.2f}x" for r in steps if r["shape"] in SHAPES)
+    rep = replays.get("1.5B", {}).get("replay_tok_s")
+    spread_r = result["batched"]["spread_1s"]
+    print(
+        f"headline: graph step / floor {ratios}; embedded pair {best['method']} {best['decode_tok_s']:.0f} tok/s "
+        f"per stream ({best['decode_tok_s'] / eager_auto:.1f}x eager auto, identical "
+        f"{best['identical_to_eager_plain']}); 1.5B replay {rep or 0:.0f} tok/s; {bshape} x {streams} streams "
+        f"{spread_r['aggregate_tok_s']:.0f} tok/s aggregate, p95 first delta {spread_r['first_delta_p95_ms']:.0f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
