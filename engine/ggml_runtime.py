@@ -1,0 +1,314 @@
+"""The target's (and draft's) forward pass on llama.cpp's ggml kernels, under fimble's own engine.
+
+Selected with ``FIMBLE_RUNTIME=ggml`` (CPU only). Speculative decoding, per-document segmented
+caches, healing, streaming and cancellation stay fimble's: this is only the runtime behind the
+calls the compact runtime answers (``new_cache``, ``runtime(tokens, cache, start, num_logits)``,
+``cache.rollback``, ``cache.length``/``max_len``).
+
+Why: the compact torch step pays per-op dispatch on every forward pass; llama.cpp's one
+``llama_decode`` per step runs the whole graph in C (bench/engine.py figures in the commit).
+A HF folder is exported once to a cached GGUF (engine/gguf_export.py; f32, or q8_0 with
+``FIMBLE_QUANT=int8``) under ``~/.cache/fimble/gguf`` (or ``$FIMBLE_CACHE_DIR``); a GGUF file is
+loaded as it is, tokenizer and FIM template from its metadata (engine/gguf_loader.py).
+
+Mapping:
+- each cache (a document's target or draft cache) is its own ``llama_context`` with one
+  sequence, sized like a compact cache. Not seq ids of one shared context: one context per
+  document keeps its cells in position order (a shared KV pool interleaves documents, and the
+  attention's accumulation order, so the bits, would then depend on other documents' history),
+  and its size and lifetime map one to one onto KVStore's per-document byte budget;
+- a verify block is one ``llama_decode`` with logits at every position;
+- rollback only lowers ``cache.length``; the next decode drops the cells from its start position
+  on (``llama_memory_seq_rm(seq, start, -1)``);
+- borrowing another document's identical leading segments (and growing/shrinking a cache)
+  copies sequence state between contexts (``llama_state_seq_get_data``/``set_data``), then
+  truncates; where the copy cannot fit the destination, the tokens are re-prefilled.
+
+Lossless: greedy speculative output must equal this runtime's own plain greedy output, so a
+verify block's logits must equal 1-token steps' bit for bit. Measured with the llama.cpp builds
+here (AVX2/FMA, llamafile sgemm, repack): q8_0 is batch-invariant for 1 to 33 rows; f32 is
+invariant for 2 to 33 rows, but a 1-row pass (gemv path) differs by up to 3e-3 in a logit. So
+where a load-time probe finds the 1-row pass different, every 1-token pass is run as 2 tokens
+(the second a throwaway at the next position, dropped by the next decode) and every pass
+outputs at least 2 rows; blocks that need logits on every row run in chunks of at most 32
+tokens. Prefill chunks may use any shape: plain and speculative decoding share them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.compact import CompactConfig
+from engine.errors import ModelLoadError
+from engine.ggml_lib import get_lib
+
+log = logging.getLogger("fimble.ggml")
+
+INVARIANT_ROWS = 32  # blocks needing logits on every row run in chunks of at most this many tokens
+PREFILL_BATCH = 256  # llama.cpp batch (and ubatch) size: prefill chunk, and the context's compute buffer
+EXPORT_VERSION = "1"  # bump when engine/gguf_export.py writes different files for the same folder
+MAX_THREADS = 256
+KV_BYTES = 2  # llama.cpp's default f16 keys and values
+
+
+def default_threads() -> int:
+    """1 on a machine of 2 cores or fewer (the editor and server need the other), else 2."""
+    return 1 if (os.cpu_count() or 1) <= 2 else 2
+
+
+def resolve_threads(threads: int | None = None) -> int:
+    """``threads``, else ``$FIMBLE_GGML_THREADS``, else ``$OMP_NUM_THREADS`` (the engineThreads setting),
+    else ``default_threads()``; range-checked."""
+    raw: object = threads
+    for name in ("FIMBLE_GGML_THREADS", "OMP_NUM_THREADS"):
+        if raw is None and os.environ.get(name, "").strip():
+            raw = os.environ[name].strip()
+    if raw is None:
+        return default_threads()
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ModelLoadError(f"ggml thread count {raw!r} is not a whole number") from None
+    if not 1 <= value <= MAX_THREADS:
+        raise ModelLoadError(f"ggml thread count {value} is out of range (1..{MAX_THREADS})")
+    return value
+
+
+class GGMLCache:
+    """One document's keys/values: a llama.cpp context holding sequence 0, positions 0..length-1."""
+
+    def __init__(self, runtime: GGMLRuntime, max_len: int):
+        self.runtime = runtime  # keeps the model alive as long as its contexts
+        lib = runtime.lib
+        self.ctx = lib.new_context(runtime.model, max_len, min(PREFILL_BATCH, max_len), runtime.threads)
+        self.batch = lib.new_batch(min(PREFILL_BATCH, max_len))
+        self.n_ctx = lib.n_ctx(self.ctx)  # llama.cpp may round the size up
+        self.max_len = max_len
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}, cache holds {self.length}")
+        self.length = length  # the cells past it go at the next decode (it starts there)
+
+    def nbytes(self) -> int:
+        return self.max_len * self.runtime.kv_bytes_per_token
+
+    def copy_prefix_from(self, src: GGMLCache, n: int, ids: list[int] | None = None) -> None:
+        """Hold ``src``'s first ``n`` positions: a state copy, else (too big to fit here) a prefill of ``ids``."""
+        lib = self.runtime.lib
+        n = min(n, src.length, self.max_len)
+        lib.seq_rm(src.ctx, src.length)  # cells past src's length are stale: never copy them
+        if src.length <= self.max_len:
+            lib.copy_sequence(src.ctx, self.ctx)
+            lib.seq_rm(self.ctx, n)
+            self.length = n
+        elif ids is not None and n > 0:
+            self.length = 0
+            self.runtime(torch.tensor(ids[:n]), self, 0, 1)
+        else:
+            self.length = 0
+
+    def __del__(self) -> None:
+        rt = getattr(self, "runtime", None)
+        if rt is not None and getattr(self, "ctx", None) is not None:
+            rt.lib.lib.llama_batch_free(self.batch)
+            rt.lib.lib.llama_free(self.ctx)
+            self.ctx = None
+
+
+class GGMLRuntime:
+    """A GGUF model on llama.cpp, called like the compact runtime."""
+
+    def __init__(self, path: Path, cfg: CompactConfig, threads: int | None = None):
+        self.lib = get_lib()
+        self.path = path
+        self.cfg = cfg
+        self.threads = resolve_threads(threads)
+        model = self.lib.load_model(str(path))
+        if model is None:
+            raise ModelLoadError(f"{path.name}: llama.cpp cannot load it: {self.lib.last_error()}")
+        self.model = model
+        self.vocab = self.lib.n_vocab(model)
+        self.device = torch.device("cpu")
+        self.dtype = torch.float16  # of the keys/values: KVStore budgets bytes per position with it
+        self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * KV_BYTES
+        self.pad_single, self.batch_invariant = self._probe_shapes()
+        if not self.batch_invariant:
+            log.warning(
+                "fimble: %s: llama.cpp's logits depend on the block size here; speculative output "
+                "may differ from plain decoding at near-ties",
+                path.name,
+            )
+
+    def __del__(self) -> None:
+        if getattr(self, "model", None) is not None:
+            self.lib.lib.llama_model_free(self.model)
+            self.model = None
+
+    def new_cache(self, max_len: int | None = None) -> GGMLCache:
+        return GGMLCache(self, max_len or self.cfg.max_position_embeddings)
+
+    def _probe_shapes(self) -> tuple[bool, bool]:
+        """(pad 1-token passes to 2, blocks are bit-identical to steps) as measured on this build."""
+        cache = self.new_cache(64)
+        lib = self.lib
+        toks = [(i * 7919 + 11) % self.vocab for i in range(24)]
+        lib.decode(cache.ctx, cache.batch, toks[:12], 0, 1, self.vocab)
+
+        def run(start: int, block: list[int], pad: bool) -> np.ndarray:
+            if pad and len(block) == 1:
+                return lib.decode(cache.ctx, cache.batch, block * 2, start, 2, self.vocab)[:1]
+            return lib.decode(cache.ctx, cache.batch, block, start, len(block), self.vocab)
+
+        for pad in (False, True):
+            steps = np.concatenate([run(12 + i, [toks[12 + i]], pad) for i in range(6)])
+            blocks = [run(12, toks[12 : 12 + k], pad) for k in (6, 3, 2)]
+            if all(np.array_equal(b, steps[: len(b)]) for b in blocks):
+                return pad, True
+        return False, False
+
+    @torch.inference_mode()
+    def __call__(
+        self, tokens: torch.Tensor, cache: GGMLCache, start: int | None = None, num_logits: int = 1
+    ) -> torch.Tensor:
+        """Run ``tokens`` at positions ``start..``; float32 logits [num_logits, vocab] of the last ones."""
+        start = cache.length if start is None else start
+        ids = [int(t) for t in tokens.tolist()]
+        t = len(ids)
+        end = start + t
+        if start > cache.length:
+            raise ValueError(f"position {start} leaves a gap after cache length {cache.length}")
+        if end > cache.max_len:
+            raise ValueError(f"sequence of {end} tokens exceeds the cache's {cache.max_len}")
+        num_logits = max(1, min(num_logits, t))
+        rows: list[np.ndarray] = []
+        for a, b in _blocks(t, num_logits):
+            want = max(0, b - max(t - num_logits, a))  # rows of this block among the last num_logits
+            out = self._decode(cache, ids[a:b], start + a, want)
+            if want:
+                rows.append(out)
+        cache.length = end
+        return torch.from_numpy(np.concatenate(rows) if len(rows) > 1 else rows[0])
+
+    def _decode(self, cache: GGMLCache, block: list[int], pos: int, want: int) -> np.ndarray:
+        """One llama_decode; logits of the block's last ``want`` rows. In pad mode no pass has one row,
+        and none outputs one row."""
+        lib, n = self.lib, len(block)
+        if self.pad_single and n == 1 and pos + 2 <= cache.n_ctx:
+            return lib.decode(cache.ctx, cache.batch, block * 2, pos, 2, self.vocab)[:want]
+        k = min(n, max(want, 2)) if self.pad_single and want else want
+        return lib.decode(cache.ctx, cache.batch, block, pos, k, self.vocab)[k - want :]
+
+
+def _blocks(t: int, num_logits: int) -> list[tuple[int, int]]:
+    """[a, b) passes for ``t`` tokens. Up to INVARIANT_ROWS tokens: one pass (its rows equal 1-token
+    steps'). Longer, with logits on several rows: passes of INVARIANT_ROWS. A longer prefill: big
+    passes, then its last token alone, so the logits the first token is chosen from are the same
+    whether the prompt was prefilled here or its last token re-run over a reused cache."""
+    if t <= INVARIANT_ROWS:
+        return [(0, t)]
+    if num_logits > 1:
+        return [(a, min(t, a + INVARIANT_ROWS)) for a in range(0, t, INVARIANT_ROWS)]
+    return [(a, min(t - 1, a + PREFILL_BATCH)) for a in range(0, t - 1, PREFILL_BATCH)] + [(t - 1, t)]
+
+
+# -- models ---------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    root = os.environ.get("FIMBLE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fimble"
+    )
+    return Path(root) / "gguf"
+
+
+def cached_gguf(folder: Path, qtype: str) -> Path:
+    """A GGUF of the HF ``folder`` (written once, keyed by the source files' names, sizes and times)."""
+    from engine.gguf_export import export_gguf
+
+    h = hashlib.sha256(f"{EXPORT_VERSION}:{qtype}:{folder.resolve()}".encode())
+    for f in sorted(folder.iterdir()):
+        if f.suffix in (".json", ".safetensors"):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    out = cache_dir() / f"{folder.name}-{qtype}-{h.hexdigest()[:16]}.gguf"
+    if out.is_file():
+        return out
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        export_gguf(folder, tmp, qtype)
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot write the GGUF cache {out.parent}: {exc.strerror or exc}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _check_probe(runtime: GGMLRuntime, source: object) -> None:
+    from engine.weights_check import bad_probe
+
+    reason = bad_probe(runtime)
+    if reason:
+        raise ModelLoadError(f"weights in {source} are corrupt: {reason}")
+
+
+def folder_runtime(folder: Path, cfg: dict, quant: str) -> GGMLRuntime:
+    """The ggml runtime of a HF folder (exported to a cached GGUF first): f32, or q8_0 for ``int8``."""
+    compact_cfg = CompactConfig.from_hf_dict(cfg)  # the same architectures as the compact runtime
+    path = cached_gguf(folder, "q8_0" if quant == "int8" else "f32")
+    runtime = GGMLRuntime(path, compact_cfg)
+    _check_probe(runtime, folder)
+    return runtime
+
+
+def gguf_model(path: Path):
+    """A GGUF file on the ggml runtime: engine.gguf_loader.GGUFModel, tokenizer and template from the file."""
+    from engine.gguf_loader import GGUFModel, _config, _template, _tokenizer
+
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ModelLoadError("loading GGUF files needs the 'gguf' package (pip install gguf)") from None
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # truncated or not a GGUF: the package raises many kinds
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"{path.name} is not a readable GGUF file: {first}") from None
+    try:
+        cfg, _ = _config(reader, path)
+        tokenizer, tokens = _tokenizer(reader, path)
+        template, stops = _template(reader, tokens)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # a GGUF with missing or malformed entries
+        raise ModelLoadError(f"{path.name} is a malformed GGUF file: {type(exc).__name__}: {exc}") from None
+    del reader
+    runtime = GGMLRuntime(path, cfg)
+    _check_probe(runtime, path)
+    notice = (
+        None
+        if template
+        else (
+            f"model {path.name} has no fill-in-the-middle tokens: completing from the "
+            "text before the cursor only (the text after it is not used)"
+        )
+    )
+    return GGUFModel(runtime, tokenizer, template, stops, cfg.max_position_embeddings, notice)
+
+
+__all__ = [
+    "GGMLCache",
+    "GGMLRuntime",
+    "cached_gguf",
+    "default_threads",
+    "folder_runtime",
+    "gguf_model",
+    "resolve_threads",
+]
