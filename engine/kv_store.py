@@ -171,7 +171,9 @@ class KVStore:
         if n < have + MIN_BORROW_TOKENS:  # a stale index entry, or approximate keys/values
             return have
         for a, b in ((src.target, doc.target), (src.draft, doc.draft)):
-            if a is not None and b is not None:
+            if a is not None and b is not None and hasattr(b, "copy_prefix_from"):  # llama.cpp contexts
+                b.copy_prefix_from(a, n, plan.ids[:n])
+            elif a is not None and b is not None:
                 b.keys[:, :, :n] = a.keys[:, :, :n]
                 b.values[:, :, :n] = a.values[:, :, :n]
                 b.length = n
@@ -264,6 +266,9 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
 def _copied(runtime, old, cap: int):
     new = runtime.new_cache(cap)
     n = min(old.length, cap)
+    if hasattr(new, "copy_prefix_from"):  # llama.cpp contexts (engine/ggml_runtime.py)
+        new.copy_prefix_from(old, n)
+        return new
     new.keys[:, :, :n] = old.keys[:, :, :n]
     new.values[:, :, :n] = old.values[:, :, :n]
     new.length = n

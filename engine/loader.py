@@ -188,21 +188,41 @@ def _hf_runtime(folder: Path, cfg: dict, dtype: torch.dtype, device: str, trust_
     return HFModel(model.to(device), cfg.get("max_position_embeddings", 2048))
 
 
+RUNTIMES = ("compact", "ggml")
+
+
+def runtime_choice(runtime: str | None, device: str, backend: str) -> str:
+    """"compact" or "ggml" (llama.cpp kernels, engine/ggml_runtime.py): ``runtime``, else
+    ``$FIMBLE_RUNTIME``, else compact (ggml's library is no wheel on every Linux: see engine/ggml_lib.py)."""
+    name = (runtime or os.environ.get("FIMBLE_RUNTIME", "").strip() or "compact").lower()
+    if name not in RUNTIMES:
+        raise ModelLoadError(f"unknown runtime {name!r}: use {' or '.join(RUNTIMES)}")
+    if name == "ggml" and (str(device) != "cpu" or backend == "hf"):
+        raise ModelLoadError("the ggml runtime runs on the CPU, for models the compact runtime supports")
+    return name
+
+
 def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                backend: str = "auto", template: str | None = None,
-               trust_remote_code: bool = False, quant: str = "none") -> LoadedModel:
+               trust_remote_code: bool = False, quant: str = "none", runtime: str | None = None) -> LoadedModel:
     """Load a model folder. ``backend``: "auto" (compact where supported), "compact" or "hf".
 
-    ``quant``: "none" or "int8" (int8 weights on CPU, compact runtime only: engine/quant.py)."""
+    ``quant``: "none" or "int8" (int8 weights on CPU, compact runtime only: engine/quant.py; on the
+    ggml runtime, q8_0). ``runtime``: "compact" or "ggml" (default ``$FIMBLE_RUNTIME``, else compact)."""
     if quant not in ("none", "int8"):
         raise ModelLoadError(f"unknown quantisation {quant!r}: use none or int8")
     if quant == "int8" and (backend == "hf" or str(device) != "cpu"):
         raise ModelLoadError("int8 weights need the compact runtime on the CPU")
+    use_ggml = runtime_choice(runtime, device, backend) == "ggml"
     folder = Path(folder).expanduser()
     if folder.suffix.lower() == ".gguf" and folder.is_file():
-        return _load_gguf_model(folder, device=device, dtype=dtype, template=template, quant=quant)
+        return _load_gguf_model(folder, device=device, dtype=dtype, template=template, quant=quant, ggml=use_ggml)
     cfg = _read_config(folder)
     tokenizer = _load_tokenizer(folder, trust_remote_code)
+    if use_ggml:
+        from engine.ggml_runtime import folder_runtime
+
+        return _assemble(folder, cfg, tokenizer, template, folder_runtime(folder, cfg, quant), "ggml")
     use_compact = backend == "compact" or (backend == "auto" and cfg["model_type"] in SUPPORTED_MODEL_TYPES)
     if use_compact:
         try:
@@ -222,6 +242,10 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
         from engine.quant import quantize_int8
 
         quantize_int8(runtime)
+    return _assemble(folder, cfg, tokenizer, template, runtime, "compact" if use_compact else "hf")
+
+
+def _assemble(folder: Path, cfg: dict, tokenizer, template: str | None, runtime, backend: str) -> LoadedModel:
     vocab = tokenizer.get_vocab()
     fim, notice = _resolve_template(folder.name, vocab, template)
     if notice:
@@ -230,18 +254,27 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
         name=folder.name, folder=folder, runtime=runtime, tokenizer=tokenizer, template=fim,
         stop_ids=_stop_ids(tokenizer, fim, cfg, _generation_config(folder), vocab),
         max_len=int(cfg.get("max_position_embeddings", 2048)),
-        backend="compact" if use_compact else "hf", notice=notice, _vocab=vocab,
+        backend=backend, notice=notice, _vocab=vocab,
     )
 
 
 def _load_gguf_model(path: Path, *, device: str, dtype: torch.dtype, template: str | None,
-                     quant: str) -> LoadedModel:
-    """A GGUF file (engine/gguf_loader.py): weights dequantised into the compact runtime, the
-    tokenizer and FIM template from the file's own metadata."""
+                     quant: str, ggml: bool = False) -> LoadedModel:
+    """A GGUF file (engine/gguf_loader.py): weights dequantised into the compact runtime (or run as
+    they are by llama.cpp: engine/ggml_runtime.py), the tokenizer and FIM template from the file's
+    own metadata."""
     from engine.gguf_loader import load_gguf
 
-    g = load_gguf(path, dtype=dtype, device=device)
-    check_weights(g.runtime, path)
+    if ggml:
+        if quant != "none":
+            raise ModelLoadError(f"{path.name}: a GGUF runs in its own weight type on the ggml runtime "
+                                 "(export a q8_0 GGUF instead of FIMBLE_QUANT=int8)")
+        from engine.ggml_runtime import gguf_model
+
+        g = gguf_model(path)
+    else:
+        g = load_gguf(path, dtype=dtype, device=device)
+        check_weights(g.runtime, path)
     if quant == "int8":
         from engine.quant import quantize_int8
 
@@ -253,4 +286,5 @@ def _load_gguf_model(path: Path, *, device: str, dtype: torch.dtype, template: s
         log.warning("fimble: %s", notice)
     stops = set(g.stop_ids) | {vocab[t] for t in (fim.stop_tokens if fim else ()) if t in vocab}
     return LoadedModel(name=path.stem, folder=path.parent, runtime=g.runtime, tokenizer=g.tokenizer, template=fim,
-                       stop_ids=stops, max_len=g.max_len, backend="compact", notice=notice, _vocab=vocab)
+                       stop_ids=stops, max_len=g.max_len, backend="ggml" if ggml else "compact", notice=notice,
+                       _vocab=vocab)
