@@ -1,78 +1,84 @@
 """fimble against llama.cpp on the same model: cold prompts and a keystroke loop, interleaved per prompt.
 
     pip install -e '.[bench]'     # llama-cpp-python (compiles llama.cpp; not in CI's path)
-    python bench/vs_llamacpp.py [--quick] [--threads 1,2] [--server PATH/llama-server] [--json PATH]
+    python bench/vs_llamacpp.py [--quick] [--threads 1,2] [--llama-server PATH] [--fimble-runtime compact|ggml]
+                                [--precision f32|q8_0] [--json PATH]
 
-The embedded target and draft are written as GGUF (engine/gguf_export.py: pre-tokenizer "gpt-2",
-FIM ids, add_bos false) into --gguf-dir, f32 and q8_0. Before timing, the script checks that
-llama.cpp tokenises real code to fimble's ids, and it reports how many greedy outputs are
-identical to fimble plain of the same precision (f32 against fimble fp32: expected identical up
-to near ties; q8_0 against fimble int8: both 8-bit, but q8_0 scales blocks of 32 weights while
-fimble's int8 scales whole rows, so their outputs are not expected to match token for token).
+Model: the embedded target and draft (bf16 weights), written as GGUF by engine/gguf_export.py
+(pre-tokenizer "gpt-2", FIM ids, add_bos false) into --gguf-dir, f32 and q8_0. --precision picks
+the weights of both sides: f32 (fimble fp32) or q8_0 (fimble FIMBLE_QUANT=int8: q8_0 itself on the
+ggml runtime, fbgemm int8 rows on the compact one). llama.cpp must tokenise real code to fimble's
+ids, and every row of that precision reports how many greedy outputs equal fimble plain's.
 
-Cold prompts: each system decodes exactly --tokens new tokens greedily from the same token ids
-(no EOS stop). Per system: end-to-end ms, TTFT (prefill + first token) and decode tok/s (tokens
-after the first). Systems run one after another on each prompt, so load hits them alike; ratios
-are against llama.cpp plain, q8_0 and llama-server with the same draft model.
+Cold prompts (--prompts x --tokens, default 24 x 96): each system decodes exactly that many tokens
+greedily from the same token ids, cold caches. Per prompt the systems run one after another
+(interleaved), so load hits them alike. Systems: fimble plain and default (auto: n-gram, else the
+draft model), in this process; llama.cpp plain f32 and q8_0 through llama-cpp-python (a worker
+process each); llama-server with the same draft model (--spec-type draft-simple: -md alone never
+drafts; draft length 3 and p-min 0 are its defaults and were the best of an interleaved sweep).
+Figures: end-to-end ms, TTFT (prefill + first token), decode tok/s (tokens after the first).
 
-Keystroke loop (needs --server): real files typed one key at a time. llama-server /infill with
-cache_prompt against fimble's engine with its per-document KV cache: median and p90 time to the
-first token, and to the first complete line (or 16 tokens).
+Keystroke loop (--keys): real files of this repository typed one key at a time, the rest of the
+current line removed. fimble's engine process (engine/process.py, the path the LSP uses, warm
+per-document caches) against llama-server /infill with cache_prompt, given the same prompt ids
+(suffix-first, no repository header), so the greedy outputs must be identical. Median and p90 time
+to the first token; median time to the first complete line or 16 tokens. One more fimble row runs
+the LSP's own prompt (token healing on): not the same prompt, timed for reference.
 
-Without llama-cpp-python the fimble rows still run and the llama.cpp rows say why they are missing.
-The last line is the headline.
+FIMBLE_RUNTIME (--fimble-runtime) picks fimble's runtime; the report names the one that ran.
+--threads sets every system's threads (fimble: torch, FIMBLE_GGML_THREADS, the engine process).
+Without llama-cpp-python or llama-server, those rows are skipped with the reason. Headline last.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import http.client
 import json
 import os
+import platform
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from functools import partial
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # before bench/ (the script's folder): bench/engine.py is not the engine package
 
-from engine.api import CompletionRequest  # noqa: E402
-from engine.drafters import ModelDrafter, NgramDrafter  # noqa: E402
-from engine.gguf_export import export_gguf  # noqa: E402
-from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
-from engine.local import LocalEngine  # noqa: E402
-from engine.speculative import DecodeOptions, SpeculativeDecoder  # noqa: E402
+from llamacpp_peer import LlamaServer, LlamaWorker, find_server, read_completion  # noqa: E402
 
-CORPUS = REPO / "tests" / "data" / "lossless_corpus"
 now = time.perf_counter
+PRECISIONS = ("f32", "q8_0")
+REF = "fimble plain"  # the greedy reference: every system of the same weight precision must match it
 
 
-# -- inputs ---------------------------------------------------------------------------
-def code_files() -> list[str]:
-    return [f.read_text() for f in sorted(CORPUS.glob("*.py.txt"))]
+# -- inputs ---------------------------------------------------------------------------------
+def corpus_files() -> list[str]:
+    return [f.read_text() for f in sorted((REPO / "tests" / "data" / "lossless_corpus").glob("*.py.txt"))]
 
 
 def cold_prompts(n: int, seed: int) -> list[tuple[str, str]]:
-    rng, texts, out = random.Random(seed), code_files(), []
+    rng, texts, out = random.Random(seed), corpus_files(), []
     while len(out) < n:
         text = rng.choice(texts)
         cut = text.find("\n", rng.randrange(600, len(text) - 400)) + 1
-        out.append((text[max(0, cut - 1500): cut], text[cut: cut + 500]))
+        out.append((text[max(0, cut - 1500) : cut], text[cut : cut + 500]))
     return out
 
 
-def ensure_ggufs(folder: Path) -> dict[str, Path]:
+def typing_files(n: int, seed: int) -> list[Path]:
+    """Real source files to type into: fimble's own engine modules (over 4 KB)."""
+    files = [p for p in sorted((REPO / "engine").glob("*.py")) if p.stat().st_size > 4000]
+    return random.Random(seed).sample(files, min(n, len(files)))
+
+
+def ensure_ggufs(folder: Path, target_dir: Path, draft_dir: Path) -> dict[str, Path]:
+    from engine.gguf_export import export_gguf
+
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
-    for model, src in (("target", DEFAULT_TARGET), ("draft", DEFAULT_DRAFT)):
+    for model, src in (("target", target_dir), ("draft", draft_dir)):
         for q in ("f32", "q8_0"):
             path = folder / f"fimble-{model}-{q}.gguf"
             if not path.exists():
@@ -82,9 +88,11 @@ def ensure_ggufs(folder: Path) -> dict[str, Path]:
     return files
 
 
-# -- systems ----------------------------------------------------------------------------
+# -- fimble ---------------------------------------------------------------------------------
 def fimble_cold(target, drafter_name, prompt, n, model_drafter=None, ngram=None):
-    """(tokens, ttft s, total s)."""
+    """(tokens, ttft s, total s, figures): SpeculativeDecoder on a fresh cache, exactly n tokens."""
+    from engine.speculative import DecodeOptions, SpeculativeDecoder
+
     opts = DecodeOptions(max_tokens=n, drafter=drafter_name)
     cache = target.runtime.new_cache(len(prompt) + n + 16)
     t0 = now()
@@ -93,277 +101,414 @@ def fimble_cold(target, drafter_name, prompt, n, model_drafter=None, ngram=None)
     ttft = now() - t0
     while not dec.done:
         dec.step()
-    return dec.output, ttft, now() - t0
+    total = now() - t0
+    return dec.output, ttft, total, {"drafted": dec.stats.drafted, "accepted": dec.stats.accepted}
 
 
-class LlamaInProcess:
-    """llama.cpp through llama-cpp-python, greedy, exactly n tokens (no EOS stop)."""
+def fimble_request(prefix: str, suffix: str, doc: str, n: int, heal: bool):
+    from engine.api import CompletionRequest, DecodeOptions
 
-    def __init__(self, path: Path, threads: int):
-        from llama_cpp import Llama
-
-        self.llm = Llama(model_path=str(path), n_ctx=4096, n_batch=512, n_threads=threads,
-                         n_threads_batch=threads, verbose=False)
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.llm.tokenize(text.encode(), add_bos=False, special=False)
-
-    def cold(self, prompt: list[int], n: int):
-        out, ttft, t0 = [], None, now()
-        for tok in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-            ttft = ttft if ttft is not None else now() - t0
-            out.append(int(tok))
-            if len(out) == n:
-                break
-        return out, ttft, now() - t0
+    return CompletionRequest(prefix, suffix, DecodeOptions(max_tokens=n), document_id=doc, heal=heal)
 
 
-class LlamaServer:
-    """llama-server with the same draft model (draft-simple speculation), over HTTP on loopback."""
+def fimble_keystroke(engine, request):
+    """(text, ttft s, first line s, stats) through the engine process, as the LSP submits."""
+    t0 = now()
 
-    def __init__(self, binary: str, target: Path, draft: Path, threads: int):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        cmd = [binary, "-m", str(target), "-md", str(draft), "--spec-type", "draft-simple", "--draft-max", "12",
-               "-t", str(threads), "-tb", str(threads), "-c", "4096", "-np", "1", "--spm-infill",
-               "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = now() + 120
-        while now() < deadline:
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                if self._get("/health") == 200:
-                    return
-            time.sleep(0.5)
-        self.close()
-        raise RuntimeError("llama-server did not become healthy in 120 s")
+    def chunks():
+        for delta in engine.submit(request):
+            yield now() - t0, {"content": delta.text, "stop": delta.finished}
 
-    def _get(self, path: str) -> int:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-        conn.request("GET", path)
-        return conn.getresponse().status
-
-    def stream(self, path: str, body: dict):
-        """Yield (seconds since send, chunk dict) for each streamed chunk."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
-        t0 = now()
-        conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        while line := resp.readline():
-            if line.startswith(b"data: "):
-                chunk = json.loads(line[6:])
-                yield now() - t0, chunk
-                if chunk.get("stop"):
-                    break
-        conn.close()
-
-    def cold(self, prompt: list[int], n: int):
-        out, ttft, total = [], None, 0.0
-        body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
-                "return_tokens": True}
-        for t, chunk in self.stream("/completion", body):
-            toks = chunk.get("tokens") or []
-            if toks and ttft is None:
-                ttft = t
-            out.extend(int(x) for x in toks)
-            total = t
-        return out, ttft or total, total
-
-    def infill(self, prefix: str, suffix: str, n: int):
-        """(ttft s, first line s)."""
-        body = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": n, "temperature": 0.0, "top_k": 1,
-                "cache_prompt": True}
-        ttft, text, line_t, t = None, "", None, 0.0
-        for t, chunk in self.stream("/infill", body):
-            if chunk.get("content"):
-                ttft = ttft if ttft is not None else t
-                text += chunk["content"]
-                if line_t is None and "\n" in text.lstrip("\n"):
-                    line_t = t
-        return ttft or t, line_t or t
-
-    def close(self) -> None:
-        self.proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
+    text, ttft, line_t, _ = read_completion(chunks())
+    return text, ttft, line_t, {}
 
 
-def fimble_keystroke(engine: LocalEngine, prefix: str, suffix: str, n: int):
-    opts = DecodeOptions(max_tokens=n)
-    t0, ttft, text, line_t = now(), None, "", None
-    for delta in engine.submit(CompletionRequest(prefix, suffix, opts, document_id="bench.py")):
-        if delta.text:
-            ttft = ttft if ttft is not None else now() - t0
-            text += delta.text
-            if line_t is None and "\n" in text.lstrip("\n"):
-                line_t = now() - t0
-    end = now() - t0
-    return ttft or end, line_t or end
+def runtime_name(model) -> str:
+    rt = model.runtime
+    return f"{type(rt).__module__}.{type(rt).__name__}"
 
 
-# -- runs ---------------------------------------------------------------------------------
-def pct(values: list[float], q: float) -> float:
-    return sorted(values)[min(len(values) - 1, int(q * len(values)))]
-
-
-def cold_run(systems: dict, prompts: list[list[int]], n: int) -> dict:
-    rows = {name: {"e2e": [], "ttft": [], "decode_tps": [], "identical": 0} for name in systems}
-    for i, prompt in enumerate(prompts):
-        reference: dict[str, list[int]] = {}
-        for name, (fn, precision) in systems.items():  # interleaved per prompt
-            out, ttft, total = fn(prompt)
-            r = rows[name]
-            r["e2e"].append(total * 1e3)
-            r["ttft"].append(ttft * 1e3)
-            r["decode_tps"].append((len(out) - 1) / max(1e-9, total - ttft))
-            ref = reference.setdefault(precision, out)  # the first system of a precision is fimble plain
-            common = min(len(ref), len(out))
-            r["identical"] += int(out[:common] == ref[:common] and common > 0)
-        print(f"  prompt {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
-    return rows
-
-
-def keystroke_run(engine: LocalEngine, server: LlamaServer | None, keys: int, seed: int) -> dict:
-    rng = random.Random(seed)
-    text = rng.choice(code_files())
-    start = text.find("\n", rng.randrange(1500, len(text) - keys - 200)) + 1
-    # One fixed window for the whole typing session (as an editor plugin keeps it while the user
-    # types), about 1,000 tokens of context: both systems can reuse their caches key after key.
-    window = max(0, start - 3000)
-    rows = {"fimble": {"ttft": [], "line": []}, "llama-server": {"ttft": [], "line": []}}
-    for k in range(0, keys + 1):
-        pos = start + k
-        line_end = text.find("\n", pos)
-        line_end = len(text) if line_end < 0 else line_end
-        prefix, suffix = text[window:pos], text[line_end: line_end + 1000]
-        if k == 0:  # prime both caches with the document as it is (the editor opened it before typing)
-            fimble_keystroke(engine, prefix, suffix, 1)
-            if server:
-                server.infill(prefix, suffix, 1)
-            continue
-        a = fimble_keystroke(engine, prefix, suffix, 16)
-        rows["fimble"]["ttft"].append(a[0] * 1e3)
-        rows["fimble"]["line"].append(a[1] * 1e3)
-        if server:
-            b = server.infill(prefix, suffix, 16)
-            rows["llama-server"]["ttft"].append(b[0] * 1e3)
-            rows["llama-server"]["line"].append(b[1] * 1e3)
-    return rows
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="few prompts and keys, one thread count, under 60 s")
-    ap.add_argument("--prompts", type=int)
-    ap.add_argument("--tokens", type=int)
-    ap.add_argument("--keys", type=int, help="keystrokes in the typing loop")
-    ap.add_argument("--threads", default=None, help="comma-separated thread counts (default 1,2; --quick 1)")
-    ap.add_argument("--server", default=os.environ.get("LLAMA_SERVER"), help="llama-server binary (keystroke loop)")
-    ap.add_argument("--gguf-dir", type=Path, default=Path.home() / ".cache" / "fimble" / "gguf")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
-    n_prompts = args.prompts or (4 if args.quick else 24)
-    n_tokens = args.tokens or (32 if args.quick else 96)
-    keys = args.keys or (12 if args.quick else 60)
-    thread_counts = [int(t) for t in (args.threads or ("1" if args.quick else "1,2")).split(",")]
-    load = os.getloadavg()
-
-    target, draft = load_model(DEFAULT_TARGET), load_model(DEFAULT_DRAFT)
-    target8, draft8 = load_model(DEFAULT_TARGET, quant="int8"), load_model(DEFAULT_DRAFT, quant="int8")
-    builder = LocalEngine(target, None, start_thread=False)
-    prompts = [builder.build_prompt(CompletionRequest(p, s, heal=False))[0] for p, s in cold_prompts(n_prompts,
-                                                                                                     args.seed)]
-    try:
-        import llama_cpp  # noqa: F401
-
-        have_llama, why = True, ""
-        ggufs = ensure_ggufs(args.gguf_dir)
-    except (ImportError, OSError):  # not installed, or its shared library does not load
-        have_llama, why = False, "llama-cpp-python is not installed (pip install -e '.[bench]')"
-
-    report: dict = {"load_average": load, "prompts": n_prompts, "tokens": n_tokens, "runs": {}}
-    for threads in thread_counts:
-        torch.set_num_threads(threads)
-        md, md8, ng = ModelDrafter(draft.runtime, draft.max_len), ModelDrafter(draft8.runtime, draft8.max_len), \
-            NgramDrafter(history=0)
-        systems = {
-            "fimble plain": (partial(fimble_cold, target, "none", n=n_tokens), "f32"),
-            "fimble auto": (partial(fimble_cold, target, "auto", n=n_tokens, model_drafter=md, ngram=ng), "f32"),
-            "fimble int8 plain": (partial(fimble_cold, target8, "none", n=n_tokens), "q8"),
-            "fimble int8 auto": (partial(fimble_cold, target8, "auto", n=n_tokens, model_drafter=md8, ngram=ng), "q8"),
-        }
-        server = None
-        if have_llama:
-            f32, q8 = LlamaInProcess(ggufs["target-f32"], threads), LlamaInProcess(ggufs["target-q8_0"], threads)
-            code = "\n".join(code_files())
-            snippets = [code[i: i + 400] for i in range(0, 50 * 997, 997)]
-            matches = sum(f32.tokenize(s) == target.encode(s) for s in snippets)
-            print(f"token ids identical on {matches}/{len(snippets)} code snippets", file=sys.stderr)
-            report["token_match"] = f"{matches}/{len(snippets)}"
-            systems["llama.cpp f32 plain"] = (partial(f32.cold, n=n_tokens), "f32")
-            systems["llama.cpp q8_0 plain"] = (partial(q8.cold, n=n_tokens), "q8")
-            if args.server:
-                server = LlamaServer(args.server, ggufs["target-f32"], ggufs["draft-f32"], threads)
-                systems["llama-server + draft"] = (partial(server.cold, n=n_tokens), "f32")
-        for fn, _ in systems.values():  # warm-up
-            fn(prompts[0])
-        rows = cold_run(systems, prompts, n_tokens)
-        engine = LocalEngine(target, draft)
-        try:
-            keyrows = keystroke_run(engine, server, keys, args.seed)
-        finally:
-            engine.close()
-            if server:
-                server.close()
-        report["runs"][threads] = {"cold": rows, "keystroke": keyrows}
-        print_tables(threads, rows, keyrows, n_prompts, n_tokens, load, why)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-    print_headline(report, why)
-
-
+# -- statistics ------------------------------------------------------------------------------
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def print_tables(threads, rows, keyrows, n_prompts, n_tokens, load, why) -> None:
-    print(f"\ncold prompts: {n_prompts} prompts x {n_tokens} tokens, greedy, threads={threads}, "
-          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    peers = [p for p in ("llama.cpp f32 plain", "llama.cpp q8_0 plain", "llama-server + draft") if p in rows]
-    head = f"{'system':24s} {'e2e ms':>8s} {'TTFT ms':>8s} {'dec tok/s':>9s} {'identical':>9s}" + \
-        "".join(f" {'x ' + p.split()[0] + (' q8' if 'q8' in p else ' srv' if 'server' in p else ''):>14s}"
-                for p in peers)
-    print(head)
+def pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def agree(ref: list[int], out: list[int], stops: set[int]) -> bool:
+    """Identical up to where greedy would end (llama-server masks end tokens: ignore_eos)."""
+    end = next((i for i, t in enumerate(ref) if t in stops), len(ref))
+    return out[:end] == ref[:end]
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# -- runs -------------------------------------------------------------------------------------
+def cold_run(systems: dict, prompts: list[list[int]], n: int, stops: set[int], other: str) -> dict:
+    """``other``: the name of the llama.cpp row of the other weight precision (not compared)."""
+    rows = {
+        name: {
+            "e2e_ms": [],
+            "ttft_ms": [],
+            "decode_s": [],
+            "tokens": [],
+            "identical": 0,
+            "compared": 0,
+            "draft_n": 0,
+            "draft_accepted": 0,
+        }
+        for name in systems
+    }
+    for i, prompt in enumerate(prompts):
+        ref = None
+        for name, fn in systems.items():  # interleaved per prompt; fimble plain first: the reference
+            out, ttft, total, extra = fn(prompt)
+            r = rows[name]
+            r["e2e_ms"].append(total * 1e3)
+            r["ttft_ms"].append(ttft * 1e3)
+            r["decode_s"].append(total - ttft)
+            r["tokens"].append(len(out))
+            r["draft_n"] += int(extra.get("draft_n", extra.get("drafted", 0)))
+            r["draft_accepted"] += int(extra.get("draft_n_accepted", extra.get("accepted", 0)))
+            if name == REF:
+                ref = out
+            elif name != other and ref is not None:
+                r["compared"] += 1
+                r["identical"] += int(agree(ref, out, stops))
+        print(f"  prompt {i + 1}/{len(prompts)}  load {load()[0]}", file=sys.stderr, flush=True)
+    for r in rows.values():
+        r["decode_tok_s"] = sum(t - 1 for t in r["tokens"]) / max(1e-9, sum(r["decode_s"]))
+    return rows
+
+
+def keystroke_run(engine, server, target, files: list[Path], keys: int, seed: int) -> dict:
+    """Type ``keys`` characters, spread over ``files``; both systems primed on the file as opened."""
+    from engine.prompt_plan import PromptBuilder
+
+    builder, rng = PromptBuilder(target), random.Random(seed)
+    names = ["fimble", "llama-server + draft", "fimble, LSP prompt (healing)"]
+    rows = {k: {"ttft_ms": [], "line_ms": [], "texts": []} for k in names}
+    identical = compared = 0
+    per_file = max(1, keys // len(files))
+    for f in files:
+        text = f.read_text()
+        start = text.find("\n", rng.randrange(1500, len(text) - per_file - 200)) + 1
+        window = max(0, start - 3000)  # a fixed window while the user types, as an editor plugin keeps it
+        doc = f"bench/{f.name}"
+        for k in range(per_file + 1):
+            pos = start + k
+            line_end = text.find("\n", pos)
+            line_end = len(text) if line_end < 0 else line_end
+            prefix, suffix = text[window:pos], text[line_end : line_end + 1000]
+            n = 1 if k == 0 else 16  # k == 0 primes the caches: the editor opened the file before typing
+            req = fimble_request(prefix, suffix, doc, n, heal=False)
+            a = fimble_keystroke(engine, req)
+            b = None
+            if server:
+                ids = builder.build(req).ids
+                b = server.infill(*split_fim(ids, target), n)
+                if k == 0 and f == files[0]:
+                    rows["prompt_check"] = {
+                        "fimble_prompt_tokens": len(ids),
+                        "server_tokens_evaluated": b[3].get("tokens_evaluated"),
+                    }
+            c = fimble_keystroke(engine, fimble_request(prefix, suffix, doc + "#heal", n, heal=True))
+            if k == 0:
+                continue
+            for name, res in zip(names, (a, b, c), strict=True):
+                if res is not None:
+                    rows[name]["ttft_ms"].append(res[1] * 1e3)
+                    rows[name]["line_ms"].append(res[2] * 1e3)
+                    rows[name]["texts"].append(res[0])
+            if b is not None:
+                compared += 1
+                identical += int(a[0] == b[0])
+        print(f"  typed {per_file} keys into {f.name}  load {load()[0]}", file=sys.stderr, flush=True)
+    rows["identical"] = {"identical": identical, "compared": compared}
+    return rows
+
+
+def split_fim(ids: list[int], tok) -> tuple[list[int], list[int]]:
+    """fimble's suffix-first prompt [SUF] suffix [PRE] prefix [MID] as /infill's (prefix ids, suffix ids)."""
+    tpl = tok.template
+    suf, pre, mid = tok.token_id(tpl.suffix_token), tok.token_id(tpl.prefix_token), tok.token_id(tpl.middle_token)
+    if tpl.order != "spm" or ids[0] != suf or ids[-1] != mid or ids.count(pre) != 1:
+        raise RuntimeError("unexpected fimble prompt layout: cannot give llama-server the same prompt")
+    cut = ids.index(pre)
+    return ids[cut + 1 : -1], ids[1:cut]
+
+
+# -- report -------------------------------------------------------------------------------------
+def cold_table(rows: dict) -> list[dict]:
+    table = []
     for name, r in rows.items():
-        ratios = "".join(f" {sum(r['e2e']) / sum(rows[p]['e2e']):14.2f}" for p in peers)
-        print(f"{name:24s} {med(r['e2e']):8.1f} {med(r['ttft']):8.1f} {med(r['decode_tps']):9.1f} "
-              f"{r['identical']:>4d}/{len(r['e2e']):<4d}{ratios}")
-    if why:
-        print(f"llama.cpp rows missing: {why}")
-    print(f"\nkeystroke loop, threads={threads}: {len(keyrows['fimble']['ttft'])} keys")
-    for name, r in keyrows.items():
-        if r["ttft"]:
-            print(f"{name:24s} TTFT median {med(r['ttft']):7.1f} ms  p90 {pct(r['ttft'], 0.9):7.1f} ms   "
-                  f"first line/16 tokens median {med(r['line']):7.1f} ms  p90 {pct(r['line'], 0.9):7.1f} ms")
+        table.append(
+            {
+                "system": name,
+                "e2e_ms_median": med(r["e2e_ms"]),
+                "e2e_ms_mean": statistics.fmean(r["e2e_ms"]),
+                "ttft_ms_median": med(r["ttft_ms"]),
+                "decode_tok_s": r["decode_tok_s"],
+                "identical": f"{r['identical']}/{r['compared']}" if r["compared"] else "-",
+                "accepted_per_drafted": f"{r['draft_accepted']}/{r['draft_n']}" if r["draft_n"] else "-",
+            }
+        )
+    return table
 
 
-def print_headline(report: dict, why: str) -> None:
-    threads = min(report["runs"])
-    cold = report["runs"][threads]["cold"]
-    auto = sum(cold["fimble auto"]["e2e"])
-    la = os.getloadavg()
-    if "llama.cpp f32 plain" in cold:
-        base = sum(cold["llama.cpp f32 plain"]["e2e"])
-        srv = cold.get("llama-server + draft")
-        extra = f", {auto / sum(srv['e2e']):.2f}x llama-server + draft" if srv else ""
-        print(f"headline (threads={threads}, load {la[0]:.1f}): fimble auto end to end {auto / base:.2f}x the time "
-              f"of llama.cpp f32 plain{extra}; fimble plain {sum(cold['fimble plain']['e2e']) / base:.2f}x")
-    else:
-        plain = sum(cold["fimble plain"]["e2e"])
-        print(f"headline (threads={threads}, load {la[0]:.1f}): fimble auto {auto / plain:.2f}x the time of fimble "
-              f"plain; int8 auto {sum(cold['fimble int8 auto']['e2e']) / plain:.2f}x; no llama.cpp: {why}")
+def ratios(cold: dict, keys: dict | None, prec: str) -> dict:
+    """Each bar of issue 10 as a ratio and whether it is met (against llama.cpp of the same precision)."""
+    out: dict = {}
+
+    def e2e(name):
+        return sum(cold[name]["e2e_ms"])
+
+    for q in PRECISIONS:
+        if f"llama.cpp plain ({q})" in cold:
+            r = e2e("fimble plain") / e2e(f"llama.cpp plain ({q})")
+            out[f"plain_time_vs_llamacpp_{q}"] = {
+                "ratio": r,
+                **({"bar": "<= 1.00", "met": r <= 1.0} if q == prec else {}),
+            }
+    if "llama-server + draft" in cold:
+        r = e2e("fimble default") / e2e("llama-server + draft")
+        out["default_time_vs_server_draft"] = {"ratio": r, "bar": "<= 1.00", "met": r <= 1.0}
+        r = cold["fimble default"]["decode_tok_s"] / cold["llama-server + draft"]["decode_tok_s"]
+        out["default_decode_rate_vs_server_draft"] = {"ratio": r, "bar": ">= 1.30", "met": r >= 1.3}
+    if keys and keys["llama-server + draft"]["ttft_ms"]:
+        f, s = keys["fimble"], keys["llama-server + draft"]
+        r = med(f["ttft_ms"]) / med(s["ttft_ms"])
+        out["keystroke_ttft_median_vs_server"] = {"ratio": r, "bar": "<= 1.00", "met": r <= 1.0}
+        r = med(f["line_ms"]) / med(s["line_ms"])
+        out["keystroke_first_line_median_vs_server"] = {"ratio": r, "bar": "<= 0.75", "met": r <= 0.75}
+    return out
+
+
+def print_run(run: dict) -> None:
+    th, lb, la = run["threads"], run["load_before"], run["load_after"]
+    print(
+        f"\ncold prompts: {run['prompts']} prompts x {run['tokens']} tokens, greedy, threads={th}, "
+        f"fimble runtime {run['fimble_runtime']}, load average before {lb} after {la}"
+    )
+    print(f"{'system':26s} {'e2e ms med':>10s} {'TTFT ms':>8s} {'dec tok/s':>9s} {'identical':>9s} {'drafts acc':>12s}")
+    for row in run["cold_table"]:
+        print(
+            f"{row['system']:26s} {row['e2e_ms_median']:10.1f} {row['ttft_ms_median']:8.1f} "
+            f"{row['decode_tok_s']:9.1f} {row['identical']:>9s} {row['accepted_per_drafted']:>12s}"
+        )
+    keys = run.get("keystroke")
+    if keys:
+        ident = keys["identical"]
+        print(
+            f"\nkeystroke loop, threads={th}: {len(keys['fimble']['ttft_ms'])} keys in "
+            f"{', '.join(run['typing_files'])}; fimble and llama-server outputs identical "
+            f"{ident['identical']}/{ident['compared']}"
+        )
+        for name in ("fimble", "llama-server + draft", "fimble, LSP prompt (healing)"):
+            r = keys[name]
+            if r["ttft_ms"]:
+                print(
+                    f"{name:30s} TTFT median {med(r['ttft_ms']):6.1f} ms  p90 {pct(r['ttft_ms'], 0.9):6.1f} ms   "
+                    f"first line/16 tokens median {med(r['line_ms']):6.1f} ms  p90 {pct(r['line_ms'], 0.9):6.1f} ms"
+                )
+    for what in run["skipped"]:
+        print(f"skipped: {what}")
+    print(f"\nratios, threads={th} (time ratios: below 1 means fimble is faster):")
+    for name, r in run["ratios"].items():
+        bar = f"  bar {r['bar']}: {'met' if r['met'] else 'NOT met'}" if "bar" in r else ""
+        print(f"  {name:40s} {r['ratio']:6.2f}{bar}")
+
+
+def headline(report: dict) -> str:
+    run = report["runs"][0]
+    r = run["ratios"]
+    parts = [
+        f"threads={run['threads']}",
+        f"weights {report['precision']}",
+        f"fimble runtime {run['fimble_runtime']}",
+        f"load {run['load_after'][0]}",
+    ]
+    bits = []
+    if "default_time_vs_server_draft" in r:
+        bits.append(
+            f"fimble default {r['default_time_vs_server_draft']['ratio']:.2f}x llama-server+draft's time, "
+            f"{r['default_decode_rate_vs_server_draft']['ratio']:.2f}x its decode rate"
+        )
+    q = report["precision"]
+    if f"plain_time_vs_llamacpp_{q}" in r:
+        bits.append(f"fimble plain {r[f'plain_time_vs_llamacpp_{q}']['ratio']:.2f}x llama.cpp {q} plain's time")
+    if "keystroke_ttft_median_vs_server" in r:
+        bits.append(
+            f"keystroke TTFT {r['keystroke_ttft_median_vs_server']['ratio']:.2f}x, first line "
+            f"{r['keystroke_first_line_median_vs_server']['ratio']:.2f}x llama-server's"
+        )
+    met = [v["met"] for v in r.values() if "met" in v]
+    bits.append(f"issue-10 bars met {sum(met)}/{len(met)}" if met else "no llama.cpp peer ran")
+    return f"headline ({', '.join(parts)}): " + "; ".join(bits)
+
+
+# -- main ---------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="3 prompts x 32 tokens, 8 keys, 1 thread: under 60 s")
+    ap.add_argument("--prompts", type=int)
+    ap.add_argument("--tokens", type=int)
+    ap.add_argument("--keys", type=int, help="keystrokes in the typing loop (spread over --files files)")
+    ap.add_argument("--files", type=int, help="files typed into (default 3; --quick 1)")
+    ap.add_argument("--threads", help="comma-separated thread counts for every system (default 1,2; --quick 1)")
+    ap.add_argument("--llama-server", "--server", dest="server", help="llama-server binary (or env LLAMA_SERVER)")
+    ap.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="f32",
+        help="weights of fimble, llama-server and the compared llama.cpp row: f32, or q8_0 "
+        "(fimble: FIMBLE_QUANT=int8, which is q8_0 on the ggml runtime)",
+    )
+    ap.add_argument(
+        "--draft-max",
+        type=int,
+        default=3,
+        help="llama-server's --spec-draft-n-max (default 3, its own: the best in an interleaved sweep)",
+    )
+    ap.add_argument("--draft-p-min", type=float, help="llama-server's --spec-draft-p-min (default: its own)")
+    ap.add_argument(
+        "--fimble-runtime",
+        choices=("compact", "ggml"),
+        default=os.environ.get("FIMBLE_RUNTIME"),
+        help="fimble's runtime, passed as env FIMBLE_RUNTIME (default: the env's, else fimble's default)",
+    )
+    ap.add_argument("--gguf-dir", type=Path, default=Path.home() / ".cache" / "fimble" / "gguf")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    n_prompts = args.prompts or (3 if args.quick else 24)
+    n_tokens = args.tokens or (32 if args.quick else 96)
+    keys = args.keys if args.keys is not None else (8 if args.quick else 60)
+    n_files = args.files or (1 if args.quick else 3)
+    thread_counts = [int(t) for t in (args.threads or ("1" if args.quick else "1,2")).split(",")]
+    prec, other = args.precision, next(q for q in PRECISIONS if q != args.precision)
+    quant = "int8" if prec == "q8_0" else "none"
+    # Before fimble loads anything; the engine process inherits them.
+    if args.fimble_runtime:
+        os.environ["FIMBLE_RUNTIME"] = args.fimble_runtime
+    os.environ["FIMBLE_QUANT"] = quant
+    t_start = now()
+
+    import torch
+
+    from engine.drafters import ModelDrafter, NgramDrafter
+    from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+    from engine.process import EngineProcess
+    from engine.prompt_plan import PromptBuilder
+
+    skipped: list[str] = []
+    ggufs = ensure_ggufs(args.gguf_dir, DEFAULT_TARGET, DEFAULT_DRAFT)
+    server_bin, why_server = find_server(args.server)
+    if not server_bin:
+        skipped.append(f"llama-server rows: {why_server}")
+    report: dict = {
+        "command": " ".join(["python", *sys.argv]),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "precision": prec,
+        "fimble_runtime_requested": os.environ.get("FIMBLE_RUNTIME", "(unset)"),
+        "model": {
+            "target": DEFAULT_TARGET.name,
+            "draft": DEFAULT_DRAFT.name,
+            "gguf": {k: str(v) for k, v in ggufs.items()},
+        },
+        "runs": [],
+    }
+    files = typing_files(n_files, args.seed) if keys else []
+
+    for threads in thread_counts:
+        # Thread count of every fimble runtime: torch here, the ggml runtime (read when it loads)
+        # and the engine process (inherits the environment).
+        os.environ["OMP_NUM_THREADS"] = os.environ["FIMBLE_GGML_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        target, draft = load_model(DEFAULT_TARGET, quant=quant), load_model(DEFAULT_DRAFT, quant=quant)
+        rt_name = runtime_name(target)
+        builder = PromptBuilder(target)
+        prompts = [
+            builder.build(fimble_request(p, s, None, n_tokens, heal=False)).ids
+            for p, s in cold_prompts(n_prompts, args.seed)
+        ]
+        run = {
+            "threads": threads,
+            "load_before": load(),
+            "prompts": n_prompts,
+            "tokens": n_tokens,
+            "fimble_runtime": rt_name,
+            "typing_files": [f.name for f in files],
+            "skipped": list(skipped),
+        }
+        md, ng = ModelDrafter(draft.runtime, draft.max_len), NgramDrafter(history=0)
+        systems = {
+            REF: partial(fimble_cold, target, "none", n=n_tokens),
+            "fimble default": partial(fimble_cold, target, "auto", n=n_tokens, model_drafter=md, ngram=ng),
+        }
+        peers: list = []
+        server = None
+        try:
+            try:
+                for q in PRECISIONS:
+                    peers.append(LlamaWorker(ggufs[f"target-{q}"], threads))
+                    systems[f"llama.cpp plain ({q})"] = partial(peers[-1].cold, n=n_tokens)
+                code = "\n".join(corpus_files())
+                snippets = [code[i : i + 400] for i in range(0, 50 * 997, 997)]
+                ids = peers[0].tokenize(snippets)
+                report["token_ids_identical"] = (
+                    f"{sum(a == target.encode(s) for a, s in zip(ids, snippets, strict=True))}/50"
+                )
+                report["llama_cpp_python"] = peers[0].info.get("llama_cpp_python")
+            except RuntimeError as exc:
+                run["skipped"].append(f"llama.cpp plain rows (llama-cpp-python): {exc}")
+            if server_bin:
+                server = LlamaServer(
+                    server_bin,
+                    ggufs[f"target-{prec}"],
+                    ggufs[f"draft-{prec}"],
+                    threads,
+                    args.draft_max,
+                    args.gguf_dir / f"llama-server-t{threads}.log",
+                    args.draft_p_min,
+                )
+                run["llama_server"] = {"cmd": " ".join(server.cmd[1:]), "build": server.props.get("build_info", "?")}
+                systems["llama-server + draft"] = partial(server.cold, n=n_tokens)
+            for fn in systems.values():  # warm-up, not timed
+                fn(prompts[0])
+            cold = cold_run(systems, prompts, n_tokens, target.stop_ids, f"llama.cpp plain ({other})")
+            run["cold"], run["cold_table"] = cold, cold_table(cold)
+            keyrows = None
+            if files:
+                engine = EngineProcess(DEFAULT_TARGET, DEFAULT_DRAFT)
+                try:
+                    run["engine_info"] = engine.info
+                    keyrows = keystroke_run(engine, server, target, files, keys, args.seed)
+                finally:
+                    engine.close()
+                run["keystroke"] = keyrows
+        finally:
+            for p in peers:
+                p.close()
+            if server:
+                server.close()
+        del target, draft, md, systems  # free this thread count's runtimes before the next loads
+        run["load_after"] = load()
+        run["ratios"] = ratios(run["cold"], keyrows, prec)
+        report["runs"].append(run)
+        print_run(run)
+    report["wall_s"] = round(now() - t_start, 1)
+    report["headline"] = headline(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    print(f"\n{report['headline']}  [{report['wall_s']} s]")
 
 
 if __name__ == "__main__":
