@@ -34,8 +34,10 @@ log = logging.getLogger(__name__)
 APP = "fimble"
 DEPLOYMENT = "EngineReplica"
 ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
-RETRIES = 8  # sends of one request to replicas that keep dying, before it fails
-RETRY_BACKOFF_S = (0.0, 0.25, 0.5, 1.0, 1.0, 2.0, 2.0, 2.0)
+# Sends of one request to replicas that keep dying, and the wait before each: about 20 s in all, time
+# for Serve to see the death and for the router to drop the replica from its ring.
+RETRY_BACKOFF_S = (0.0, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 4.0)
+RETRIES = len(RETRY_BACKOFF_S)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ About a minute on the 2-core CI machine (Ray's start is most of it); skipped wit
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install -e '.[ray]')")
@@ -16,6 +18,7 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install
 from conftest import DRAFT_DIR, TARGET_DIR  # noqa: E402
 
 from engine.api import CompletionRequest, DecodeOptions  # noqa: E402
+from engine.ray_serve import APP, DEPLOYMENT  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's pydantic v1-style fields
 
@@ -31,6 +34,12 @@ DOCS = [f"session-{i % 3}\x00file:///src/mod{i}.py" for i in range(12)]
 def _request(doc: str, i: int, max_tokens: int = 24) -> CompletionRequest:
     prefix, suffix = PROMPTS[i % len(PROMPTS)]
     return CompletionRequest(prefix, suffix, DecodeOptions(max_tokens=max_tokens), document_id=doc)
+
+
+def _long_request(doc: str) -> CompletionRequest:
+    """A completion that runs its whole length (a counting list does not end by itself)."""
+    prefix = "numbers = [" + ", ".join(str(i) for i in range(1, 40)) + ", "
+    return CompletionRequest(prefix, "]\n", DecodeOptions(max_tokens=600), document_id=doc)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +67,8 @@ def expected():
 
     local = open_serve_engine(str(TARGET_DIR), str(DRAFT_DIR), threads=1)
     threading.Thread(target=local.serve_forever, daemon=True).start()
-    out = {i: local.submit(_request("local", i)).collect() for i in range(len(PROMPTS))}
+    out: dict = {i: local.submit(_request("local", i)).collect() for i in range(len(PROMPTS))}
+    out["long"] = local.submit(_long_request("local")).collect()
     local.close()
     return out
 
@@ -90,17 +100,40 @@ def test_ray_serve_answers_keeps_affinity_and_survives_a_replica_kill(cluster, e
         assert report["document_requests"] == 3
 
     # Kill one replica: its documents are served elsewhere, with no error and the same text.
+    # A long completion is under way on the victim (its first delta has arrived) when it is killed: the
+    # request goes to the other replica, and the editor gets the whole text once, without an error.
     victim_doc = DOCS[0]
     victim = engine.replica_counters(victim_doc)
-    in_flight = engine.submit(_request(victim_doc, 0, max_tokens=64))
+    in_flight = engine.submit(_long_request(victim_doc))
+    deltas = iter(in_flight)
+    first = next(deltas)
     ray.kill(ray.get_actor(victim["actor"], namespace="serve"), no_restart=True)
-    text = in_flight.collect()
-    assert expected[0].startswith(text) or text.startswith(expected[0])
+    text = first.text + "".join(d.text for d in deltas)
+    assert text == expected["long"]
+    assert in_flight.result.stats["replica"] != victim["replica"]
+    # (600 tokens take far longer than one ray.kill: the decode was cut and sent again)
+    assert in_flight.result.stats["attempts"] >= 2 and engine.counters()["replica_retries"] >= 1
     for n, doc in enumerate(DOCS):
         text, replica = _complete(engine, doc, n)
         assert text == expected[n % len(PROMPTS)]
         assert replica != victim["replica"]
     assert engine.counters()["errors"] == 0
+
+    # Serve replaces the replica: two run again, and new documents reach the new one too.
+    from ray import serve
+
+    def running() -> int:
+        app = serve.status().applications[APP]
+        return app.deployments[DEPLOYMENT].replica_states.get("RUNNING", 0)
+
+    deadline = time.monotonic() + 180
+    while running() < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert running() == 2
+    replicas = set()
+    for n in range(16):
+        replicas.add(_complete(engine, f"after\x00file:///new{n}.py", n)[1])
+    assert victim["replica"] not in replicas and len(replicas) == 2
 
 
 def test_fimble_serve_fronts_the_ray_replicas(cluster, expected):
