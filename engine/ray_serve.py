@@ -178,7 +178,12 @@ def deploy(options: RayOptions) -> Any:
             ray.init(**kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise FimbleError(f"could not start or join the Ray cluster: {str(exc).splitlines()[0][:200]}") from None
-    serve.start(proxy_location=ProxyLocation.Disabled)  # editors reach replicas through handles only
+    # Serve logs every deployment step at INFO in this process: quiet unless fimble's own log level asks.
+    quiet = logging.getLogger().getEffectiveLevel() > logging.INFO
+    if quiet:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    logs = {"log_level": "WARNING" if quiet else "INFO"}
+    serve.start(proxy_location=ProxyLocation.Disabled, logging_config=logs)  # editors reach replicas by handle
     deployment = serve.deployment(
         EngineReplica,
         name=DEPLOYMENT,
@@ -192,7 +197,7 @@ def deploy(options: RayOptions) -> Any:
             request_router_kwargs={"num_virtual_nodes": 100, "num_fallback_replicas": 0},
         ),
     )
-    return serve.run(deployment.bind(options.engine), name=APP, route_prefix=None)
+    return serve.run(deployment.bind(options.engine), name=APP, route_prefix=None, logging_config=logs)
 
 
 def _is_replica_death(exc: BaseException) -> bool:
