@@ -4,9 +4,9 @@ Two wire formats:
 
 - ``openai``: ``POST {base}/completions`` of an OpenAI-compatible server (vLLM, SGLang, llama-server,
   Ollama, ``fimble serve``). When the model's FIM template is known (``template``, or recognised in the
-  model name), fimble lays the FIM prompt out itself (engine/fim.py) and sends ``prompt`` alone: vLLM and
-  SGLang reject ``suffix``. Otherwise it sends ``prompt`` + ``suffix`` and the server applies its own
-  template (Ollama, fimble serve).
+  model name), fimble lays the FIM prompt out itself (engine/fim.py) and sends ``prompt`` alone (vLLM
+  rejects ``suffix``, and servers' own FIM handling varies). Otherwise it sends ``prompt`` + ``suffix``
+  and the server applies its own template (Ollama, fimble serve).
 - ``llamacpp``: llama.cpp's ``POST {base}/infill`` (``input_prefix``, ``input_suffix``, ``cache_prompt``):
   the server lays out the FIM prompt from its GGUF's own FIM tokens.
 
