@@ -36,6 +36,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -159,6 +160,10 @@ class RemoteEngine:
     """An ``Engine`` whose model runs on an HTTP server. Same calls as ``EngineProcess``."""
 
     error: str | None = None  # a remote engine never "dies": each request reports its own failure
+    # Called from request threads with (level, message) when requests start failing and when they recover
+    # (EngineHost shows it in the editor); None: only the log hears.
+    notify: Callable[[str, str], None] | None = None
+    _failing: str | None = None
 
     def __init__(self, spec: RemoteSpec):
         check_spec(spec)
@@ -223,6 +228,23 @@ class RemoteEngine:
 
     def alive(self) -> bool:
         return True
+
+    def _health(self, error: str | None, reason: str) -> None:
+        """Log a failure, and tell the user (``notify``) when the server starts failing and when it is back:
+        once each, not at every keystroke."""
+        if error is not None:
+            log.warning("%s", error)
+        if reason == "cancelled":
+            return
+        with self._lock:
+            was, self._failing = self._failing, error
+        notify = self.notify
+        if notify is None:
+            return
+        if error is not None and was is None:
+            notify("warning", f"fimble: {error}")
+        elif error is None and was is not None:
+            notify("info", f"fimble: remote engine {self.spec.url} answers again")
 
     def close(self) -> None:
         with self._lock:
@@ -381,8 +403,7 @@ class _Call:
             eng._open.pop(self.rid, None)
             eng._counters["events"] += self.events
             eng._counters[{"error": "errors", "cancelled": "cancelled"}.get(reason, "completed")] += 1
-        if error is not None:
-            log.warning("%s", error)
+        eng._health(error, reason)
         text, _ = self.rules.cut(self.raw)
         rest = text[self.sent :] if reason != "error" and reason != "cancelled" else ""
         now = time.perf_counter()

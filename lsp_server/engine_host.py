@@ -241,6 +241,9 @@ class EngineHost:
                 await asyncio.sleep(delay)  # backoff: engines have been failing soon after starting
             self._engine = await _in_daemon_thread(lambda: _start(settings))
             log.info("engine ready: %s", self._engine.info)
+            if hasattr(self._engine, "notify"):  # a remote engine: tell the editor when its server fails / is back
+                loop = asyncio.get_running_loop()
+                self._engine.notify = lambda level, text: loop.call_soon_threadsafe(self.notice, level, text)
             if self._watchdog is None or self._watchdog.done():
                 self._watchdog = asyncio.create_task(self._watch())
         except FimbleError as exc:

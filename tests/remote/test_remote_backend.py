@@ -220,6 +220,36 @@ async def test_lsp_answers_from_a_remote_engine(server):
         assert items and items[0]["insertText"].startswith("return a + b"), answer
         sent = [r for r in server.requests if r["path"] == "/v1/completions"]
         assert sent and sent[-1]["body"]["prompt"].endswith("def add(a, b):\n    ")
+
+        # The server fails: the editor is told once, in one line (not at every request), and again when it is back.
+        async def complete_new_document(n: int) -> None:
+            doc = f"file:///tmp/fimble-remote/add{n}.py"
+            lsp.send(did_open(doc, PREFIX + SUFFIX))
+            await lsp.call(
+                "textDocument/inlineCompletion",
+                {"textDocument": {"uri": doc}, "position": {"line": 1, "character": 4}, "context": {"triggerKind": 1}},
+            )
+
+        server.script = Script(status=500)
+        for n in range(3):
+            await complete_new_document(n)
+        failed = len(server.requests)
+        server.script = Script(chunks=["return ", "a + b", "\n"], finish="stop")
+        await complete_new_document(3)
+
+        def shown() -> list[str]:
+            return [m["params"]["message"] for m in lsp.seen if m.get("method") == "window/showMessage"]
+
+        end = time.monotonic() + 30
+        while not any("answers again" in m for m in shown()) and time.monotonic() < end:
+            try:
+                await lsp.next(timeout=1)
+            except TimeoutError:
+                pass
+        failing = [m for m in shown() if "HTTP 500" in m]
+        assert failing == [f"fimble: remote engine {server.url}/v1: HTTP 500 Internal Server Error: model not found"]
+        assert any("answers again" in m for m in shown())
+        assert failed >= 4  # the three failing completions reached the server
     finally:
         await lsp.stop()
 
