@@ -177,6 +177,29 @@ def test_cancel_closes_the_http_stream(server):
     assert engine.counters()["cancelled"] == 1
 
 
+def test_https_verifies_the_certificate(tmp_path, monkeypatch):
+    import ssl
+
+    pytest.importorskip("cryptography", reason="cryptography makes the test certificate")
+    from fake_servers import self_signed
+
+    cert, key = self_signed(tmp_path)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    server = FakeServer(tls=ctx)
+    try:
+        # not trusted: a one-line error, nothing sent in clear
+        engine = RemoteEngine(RemoteSpec("openai", server.url + "/v1", model="m"))
+        with pytest.raises(FimbleError, match="TLS certificate not trusted"):
+            engine.submit(_request()).collect()
+        # trusted through the standard SSL_CERT_FILE: answers
+        monkeypatch.setenv("SSL_CERT_FILE", cert)
+        engine = RemoteEngine(RemoteSpec("openai", server.url + "/v1", model="m"))
+        assert engine.submit(_request()).collect() == "def add(a, b):\n    return a + b\n"
+    finally:
+        server.close()
+
+
 def test_plain_http_to_another_machine_is_refused_unless_asked():
     with pytest.raises(FimbleError, match="plain http to 10.0.0.7"):
         RemoteEngine(RemoteSpec("openai", "http://10.0.0.7:8000/v1", model="m"))
