@@ -125,7 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-active", type=int, default=64, help="sequences stepped together (1-1024)")
     srv.add_argument("--no-batch", action="store_true",
                      help="step sequences round-robin, one forward each, instead of one batched forward")
-    srv.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default; up to 1024)")
+    srv.add_argument("--threads", type=int, default=1,
+                     help="torch threads (default 1: batched passes then equal solo ones bit for bit; 0: torch's "
+                          "default; up to 1024)")
     srv.add_argument("--kv-budget-mb", type=int, default=0, help="KV cache budget in MiB (0: the default)")
     srv.add_argument("--model-name", default="fimble", help="the model name the OpenAI API reports")
     srv.add_argument("--log-level", default=os.environ.get("FIMBLE_LOG", "WARNING"))

@@ -11,8 +11,12 @@ attention, which needs each sequence's own cache, runs per sequence, exactly as
 Lossless: a row's result must not depend on the other rows. CPU fp32 GEMM (MKL) picks a
 different kernel below a few rows (measured: rows of 1-3-row matmuls differ in the last bit
 from the same rows in a 4+ row matmul; 4+ rows agree bit for bit), so every projection here
-runs on at least ``MIN_ROWS`` rows (zero rows pad a small batch). A sequence's logits are then
-the same bit for bit whether it runs alone or among others (tests/serve/test_batched.py).
+runs on at least ``MIN_ROWS`` rows (zero rows pad a small batch). With one intra-op thread (the
+daemon's default on CPU) a sequence's logits are then the same bit for bit whether it runs alone
+or among others (tests/serve/test_batched.py). With several threads MKL splits the rows between
+them, and a thread's share of fewer than 4 rows takes the other kernel again (measured: 2 threads,
+a 9-row pass, one row differs), so batched results may then differ from solo ones in the last bit,
+which changes a greedy token only at a fp32 tie, as a verify block against a 1-token step does.
 int8 weights (engine/quant.py) are batch-invariant by construction and are not padded.
 They are not bit-identical to ``CompactTransformer.forward`` on one row (that takes the
 1-row kernel): like a verify block against a 1-token step, they may differ at a fp32 tie.

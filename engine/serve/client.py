@@ -91,6 +91,8 @@ class WSEngine:
         deadline, delay = time.monotonic() + timeout, RETRY_FIRST_S
         while True:
             try:
+                # Entered as a context manager: websockets >= 17.1 deprecates using connect()'s result
+                # directly (legacy=True is unknown before 17.1); close() ends it.
                 return connect(
                     self.url,
                     additional_headers=headers,
@@ -98,7 +100,7 @@ class WSEngine:
                     compression=None,
                     open_timeout=min(10.0, max(1.0, timeout)),
                     user_agent_header=None,
-                )
+                ).__enter__()
             except InvalidStatus as exc:  # the daemon answered and said no: retrying will not help
                 status = exc.response.status_code
                 what = "a valid token (--engine-token-file)" if status == 401 else f"HTTP {status}"

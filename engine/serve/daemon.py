@@ -176,6 +176,8 @@ class EngineDaemon:
                 await openai_http.handle(self, head, reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        except asyncio.CancelledError:  # shutting down: end quietly (asyncio would log a cancelled callback task)
+            pass
         except Exception:  # the details stay in the log at DEBUG: no traceback reaches a client
             log.debug("connection failed", exc_info=True)
             log.warning("a connection failed (details at log level DEBUG)")

@@ -141,7 +141,7 @@ class ServeEngine(LocalEngine):
         if self._threads:
             torch.set_num_threads(self._threads)
         while True:
-            idle = not self._active and not self._held
+            idle = not self._active and not self._held and not self._forgets
             if not self._take(block=idle and not self._prewarms):
                 break  # close()
             self._admit()

@@ -1,0 +1,92 @@
+"""A real ``fimble serve`` daemon in a subprocess (port 0, token required), and small clients for it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SERVE_CMD = [sys.executable, "-m", "lsp_server", "serve"]
+START_TIMEOUT_S = 120.0  # a loaded 2-core machine: wide, the tests assert outcomes, never speed
+
+
+class ServeProcess:
+    """``fimble serve --port 0 --require-token --token-file F``; the port read from the line it prints."""
+
+    def __init__(self, *extra: str):
+        self.dir = tempfile.mkdtemp(prefix="fimble-serve-test-")
+        self.token = "test-token-" + os.urandom(12).hex()
+        self.token_file = os.path.join(self.dir, "token")
+        Path(self.token_file).write_text(self.token + "\n")
+        self.log_path = os.path.join(self.dir, "stderr.log")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, FIMBLE_DEFAULT_MODEL=os.environ.get("FIMBLE_DEFAULT_MODEL", "embedded"))
+        self.proc = subprocess.Popen(
+            [*SERVE_CMD, "--port", "0", "--threads", "1", "--require-token", "--token-file", self.token_file, *extra],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
+            env=env,
+        )
+        self.port = self._wait_port()
+        self.url = f"ws://127.0.0.1:{self.port}"
+
+    def stderr(self) -> str:
+        return Path(self.log_path).read_text(errors="replace")
+
+    def _wait_port(self) -> int:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            found = re.search(r"on ws://127\.0\.0\.1:(\d+)", self.stderr())
+            if found:
+                return int(found.group(1))
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fimble serve exited: {self.stderr()[-2000:]}")
+            time.sleep(0.1)
+        raise RuntimeError("fimble serve did not start")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def post(port: int, body: dict | bytes, token: str | None, path: str = "/v1/completions") -> tuple[int, dict, str]:
+    """POST JSON; (status, headers, body text)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    conn.request("POST", path, body if isinstance(body, bytes) else json.dumps(body), headers)
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    return resp.status, dict(resp.getheaders()), text
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
+
+
+def wait_for(pred, timeout: float = 60.0, every: float = 0.05):
+    """Poll ``pred()`` until it returns a truthy value (returned); AssertionError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(every)
