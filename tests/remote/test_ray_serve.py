@@ -100,6 +100,19 @@ def test_ray_serve_answers_keeps_affinity_and_survives_a_replica_kill(cluster, e
         assert report["document_requests"] == 3
 
     # Kill one replica: its documents are served elsewhere, with no error and the same text.
+    # Cancel reaches the replica: its engine stops the decode (counted there), the stream ends "cancelled".
+    doc = DOCS[1]
+    before = engine.replica_counters(doc).get("cancelled", 0)
+    stream = engine.submit(_long_request(doc))
+    deltas = iter(stream)
+    next(deltas)
+    stream.cancel()
+    assert list(deltas)[-1].finish_reason == "cancelled"
+    deadline = time.monotonic() + 60
+    while engine.replica_counters(doc).get("cancelled", 0) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert engine.replica_counters(doc)["cancelled"] == before + 1
+
     # A long completion is under way on the victim (its first delta has arrived) when it is killed: the
     # request goes to the other replica, and the editor gets the whole text once, without an error.
     victim_doc = DOCS[0]
