@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.compact import CompactTransformer, KVCache, rotate
+from engine.compact import CompactTransformer, KVCache
 from engine.kv_store import common_prefix
 
 BLOCKS = (1, 2, 4, 8, 16)
@@ -56,41 +56,102 @@ class StaticInputs:
         self.offsets = torch.arange(size, device=device)
 
 
-def static_forward(model: CompactTransformer, cache: KVCache, inp: StaticInputs, block: int, keys_len: int) -> Tensor:
-    """One pass over ``block`` tokens at positions start.. with attention over ``keys_len`` keys.
+def _rope_tables(model: CompactTransformer, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sign-folded sin at ``positions``: rotate(x) = x*cos + swap_halves(x)*sin_signed.
 
-    Shapes depend only on (block, keys_len); positions only on device tensors. Elementwise math is
-    the eager path's (engine/compact.py Block.forward); attention is masked instead of sliced.
-    Returns float32 logits for every row, shape [block, vocab].
+    Folding rotate()'s negation into the table saves a kernel and changes no bit: -(a*b) == (-a)*b.
+    """
+    cos = model.rope_cos.index_select(0, positions.reshape(-1))
+    sin = model.rope_sin.index_select(0, positions.reshape(-1))
+    half = sin.shape[-1] // 2
+    sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    shape = (*positions.shape, 1, cos.shape[-1])
+    return cos.view(shape), sin.view(shape)
+
+
+def forward_batch(
+    model: CompactTransformer,
+    keys: Tensor,
+    values: Tensor,
+    tokens: Tensor,
+    starts: Tensor,
+    keys_len: int,
+    last: Tensor | None = None,
+    attention: str = "sdpa",
+) -> Tensor:
+    """``tokens`` [S, T]: T tokens for each of S sequences, sequence s at positions starts[s]..; static shapes.
+
+    ``keys``/``values``: [layers, S, kv_heads, max_len, head_dim]. Attention runs over the first
+    ``keys_len`` slots, masked by position, so neither growth nor rollback needs a new graph. Rows past a
+    sequence's real tokens are padding: their keys/values land past its end, where no real query looks
+    and the next pass overwrites them. ``last`` [S]: return only that row of each sequence.
+    Returns float32 logits, [S, vocab] with ``last``, else [S * T, vocab].
     """
     cfg = model.cfg
     heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    group = heads // kv_heads
-    positions = inp.start + inp.offsets[:block]
-    cos = model.rope_cos.index_select(0, positions)
-    sin = model.rope_sin.index_select(0, positions)
-    # Key j is visible to the query at position p when j <= p; rows ordered (group member, query).
-    visible = torch.arange(keys_len, device=positions.device)[None, :] <= positions[:, None]
-    mask = visible.repeat(group, 1)
-    x = model.embed(inp.tokens[:block])
+    group, half = heads // kv_heads, hd // 2
+    s, t = tokens.shape
+    dev = tokens.device
+    positions = starts[:, None] + torch.arange(t, device=dev)[None, :]  # [S, T]
+    cos, sin = _rope_tables(model, positions)  # [S, T, 1, hd]
+    # Additive mask, rows ordered (group member, token) as the queries below; built once, not per layer.
+    # Its storage is padded to 16 columns so the attention kernel needs no aligned copy per layer.
+    padded = -(-keys_len // 16) * 16
+    visible = torch.arange(padded, device=dev)[None, None, :] <= positions[:, :, None]  # [S, T, padded]
+    mask_dtype = model.dtype if attention == "sdpa" else torch.float32  # matmul scores are added in fp32
+    mask = torch.zeros(visible.shape, dtype=mask_dtype, device=dev).masked_fill_(~visible, float("-inf"))
+    mask = mask.repeat(1, group, 1)[:, None, :, :keys_len]  # [S, 1, G*T, keys_len]
+    rows = torch.arange(s, device=dev)
+    x = model.embed(tokens).view(s * t, -1)
     for i, layer in enumerate(model.layers):
-        q, k, v = layer.qkv(layer.attn_norm(x)).split(layer.splits, dim=-1)
-        q = rotate(q.view(block, heads, hd).transpose(0, 1), cos, sin)
-        k = rotate(k.view(block, kv_heads, hd).transpose(0, 1), cos, sin)
-        v = v.view(block, kv_heads, hd).transpose(0, 1)
-        cache.keys[i].index_copy_(1, positions, k)
-        cache.values[i].index_copy_(1, positions, v)
-        keys, values = cache.keys[i, :, :keys_len], cache.values[i, :, :keys_len]
+        qkv = layer.qkv(layer.attn_norm(x)).view(s, t, heads + 2 * kv_heads, hd)
+        qk = qkv[:, :, : heads + kv_heads]
+        qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin  # q and k rotated together
+        q, k, v = qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads :]
+        if s == 1:
+            keys[i, 0].index_copy_(1, positions[0], k[0].transpose(0, 1))
+            values[i, 0].index_copy_(1, positions[0], v[0].transpose(0, 1))
+        else:
+            keys[i][rows[:, None], :, positions] = k
+            values[i][rows[:, None], :, positions] = v
+        kc, vc = keys[i, :, :, :keys_len], values[i, :, :, :keys_len]
         # Grouped-query attention as plain attention: the query heads sharing a kv head become rows.
-        qg = q.reshape(kv_heads, group * block, hd)
-        attn = F.scaled_dot_product_attention(qg.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask)[
-            0
-        ]
-        attn = attn.view(heads, block, hd)
-        x = x + layer.o_proj(attn.transpose(0, 1).reshape(block, -1))
+        qg = q.reshape(s, t, kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(s, kv_heads, group * t, hd)
+        if attention == "sdpa":
+            attn = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)
+        else:  # plain matmuls: parallel over keys, where a fused kernel may get few blocks at batch 1
+            scores = torch.add(mask, torch.matmul(qg, kc.transpose(-1, -2)), alpha=hd**-0.5)
+            attn = torch.matmul(torch.softmax(scores.float(), dim=-1).to(qg.dtype), vc)
+        attn = attn.view(s, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(s * t, heads * hd)
+        x = torch.addmm(x, attn, layer.o_proj.weight.t())
         gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
-        x = x + layer.down(F.silu(gate) * up)
+        x = torch.addmm(x, F.silu(gate) * up, layer.down.weight.t())
+    if last is not None:
+        x = x.view(s, t, -1)[rows, last]
     return model.lm_head(model.norm(x)).float()
+
+
+def static_forward(
+    model: CompactTransformer,
+    cache: KVCache,
+    inp: StaticInputs,
+    block: int,
+    keys_len: int,
+    attention: str = "sdpa",
+    fn: Callable[..., Tensor] = forward_batch,
+) -> Tensor:
+    """One sequence: ``block`` tokens at positions inp.start..; float32 logits [block, vocab].
+
+    ``fn``: forward_batch itself, or a torch.compile'd forward_batch (fused elementwise kernels)."""
+    return fn(
+        model,
+        cache.keys.unsqueeze(1),
+        cache.values.unsqueeze(1),
+        inp.tokens[:block].view(1, -1),
+        inp.start.view(1),
+        keys_len,
+        attention=attention,
+    )
 
 
 def capture(fn: Callable[[], Tensor], pool) -> tuple[torch.cuda.CUDAGraph, Tensor]:
@@ -113,8 +174,12 @@ class GraphRuntime:
     are a view of the graph's static output: valid until the next call on this runtime.
     """
 
-    def __init__(self, model: CompactTransformer, max_caches: int = 4):
+    def __init__(self, model: CompactTransformer, max_caches: int = 4, attention: str = "sdpa", compile: bool = False):
         self.model = model
+        self.attention = attention  # "sdpa" or "matmul" (forward_batch)
+        # torch.compile fuses the elementwise work between the matmuls (one compile per captured shape:
+        # minutes, so opt-in; bench/gpu.py --compile measures it).
+        self.fn = torch.compile(forward_batch, dynamic=False, fullgraph=True) if compile else forward_batch
         self.max_caches = max_caches
         # On a CPU (tests only: maybe_wrap never wraps a CPU model) the static passes run without graphs.
         self.use_graphs = model.device.type == "cuda"
@@ -150,7 +215,9 @@ class GraphRuntime:
         graphs = entry[1]
         key = (block, keys_len)
         if key not in graphs:
-            graphs[key] = capture(lambda: static_forward(self.model, cache, self.inp, block, keys_len), self.pool)
+            graphs[key] = capture(
+                lambda: static_forward(self.model, cache, self.inp, block, keys_len, self.attention, self.fn), self.pool
+            )
             self.captures += 1
         return graphs[key]
 
@@ -169,7 +236,7 @@ class GraphRuntime:
             graph.replay()
             self.replays += 1
         else:
-            logits = static_forward(self.model, cache, self.inp, block, keys_len)
+            logits = static_forward(self.model, cache, self.inp, block, keys_len, self.attention, self.fn)
         cache.length = start + t
         n = min(num_logits, t)
         return logits[t - n : t]
@@ -237,39 +304,26 @@ class BatchedCache:
 
 @torch.inference_mode()
 def batched_forward(
-    model: CompactTransformer, cache: BatchedCache, tokens: Tensor, positions: Tensor, keys_len: int
+    model: CompactTransformer,
+    cache: BatchedCache,
+    tokens: Tensor,
+    positions: Tensor,
+    keys_len: int,
+    last: Tensor | None = None,
+    attention: str = "sdpa",
 ) -> Tensor:
-    """One token for each of the cache's streams, stream i at ``positions[i]`` (device tensors).
-
-    Static shapes, so one graph serves every step while all positions stay under ``keys_len``.
-    Returns float32 logits [streams, vocab].
-    """
-    cfg = model.cfg
-    s, heads, kv_heads, hd = tokens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    rows = torch.arange(s, device=tokens.device)
-    cos = model.rope_cos.index_select(0, positions)[:, None, :]
-    sin = model.rope_sin.index_select(0, positions)[:, None, :]
-    mask = (torch.arange(keys_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
-    x = model.embed(tokens)
-    for i, layer in enumerate(model.layers):
-        q, k, v = layer.qkv(layer.attn_norm(x)).split(layer.splits, dim=-1)
-        q = rotate(q.view(s, heads, hd), cos, sin)
-        k = rotate(k.view(s, kv_heads, hd), cos, sin)
-        cache.keys[i][rows, :, positions] = k
-        cache.values[i][rows, :, positions] = v.view(s, kv_heads, hd)
-        keys, values = cache.keys[i, :, :, :keys_len], cache.values[i, :, :, :keys_len]
-        attn = F.scaled_dot_product_attention(q.view(s, kv_heads, heads // kv_heads, hd), keys, values, attn_mask=mask)
-        x = x + layer.o_proj(attn.reshape(s, heads * hd))
-        gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
-        x = x + layer.down(F.silu(gate) * up)
-    return model.lm_head(model.norm(x)).float()
+    """Every stream of ``cache`` at once: ``tokens`` [S] (one each) or [S, T]; stream i starts at positions[i]."""
+    tokens = tokens if tokens.dim() == 2 else tokens[:, None]
+    return forward_batch(model, cache.keys, cache.values, tokens, positions, keys_len, last, attention)
 
 
 __all__ = [
     "BLOCKS",
     "BatchedCache",
-    "GraphRuntime", "StaticInputs",
+    "GraphRuntime",
+    "StaticInputs",
     "batched_forward",
+    "forward_batch",
     "block_bucket",
     "capture",
     "key_bucket",

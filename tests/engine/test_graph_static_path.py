@@ -11,7 +11,7 @@ import torch
 from prompts import fim_prompts
 
 from engine.api import CompletionRequest
-from engine.cuda_graphs import GraphRuntime, block_bucket, key_bucket, maybe_wrap
+from engine.cuda_graphs import BatchedCache, GraphRuntime, batched_forward, block_bucket, key_bucket, maybe_wrap
 from engine.drafters import ModelDrafter, NgramDrafter
 from engine.local import LocalEngine
 from engine.speculative import DecodeOptions, SpeculativeDecoder
@@ -68,3 +68,27 @@ def test_static_decode_equals_eager_greedy(embedded_target, embedded_draft):
                 assert (dec.stats.drafted, dec.stats.accepted) == (ref.stats.drafted, ref.stats.accepted)
                 drafted += dec.stats.drafted
     assert drafted > 0
+
+
+def test_batched_forward_matches_one_sequence_at_a_time(embedded_target):
+    """Streams of a batched cache, each at its own position, with several new tokens each."""
+    model = embedded_target.runtime
+    texts = ["def foo(x):\n    return", "import os\nimport sys\n", "class A:\n    pass\n\n\nclass B(A):"]
+    prompts = [embedded_target.encode(t) for t in texts]
+    new = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    cache = BatchedCache(model, len(prompts), 300)
+    expected = []
+    for i, p in enumerate(prompts):
+        model(torch.tensor(p), cache.slot(i), 0, 1)
+        own = model.new_cache(300)
+        model(torch.tensor(p), own, 0, 1)
+        expected.append(model(new[i], own, len(p), 4))
+    starts = torch.tensor([len(p) for p in prompts])
+    for attention in ("sdpa", "matmul"):
+        logits = batched_forward(model, cache, new, starts, 256, attention=attention).view(3, 4, -1)
+        for i in range(3):
+            torch.testing.assert_close(logits[i], expected[i], atol=1e-4, rtol=1e-4)
+        last = torch.tensor([3, 1, 2])
+        rows = batched_forward(model, cache, new, starts, 256, last, attention)
+        for i in range(3):
+            torch.testing.assert_close(rows[i], expected[i][last[i]], atol=1e-4, rtol=1e-4)

@@ -2,7 +2,8 @@
 
 The embedded pair in bf16 on >= 200 FIM prompts from the frozen corpus: eager plain greedy is the
 reference; graph plain and graph speculative (draft model + n-gram, the draft model's steps graphed
-too) must produce the same tokens. Skipped without CUDA (CI has none); run on the GPU machine with
+too) must produce the same tokens, and graph plain must equal the same static passes run uncaptured
+exactly (capture and replay change nothing). Skipped without CUDA (CI has none); run on the GPU machine with
 ``python3 -m pytest -s tests/gpu``.
 
 bf16 logits depend on a pass's kernels: the graph path attends over a masked, bucketed key length and
@@ -67,6 +68,11 @@ def test_graph_greedy_equals_eager_greedy():
     eager_cache, graph_cache = target.runtime.new_cache(max_len), target.runtime.new_cache(max_len)
     md = ModelDrafter(g_draft, max_len)
     ngram = NgramDrafter(history=0)
+    # The same static passes run without capture: replaying a graph must reproduce them bit for bit.
+    s_target = GraphRuntime(target.runtime)
+    s_target.use_graphs = False
+    static_cache = target.runtime.new_cache(max_len)
+    same_as_static = 0
     identical = {"graph plain": 0, "graph spec: auto": 0, "graph spec: draft model": 0}
     ties, mismatches, accepted = [], [], []
     for n, prompt in enumerate(prompts):
@@ -77,6 +83,9 @@ def test_graph_greedy_equals_eager_greedy():
             "graph spec: draft model": _decode(g_target, graph_cache, prompt, "model", md, None),
         }
         accepted.append(runs["graph spec: draft model"].stats.mean_accepted)
+        same_as_static += (
+            _decode(s_target, static_cache, prompt, "none", None, None).output == runs["graph plain"].output
+        )
         for name, dec in runs.items():
             if dec.output == ref.output:
                 identical[name] += 1
@@ -92,6 +101,7 @@ def test_graph_greedy_equals_eager_greedy():
     )
     for name, count in identical.items():
         print(f"  {name:24s} identical to eager plain greedy: {count}/{N_PROMPTS}")
+    print(f"  graph plain identical to the same passes run uncaptured: {same_as_static}/{N_PROMPTS}")
     print(f"  near ties (prompt, path, position, margin eager, margin graph, tolerance): {len(ties)}")
     for case in ties:
         print(f"    {case}")
@@ -102,5 +112,6 @@ def test_graph_greedy_equals_eager_greedy():
         f"draft {g_draft.replays}"
     )
     assert not mismatches
+    assert same_as_static == N_PROMPTS
     assert g_target.replays > 0 and g_draft.replays > 0  # the graphs really ran
     assert sum(accepted) / len(accepted) > 1.3  # speculation really happened
