@@ -179,7 +179,7 @@ class GraphRuntime:
         self.attention = attention  # "sdpa" or "matmul" (forward_batch)
         # torch.compile fuses the elementwise work between the matmuls (one compile per captured shape:
         # minutes, so opt-in; bench/gpu.py --compile measures it).
-        self.fn = torch.compile(forward_batch, dynamic=False, fullgraph=True) if compile else forward_batch
+        self.fn = torch.compile(forward_batch, dynamic=False) if compile else forward_batch
         self.max_caches = max_caches
         # On a CPU (tests only: maybe_wrap never wraps a CPU model) the static passes run without graphs.
         self.use_graphs = model.device.type == "cuda"
