@@ -28,7 +28,7 @@ PROMPTS = [
     ("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        ", "\n"),
     ("def fib(n):\n    if n < 2:\n        return n\n    return ", "\n"),
 ]
-DOCS = [f"session-{i % 3}\x00file:///src/mod{i}.py" for i in range(12)]
+DOCS = [f"session-{i % 3}\x00file:///src/mod{i}.py" for i in range(16)]
 
 
 def _request(doc: str, i: int, max_tokens: int = 24) -> CompletionRequest:
@@ -88,7 +88,7 @@ def test_ray_serve_answers_keeps_affinity_and_survives_a_replica_kill(cluster, e
         text, replica = _complete(engine, doc, n)
         assert text == expected[n % len(PROMPTS)]
         served[doc] = replica
-    assert len(set(served.values())) == 2, "12 documents all hashed to one replica"
+    assert len(set(served.values())) == 2, "16 documents all hashed to one replica (odds about 1 in 30,000)"
 
     # Affinity: a document's next requests go to the same replica, which counts them.
     for n, doc in enumerate(DOCS):
