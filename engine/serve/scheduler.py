@@ -13,8 +13,9 @@ round collects one pass from every active sequence and runs them together:
 Drafting stays per sequence (its own ``ModelDrafter`` bound to its document's draft cache).
 Each sequence keeps its own accepted length, cache and detokeniser.
 
-Fairness: a new request is admitted at the next round, so its prefill runs alongside the
-others' steps and a long completion never holds back another editor's first token.
+Fairness: a new request is admitted at the next round and prefills ``PREFILL_CHUNK`` tokens
+per round alongside the others' steps, so neither a long completion nor a long prompt holds
+back another editor's first token for more than a round.
 Cancellation is checked before every step of every sequence (stops within one step); a
 request that waits is finished at once when cancelled. Two requests for the same document
 never run together (they share a cache): the newer waits for the older, which the editor
@@ -49,6 +50,9 @@ SCHED_COUNTERS = (
     "sched_admitted",
 )
 MAX_ACTIVE = 64  # sequences stepped together; more wait their turn
+# Prompt tokens a sequence prefills per round. A new request's prompt (often 1,000+ tokens on its
+# first keystroke in a file) then costs the others' step at most this many rows per round.
+PREFILL_CHUNK = 128
 
 
 class StepDecoder(SpeculativeDecoder):
@@ -59,11 +63,6 @@ class StepDecoder(SpeculativeDecoder):
     """
 
     _pending: tuple[Draft, int] | None = None
-
-    def prefill_pass(self, prompt: list[int], reuse: int) -> Forward:
-        if reuse < self.cache.length:
-            self.cache.rollback(reuse)
-        return Forward(torch.tensor(prompt[reuse:], dtype=torch.long, device=self.runtime.device), self.cache, reuse, 1)
 
     def prefill_done(self, prompt: list[int], logits: torch.Tensor) -> list[int]:
         first = self._choose(logits[-1])
@@ -277,7 +276,19 @@ class ServeEngine(LocalEngine):
             if runs:  # shift reuse: scattered positions, its own pass (compact runtime)
                 first = decoder.prefill(prompt, reuse, runs)
             else:
-                first = decoder.prefill_done(prompt, (yield decoder.prefill_pass(prompt, reuse)))
+                if reuse < doc.target.length:
+                    doc.target.rollback(reuse)
+                pos, logits = reuse, None
+                while pos < len(prompt):  # a chunk per round: a long prompt never stalls the others' steps
+                    if stream.cancelled and pos > reuse:  # typed on: keep what is computed for the next keystroke
+                        doc.ids, doc.exact_len = list(prompt[:pos]), pos
+                        self._finish(stream, "", "cancelled", 0, {"prompt_tokens": len(prompt)})
+                        return
+                    end = min(len(prompt), pos + PREFILL_CHUNK)
+                    chunk = torch.tensor(prompt[pos:end], dtype=torch.long, device=self.target.runtime.device)
+                    logits = yield Forward(chunk, doc.target, pos, 1)
+                    pos = end
+                first = decoder.prefill_done(prompt, logits)
             self._count("tokens_prefilled", prefilled)
             self._count("tokens_reused", len(prompt) - prefilled)
             self._count("tokens_shifted", shifted)
