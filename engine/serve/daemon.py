@@ -253,15 +253,17 @@ class EngineDaemon:
         outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
+        def enqueue(data: bytes) -> None:
+            if outbox.qsize() >= OUTBOX_LIMIT:  # the client stopped reading: drop it, not our memory
+                ws.transport.abort()
+                return
+            outbox.put_nowait(data)
+
         def send(msg: dict) -> None:  # from any thread
-            data = protocol.pack(msg)
-            loop.call_soon_threadsafe(outbox.put_nowait, data)
+            loop.call_soon_threadsafe(enqueue, protocol.pack(msg))
 
         async def writer() -> None:
             while (data := await outbox.get()) is not None:
-                if outbox.qsize() > OUTBOX_LIMIT:  # the client stopped reading
-                    await ws.close(1008, "client too slow")
-                    return
                 await ws.send(data)
 
         write_task = asyncio.create_task(writer())
@@ -274,6 +276,10 @@ class EngineDaemon:
                 except ProtocolError as exc:
                     self.counts["bad_messages"] += 1
                     send({"op": "error", "error": str(exc)})
+                except Exception:  # a message we did not foresee must not end the session (nor log its text)
+                    self.counts["bad_messages"] += 1
+                    log.debug("message failed", exc_info=True)
+                    send({"op": "error", "error": "the message could not be handled"})
         except ConnectionClosed:
             pass
         finally:
@@ -282,6 +288,8 @@ class EngineDaemon:
             try:
                 await asyncio.wait_for(write_task, 5)
             except (TimeoutError, ConnectionClosed):
+                write_task.cancel()
+            except Exception:  # the client vanished while we flushed: nothing left to tell it
                 write_task.cancel()
 
     def _dispatch(self, session: _Session, msg: dict, send) -> str | None:

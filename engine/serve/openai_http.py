@@ -25,7 +25,6 @@ from websockets.datastructures import Headers
 from engine.api import CompletionRequest, DecodeOptions, Delta
 from engine.serve.protocol import OPTION_MAX
 
-MAX_BODY = 16 << 20
 MAX_PROMPT_CHARS = 4_000_000
 FINISH = {"stop": "stop", "eos": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 
@@ -82,7 +81,7 @@ async def handle(daemon: Any, head: bytes, reader: asyncio.StreamReader, writer:
             raise HTTPError(404, f"no route for {method} {path[:100]}", "not_found_error")
         if method != "POST":
             raise HTTPError(405, "use POST for /v1/completions")
-        body = await _read_body(headers, reader)
+        body = await _read_body(headers, reader, daemon.options.max_message)
         request, stream_mode, _model = _completion_request(body)
         await _complete(daemon, request, stream_mode, daemon.options.model_name, reader, writer)
     except HTTPError as exc:
@@ -93,15 +92,15 @@ async def handle(daemon: Any, head: bytes, reader: asyncio.StreamReader, writer:
     await writer.drain()
 
 
-async def _read_body(headers: Headers, reader: asyncio.StreamReader) -> dict:
+async def _read_body(headers: Headers, reader: asyncio.StreamReader, limit: int) -> dict:
     if "Transfer-Encoding" in headers:
         raise HTTPError(411, "send the body with a Content-Length")
     try:
         length = int(headers.get("Content-Length", ""))
     except ValueError:
         raise HTTPError(411, "a Content-Length header is required") from None
-    if not 0 <= length <= MAX_BODY:
-        raise HTTPError(413, f"the body must be at most {MAX_BODY} bytes")
+    if not 0 <= length <= limit:  # --max-message-mb, as for websocket messages
+        raise HTTPError(413, f"the body must be at most {limit} bytes")
     data = await asyncio.wait_for(reader.readexactly(length), 60)
     try:
         body = json.loads(data)

@@ -20,16 +20,27 @@ START_TIMEOUT_S = 120.0  # a loaded 2-core machine: wide, the tests assert outco
 class ServeProcess:
     """``fimble serve --port 0 --require-token --token-file F``; the port read from the line it prints."""
 
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, port: int = 0, token_file: str | None = None):
         self.dir = tempfile.mkdtemp(prefix="fimble-serve-test-")
-        self.token = "test-token-" + os.urandom(12).hex()
-        self.token_file = os.path.join(self.dir, "token")
-        Path(self.token_file).write_text(self.token + "\n")
+        self.token_file = token_file or os.path.join(self.dir, "token")
+        if token_file is None:
+            Path(self.token_file).write_text("test-token-" + os.urandom(12).hex() + "\n")
+        self.token = Path(self.token_file).read_text().strip()
         self.log_path = os.path.join(self.dir, "stderr.log")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ, FIMBLE_DEFAULT_MODEL=os.environ.get("FIMBLE_DEFAULT_MODEL", "embedded"))
         self.proc = subprocess.Popen(
-            [*SERVE_CMD, "--port", "0", "--threads", "1", "--require-token", "--token-file", self.token_file, *extra],
+            [
+                *SERVE_CMD,
+                "--port",
+                str(port),
+                "--threads",
+                "1",
+                "--require-token",
+                "--token-file",
+                self.token_file,
+                *extra,
+            ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=self._log,
