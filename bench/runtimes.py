@@ -1,0 +1,136 @@
+"""CPU runtimes side by side under fimble's engine: compact torch (f32) against ggml (llama.cpp kernels,
+f32 and q8_0), plain and auto (n-gram + draft model) speculative decoding.
+
+Same prompts (bench/engine.py's: HumanEval infilling and cursors in stdlib files), greedy, exactly
+--tokens new tokens each (no early stop), runtimes interleaved per prompt, one thread each by default.
+Checks that each runtime's auto output equals its own plain output.
+
+    FIMBLE_GGML_LIB=... python bench/runtimes.py [--quick] [--threads N] [--model DIR --draft DIR] [--json PATH]
+
+The last line is the headline: ggml's plain and auto speed as a ratio of compact's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from engine.api import CompletionRequest  # noqa: E402
+from engine.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
+from engine.local import LocalEngine  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("bench_engine", REPO / "bench" / "engine.py")
+bench_engine = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_engine)
+
+VARIANTS = {"compact f32": ("compact", "none"), "ggml f32": ("ggml", "none"), "ggml q8_0": ("ggml", "int8")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="few prompts, under a minute")
+    ap.add_argument("--prompts", type=int)
+    ap.add_argument("--tokens", type=int)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", default=str(DEFAULT_TARGET))
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="'' for none (auto is then n-gram only)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    n_prompts = args.prompts or (4 if args.quick else 24)
+    n_tokens = args.tokens or (48 if args.quick else 96)
+    torch.set_num_threads(args.threads)
+    os.environ["FIMBLE_GGML_THREADS"] = str(args.threads)
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    models = {}
+    for name in names:
+        rt, quant = VARIANTS[name]
+        target = load_model(args.model, runtime=rt, quant=quant)
+        draft = load_model(args.draft, runtime=rt, quant=quant) if args.draft else None
+        models[name] = (target, ModelDrafter(draft.runtime, draft.max_len) if draft else None)
+    builder = LocalEngine(models[names[0]][0], None, start_thread=False)
+    prompts = []
+    for _, prefix, suffix in bench_engine.make_prompts(n_prompts, args.seed):
+        ids, _, _ = builder.build_prompt(CompletionRequest(prefix, suffix, heal=False))
+        prompts.append(ids)
+    ngram = NgramDrafter(history=0)
+    methods = {}
+    for name, (target, drafter) in models.items():
+        methods[f"{name} plain"] = (name, target, "none", None)
+        methods[f"{name} auto"] = (name, target, "auto", drafter)
+
+    def run(spec, prompt):
+        _, target, mode, drafter = spec
+        return bench_engine.run_fimble(
+            target, mode, prompt, n_tokens, drafter, ngram if mode != "none" else None, "cpu"
+        )
+
+    for spec in methods.values():  # warm-up: first-call costs untimed
+        run(spec, prompts[0])
+    rows = {m: {"seconds": 0.0, "tokens": 0, "accepted": [], "equal_plain": 0} for m in methods}
+    loads = []
+    for i, prompt in enumerate(prompts):
+        plain_out = {}
+        for m, spec in methods.items():  # interleaved per prompt
+            out, secs, acc = run(spec, prompt)
+            r = rows[m]
+            r["seconds"] += secs
+            r["tokens"] += len(out)
+            if spec[2] == "none":
+                plain_out[spec[0]] = out
+            else:
+                r["accepted"].append(acc)
+            r["equal_plain"] += int(out == plain_out[spec[0]])
+        loads.append(os.getloadavg()[0])
+        print(f"  prompt {i + 1}/{len(prompts)} ({len(prompt)} tokens)", file=sys.stderr, flush=True)
+    base = {
+        mode: rows[f"{names[0]} {mode}"]["tokens"] / rows[f"{names[0]} {mode}"]["seconds"] for mode in ("plain", "auto")
+    }
+    print(
+        f"\nruntimes: {len(prompts)} prompts x {n_tokens} tokens, greedy, {args.threads} thread(s), "
+        f"model {Path(args.model).name}, load average {min(loads):.1f}-{max(loads):.1f} (1 min)"
+    )
+    print(f"{'method':22s} {'tok/s':>8s} {'x ' + names[0]:>16s} {'acc/step':>9s} {'= own plain':>12s}")
+    table = []
+    for m, r in rows.items():
+        tps = r["tokens"] / r["seconds"]
+        mode = "plain" if m.endswith("plain") else "auto"
+        acc = sum(r["accepted"]) / len(r["accepted"]) if r["accepted"] else 1.0
+        table.append(
+            {
+                "method": m,
+                "tokens_per_s": tps,
+                "ratio": tps / base[mode],
+                "accepted_per_step": acc,
+                "equal_own_plain": r["equal_plain"],
+                "prompts": len(prompts),
+            }
+        )
+        print(f"{m:22s} {tps:8.1f} {tps / base[mode]:16.2f} {acc:9.2f} {r['equal_plain']:>8d}/{len(prompts)}")
+    if args.json:
+        args.json.write_text(
+            json.dumps({"threads": args.threads, "tokens": n_tokens, "loadavg": loads, "rows": table}, indent=1)
+        )
+    best = {
+        mode: max((t for t in table if t["method"].endswith(mode)), key=lambda t: t["tokens_per_s"])
+        for mode in ("plain", "auto")
+    }
+    print(
+        f"headline: {best['plain']['method']} {best['plain']['ratio']:.2f}x and {best['auto']['method']} "
+        f"{best['auto']['ratio']:.2f}x {names[0]} ({args.threads} thread, load {max(loads):.1f})"
+    )
+
+
+if __name__ == "__main__":
+    main()

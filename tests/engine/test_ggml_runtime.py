@@ -1,0 +1,162 @@
+"""The ggml runtime (engine/ggml_runtime.py): llama.cpp's kernels under fimble's engine, real models.
+
+Skipped where no llama.cpp library loads (the optional 'ggml' extra needs glibc >= 2.38; the
+'bench' extra builds one from source). ``FIMBLE_SLOW=1`` runs the lossless check on 200 prompts
+per weight type instead of 60.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import DRAFT_DIR, TARGET_DIR
+from lossless_check import compare_drafters
+from prompts import fim_prompts
+
+from engine.api import CompletionRequest
+from engine.errors import ModelLoadError
+from engine.ggml_lib import unavailable_reason
+from engine.gguf_export import export_gguf
+from engine.loader import load_model
+from engine.local import LocalEngine
+from engine.options import DecodeOptions
+
+REASON = unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no llama.cpp library: {REASON}")
+CODE = (TARGET_DIR.parent.parent / "engine" / "local.py").read_text()
+N_LOSSLESS = 200 if os.environ.get("FIMBLE_SLOW") == "1" else 60
+
+
+@pytest.fixture(scope="module", params=["none", "int8"], ids=["f32", "q8_0"])
+def pair(request):
+    q = request.param
+    return (load_model(TARGET_DIR, runtime="ggml", quant=q), load_model(DRAFT_DIR, runtime="ggml", quant=q))
+
+
+def test_loads_as_ggml_and_probes_batch_invariance(pair):
+    target, draft = pair
+    assert target.backend == draft.backend == "ggml"
+    assert target.runtime.batch_invariant  # else speculative output could differ from plain at near-ties
+    assert target.template.name == "fimble" and target.encode(CODE) == load_model(TARGET_DIR).encode(CODE)
+
+
+def test_blocks_equal_steps_bit_for_bit(pair):
+    """A verify block's logits (any size, chunked past 32 rows) equal 1-token steps' exactly."""
+    rt = pair[0].runtime
+    ids = pair[0].encode(CODE)[:400]
+    cache = rt.new_cache(512)
+    rt(torch.tensor(ids[:300]), cache, 0, 1)
+    steps = torch.cat([rt(torch.tensor([ids[300 + i]]), cache, 300 + i, 1) for i in range(40)])
+    for k in (2, 5, 13, 40):
+        block = rt(torch.tensor(ids[300 : 300 + k]), cache, 300, k)
+        assert block.shape == (k, rt.vocab) and torch.equal(block, steps[:k]), k
+    # A long prefill's last row equals a re-run of its last token over the cached rest (a warm request).
+    other = rt.new_cache(512)
+    fresh = rt(torch.tensor(ids[:340]), other, 0, 1)
+    assert torch.equal(fresh, rt(torch.tensor(ids[339:340]), other, 339, 1))
+
+
+def test_rollback_then_redecode_equals_fresh_decode(pair):
+    rt = pair[0].runtime
+    ids = pair[0].encode(CODE)[:200]
+    a = rt.new_cache(256)
+    rt(torch.tensor(ids[:150]), a, 0, 1)
+    rt(torch.tensor([5, 6, 7, 8, 9]), a, 150, 5)  # a rejected draft
+    a.rollback(150)
+    again = rt(torch.tensor(ids[150:160]), a, 150, 10)
+    b = rt.new_cache(256)
+    rt(torch.tensor(ids[:150]), b, 0, 1)
+    assert torch.equal(again, rt(torch.tensor(ids[150:160]), b, 150, 10)) and a.length == 160
+    with pytest.raises(ValueError):
+        rt(torch.tensor([1]), a, 170, 1)  # a gap after the cache's length
+
+
+def test_lossless_speculative_equals_plain(pair):
+    """Greedy speculative decoding (model, n-gram, auto drafters, healing on) equals plain greedy
+    token for token: with bit-identical blocks there is not even a near tie to excuse."""
+    target, draft = pair
+    result = compare_drafters(target, draft, fim_prompts(N_LOSSLESS, window=600))
+    print(f"\nggml {N_LOSSLESS} prompts: {result.summary()}")
+    assert not result.mismatches and result.ties == 0, result.mismatches[:2]
+    assert result.mean_accepted("model") > 1.3 and result.healed >= 5
+
+
+def test_engine_completion_equals_plain_and_reuses_caches(pair):
+    target, draft = pair
+    engine = LocalEngine(target, draft, start_thread=False)
+    try:
+        first = ""
+        for i, (prefix, suffix) in enumerate(fim_prompts(6, seed=3, window=800)):
+            texts = {}
+            for drafter in ("none", "auto", "model", "ngram"):
+                req = CompletionRequest(
+                    prefix, suffix, DecodeOptions(max_tokens=24, drafter=drafter), document_id=f"doc{i}"
+                )
+                texts[drafter] = engine.complete(req)
+            assert {r.text for r in texts.values()} == {texts["none"].text}, i
+            assert texts["auto"].stats["reused_tokens"] > 0  # the document's cache was kept
+            first = first or texts["none"].text
+        # Another document with the same text borrows the leading segments (a context-to-context copy).
+        prefix, suffix = fim_prompts(1, seed=3, window=800)[0]
+        req = CompletionRequest(prefix, suffix, DecodeOptions(max_tokens=24, drafter="auto"), document_id="copy")
+        assert engine.complete(req).text == first
+        assert engine.counters()["kv_borrowed_tokens"] > 0
+    finally:
+        engine.close()
+
+
+def test_cancel_stops_a_ggml_decode(pair):
+    target, draft = pair
+    engine = LocalEngine(target, draft)
+    try:
+        opts = DecodeOptions(max_tokens=400, drafter="none")
+        stream = engine.submit(CompletionRequest(CODE[:3000], "", opts))
+        for delta in stream:  # cancel at the first text; the stream still ends, marked cancelled
+            if delta.text:
+                stream.cancel()
+        assert stream.result.finish_reason == "cancelled" and stream.result.tokens < 400
+        after = engine.submit(CompletionRequest("def add(a, b):\n    return ", "\n", DecodeOptions(max_tokens=8)))
+        after.collect()
+        assert after.result.finish_reason in ("eos", "stop", "length")
+    finally:
+        engine.close()
+
+
+def test_gguf_file_runs_on_ggml_and_a_bad_one_is_a_one_line_error(tmp_path):
+    path = export_gguf(DRAFT_DIR, tmp_path / "draft-q8_0.gguf", "q8_0")
+    model = load_model(path, runtime="ggml")
+    assert model.backend == "ggml" and model.template.name == "fimble" and model.template.order == "spm"
+    engine = LocalEngine(model, None, start_thread=False)
+    try:
+        assert engine.complete(
+            CompletionRequest("def add(a, b):\n    return ", "\n", DecodeOptions(max_tokens=8))
+        ).text.strip()
+    finally:
+        engine.close()
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf at all" * 10)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[:100_000])
+    for bad in (garbage, truncated):
+        with pytest.raises(ModelLoadError) as info:
+            load_model(bad, runtime="ggml")
+        assert bad.name in str(info.value) and "\n" not in str(info.value)
+
+
+def test_settings_are_range_checked(monkeypatch):
+    from engine.ggml_runtime import resolve_threads
+
+    assert resolve_threads(2) == 2
+    monkeypatch.setenv("FIMBLE_GGML_THREADS", "0")
+    with pytest.raises(ModelLoadError, match="out of range"):
+        resolve_threads()
+    monkeypatch.setenv("FIMBLE_GGML_THREADS", "many")
+    with pytest.raises(ModelLoadError, match="whole number"):
+        resolve_threads()
+    with pytest.raises(ModelLoadError, match="unknown runtime"):
+        load_model(TARGET_DIR, runtime="onnx")
+    monkeypatch.setenv("FIMBLE_RUNTIME", "ggml")
+    with pytest.raises(ModelLoadError, match="CPU"):
+        load_model(TARGET_DIR, device="cuda")
