@@ -46,6 +46,7 @@ from engine.cuda_graphs import (  # noqa: E402
     GraphRuntime,
     batched_forward,
     capture,
+    eager_runtime,
     key_bucket,
 )
 from engine.drafters import ModelDrafter, NgramDrafter  # noqa: E402
@@ -240,6 +241,7 @@ def pair_table(n_prompts: int, n_tokens: int, attention: tuple[str, str]) -> tup
     target = load_model(DEFAULT_TARGET, device=DEV, dtype=DTYPE)
     draft = load_model(DEFAULT_DRAFT, device=DEV, dtype=DTYPE)
     builder = LocalEngine(target, None, start_thread=False)
+    target.runtime, draft.runtime = eager_runtime(target.runtime), eager_runtime(draft.runtime)  # wrapped below
     prompts = []
     for prefix, suffix in fim_prompts(n_prompts + 1, seed=11, window=1200):
         ids, _, _ = builder.build_prompt(CompletionRequest(prefix, suffix, heal=False))
@@ -455,7 +457,7 @@ def compile_table(shapes: list[str], context: int, bw: float, reps: int) -> list
     rows = []
     for name in ["embedded target"] + shapes:
         model = (
-            load_model(DEFAULT_TARGET, device=DEV, dtype=DTYPE).runtime
+            eager_runtime(load_model(DEFAULT_TARGET, device=DEV, dtype=DTYPE).runtime)
             if name == "embedded target"
             else random_model(name)
         )
@@ -530,8 +532,8 @@ def main() -> None:
         return
 
     steps = []
-    target = load_model(DEFAULT_TARGET, device=DEV, dtype=DTYPE).runtime
-    draft = load_model(DEFAULT_DRAFT, device=DEV, dtype=DTYPE).runtime
+    target = eager_runtime(load_model(DEFAULT_TARGET, device=DEV, dtype=DTYPE).runtime)
+    draft = eager_runtime(load_model(DEFAULT_DRAFT, device=DEV, dtype=DTYPE).runtime)
     steps.append(step_table("embedded target", target, args.context, bw, reps))
     steps.append(step_table("embedded draft", draft, args.context, bw, reps))
     del target, draft

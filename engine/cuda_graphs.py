@@ -274,6 +274,11 @@ class GraphRuntime:
         return tokens, list(context) + held
 
 
+def eager_runtime(runtime):
+    """The model under a ``GraphRuntime`` (engine/loader.py wraps compact models on CUDA), else ``runtime``."""
+    return runtime.model if isinstance(runtime, GraphRuntime) else runtime
+
+
 def maybe_wrap(runtime, enabled: bool = True):
     """Wrap a compact runtime on CUDA in a ``GraphRuntime``; anything else is returned unchanged."""
     if not enabled or not isinstance(runtime, CompactTransformer) or runtime.device.type != "cuda":
@@ -325,6 +330,7 @@ __all__ = [
     "batched_forward",
     "forward_batch",
     "block_bucket",
+    "eager_runtime",
     "capture",
     "key_bucket",
     "maybe_wrap",

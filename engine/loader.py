@@ -242,6 +242,10 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
         from engine.quant import quantize_int8
 
         quantize_int8(runtime)
+    if use_compact and str(device).startswith("cuda") and os.environ.get("FIMBLE_CUDA_GRAPHS", "1") != "0":
+        from engine.cuda_graphs import GraphRuntime  # decode steps replayed as CUDA graphs (issue 11)
+
+        runtime = GraphRuntime(runtime)
     return _assemble(folder, cfg, tokenizer, template, runtime, "compact" if use_compact else "hf")
 
 

@@ -52,7 +52,7 @@ def test_graph_greedy_equals_eager_greedy():
     from prompts import fim_prompts
 
     from engine.api import CompletionRequest
-    from engine.cuda_graphs import GraphRuntime
+    from engine.cuda_graphs import GraphRuntime, eager_runtime
     from engine.drafters import ModelDrafter, NgramDrafter
     from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
     from engine.local import LocalEngine
@@ -60,6 +60,8 @@ def test_graph_greedy_equals_eager_greedy():
     target = load_model(DEFAULT_TARGET, device="cuda", dtype=torch.bfloat16)
     draft = load_model(DEFAULT_DRAFT, device="cuda", dtype=torch.bfloat16)
     builder = LocalEngine(target, None, start_thread=False)
+    # load_model wraps compact models on CUDA in a GraphRuntime: the reference is the model under it.
+    target.runtime, draft.runtime = eager_runtime(target.runtime), eager_runtime(draft.runtime)
     g_target, g_draft = GraphRuntime(target.runtime), GraphRuntime(draft.runtime)
     prompts = []
     for prefix, suffix in fim_prompts(N_PROMPTS, seed=0, window=600):
