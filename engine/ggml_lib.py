@@ -50,7 +50,7 @@ class LlamaLib:
                     self.errors.append(line)
 
         if self.ffi is not None:
-            return self.ffi.callback("void(int, const char *, void *)", on_log)
+            return self.ffi.callback("ggml_log_callback", on_log)
         import llama_cpp.llama_cpp as L
 
         return L.llama_log_callback(on_log)
