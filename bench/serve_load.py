@@ -1,12 +1,14 @@
 """Many editors typing into one ``fimble serve``: aggregate tok/s, first-delta latency, errors.
 
-Each editor is one websocket session (engine/serve/protocol.py) replaying a typing trace: it
-opens its own copy of a Python file, re-types one of its lines a character at a time, and per
-keystroke cancels its previous completion and asks for a new one at the cursor (as
-``fimble lsp`` does), waits for the first delta, thinks ``--think-ms``, types on. The last
-keystroke of a line lets its completion run to the end. Measured per concurrency level (1, 8,
-32, 64 editors): tokens decoded per second by the daemon (its ``tokens_generated`` counter over
-the level's wall time), p50/p95 time from submit to the first delta, and errors.
+Each editor is one websocket session (engine/serve/protocol.py) replaying a typing trace. All
+editors first open their own copy of a Python file at the same moment (a completion at the start
+of a line: the whole prompt is prefilled, about 1,000 tokens: "cold"). Then, together, each
+re-types the line a character at a time; per keystroke it cancels its previous completion and
+asks for a new one at the cursor (as ``fimble lsp`` does), waits for the first delta, thinks
+``--think-ms``, types on; the last keystroke's completion runs to its end. Measured per
+concurrency level (1, 8, 32, 64 editors): tokens decoded per second while typing (the daemon's
+``tokens_generated`` counter over the typing phase's wall time), p50/p95 time from a keystroke's
+submit to its first delta, the cold first delta, and errors.
 
 The peer, interleaved level by level: the same daemon code with ``--no-batch`` (round-robin:
 every sequence still steps each round, one forward each), so the ratio is what batching the
@@ -26,6 +28,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -148,38 +151,54 @@ def traces(n: int, chars: int, seed: int = 0) -> list[tuple[str, str, str]]:
     return out
 
 
-async def editor(url: str, trace: tuple[str, str, str], think_s: float, max_tokens: int, name: str) -> dict:
+async def _first_delta(q: asyncio.Queue, t0: float, wait_end: bool) -> tuple[float | None, bool]:
+    """(seconds to the first delta, whether it ended in an error); reads to the end if ``wait_end``."""
+    first, error = None, False
+    while True:
+        msg = await q.get()
+        if msg["op"] != "delta":
+            continue
+        d = msg["delta"]
+        if first is None and (d["text"] or d["finished"]):
+            first = time.perf_counter() - t0
+        error = error or d.get("finish_reason") == "error"
+        if d["finished"] or (first is not None and not wait_end):
+            return first, error
+
+
+async def editor(
+    url: str, trace: tuple[str, str, str], think_s: float, max_tokens: int, name: str, opened, go: asyncio.Event
+) -> dict:
+    """Open the file (a completion at the line's start: the cold prefill), wait for ``go``, then type."""
     before, typed, after = trace
-    s = await Session.open(url)
-    firsts: list[float] = []
-    errors = 0
-    previous: int | None = None
+    s = None
+    cold, warm, errors = None, [], 0
     try:
-        for k in range(1, len(typed) + 1):
-            if previous is not None:
-                await s.cancel(previous)
-                s.queues.pop(previous, None)  # its remaining deltas are of no interest
+        try:
+            s = await Session.open(url)
             t0 = time.perf_counter()
-            rid, q = await s.submit(before + typed[:k], after, name, max_tokens)
-            previous = rid
-            last = k == len(typed)
-            while True:
-                msg = await q.get()
-                if msg["op"] != "delta":
-                    continue
-                d = msg["delta"]
-                if d["text"] or d["finished"]:
-                    if len(firsts) < k:
-                        firsts.append(time.perf_counter() - t0)
-                    if d.get("finish_reason") == "error":
-                        errors += 1
-                if d["finished"] or (not last and len(firsts) == k):
-                    break
-            if not last:
-                await asyncio.sleep(think_s)
+            _, q = await s.submit(before, after, name, max_tokens)
+            cold, err = await _first_delta(q, t0, wait_end=True)
+            errors += err
+        finally:
+            opened()
+        await go.wait()
+        previous: int | None = None
+        for k in range(1, len(typed) + 1):
+            if previous is not None:  # a keystroke cancels the completion it outdates, as fimble lsp does
+                await s.cancel(previous)
+                s.queues.pop(previous, None)
+            t0 = time.perf_counter()
+            previous, q = await s.submit(before + typed[:k], after, name, max_tokens)
+            first, err = await _first_delta(q, t0, wait_end=k == len(typed))
+            errors += err
+            if first is not None:
+                warm.append(first)
+            await asyncio.sleep(think_s)
     finally:
-        await s.close()
-    return {"first_delta_s": firsts, "errors": errors, "requests": len(typed)}
+        if s is not None:
+            await s.close()
+    return {"cold_s": cold, "warm_s": warm, "errors": errors}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -190,32 +209,50 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: int, seed: int) -> dict:
+    """All editors open their files at once (cold), then type together; tok/s is over the typing."""
     probe = await Session.open(url)
-    before = (await probe.call("counters"))["counters"]
-    t0 = time.perf_counter()
-    results = await asyncio.gather(
+    count, all_open, go = 0, asyncio.Event(), asyncio.Event()
+
+    def opened() -> None:
+        nonlocal count
+        count += 1
+        if count == editors:
+            all_open.set()
+
+    t_open = time.perf_counter()
+    tasks = asyncio.gather(
         *(
-            editor(url, tr, think_s, max_tokens, f"file:///editor{i}.py")
+            editor(url, tr, think_s, max_tokens, f"file:///editor{i}.py", opened, go)
             for i, tr in enumerate(traces(editors, chars, seed))
         ),
         return_exceptions=True,
     )
+    await all_open.wait()
+    open_wall = time.perf_counter() - t_open
+    before = (await probe.call("counters"))["counters"]
+    t0 = time.perf_counter()
+    go.set()
+    results = await tasks
     wall = time.perf_counter() - t0
     after = (await probe.call("counters"))["counters"]
     await probe.close()
-    firsts = [x for r in results if isinstance(r, dict) for x in r["first_delta_s"]]
-    errors = sum(r["errors"] if isinstance(r, dict) else chars for r in results)  # a failed editor: all its requests
+    cold = [r["cold_s"] for r in results if isinstance(r, dict) and r["cold_s"] is not None]
+    warm = [x for r in results if isinstance(r, dict) for x in r["warm_s"]]
+    errors = sum(r["errors"] if isinstance(r, dict) else chars + 1 for r in results)  # a failed editor: all of it
     tokens = after["tokens_generated"] - before["tokens_generated"]
     rounds = after["sched_rounds"] - before["sched_rounds"]
     rows = after["sched_batched_rows"] - before["sched_batched_rows"]
     return {
         "editors": editors,
-        "requests": editors * chars,
-        "wall_s": round(wall, 2),
+        "requests": editors * (chars + 1),
+        "open_wall_s": round(open_wall, 2),
+        "cold_p50_ms": round(pct(cold, 0.5) * 1e3, 1),
+        "cold_p95_ms": round(pct(cold, 0.95) * 1e3, 1),
+        "typing_wall_s": round(wall, 2),
         "tokens": tokens,
         "tok_per_s": round(tokens / wall, 1),
-        "p50_first_delta_ms": round(pct(firsts, 0.5) * 1e3, 1),
-        "p95_first_delta_ms": round(pct(firsts, 0.95) * 1e3, 1),
+        "p50_first_delta_ms": round(pct(warm, 0.5) * 1e3, 1),
+        "p95_first_delta_ms": round(pct(warm, 0.95) * 1e3, 1),
         "errors": errors,
         "max_batch": after["sched_max_batch"],
         "mean_rows_per_round": round(rows / rounds, 1) if rounds else 0,
@@ -230,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="levels 1 and 4, 6 characters: under a minute")
     ap.add_argument("--json", metavar="PATH", help="write the results here")
+    ap.add_argument("--device", default="cpu", help="the daemons' --device (cpu, cuda)")
     args = ap.parse_args(argv)
     if args.quick:
         args.levels, args.chars = "1,4", 6
@@ -242,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         f"max_tokens {args.max_tokens}, daemon threads 1, load average {load_start[0]:.2f}",
         flush=True,
     )
-    daemons = {"batched": Daemon("--threads", "1"), "round-robin": Daemon("--threads", "1", "--no-batch")}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the daemons
+    common = ("--threads", "1", "--device", args.device)
+    daemons = {"batched": Daemon(*common), "round-robin": Daemon(*common, "--no-batch")}
     rows: list[dict] = []
     try:
         for n in levels:  # interleaved: both schedulers at one level before the next level
@@ -252,9 +292,10 @@ def main(argv: list[str] | None = None) -> int:
                 r["load_average"] = round(os.getloadavg()[0], 2)
                 rows.append(r)
                 print(
-                    f"  {name:>11} {n:>3} editors: {r['tok_per_s']:>7.1f} tok/s, first delta p50 "
-                    f"{r['p50_first_delta_ms']:>7.1f} ms p95 {r['p95_first_delta_ms']:>7.1f} ms, "
-                    f"errors {r['errors']}, rows/round {r['mean_rows_per_round']}, load {r['load_average']}",
+                    f"  {name:>11} {n:>3} editors: cold first delta p95 {r['cold_p95_ms']:>8.1f} ms; typing "
+                    f"{r['tok_per_s']:>7.1f} tok/s, first delta p50 {r['p50_first_delta_ms']:>7.1f} ms p95 "
+                    f"{r['p95_first_delta_ms']:>7.1f} ms; errors {r['errors']}, rows/round "
+                    f"{r['mean_rows_per_round']}, load {r['load_average']}",
                     flush=True,
                 )
     finally:
@@ -263,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"{'editors':>7} | {'batched tok/s':>13} | {'rr tok/s':>8} | {'ratio':>5} | {'p50 ms':>7} | {'p95 ms':>7} | "
-        f"{'rr p95 ms':>9} | errors"
+        f"{'rr p95 ms':>9} | {'cold p95 ms':>11} | {'rr cold p95':>11} | errors"
     )
     headline = ""
     for n in levels:
@@ -273,11 +314,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{n:>7} | {b['tok_per_s']:>13.1f} | {rr['tok_per_s']:>8.1f} | {ratio:>5.2f} | "
             f"{b['p50_first_delta_ms']:>7.1f} | {b['p95_first_delta_ms']:>7.1f} | {rr['p95_first_delta_ms']:>9.1f} | "
-            f"{b['errors'] + rr['errors']}"
+            f"{b['cold_p95_ms']:>11.1f} | {rr['cold_p95_ms']:>11.1f} | {b['errors'] + rr['errors']}"
         )
         headline = (
-            f"serve_load: {n} editors on one fimble serve (CPU, 1 thread): {b['tok_per_s']:.0f} tok/s "
-            f"aggregate batched vs {rr['tok_per_s']:.0f} round-robin ({ratio:.2f}x), p95 first delta "
+            f"serve_load: {n} editors typing into one fimble serve ({args.device}, 1 thread): {b['tok_per_s']:.0f} "
+            f"tok/s aggregate batched vs {rr['tok_per_s']:.0f} round-robin ({ratio:.2f}x), p95 first delta "
             f"{b['p95_first_delta_ms']:.0f} ms vs {rr['p95_first_delta_ms']:.0f} ms, "
             f"errors {b['errors'] + rr['errors']}, load average {os.getloadavg()[0]:.2f}"
         )
@@ -288,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                     "bench": "serve_load",
                     "date": time.strftime("%Y-%m-%d"),
                     "threads": 1,
+                    "device": args.device,
                     "levels": levels,
                     "chars": args.chars,
                     "think_ms": args.think_ms,
