@@ -33,6 +33,7 @@ Without llama-cpp-python or llama-server, those rows are skipped with the reason
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -141,6 +142,19 @@ def agree(ref: list[int], out: list[int], stops: set[int]) -> bool:
     """Identical up to where greedy would end (llama-server masks end tokens: ignore_eos)."""
     end = next((i for i, t in enumerate(ref) if t in stops), len(ref))
     return out[:end] == ref[:end]
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two files hold the same bytes (fimble's ggml runtime and llama.cpp load the same GGUF)."""
+
+    def digest(p: Path) -> str:
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        return h.hexdigest()
+
+    return a.stat().st_size == b.stat().st_size and digest(a) == digest(b)
 
 
 def load() -> list[float]:
@@ -315,6 +329,8 @@ def print_run(run: dict) -> None:
                     f"{name:30s} TTFT median {med(r['ttft_ms']):6.1f} ms  p90 {pct(r['ttft_ms'], 0.9):6.1f} ms   "
                     f"first line/16 tokens median {med(r['line_ms']):6.1f} ms  p90 {pct(r['line_ms'], 0.9):6.1f} ms"
                 )
+    if run["same_gguf"] is not None:
+        print(f"fimble's runtime loads the same GGUF bytes as llama.cpp: {run['same_gguf']}")
     for what in run["skipped"]:
         print(f"skipped: {what}")
     print(f"\nratios, threads={th} (time ratios: below 1 means fimble is faster):")
@@ -433,6 +449,8 @@ def main() -> None:
         torch.set_num_threads(threads)
         target, draft = load_model(DEFAULT_TARGET, quant=quant), load_model(DEFAULT_DRAFT, quant=quant)
         rt_name = runtime_name(target)
+        gguf = getattr(target.runtime, "path", None)  # the ggml runtime's GGUF (its own cached export)
+        same = same_file(Path(gguf), ggufs[f"target-{prec}"]) if gguf is not None else None
         builder = PromptBuilder(target)
         prompts = [
             builder.build(fimble_request(p, s, None, n_tokens, heal=False)).ids
@@ -446,6 +464,7 @@ def main() -> None:
             "fimble_runtime": rt_name,
             "typing_files": [f.name for f in files],
             "skipped": list(skipped),
+            "same_gguf": same,
         }
         md, ng = ModelDrafter(draft.runtime, draft.max_len), NgramDrafter(history=0)
         systems = {
