@@ -17,7 +17,7 @@ from engine.local import LocalEngine
 from engine.speculative import DecodeOptions, SpeculativeDecoder
 
 
-def _decode(runtime, draft_runtime, prompt, drafter, tokens=24):
+def _decode(runtime, draft_runtime, prompt, drafter, tokens=16):
     cache = runtime.new_cache(len(prompt) + tokens + 16)
     md = ModelDrafter(draft_runtime, cache.max_len) if draft_runtime is not None else None
     dec = SpeculativeDecoder(
@@ -58,7 +58,7 @@ def test_static_decode_equals_eager_greedy(embedded_target, embedded_draft):
     engine = LocalEngine(embedded_target, None, start_thread=False)
     target, draft = GraphRuntime(embedded_target.runtime), GraphRuntime(embedded_draft.runtime)
     drafted = 0
-    for prefix, suffix in fim_prompts(4, seed=3, window=400):
+    for prefix, suffix in fim_prompts(3, seed=3, window=300):
         prompt, _, _ = engine.build_prompt(CompletionRequest(prefix, suffix, heal=False))
         ref = _decode(embedded_target.runtime, embedded_draft.runtime, prompt, "model")
         for drafter in ("none", "model", "auto"):
