@@ -162,8 +162,9 @@ def load() -> list[float]:
 
 
 # -- runs -------------------------------------------------------------------------------------
-def cold_run(systems: dict, prompts: list[list[int]], n: int, stops: set[int], other: str) -> dict:
-    """``other``: the name of the llama.cpp row of the other weight precision (not compared)."""
+def cold_run(systems: dict, prompts: list[list[int]], n: int, stops: set[int], same: str, other: str) -> dict:
+    """Outputs are compared with fimble plain's and with ``same`` (llama.cpp plain of the same
+    precision); ``other`` (llama.cpp plain of the other precision) is compared with neither."""
     rows = {
         name: {
             "e2e_ms": [],
@@ -171,14 +172,15 @@ def cold_run(systems: dict, prompts: list[list[int]], n: int, stops: set[int], o
             "decode_s": [],
             "tokens": [],
             "identical": 0,
+            "identical_llamacpp": 0,
             "compared": 0,
+            "outputs": [],
             "draft_n": 0,
             "draft_accepted": 0,
         }
         for name in systems
     }
     for i, prompt in enumerate(prompts):
-        ref = None
         for name, fn in systems.items():  # interleaved per prompt; fimble plain first: the reference
             out, ttft, total, extra = fn(prompt)
             r = rows[name]
@@ -188,11 +190,13 @@ def cold_run(systems: dict, prompts: list[list[int]], n: int, stops: set[int], o
             r["tokens"].append(len(out))
             r["draft_n"] += int(extra.get("draft_n", extra.get("drafted", 0)))
             r["draft_accepted"] += int(extra.get("draft_n_accepted", extra.get("accepted", 0)))
-            if name == REF:
-                ref = out
-            elif name != other and ref is not None:
+            r["outputs"].append(out)
+        ref, peer = rows[REF]["outputs"][-1], rows[same]["outputs"][-1] if same in rows else None
+        for name, r in rows.items():
+            if name not in (REF, other):
                 r["compared"] += 1
-                r["identical"] += int(agree(ref, out, stops))
+                r["identical"] += int(agree(ref, r["outputs"][-1], stops))
+                r["identical_llamacpp"] += int(peer is not None and agree(peer, r["outputs"][-1], stops))
         print(f"  prompt {i + 1}/{len(prompts)}  load {load()[0]}", file=sys.stderr, flush=True)
     for r in rows.values():
         r["decode_tok_s"] = sum(t - 1 for t in r["tokens"]) / max(1e-9, sum(r["decode_s"]))
@@ -268,6 +272,7 @@ def cold_table(rows: dict) -> list[dict]:
                 "ttft_ms_median": med(r["ttft_ms"]),
                 "decode_tok_s": r["decode_tok_s"],
                 "identical": f"{r['identical']}/{r['compared']}" if r["compared"] else "-",
+                "identical_llamacpp": f"{r['identical_llamacpp']}/{r['compared']}" if r["compared"] else "-",
                 "accepted_per_drafted": f"{r['draft_accepted']}/{r['draft_n']}" if r["draft_n"] else "-",
             }
         )
@@ -308,11 +313,16 @@ def print_run(run: dict) -> None:
         f"\ncold prompts: {run['prompts']} prompts x {run['tokens']} tokens, greedy, threads={th}, "
         f"fimble runtime {run['fimble_runtime']}, load average before {lb} after {la}"
     )
-    print(f"{'system':26s} {'e2e ms med':>10s} {'TTFT ms':>8s} {'dec tok/s':>9s} {'identical':>9s} {'drafts acc':>12s}")
+    print(f"greedy outputs identical to fimble plain's (=fimble) and to llama.cpp plain {run['precision']}'s (=llama)")
+    print(
+        f"{'system':26s} {'e2e ms med':>10s} {'TTFT ms':>8s} {'dec tok/s':>9s} {'=fimble':>7s} {'=llama':>7s} "
+        f"{'drafts acc':>12s}"
+    )
     for row in run["cold_table"]:
         print(
             f"{row['system']:26s} {row['e2e_ms_median']:10.1f} {row['ttft_ms_median']:8.1f} "
-            f"{row['decode_tok_s']:9.1f} {row['identical']:>9s} {row['accepted_per_drafted']:>12s}"
+            f"{row['decode_tok_s']:9.1f} {row['identical']:>7s} {row['identical_llamacpp']:>7s} "
+            f"{row['accepted_per_drafted']:>12s}"
         )
     keys = run.get("keystroke")
     if keys:
@@ -461,6 +471,7 @@ def main() -> None:
             "load_before": load(),
             "prompts": n_prompts,
             "tokens": n_tokens,
+            "precision": prec,
             "fimble_runtime": rt_name,
             "typing_files": [f.name for f in files],
             "skipped": list(skipped),
@@ -501,7 +512,9 @@ def main() -> None:
                 systems["llama-server + draft"] = partial(server.cold, n=n_tokens)
             for fn in systems.values():  # warm-up, not timed
                 fn(prompts[0])
-            cold = cold_run(systems, prompts, n_tokens, target.stop_ids, f"llama.cpp plain ({other})")
+            cold = cold_run(
+                systems, prompts, n_tokens, target.stop_ids, f"llama.cpp plain ({prec})", f"llama.cpp plain ({other})"
+            )
             run["cold"], run["cold_table"] = cold, cold_table(cold)
             keyrows = None
             if files:
