@@ -138,3 +138,52 @@ def batched_forward(model: CompactTransformer, calls: list[Forward]) -> list[Ten
         out.append(logits[pos : pos + b - a])
         pos += b - a
     return out
+
+
+@dataclass
+class DraftNeed:
+    """A sequence's request for up to ``k`` greedy draft tokens from its draft model after ``context``."""
+
+    drafter: object  # engine.drafters.ModelDrafter, bound to the sequence's own draft cache
+    context: list[int]
+    k: int
+    gate: float
+
+
+def batched_greedy_drafts(runtime, needs: list[DraftNeed]) -> list[list[int]]:
+    """``ModelDrafter.propose`` (greedy) for many sequences at once: draft token i of every sequence
+    in one pass, so a round costs the longest draft's passes instead of the sum of all of them.
+
+    Same choices as ``propose`` (argmax; after the first token, stop below the confidence gate)
+    and the same cache bookkeeping (``drafter.ids`` holds what the draft cache holds).
+    """
+    from engine.kv_store import common_prefix
+
+    calls = []
+    for need in needs:  # bring each draft cache up to its context (usually the 1-2 tokens just committed)
+        d, ctx = need.drafter, need.context
+        common = common_prefix(d.ids, ctx, len(ctx) - 1)  # always re-run at least the last token
+        d.cache.rollback(common)
+        calls.append(Forward(torch.tensor(ctx[common:], dtype=torch.long, device=runtime.device), d.cache, common, 1))
+        d.ids = list(ctx)
+    logits = [out[-1] for out in batched_forward(runtime, calls)] if calls else []
+    tokens: list[list[int]] = [[] for _ in needs]
+    live, i = list(range(len(needs))), 0
+    while live:
+        nxt, step = [], []
+        for j in live:
+            conf = torch.softmax(logits[j], -1)
+            tok = int(conf.argmax())
+            if i > 0 and float(conf[tok]) < needs[j].gate:
+                continue
+            tokens[j].append(tok)
+            if i + 1 < needs[j].k:
+                d = needs[j].drafter
+                step.append(Forward(torch.tensor([tok], device=runtime.device), d.cache, d.cache.length, 1))
+                d.ids.append(tok)
+                nxt.append(j)
+        if step:
+            for j, out in zip(nxt, batched_forward(runtime, step), strict=True):
+                logits[j] = out[-1]
+        live, i = nxt, i + 1
+    return tokens

@@ -10,7 +10,9 @@ round collects one pass from every active sequence and runs them together:
   (engine/serve/batched.py), each sequence with its own cache and cache length;
 - round-robin (``batch=False``, or a transformers runtime): one after another.
 
-Drafting stays per sequence (its own ``ModelDrafter`` bound to its document's draft cache).
+Each sequence drafts into its own draft cache (its own ``ModelDrafter``); greedy model drafts of
+all sequences run together too, token i of every draft in one draft-model pass
+(``batched_greedy_drafts``: 1.33x tok/s at 16 sequences decoding on the 2-core CPU, measured).
 Each sequence keeps its own accepted length, cache and detokeniser.
 
 Fairness: a new request is admitted at the next round and prefills ``PREFILL_CHUNK`` tokens
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import OrderedDict
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
@@ -33,11 +36,19 @@ import torch
 
 from engine.api import CompletionRequest, CompletionStream, Delta
 from engine.detok import IncrementalDetokenizer, StopRules
-from engine.drafters import Draft, ModelDrafter
+from engine.drafters import Draft, ModelDrafter, NgramDrafter
 from engine.errors import FimbleError, PromptError
 from engine.healing import unheal
+from engine.kv_store import session_of
 from engine.local import _WAKE, REUSE_MODES, LocalEngine
-from engine.serve.batched import Forward, batched_forward, run_one, supports_batch
+from engine.serve.batched import (
+    DraftNeed,
+    Forward,
+    batched_forward,
+    batched_greedy_drafts,
+    run_one,
+    supports_batch,
+)
 from engine.speculative import SpeculativeDecoder
 
 SCHED_COUNTERS = (
@@ -53,6 +64,7 @@ MAX_ACTIVE = 64  # sequences stepped together; more wait their turn
 # Prompt tokens a sequence prefills per round. A new request's prompt (often 1,000+ tokens on its
 # first keystroke in a file) then costs the others' step at most this many rows per round.
 PREFILL_CHUNK = 128
+MAX_SESSIONS_REMEMBERED = 1024  # per-session n-gram drafters kept (least recently used dropped)
 
 
 class StepDecoder(SpeculativeDecoder):
@@ -69,14 +81,37 @@ class StepDecoder(SpeculativeDecoder):
         self.ids = list(prompt) + [first]
         return self._commit([first])
 
-    def begin_step(self) -> Forward | None:
-        """The verify pass of the next step, or None when decoding is over."""
+    def next_draft(self) -> Draft | DraftNeed | None:
+        """The next step's draft, a DraftNeed where the draft model must run it, or None when decoding is over.
+
+        ``SpeculativeDecoder._draft``'s choice, with greedy model drafts left to the scheduler, which
+        runs those of all sequences together (``batched_greedy_drafts``).
+        """
         if self.done:
             return None
         if len(self.ids) >= self.cache.max_len:
             self.done, self.finish_reason = True, "context"
             return None
-        draft = Draft([]) if self.forced else self._draft()  # healing: one constrained token at a time
+        if self.forced:  # healing: one constrained token at a time
+            return Draft([])
+        k = self.gamma if self.opt.gamma > 0 else 0
+        k = min(k, self.opt.max_tokens - len(self.output), self.cache.max_len - len(self.ids))
+        if k <= 0:
+            return Draft([])
+        if self.ngram_drafter is not None:
+            draft = self.ngram_drafter.propose(self.ids, k)
+            if len(draft.tokens) >= 2 or self.model_drafter is None:
+                return draft
+        if self.model_drafter is None:
+            return Draft([])
+        if self.opt.temperature > 0:  # sampled drafts carry their distributions: drafted here, alone
+            return self.model_drafter.propose(
+                self.ids, k, self.opt.temperature, self.opt.top_p, self.opt.confidence_gate, self.gen
+            )
+        return DraftNeed(self.model_drafter, self.ids, k, self.opt.confidence_gate)
+
+    def begin_step(self, draft: Draft) -> Forward:
+        """The verify pass of the next step, for ``draft``."""
         k = len(draft.tokens)
         start = len(self.ids) - 1
         self._pending = (draft, start)
@@ -107,7 +142,7 @@ class _Seq:
     stream: CompletionStream
     steps: Generator
     key: str
-    pending: Forward | None = None
+    pending: Forward | DraftNeed | None = None
     admitted_at: float = field(default_factory=time.monotonic)
 
 
@@ -123,6 +158,9 @@ class ServeEngine(LocalEngine):
         self._active: list[_Seq] = []
         self._held: list[tuple[CompletionRequest, CompletionStream]] = []  # submitted, not yet admitted
         self._forgets: list[str] = []  # forget requests for documents in use: done when they are free
+        # Prompt lookup remembers recent completions: one drafter per client session, so one user's
+        # completions never shape (nor, by acceptance, time) another's drafts.
+        self._ngrams: OrderedDict[str, NgramDrafter] = OrderedDict()
 
     def info(self) -> dict:
         return {
@@ -197,8 +235,9 @@ class ServeEngine(LocalEngine):
         self._gauges()
 
     def _round(self) -> None:
-        """One pass for every active sequence, then each one's next step is prepared."""
-        seqs = [s for s in self._active if s.pending is not None]
+        """Drafts, then one target pass for every active sequence, then each one's next step is prepared."""
+        self._drafts()
+        seqs = [s for s in self._active if isinstance(s.pending, Forward)]
         calls = [s.pending for s in seqs]
         runtime = self.target.runtime
         if self.batched and len(calls) > 0:
@@ -219,8 +258,22 @@ class ServeEngine(LocalEngine):
         self._snapshot_kv()
         self._gauges()
 
-    def _advance(self, seq: _Seq, logits: torch.Tensor | None) -> bool:
-        """Send ``logits`` to the sequence; True while it wants another pass."""
+    def _drafts(self) -> None:
+        """Answer every sequence waiting for greedy draft tokens: token i of all drafts in one pass."""
+        waiting = [s for s in self._active if isinstance(s.pending, DraftNeed)]
+        if not waiting:
+            return
+        needs = [s.pending for s in waiting]
+        if self.batched and supports_batch(self.draft.runtime):
+            drafts = batched_greedy_drafts(self.draft.runtime, needs)
+        else:  # round-robin: each drafter on its own, exactly as SpeculativeDecoder would
+            drafts = [n.drafter.propose(n.context, n.k, 0.0, 1.0, n.gate, None).tokens for n in needs]
+        done = {id(s) for s, tokens in zip(waiting, drafts, strict=True) if not self._advance(s, tokens)}
+        if done:
+            self._active = [s for s in self._active if id(s) not in done]
+
+    def _advance(self, seq: _Seq, logits) -> bool:
+        """Send ``logits`` (or draft tokens) to the sequence; True while it wants another pass."""
         try:
             seq.pending = seq.steps.send(logits)
             return True
@@ -240,6 +293,14 @@ class ServeEngine(LocalEngine):
             self._counters["sched_active"] = len(self._active)
             self._counters["sched_waiting"] = len(self._held)
 
+    def _ngram_drafter(self, doc_id: str) -> NgramDrafter:
+        key = session_of(doc_id)
+        drafter = self._ngrams.pop(key, None) or NgramDrafter()
+        self._ngrams[key] = drafter  # most recently used last
+        while len(self._ngrams) > MAX_SESSIONS_REMEMBERED:
+            self._ngrams.popitem(last=False)
+        return drafter
+
     # -- one request as a generator of passes --------------------------------------------
     def _steps(self, request: CompletionRequest, stream: CompletionStream) -> Generator[Forward, torch.Tensor, None]:
         """``LocalEngine._serve`` with its target passes handed to the scheduler (``yield``)."""
@@ -256,6 +317,7 @@ class ServeEngine(LocalEngine):
         t_prompt = time.perf_counter()
         doc = self._open_document(request, plan)
         drafter = ModelDrafter(self.draft.runtime, 0) if self.draft is not None else None
+        ngram = self._ngram_drafter(request.document_id or "")
         reuse = 0
         try:
             reuse, runs, shifted = self._reuse(doc, plan, request.reuse)
@@ -266,7 +328,7 @@ class ServeEngine(LocalEngine):
                 self.target.stop_ids,
                 opt,
                 drafter,
-                self.ngram_drafter,
+                ngram,
                 heal if constrained else "",
                 self.target.token_index if constrained else None,
             )
@@ -300,8 +362,7 @@ class ServeEngine(LocalEngine):
             if drafter is not None:
                 doc.draft_ids = drafter.ids if doc.ids else []
             self.store.release(doc, plan, reuse)
-        if self.ngram_drafter is not None:
-            self.ngram_drafter.remember(decoder.output)
+        ngram.remember(decoder.output)
         t_end = time.perf_counter()
         s = decoder.stats
         stats = {
@@ -346,8 +407,13 @@ class ServeEngine(LocalEngine):
             if stream.cancelled:
                 reason = "cancelled"
                 break
-            call = decoder.begin_step()
-            new_tokens = decoder.end_step((yield call)) if call is not None else []
+            draft = decoder.next_draft()
+            if draft is None:
+                new_tokens = []
+            else:
+                if isinstance(draft, DraftNeed):  # the scheduler drafts for every sequence at once
+                    draft = Draft((yield draft))
+                new_tokens = decoder.end_step((yield decoder.begin_step(draft)))
             self._count("decode_steps")
         if decoder.done and not reason:
             detok.flush()

@@ -91,6 +91,31 @@ def test_batched_pass_equals_each_sequence_alone(models, one_thread):
         assert a.length == b.length and torch.equal(a.keys[:, :, : a.length], b.keys[:, :, : b.length])
 
 
+def test_batched_drafts_equal_each_drafter_alone(models, one_thread):
+    """Greedy drafts of several sequences drafted together equal each drafted alone, and equal
+    ModelDrafter.propose's (the same choices; caches left holding the same tokens)."""
+    from engine.drafters import ModelDrafter
+    from engine.serve.batched import DraftNeed, batched_greedy_drafts
+
+    rt = models[1].runtime
+    torch.manual_seed(1)
+    contexts = [torch.randint(0, rt.cfg.vocab_size, (n,)).tolist() for n in (30, 7, 90)]
+
+    def needs() -> list[DraftNeed]:
+        out = []
+        for i, ctx in enumerate(contexts):
+            d = ModelDrafter(rt, 0)
+            d.bind(rt.new_cache(256), [])
+            out.append(DraftNeed(d, ctx, 3 + 2 * i, 0.0))  # gate 0: every draft runs its full length
+        return out
+
+    together = batched_greedy_drafts(rt, needs())
+    alone = [batched_greedy_drafts(rt, [n])[0] for n in needs()]
+    plain = [n.drafter.propose(n.context, n.k, 0.0, 1.0, n.gate, None).tokens for n in needs()]
+    assert together == alone == plain
+    assert [len(t) for t in together] == [3, 5, 7]
+
+
 def test_batched_output_equals_unbatched(models, one_thread):
     target, draft = models
     plain = LocalEngine(target, draft, start_thread=False)
