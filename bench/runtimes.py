@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from engine.api import CompletionRequest  # noqa: E402
 from engine.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
 from engine.local import LocalEngine  # noqa: E402
+from engine.speculative import DecodeOptions, SpeculativeDecoder  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_engine", REPO / "bench" / "engine.py")
 bench_engine = importlib.util.module_from_spec(_spec)
@@ -71,22 +73,30 @@ def main() -> None:
         methods[f"{name} auto"] = (name, target, "auto", drafter)
 
     def run(spec, prompt):
+        """(output, prefill seconds, decode seconds, tokens per verify step)"""
         _, target, mode, drafter = spec
-        return bench_engine.run_fimble(
-            target, mode, prompt, n_tokens, drafter, ngram if mode != "none" else None, "cpu"
-        )
+        opts = DecodeOptions(max_tokens=n_tokens, drafter=mode)
+        cache = target.runtime.new_cache(len(prompt) + n_tokens + 32)
+        dec = SpeculativeDecoder(target.runtime, cache, set(), opts, drafter, ngram if mode != "none" else None)
+        t0 = time.perf_counter()
+        dec.prefill(prompt)
+        t1 = time.perf_counter()
+        while not dec.done:
+            dec.step()
+        return dec.output, t1 - t0, time.perf_counter() - t1, dec.stats.mean_accepted
 
     for spec in methods.values():  # warm-up: first-call costs untimed
         run(spec, prompts[0])
-    rows = {m: {"seconds": 0.0, "tokens": 0, "accepted": [], "equal_plain": 0} for m in methods}
+    rows = {m: {"prefill_s": 0.0, "decode_s": 0.0, "tokens": 0, "accepted": [], "equal_plain": 0} for m in methods}
     loads = []
     for i, prompt in enumerate(prompts):
         plain_out = {}
         for m, spec in methods.items():  # interleaved per prompt
-            out, secs, acc = run(spec, prompt)
+            out, pre, dec_s, acc = run(spec, prompt)
             r = rows[m]
-            r["seconds"] += secs
-            r["tokens"] += len(out)
+            r["prefill_s"] += pre
+            r["decode_s"] += dec_s
+            r["tokens"] += len(out) - 1  # the decode rate counts the tokens after the first
             if spec[2] == "none":
                 plain_out[spec[0]] = out
             else:
@@ -94,30 +104,41 @@ def main() -> None:
             r["equal_plain"] += int(out == plain_out[spec[0]])
         loads.append(os.getloadavg()[0])
         print(f"  prompt {i + 1}/{len(prompts)} ({len(prompt)} tokens)", file=sys.stderr, flush=True)
-    base = {
-        mode: rows[f"{names[0]} {mode}"]["tokens"] / rows[f"{names[0]} {mode}"]["seconds"] for mode in ("plain", "auto")
-    }
+    n_prompt = sum(len(p) for p in prompts)
+
+    def rate(m: str) -> float:
+        return rows[m]["tokens"] / rows[m]["decode_s"]
+
+    base = {mode: rate(f"{names[0]} {mode}") for mode in ("plain", "auto")}
     print(
-        f"\nruntimes: {len(prompts)} prompts x {n_tokens} tokens, greedy, {args.threads} thread(s), "
-        f"model {Path(args.model).name}, load average {min(loads):.1f}-{max(loads):.1f} (1 min)"
+        f"\nruntimes: {len(prompts)} prompts ({n_prompt // len(prompts)} tokens on average) x {n_tokens} new "
+        f"tokens, greedy, {args.threads} thread(s), model {Path(args.model).name}, "
+        f"load average {min(loads):.1f}-{max(loads):.1f} (1 min)"
     )
-    print(f"{'method':22s} {'tok/s':>8s} {'x ' + names[0]:>16s} {'acc/step':>9s} {'= own plain':>12s}")
+    print(
+        f"{'method':22s} {'decode tok/s':>12s} {'x ' + names[0]:>16s} {'prefill tok/s':>13s} {'acc/step':>9s} "
+        f"{'= own plain':>12s}"
+    )
     table = []
     for m, r in rows.items():
-        tps = r["tokens"] / r["seconds"]
+        tps = rate(m)
         mode = "plain" if m.endswith("plain") else "auto"
         acc = sum(r["accepted"]) / len(r["accepted"]) if r["accepted"] else 1.0
+        pre = n_prompt / r["prefill_s"]
         table.append(
             {
                 "method": m,
-                "tokens_per_s": tps,
+                "decode_tokens_per_s": tps,
                 "ratio": tps / base[mode],
+                "prefill_tokens_per_s": pre,
                 "accepted_per_step": acc,
                 "equal_own_plain": r["equal_plain"],
                 "prompts": len(prompts),
             }
         )
-        print(f"{m:22s} {tps:8.1f} {tps / base[mode]:16.2f} {acc:9.2f} {r['equal_plain']:>8d}/{len(prompts)}")
+        print(
+            f"{m:22s} {tps:12.1f} {tps / base[mode]:16.2f} {pre:13.0f} {acc:9.2f} {r['equal_plain']:>8d}/{len(prompts)}"
+        )
     if args.json:
         args.json.write_text(
             json.dumps({"threads": args.threads, "tokens": n_tokens, "loadavg": loads, "rows": table}, indent=1)

@@ -55,6 +55,7 @@ PREFILL_BATCH = 256  # llama.cpp batch (and ubatch) size: prefill chunk, and the
 EXPORT_VERSION = "1"  # bump when engine/gguf_export.py writes different files for the same folder
 MAX_THREADS = 256
 KV_BYTES = 2  # llama.cpp's default f16 keys and values
+PROBE_DEPTH = 200  # cached positions before the load-time batch-invariance probe
 
 
 def default_threads() -> int:
@@ -156,11 +157,13 @@ class GGMLRuntime:
         return GGMLCache(self, max_len or self.cfg.max_position_embeddings)
 
     def _probe_shapes(self) -> tuple[bool, bool]:
-        """(pad 1-token passes to 2, blocks are bit-identical to steps) as measured on this build."""
-        cache = self.new_cache(64)
+        """(pad 1-token passes to 2, blocks are bit-identical to steps) as measured on this build, at a
+        realistic depth (kernels can switch with the number of cached positions)."""
+        cache = self.new_cache(PROBE_DEPTH + 16)
         lib = self.lib
-        toks = [(i * 7919 + 11) % self.vocab for i in range(24)]
-        lib.decode(cache.ctx, cache.batch, toks[:12], 0, 1, self.vocab)
+        toks = [(i * 7919 + 11) % self.vocab for i in range(PROBE_DEPTH + 8)]
+        lib.decode(cache.ctx, cache.batch, toks[:PROBE_DEPTH], 0, 1, self.vocab)
+        d = PROBE_DEPTH
 
         def run(start: int, block: list[int], pad: bool) -> np.ndarray:
             if pad and len(block) == 1:
@@ -168,8 +171,8 @@ class GGMLRuntime:
             return lib.decode(cache.ctx, cache.batch, block, start, len(block), self.vocab)
 
         for pad in (False, True):
-            steps = np.concatenate([run(12 + i, [toks[12 + i]], pad) for i in range(6)])
-            blocks = [run(12, toks[12 : 12 + k], pad) for k in (6, 3, 2)]
+            steps = np.concatenate([run(d + i, [toks[d + i]], pad) for i in range(6)])
+            blocks = [run(d, toks[d : d + k], pad) for k in (6, 3, 2)]
             if all(np.array_equal(b, steps[: len(b)]) for b in blocks):
                 return pad, True
         return False, False
