@@ -200,6 +200,8 @@ class ServeEngine(LocalEngine):
                 for seq in self._active:
                     seq.steps.close()  # releases each document (the generators' finally)
                     seq.stream.push(Delta("", True, "cancelled"))
+                for _, stream in self._held:
+                    stream.push(Delta("", True, "cancelled"))
                 return False
             if item is _WAKE:
                 continue
@@ -250,11 +252,8 @@ class ServeEngine(LocalEngine):
         self._count("sched_batched_rows", sum(c.tokens.shape[0] for c in calls))
         with self._lock:
             self._counters["sched_max_batch"] = max(self._counters["sched_max_batch"], len(calls))
-        still = []
-        for seq, out in zip(seqs, logits, strict=True):
-            if self._advance(seq, out):
-                still.append(seq)
-        self._active = still
+        ended = {id(seq) for seq, out in zip(seqs, logits, strict=True) if not self._advance(seq, out)}
+        self._active = [s for s in self._active if id(s) not in ended]
         self._snapshot_kv()
         self._gauges()
 

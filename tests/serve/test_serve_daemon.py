@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from serve_helpers import post, sse_events, wait_for
+from serve_helpers import post, running_daemon, sse_events, wait_for
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
@@ -24,6 +24,11 @@ SUFFIX = "\n\nprint(add(1, 2))\n"
 
 def request(doc: str, max_tokens: int = 12, **opts) -> CompletionRequest:
     return CompletionRequest(PREFIX, SUFFIX, options=DecodeOptions(max_tokens=max_tokens, **opts), document_id=doc)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    yield from running_daemon()
 
 
 @pytest.fixture

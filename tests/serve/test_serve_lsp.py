@@ -9,9 +9,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
 from rel_helpers import StdioServer, did_open  # noqa: E402
-from serve_helpers import ServeProcess  # noqa: E402
+from serve_helpers import ServeProcess, running_daemon  # noqa: E402
 
 from engine.api import CompletionRequest, DecodeOptions  # noqa: E402
 from engine.serve.client import WSEngine  # noqa: E402
@@ -21,6 +23,11 @@ DOCS = {  # same URI in both editors; the cursor ends each text
     "alpha": "def compute_alpha_total(values):\n    return sum(values)\n\n\nresult = compute_al",
     "beta": "class BetaQueue:\n    def enqueue_beta_item(self, item):\n        pass\n\n\nq = BetaQueue()\nq.enqueue_be",
 }
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    yield from running_daemon()
 
 
 async def _complete(server: StdioServer, text: str, uri: str = URI) -> str:
