@@ -39,6 +39,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from functools import partial
@@ -142,6 +143,18 @@ def agree(ref: list[int], out: list[int], stops: set[int]) -> bool:
     """Identical up to where greedy would end (llama-server masks end tokens: ignore_eos)."""
     end = next((i for i, t in enumerate(ref) if t in stops), len(ref))
     return out[:end] == ref[:end]
+
+
+def source_state() -> dict:
+    """The commit this ran at and the engine files that differed from it (a shared tree moves)."""
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "?"
+
+    return {"commit": git("rev-parse", "--short", "HEAD"), "engine_changes": git("status", "--porcelain", "engine")}
 
 
 def same_file(a: Path, b: Path) -> bool:
@@ -442,6 +455,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "precision": prec,
+        "source": source_state(),
         "fimble_runtime_requested": os.environ.get("FIMBLE_RUNTIME", "(unset)"),
         "model": {
             "target": DEFAULT_TARGET.name,
@@ -540,7 +554,10 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
-    print(f"\n{report['headline']}  [{report['wall_s']} s]")
+    src = report["source"]
+    if src["engine_changes"]:  # another session edited engine/ in the shared tree: figures may not be the commit's
+        print(f"\nwarning: engine/ differed from commit {src['commit']}: {src['engine_changes']}")
+    print(f"\n{report['headline']}  [commit {src['commit']}, {report['wall_s']} s]")
 
 
 if __name__ == "__main__":
