@@ -205,6 +205,10 @@ class EngineDaemon:
         """None if a request with these headers may proceed, else (status, reason) as 'CODE reason'."""
         from lsp_server import auth
 
+        for name in ("Origin", "Host", "Authorization"):  # one each at most: which one would count is ambiguous
+            if len(headers.get_all(name)) > 1:
+                self.counts["refused_origin"] += 1
+                return f"400 more than one {name} header"
         origin = headers.get("Origin")
         if origin is not None and origin not in self.options.allow_origins:
             self.counts["refused_origin"] += 1

@@ -68,7 +68,8 @@ async def handle(daemon: Any, head: bytes, reader: asyncio.StreamReader, writer:
         refused = daemon.authorized(headers)
         if refused is not None:
             code, reason = refused.split(" ", 1)
-            raise HTTPError(int(code), reason, "authentication_error" if code == "401" else "permission_error")
+            kind = {"401": "authentication_error", "400": "invalid_request_error"}.get(code, "permission_error")
+            raise HTTPError(int(code), reason, kind)
         if path in ("/v1/models", "/models") and method == "GET":
             name = daemon.options.model_name
             _reply(

@@ -103,11 +103,11 @@ def wait_for(pred, timeout: float = 60.0, every: float = 0.05):
         time.sleep(every)
 
 
-def running_daemon():
+def running_daemon(*extra: str):
     """A ServeProcess for a test module's fixture to yield, stopped after (a model load is the slow
     part, so one per module). Not a conftest.py fixture: a conftest.py here would shadow
     tests/conftest.py for the directories collected after this one."""
-    proc = ServeProcess()
+    proc = ServeProcess(*extra)
     try:
         yield proc
     finally:

@@ -6,6 +6,7 @@ that connects passes one. Assertions are on outputs and counters, never on timin
 
 from __future__ import annotations
 
+import http.client
 import json
 
 import pytest
@@ -28,7 +29,7 @@ def request(doc: str, max_tokens: int = 12, **opts) -> CompletionRequest:
 
 @pytest.fixture(scope="module")
 def daemon():
-    yield from running_daemon()
+    yield from running_daemon("--max-message-mb", "1")  # small, so the size-limit test sends little
 
 
 @pytest.fixture
@@ -187,3 +188,39 @@ def test_openai_errors_are_json_without_tracebacks(daemon):
     status, _, text = post(daemon.port, {"prompt": "x"}, daemon.token, path="/v1/nothing")
     assert status == 404 and "error" in json.loads(text)
     assert "Traceback" not in daemon.stderr()
+
+
+def test_browser_origins_and_rebound_hosts_are_refused(daemon):
+    auth = {"Authorization": f"Bearer {daemon.token}"}
+    with pytest.raises(InvalidStatus) as info:  # a web page's websocket
+        connect(daemon.url, additional_headers={**auth, "Origin": "http://evil.example"})
+    assert info.value.response.status_code == 403
+    with pytest.raises(InvalidStatus) as info:  # a second Host header: refused, not a server error
+        connect(daemon.url, additional_headers={**auth, "Host": "evil.example"})
+    assert info.value.response.status_code == 400
+    for extra in ({"Origin": "http://evil.example"}, {"Host": "evil.example:80"}):  # DNS rebinding
+        conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=60)
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "x"}),
+            {**auth, **extra, "Content-Type": "application/json"},
+        )
+        resp = conn.getresponse()
+        assert resp.status == 403 and "error" in json.loads(resp.read())
+        conn.close()
+
+
+def test_messages_over_the_size_limit_are_refused(daemon, client):
+    big = "x" * (1 << 20)  # over --max-message-mb 1 once framed
+    auth = {"Authorization": f"Bearer {daemon.token}"}
+    with connect(daemon.url, additional_headers=auth, max_size=None) as ws:
+        ws.send(protocol.pack(protocol.hello()))
+        assert protocol.unpack(ws.recv(timeout=30))["op"] == "ready"
+        ws.send(protocol.pack({"op": "submit", "id": 1, "request": {"prefix": big}}))
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=30)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009  # message too big
+    status, _, text = post(daemon.port, {"prompt": big}, daemon.token)
+    assert status == 413 and "error" in json.loads(text)
+    assert client.submit(request("file:///after.py")).collect()  # the daemon serves on
