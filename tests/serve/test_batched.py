@@ -193,3 +193,35 @@ def test_same_document_requests_take_turns(models):
         texts = [s.collect() for s in [engine.submit(r) for r in reqs]]
         assert texts[0] == texts[1] == texts[2]
         assert engine.counters()["sched_max_batch"] == 1
+
+
+def test_sampled_output_equals_unbatched_with_a_seed(models, one_thread):
+    """Temperature sampling (drafts carry distributions, drafted per sequence) through the scheduler."""
+    target, draft = models
+
+    def reqs() -> list[CompletionRequest]:
+        return [
+            CompletionRequest(
+                p, s, document_id=f"s{i}", options=DecodeOptions(max_tokens=16, temperature=0.8, seed=11 + i)
+            )
+            for i, (p, s) in enumerate(fim_prompts(3, seed=9))
+        ]
+
+    plain = LocalEngine(target, draft, start_thread=False)
+    expected = [plain.complete(r).text for r in reqs()]
+    with Running(target, draft) as engine:
+        got = [s.collect() for s in [engine.submit(r) for r in reqs()]]
+    assert got == expected
+
+
+def test_prewarm_runs_when_idle_and_is_reused(models):
+    target, draft = models
+    prefix, suffix = fim_prompts(1, seed=4)[0]
+    with Running(target, draft) as engine:
+        engine.prewarm(CompletionRequest(prefix, suffix, document_id="warm"))
+        wait_for(lambda: engine.counters()["prewarms_done"] == 1)
+        stream = engine.submit(
+            CompletionRequest(prefix, suffix, document_id="warm", options=DecodeOptions(max_tokens=4))
+        )
+        stream.collect()
+        assert stream.result.stats["prefilled_tokens"] <= 1 < stream.result.stats["reused_tokens"]
