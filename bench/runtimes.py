@@ -144,12 +144,12 @@ def main() -> None:
             json.dumps({"threads": args.threads, "tokens": n_tokens, "loadavg": loads, "rows": table}, indent=1)
         )
     best = {
-        mode: max((t for t in table if t["method"].endswith(mode)), key=lambda t: t["tokens_per_s"])
+        mode: max((t for t in table if t["method"].endswith(mode)), key=lambda t: t["decode_tokens_per_s"])
         for mode in ("plain", "auto")
     }
     print(
-        f"headline: {best['plain']['method']} {best['plain']['ratio']:.2f}x and {best['auto']['method']} "
-        f"{best['auto']['ratio']:.2f}x {names[0]} ({args.threads} thread, load {max(loads):.1f})"
+        f"headline: decode rate {best['plain']['method']} {best['plain']['ratio']:.2f}x and {best['auto']['method']} "
+        f"{best['auto']['ratio']:.2f}x {names[0]}'s ({args.threads} thread(s), load {max(loads):.1f})"
     )
 
 
