@@ -154,7 +154,10 @@ def source_state() -> dict:
         except (OSError, subprocess.SubprocessError):
             return "?"
 
-    return {"commit": git("rev-parse", "--short", "HEAD"), "engine_changes": git("status", "--porcelain", "engine")}
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "engine_changes": git("status", "--porcelain", "engine", ":(exclude)engine/serve"),
+    }
 
 
 def same_file(a: Path, b: Path) -> bool:
