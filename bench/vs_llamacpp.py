@@ -396,7 +396,7 @@ def headline(report: dict) -> str:
 # -- main ---------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="3 prompts x 32 tokens, 8 keys, 1 thread: under 60 s")
+    ap.add_argument("--quick", action="store_true", help="3 prompts x 32 tokens, 6 keys, 1 thread: under 60 s")
     ap.add_argument("--prompts", type=int)
     ap.add_argument("--tokens", type=int)
     ap.add_argument("--keys", type=int, help="keystrokes in the typing loop (spread over --files files)")
@@ -429,7 +429,7 @@ def main() -> None:
     args = ap.parse_args()
     n_prompts = args.prompts or (3 if args.quick else 24)
     n_tokens = args.tokens or (32 if args.quick else 96)
-    keys = args.keys if args.keys is not None else (8 if args.quick else 60)
+    keys = args.keys if args.keys is not None else (6 if args.quick else 60)
     n_files = args.files or (1 if args.quick else 3)
     thread_counts = [int(t) for t in (args.threads or ("1" if args.quick else "1,2")).split(",")]
     prec, other = args.precision, next(q for q in PRECISIONS if q != args.precision)
