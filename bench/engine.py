@@ -27,10 +27,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from engine.api import CompletionRequest  # noqa: E402
-from engine.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+from engine.decoding.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder  # noqa: E402
 from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
 from engine.local import LocalEngine  # noqa: E402
-from engine.speculative import DecodeOptions, SpeculativeDecoder  # noqa: E402
 
 HUMANEVAL = REPO.parent / "shared" / "data" / "humaneval-infilling" / "HumanEval-SingleLineInfilling.jsonl.gz"
 REAL_FILES = ["json/encoder.py", "textwrap.py", "argparse.py", "csv.py", "dataclasses.py", "difflib.py"]

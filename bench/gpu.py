@@ -1,4 +1,4 @@
-"""GPU decode speed: eager steps against CUDA-graph steps (engine/cuda_graphs.py), on one GPU, in one run.
+"""GPU decode speed: eager steps against CUDA-graph steps (engine/runtimes/cuda_graphs.py), on one GPU, in one run.
 
     python bench/gpu.py [--quick] [--json PATH]
 
@@ -40,8 +40,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "engine"))  # prompts.py: FIM prompts cut from the frozen corpus
 
 from engine.api import CompletionRequest  # noqa: E402
-from engine.compact import CompactConfig, CompactTransformer  # noqa: E402
-from engine.cuda_graphs import (  # noqa: E402
+from engine.decoding.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder  # noqa: E402
+from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
+from engine.local import LocalEngine  # noqa: E402
+from engine.runtimes.compact import CompactConfig, CompactTransformer  # noqa: E402
+from engine.runtimes.cuda_graphs import (  # noqa: E402
     BatchedCache,
     GraphRuntime,
     batched_forward,
@@ -49,10 +53,6 @@ from engine.cuda_graphs import (  # noqa: E402
     eager_runtime,
     key_bucket,
 )
-from engine.drafters import ModelDrafter, NgramDrafter  # noqa: E402
-from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
-from engine.local import LocalEngine  # noqa: E402
-from engine.speculative import DecodeOptions, SpeculativeDecoder  # noqa: E402
 
 QWEN = dict(model_type="qwen2", hidden_act="silu", rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768)
 SHAPES = {

@@ -2,7 +2,7 @@
 
     python bench/gpu_profile.py [--shape 0.5B] [--attention sdpa|matmul] [--json PATH]
 
-Runs the pass that bench/gpu.py captures (engine/cuda_graphs.py forward_batch, block 1, cache at 1,024
+Runs the pass that bench/gpu.py captures (engine/runtimes/cuda_graphs.py forward_batch, block 1, cache at 1,024
 tokens) uncaptured under torch.profiler, and sums the kernels' own durations by name. Their total against
 the graph's replay time says how much of a step is kernel execution and how much the gaps between
 kernels; the table says which kernels a fused layer would have to absorb. Headline last.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from gpu import random_model, weight_bytes  # noqa: E402
 
-from engine.cuda_graphs import GraphRuntime, key_bucket  # noqa: E402
+from engine.runtimes.cuda_graphs import GraphRuntime, key_bucket  # noqa: E402
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
                                      [--scenario edit|jump|jump-middle|all] [--limit N] [--procs N]
                                      [--time-budget S] [--json PATH [--records]] [--rereport JSON]
 
-Shift reuse (``reuse="shift"``, engine/kv_shift.py) keeps cached prompt pieces (lines) that
+Shift reuse (``reuse="shift"``, engine/caching/kv_shift.py) keeps cached prompt pieces (lines) that
 moved after an edit and re-rotates their RoPE keys by the position delta instead of
 recomputing them. Their keys and values were computed while they attended to the old text
 before them, so the result is approximate. Exact reuse (``reuse="exact"``) only keeps the
@@ -38,7 +38,7 @@ The warm-up puts the cache in the state where shift reuse matters (scenarios):
 
 The warm-up is a completion at the warm cursor cut to one new token: the measured request
 only reads the prompt's keys/values, which decoding does not touch. Each document is forgotten
-after its measured request, so nothing is borrowed between documents (engine/kv_store.py).
+after its measured request, so nothing is borrowed between documents (engine/caching/kv_store.py).
 The n-gram drafter's memory is cleared before every request; greedy speculative decoding is
 lossless, so drafting changes speed, not text.
 

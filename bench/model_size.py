@@ -2,7 +2,7 @@
 
 The rule (issue 2): the largest model that decodes >= 150 tokens/s and prefills 512
 tokens in <= 150 ms on the 2-core CPU machine, measured with fimble's own runtime
-(engine/compact.py) on random weights of each shape, vocabulary 8,192.
+(engine/runtimes/compact.py) on random weights of each shape, vocabulary 8,192.
 
     python bench/model_size.py [--quick] [--json PATH]
 """
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.compact import CompactConfig, CompactTransformer, param_count  # noqa: E402
+from engine.runtimes.compact import CompactConfig, CompactTransformer, param_count  # noqa: E402
 
 # (hidden, layers, ffn, heads, kv heads)
 SHAPES = [(192, 3, 512, 3, 1), (384, 6, 1024, 6, 2), (448, 8, 1216, 7, 7), (512, 8, 1408, 8, 2),

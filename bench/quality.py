@@ -302,8 +302,8 @@ def variants_for(names: list[str], sweep: bool) -> list[Variant]:
 
 def options_for(p: Problem, v: Variant):
     """(DecodeOptions, decision dict or None) for a problem under a variant; None if not run."""
+    from engine.decoding.speculative import DecodeOptions
     from engine.policy import DEFAULTS, decide_for_context
-    from engine.speculative import DecodeOptions
 
     seed = zlib.crc32(f"{p.task_id}/{v.name}".encode())
     if not v.policy:
@@ -337,7 +337,7 @@ def _init_worker(model: str | None, threads: int, newline_heal: bool = True, tem
     from engine.local import open_engine
 
     _ENGINE = open_engine(model, use_draft=True, start_thread=False, template=template)
-    _ENGINE.prompts.newline_healing = newline_heal  # engine/healing.py; off only to measure the older rule
+    _ENGINE.prompts.newline_healing = newline_heal  # engine/decoding/healing.py; off only to measure the older rule
 
 
 def _limits() -> None:

@@ -4,7 +4,7 @@
     python bench/vs_llamacpp.py [--quick] [--threads 1,2] [--llama-server PATH] [--fimble-runtime compact|ggml]
                                 [--precision f32|q8_0] [--json PATH]
 
-Model: the embedded target and draft (bf16 weights), written as GGUF by engine/gguf_export.py
+Model: the embedded target and draft (bf16 weights), written as GGUF by engine/runtimes/gguf_export.py
 (pre-tokenizer "gpt-2", FIM ids, add_bos false) into --gguf-dir, f32 and q8_0. --precision picks
 the weights of both sides: f32 (fimble fp32) or q8_0 (fimble FIMBLE_QUANT=int8: q8_0 itself on the
 ggml runtime, fbgemm int8 rows on the compact one). llama.cpp must tokenise real code to fimble's
@@ -76,7 +76,7 @@ def typing_files(n: int, seed: int) -> list[Path]:
 
 
 def ensure_ggufs(folder: Path, target_dir: Path, draft_dir: Path) -> dict[str, Path]:
-    from engine.gguf_export import export_gguf
+    from engine.runtimes.gguf_export import export_gguf
 
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -93,7 +93,7 @@ def ensure_ggufs(folder: Path, target_dir: Path, draft_dir: Path) -> dict[str, P
 # -- fimble ---------------------------------------------------------------------------------
 def fimble_cold(target, drafter_name, prompt, n, model_drafter=None, ngram=None):
     """(tokens, ttft s, total s, figures): SpeculativeDecoder on a fresh cache, exactly n tokens."""
-    from engine.speculative import DecodeOptions, SpeculativeDecoder
+    from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
 
     opts = DecodeOptions(max_tokens=n, drafter=drafter_name)
     cache = target.runtime.new_cache(len(prompt) + n + 16)
@@ -221,7 +221,7 @@ def cold_run(systems: dict, prompts: list[list[int]], n: int, stops: set[int], s
 
 def keystroke_run(engine, server, target, files: list[Path], keys: int, seed: int) -> dict:
     """Type ``keys`` characters, spread over ``files``; both systems primed on the file as opened."""
-    from engine.prompt_plan import PromptBuilder
+    from engine.caching.prompt_plan import PromptBuilder
 
     builder, rng = PromptBuilder(target), random.Random(seed)
     names = ["fimble", "llama-server + draft", "fimble, LSP prompt (healing)"]
@@ -442,10 +442,10 @@ def main() -> None:
 
     import torch
 
-    from engine.drafters import ModelDrafter, NgramDrafter
+    from engine.caching.prompt_plan import PromptBuilder
+    from engine.decoding.drafters import ModelDrafter, NgramDrafter
     from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
     from engine.process import EngineProcess
-    from engine.prompt_plan import PromptBuilder
 
     skipped: list[str] = []
     ggufs = ensure_ggufs(args.gguf_dir, DEFAULT_TARGET, DEFAULT_DRAFT)

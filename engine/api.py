@@ -25,7 +25,7 @@ class CompletionRequest:
     prefix: str
     suffix: str = ""
     options: DecodeOptions = field(default_factory=DecodeOptions)
-    # Which document this is for: the key of its KV cache (engine/kv_store.py). Requests
+    # Which document this is for: the key of its KV cache (engine/caching/kv_store.py). Requests
     # without one share an anonymous cache.
     document_id: str | None = None
     # Lines of prefix + suffix (0 = the prefix's first line) where a logical block starts,
@@ -37,7 +37,7 @@ class CompletionRequest:
     # Trim the prefix (from the left) and suffix (from the right) to fit the context
     # instead of failing with PromptError.
     truncate: bool = False
-    # Token healing (engine/healing.py): re-type the prompt's ragged last token.
+    # Token healing (engine/decoding/healing.py): re-type the prompt's ragged last token.
     heal: bool = True
 
     def to_dict(self) -> dict:

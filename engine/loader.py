@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from engine import fim as fim_templates
-from engine.compact import SUPPORTED_MODEL_TYPES, CompactConfig, load_compact
 from engine.errors import ModelLoadError
 from engine.fim import PREFIX_ONLY, FimTemplate
-from engine.weights_check import check_weights
+from engine.runtimes.compact import SUPPORTED_MODEL_TYPES, CompactConfig, load_compact
+from engine.runtimes.weights_check import check_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -72,9 +72,9 @@ class LoadedModel:
 
     @property
     def token_index(self):
-        """Token texts for healing (engine/healing.py), built on first use."""
+        """Token texts for healing (engine/decoding/healing.py), built on first use."""
         if self._token_index is None:
-            from engine.healing import TokenIndex
+            from engine.decoding.healing import TokenIndex
 
             self._token_index = TokenIndex(self.tokenizer)
         return self._token_index
@@ -173,7 +173,7 @@ def _resolve_template(name: str, vocab: dict[str, int], forced: str | None) -> t
 def _hf_runtime(folder: Path, cfg: dict, dtype: torch.dtype, device: str, trust_remote_code: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.hf_backend import HFModel
+    from engine.runtimes.hf_backend import HFModel
 
     try:
         AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -192,8 +192,8 @@ RUNTIMES = ("compact", "ggml")
 
 
 def runtime_choice(runtime: str | None, device: str, backend: str) -> str:
-    """"compact" or "ggml" (llama.cpp kernels, engine/ggml_runtime.py): ``runtime``, else
-    ``$FIMBLE_RUNTIME``, else compact (ggml's library is no wheel on every Linux: see engine/ggml_lib.py)."""
+    """"compact" or "ggml" (llama.cpp kernels, engine/runtimes/ggml_runtime.py): ``runtime``, else
+    ``$FIMBLE_RUNTIME``, else compact (ggml's library is no wheel on every Linux: see engine/runtimes/ggml_lib.py)."""
     name = (runtime or os.environ.get("FIMBLE_RUNTIME", "").strip() or "compact").lower()
     if name not in RUNTIMES:
         raise ModelLoadError(f"unknown runtime {name!r}: use {' or '.join(RUNTIMES)}")
@@ -207,7 +207,7 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
                trust_remote_code: bool = False, quant: str = "none", runtime: str | None = None) -> LoadedModel:
     """Load a model folder. ``backend``: "auto" (compact where supported), "compact" or "hf".
 
-    ``quant``: "none" or "int8" (int8 weights on CPU, compact runtime only: engine/quant.py; on the
+    ``quant``: "none" or "int8" (int8 weights on CPU, compact runtime only: engine/runtimes/quant.py; on the
     ggml runtime, q8_0). ``runtime``: "compact" or "ggml" (default ``$FIMBLE_RUNTIME``, else compact)."""
     if quant not in ("none", "int8"):
         raise ModelLoadError(f"unknown quantisation {quant!r}: use none or int8")
@@ -220,7 +220,7 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
     cfg = _read_config(folder)
     tokenizer = _load_tokenizer(folder, trust_remote_code)
     if use_ggml:
-        from engine.ggml_runtime import folder_runtime
+        from engine.runtimes.ggml_runtime import folder_runtime
 
         return _assemble(folder, cfg, tokenizer, template, folder_runtime(folder, cfg, quant), "ggml")
     use_compact = backend == "compact" or (backend == "auto" and cfg["model_type"] in SUPPORTED_MODEL_TYPES)
@@ -239,11 +239,11 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
     if quant == "int8":
         if not use_compact or str(device) != "cpu":
             raise ModelLoadError("int8 weights need the compact runtime on the CPU")
-        from engine.quant import quantize_int8
+        from engine.runtimes.quant import quantize_int8
 
         quantize_int8(runtime)
     if use_compact and str(device).startswith("cuda") and os.environ.get("FIMBLE_CUDA_GRAPHS", "1") != "0":
-        from engine.cuda_graphs import GraphRuntime  # decode steps replayed as CUDA graphs (issue 11)
+        from engine.runtimes.cuda_graphs import GraphRuntime  # decode steps replayed as CUDA graphs (issue 11)
 
         runtime = GraphRuntime(runtime)
     return _assemble(folder, cfg, tokenizer, template, runtime, "compact" if use_compact else "hf")
@@ -264,23 +264,23 @@ def _assemble(folder: Path, cfg: dict, tokenizer, template: str | None, runtime,
 
 def _load_gguf_model(path: Path, *, device: str, dtype: torch.dtype, template: str | None,
                      quant: str, ggml: bool = False) -> LoadedModel:
-    """A GGUF file (engine/gguf_loader.py): weights dequantised into the compact runtime (or run as
-    they are by llama.cpp: engine/ggml_runtime.py), the tokenizer and FIM template from the file's
+    """A GGUF file (engine/runtimes/gguf_loader.py): weights dequantised into the compact runtime (or run as
+    they are by llama.cpp: engine/runtimes/ggml_runtime.py), the tokenizer and FIM template from the file's
     own metadata."""
-    from engine.gguf_loader import load_gguf
+    from engine.runtimes.gguf_loader import load_gguf
 
     if ggml:
         if quant != "none":
             raise ModelLoadError(f"{path.name}: a GGUF runs in its own weight type on the ggml runtime "
                                  "(export a q8_0 GGUF instead of FIMBLE_QUANT=int8)")
-        from engine.ggml_runtime import gguf_model
+        from engine.runtimes.ggml_runtime import gguf_model
 
         g = gguf_model(path)
     else:
         g = load_gguf(path, dtype=dtype, device=device)
         check_weights(g.runtime, path)
     if quant == "int8":
-        from engine.quant import quantize_int8
+        from engine.runtimes.quant import quantize_int8
 
         quantize_int8(g.runtime)
     vocab = g.tokenizer.get_vocab()

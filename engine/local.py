@@ -3,7 +3,7 @@
 The worker owns the models and their caches, so no locks guard the tensors.
 Requests run one at a time in arrival order. Cancellation is a flag the decode
 loop checks before every step, so a cancelled request stops within one step.
-Each document keeps its own KV caches (engine/kv_store.py); when no completion is
+Each document keeps its own KV caches (engine/caching/kv_store.py); when no completion is
 waiting, the worker pre-warms documents the host named (``prewarm``), a chunk at a time.
 """
 
@@ -22,15 +22,15 @@ from pathlib import Path
 import torch
 
 from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta
-from engine.detok import IncrementalDetokenizer, StopRules
-from engine.drafters import ModelDrafter, NgramDrafter
+from engine.caching.kv_shift import apply_moves, plan_shift
+from engine.caching.kv_store import DocumentKV, KVStore, common_prefix, default_budget_bytes
+from engine.caching.prompt_plan import PromptBuilder, PromptPlan
+from engine.decoding.detok import IncrementalDetokenizer, StopRules
+from engine.decoding.drafters import ModelDrafter, NgramDrafter
+from engine.decoding.healing import unheal
+from engine.decoding.speculative import SpeculativeDecoder
 from engine.errors import FimbleError, PromptError
-from engine.healing import unheal
-from engine.kv_shift import apply_moves, plan_shift
-from engine.kv_store import DocumentKV, KVStore, common_prefix, default_budget_bytes
 from engine.loader import LoadedModel, default_models, load_model
-from engine.prompt_plan import PromptBuilder, PromptPlan
-from engine.speculative import SpeculativeDecoder
 
 COUNTER_NAMES = ("submitted", "completed", "cancelled", "failed", "decode_steps", "tokens_generated",
                  "tokens_prefilled", "tokens_reused", "tokens_shifted", "tokens_prewarmed", "prewarms_done",
@@ -211,7 +211,7 @@ class LocalEngine:
             stream.push(Delta("", True, "error", f"internal error: {type(exc).__name__}: {exc}"))
 
     def build_prompt(self, request: CompletionRequest) -> tuple[list[int], str, bool]:
-        """Token ids of the FIM prompt and its healing (engine/prompt_plan.py, engine/healing.py)."""
+        """Token ids of the FIM prompt and its healing (engine/caching/prompt_plan.py, engine/decoding/healing.py)."""
         plan = self.prompts.build(request)
         return plan.ids, plan.heal, plan.constrained
 
@@ -386,7 +386,7 @@ def open_engine(model: str | Path | None = None, draft: str | Path | None = None
                 kv_budget_bytes: int | None = None) -> LocalEngine:
     """Load the target (default: the embedded model) and, where it shares the tokenizer, a draft.
 
-    ``FIMBLE_QUANT=int8`` loads both with int8 weights (CPU only; engine/quant.py)."""
+    ``FIMBLE_QUANT=int8`` loads both with int8 weights (CPU only; engine/runtimes/quant.py)."""
     quant = os.environ.get("FIMBLE_QUANT", "none")
     default_target, default_draft = default_models()  # engine/model_info.py: fimble-smollm2 once built
     target = load_model(model or default_target, device=device, template=template,

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from engine.options import DecodeOptions  # not engine.speculative: that pulls in torch
+from engine.options import DecodeOptions  # not engine.decoding.speculative: that pulls in torch
 from engine.syntax.context import ContextKind, CursorContext, classify
 from engine.syntax.document import SyntaxDocument
 from engine.syntax.languages import normalize_language_id

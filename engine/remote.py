@@ -42,7 +42,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta
-from engine.detok import StopRules
+from engine.decoding.detok import StopRules
 from engine.errors import FimbleError
 from engine.fim import TEMPLATES, FimTemplate, template_by_name
 

@@ -1,7 +1,7 @@
 """Logical-block lines for the engine's segmented KV cache (``CompletionRequest.segment_lines``).
 
 The engine groups the prompt's lines into segments and keys its per-document KV cache by
-them (engine/prompt_plan.py): a segment is the unit that is kept, evicted, shared across
+them (engine/caching/prompt_plan.py): a segment is the unit that is kept, evicted, shared across
 documents and moved by shift reuse. Cutting at top-level definitions makes those units the
 document's own blocks (a function, a class), which is what stays put while the user edits
 elsewhere. Without a parse the engine falls back to fixed blocks of lines.

@@ -79,7 +79,7 @@ class Settings:
     suffix_chars: int = 1000
     preload: bool = True  # start the engine at `initialized` rather than on the first request
     prefetch: bool = True  # start decoding on a keystroke, before the editor's (debounced) request
-    # engine/healing.py. On: without it the embedded model answers a cursor after indentation
+    # engine/decoding/healing.py. On: without it the embedded model answers a cursor after indentation
     # mostly with blanks and EOS. It costs first-delta latency (bench/lsp_latency.py --quick:
     # p50 5.8 -> 21.8 ms, p95 23.9 -> 62.3 ms), still inside the 30/80 ms targets.
     token_healing: bool = True
@@ -87,7 +87,7 @@ class Settings:
     # default because the editor and this server share the cores: two OpenMP threads that
     # get preempted spin-wait, and a 10 ms step was seen to take 300-500 ms on a busy 2-core box.
     engine_threads: int = 1
-    # KV caches (engine/kv_store.py): the engine keeps one per open document under one memory
+    # KV caches (engine/caching/kv_store.py): the engine keeps one per open document under one memory
     # budget. 0 = the engine's default for the device (1 GiB on CPU, a fifth of a GPU's memory).
     kv_cache_mb: int = 0
     # Also reuse cached blocks that an edit moved (keys re-rotated: approximate, not

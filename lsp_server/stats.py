@@ -82,7 +82,7 @@ class Stats:
         }
 
 
-# fimble/stats "kvCache": wire name -> the engine counter it reports (engine/local.py, engine/kv_store.py).
+# fimble/stats "kvCache": wire name -> the engine counter it reports (engine/local.py, engine/caching/kv_store.py).
 KV_CACHE_FIELDS = (
     ("bytes", "kv_bytes"), ("budgetBytes", "kv_budget_bytes"), ("documents", "kv_documents"),
     ("segments", "kv_segments"), ("tokens", "kv_tokens"), ("hits", "kv_segment_hits"),

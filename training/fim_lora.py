@@ -11,7 +11,7 @@ trained) plus the carried multi-language bundle (training/corpus_langs.py), each
 into chunks; ``--fim-rate`` of the chunks become PSM or SPM samples (engine/fim.py's
 "fimble" sentinels), the rest stay plain text so the base keeps its left-to-right skill.
 Half of the line-aligned FIM samples move the line break before the middle into it
-("...:" | "\\n    return x" | "\\n..."), the boundary engine/healing.py's newline healing
+("...:" | "\\n    return x" | "\\n..."), the boundary engine/decoding/healing.py's newline healing
 prompts with. Everything random draws from ``--seed``; the step count is sized from the
 time budget after 20 measured steps, printed, and replayable with ``--steps``.
 Progress goes to stdout every 10 s; the adapter is checkpointed every ``--checkpoint-seconds``.

@@ -28,7 +28,7 @@ VOCAB_SIZE = 8192
 SEQ_LEN = 4096
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a dry run of the script
 
-# Sized on the 2-core CPU machine with engine/compact.py (see models/MODEL_CARD.md):
+# Sized on the 2-core CPU machine with engine/runtimes/compact.py (see models/MODEL_CARD.md):
 # the largest shape that decodes >= 150 tok/s and prefills 512 tokens in <= 150 ms.
 TARGET_SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                     num_attention_heads=8, num_key_value_heads=2)

@@ -1,6 +1,6 @@
 """One target forward pass over several sequences, each with its own KV cache and cache length.
 
-``CompactTransformer.forward`` (engine/compact.py) runs one sequence. The serve scheduler
+``CompactTransformer.forward`` (engine/runtimes/compact.py) runs one sequence. The serve scheduler
 (engine/serve/scheduler.py) steps many sequences at once, so this module runs their blocks
 (a prefill, a 1-token step, an 8-token verify, each at its own start position) through
 every weight matrix together: the tokens of all sequences are stacked as rows, the
@@ -17,7 +17,7 @@ or among others (tests/serve/test_batched.py). With several threads MKL splits t
 them, and a thread's share of fewer than 4 rows takes the other kernel again (measured: 2 threads,
 a 9-row pass, one row differs), so batched results may then differ from solo ones in the last bit,
 which changes a greedy token only at a fp32 tie, as a verify block against a 1-token step does.
-int8 weights (engine/quant.py) are batch-invariant by construction and are not padded.
+int8 weights (engine/runtimes/quant.py) are batch-invariant by construction and are not padded.
 They are not bit-identical to ``CompactTransformer.forward`` on one row (that takes the
 1-row kernel): like a verify block against a 1-token step, they may differ at a fp32 tie.
 
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.compact import CompactTransformer, rotate
+from engine.runtimes.compact import CompactTransformer, rotate
 
 MIN_ROWS = 8  # pad matmuls to at least this many rows: one kernel for every batch size (see above)
 
@@ -42,7 +42,7 @@ class Forward:
     """One sequence's share of a pass: ``tokens`` at positions ``start..`` into ``cache``."""
 
     tokens: Tensor  # 1-D token ids
-    cache: object  # engine.compact.KVCache (or the runtime's own cache type)
+    cache: object  # engine.runtimes.compact.KVCache (or the runtime's own cache type)
     start: int
     num_logits: int = 1
 
@@ -144,7 +144,7 @@ def batched_forward(model: CompactTransformer, calls: list[Forward]) -> list[Ten
 class DraftNeed:
     """A sequence's request for up to ``k`` greedy draft tokens from its draft model after ``context``."""
 
-    drafter: object  # engine.drafters.ModelDrafter, bound to the sequence's own draft cache
+    drafter: object  # engine.decoding.drafters.ModelDrafter, bound to the sequence's own draft cache
     context: list[int]
     k: int
     gate: float
@@ -157,7 +157,7 @@ def batched_greedy_drafts(runtime, needs: list[DraftNeed]) -> list[list[int]]:
     Same choices as ``propose`` (argmax; after the first token, stop below the confidence gate)
     and the same cache bookkeeping (``drafter.ids`` holds what the draft cache holds).
     """
-    from engine.kv_store import common_prefix
+    from engine.caching.kv_store import common_prefix
 
     calls = []
     for need in needs:  # bring each draft cache up to its context (usually the 1-2 tokens just committed)

@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.api import CompletionRequest, CompletionStream, Delta
-from engine.detok import IncrementalDetokenizer, StopRules
-from engine.drafters import Draft, ModelDrafter, NgramDrafter
+from engine.caching.kv_store import session_of
+from engine.decoding.detok import IncrementalDetokenizer, StopRules
+from engine.decoding.drafters import Draft, ModelDrafter, NgramDrafter
+from engine.decoding.healing import unheal
+from engine.decoding.speculative import SpeculativeDecoder
 from engine.errors import FimbleError, PromptError
-from engine.healing import unheal
-from engine.kv_store import session_of
 from engine.local import _WAKE, REUSE_MODES, LocalEngine
 from engine.serve.batched import (
     DraftNeed,
@@ -49,7 +50,6 @@ from engine.serve.batched import (
     run_one,
     supports_batch,
 )
-from engine.speculative import SpeculativeDecoder
 
 SCHED_COUNTERS = (
     "sched_rounds",

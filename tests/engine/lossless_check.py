@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.api import CompletionRequest
-from engine.drafters import ModelDrafter, NgramDrafter
+from engine.decoding.drafters import ModelDrafter, NgramDrafter
+from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
 from engine.local import LocalEngine
-from engine.speculative import DecodeOptions, SpeculativeDecoder
 
 MAX_TOKENS = 12
 TIE_TOLERANCE = 1e-4  # relative to the logit's size; fp32 shape-dependent rounding is ~1e-7

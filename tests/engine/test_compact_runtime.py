@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import TARGET_DIR, build_tiny_model
 
-from engine.compact import load_compact
+from engine.runtimes.compact import load_compact
 
 
 def hf_logits(folder, ids: list[int]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The ggml runtime (engine/ggml_runtime.py): llama.cpp's kernels under fimble's engine, real models.
+"""The ggml runtime (engine/runtimes/ggml_runtime.py): llama.cpp's kernels under fimble's engine, real models.
 
 Skipped where no llama.cpp library loads (the optional 'ggml' extra needs glibc >= 2.38; the
 'bench' extra builds one from source). ``FIMBLE_SLOW=1`` runs the lossless check on 200 prompts
@@ -17,11 +17,11 @@ from prompts import fim_prompts
 
 from engine.api import CompletionRequest
 from engine.errors import ModelLoadError
-from engine.ggml_lib import unavailable_reason
-from engine.gguf_export import export_gguf
 from engine.loader import load_model
 from engine.local import LocalEngine
 from engine.options import DecodeOptions
+from engine.runtimes.ggml_lib import unavailable_reason
+from engine.runtimes.gguf_export import export_gguf
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no llama.cpp library: {REASON}")
@@ -146,7 +146,7 @@ def test_gguf_file_runs_on_ggml_and_a_bad_one_is_a_one_line_error(tmp_path):
 
 
 def test_settings_are_range_checked(monkeypatch):
-    from engine.ggml_runtime import resolve_threads
+    from engine.runtimes.ggml_runtime import resolve_threads
 
     assert resolve_threads(2) == 2
     monkeypatch.setenv("FIMBLE_GGML_THREADS", "0")

@@ -11,10 +11,10 @@ from conftest import DRAFT_DIR
 
 from engine.api import CompletionRequest
 from engine.errors import ModelLoadError
-from engine.gguf_export import export_gguf
 from engine.loader import load_model
 from engine.local import LocalEngine
 from engine.options import DecodeOptions
+from engine.runtimes.gguf_export import export_gguf
 
 CODE = (DRAFT_DIR.parent.parent / "engine" / "fim.py").read_text()
 

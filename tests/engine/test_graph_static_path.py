@@ -1,4 +1,4 @@
-"""The CUDA-graph path's static-shape pass (engine/cuda_graphs.py), run without graphs on the CPU.
+"""The CUDA-graph path's static-shape pass (engine/runtimes/cuda_graphs.py), run without graphs on the CPU.
 
 Padding to a block bucket, the device-held start position, masked attention over a key bucket and
 the one-sync greedy draft must give the eager path's tokens; the GPU test (tests/gpu) checks the
@@ -11,10 +11,17 @@ import torch
 from prompts import fim_prompts
 
 from engine.api import CompletionRequest
-from engine.cuda_graphs import BatchedCache, GraphRuntime, batched_forward, block_bucket, key_bucket, maybe_wrap
-from engine.drafters import ModelDrafter, NgramDrafter
+from engine.decoding.drafters import ModelDrafter, NgramDrafter
+from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
 from engine.local import LocalEngine
-from engine.speculative import DecodeOptions, SpeculativeDecoder
+from engine.runtimes.cuda_graphs import (
+    BatchedCache,
+    GraphRuntime,
+    batched_forward,
+    block_bucket,
+    key_bucket,
+    maybe_wrap,
+)
 
 
 def _decode(runtime, draft_runtime, prompt, drafter, tokens=16):

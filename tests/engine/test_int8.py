@@ -1,4 +1,4 @@
-"""int8 weights (engine/quant.py): rows never depend on the pass's shape, and speculation stays
+"""int8 weights (engine/runtimes/quant.py): rows never depend on the pass's shape, and speculation stays
 lossless against the int8 model's own plain greedy output, bit for bit.
 
 The default suite checks 16 prompts; FIMBLE_SLOW=1 checks 200 (the issue's bar).
@@ -16,7 +16,7 @@ from prompts import fim_prompts
 
 from engine.errors import ModelLoadError
 from engine.loader import load_model
-from engine.quant import Int8Linear
+from engine.runtimes.quant import Int8Linear
 
 N_PROMPTS = 200 if os.environ.get("FIMBLE_SLOW") else 16
 

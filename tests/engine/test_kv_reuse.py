@@ -1,4 +1,4 @@
-"""Per-document segmented KV caches (engine/kv_store.py): exactness, recompute bounds, memory, pre-warm.
+"""Per-document segmented KV caches (engine/caching/kv_store.py): exactness, recompute bounds, memory, pre-warm.
 
 Every comparison is against the same engine recomputing the prompt from scratch
 (reuse="none"), with the embedded models, greedy.
@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.api import CompletionRequest
-from engine.compact import rotate
+from engine.caching.kv_shift import rerotate
 from engine.errors import FimbleError
-from engine.kv_shift import rerotate
 from engine.local import LocalEngine
 from engine.options import DecodeOptions
+from engine.runtimes.compact import rotate
 from tests.engine.kv_sources import definition_lines, stdlib_source
 
 OPTS = DecodeOptions(max_tokens=8)
@@ -223,7 +223,7 @@ def test_rerotating_keys_equals_rotating_at_the_new_position(embedded_target):
 
 def test_transformers_backend_keeps_per_document_caches(tmp_path):
     """Architectures outside the compact runtime reuse exactly too, with a bounded number of documents."""
-    from engine.kv_store import UNSIZED_DOCUMENTS
+    from engine.caching.kv_store import UNSIZED_DOCUMENTS
     from engine.loader import load_model
     from tests.conftest import build_tiny_model
 

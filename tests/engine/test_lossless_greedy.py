@@ -15,7 +15,7 @@ from lossless_check import TIE_TOLERANCE, compare_drafters, decode, first_differ
 from prompts import fim_prompts, pinned_tie_prompt
 
 from engine.api import CompletionRequest
-from engine.drafters import ModelDrafter, NgramDrafter
+from engine.decoding.drafters import ModelDrafter, NgramDrafter
 from engine.local import LocalEngine
 
 N_PROMPTS = 200

@@ -13,9 +13,9 @@ import pytest
 from conftest import TARGET_DIR, build_tiny_model
 
 from engine.api import CompletionRequest, DecodeOptions
+from engine.decoding.healing import split_heal, unheal
 from engine.errors import ModelLoadError
 from engine.fim import PREFIX_ONLY
-from engine.healing import split_heal, unheal
 from engine.loader import load_model
 from engine.local import LocalEngine
 

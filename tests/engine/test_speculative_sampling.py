@@ -7,10 +7,10 @@ import torch
 from conftest import build_tiny_model
 from scipy.stats import chisquare
 
-from engine.compact import load_compact
-from engine.drafters import Draft, ModelDrafter
-from engine.sampling import distribution
-from engine.speculative import DecodeOptions, SpeculativeDecoder
+from engine.decoding.drafters import Draft, ModelDrafter
+from engine.decoding.sampling import distribution
+from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
+from engine.runtimes.compact import load_compact
 
 VOCAB = 8
 PROMPT = [1, 5, 2]

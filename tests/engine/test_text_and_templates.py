@@ -7,10 +7,10 @@ from conftest import TARGET_DIR
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detok import IncrementalDetokenizer, StopRules
-from engine.drafters import NgramDrafter
+from engine.decoding.detok import IncrementalDetokenizer, StopRules
+from engine.decoding.drafters import NgramDrafter
+from engine.decoding.healing import split_heal, unheal
 from engine.fim import TEMPLATES, detect_template
-from engine.healing import split_heal, unheal
 
 
 @pytest.fixture(scope="module")

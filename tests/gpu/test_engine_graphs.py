@@ -36,8 +36,8 @@ def test_engine_with_graphs_answers_like_without():
     from prompts import fim_prompts
 
     from engine.api import CompletionRequest
-    from engine.cuda_graphs import GraphRuntime
     from engine.options import DecodeOptions
+    from engine.runtimes.cuda_graphs import GraphRuntime
 
     with_graphs, target = _engine(True)
     without, plain_target = _engine(False)

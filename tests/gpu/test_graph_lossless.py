@@ -1,4 +1,4 @@
-"""On a CUDA GPU: greedy decoding through CUDA graphs (engine/cuda_graphs.py) equals eager greedy decoding.
+"""On a CUDA GPU: greedy decoding through CUDA graphs (engine/runtimes/cuda_graphs.py) equals eager greedy decoding.
 
 The embedded pair in bf16 on >= 200 FIM prompts from the frozen corpus: eager plain greedy is the
 reference; graph plain and graph speculative (draft model + n-gram, the draft model's steps graphed
@@ -30,7 +30,7 @@ TIE_TOLERANCE = 2**-6  # relative to the logit's size: bf16 keeps 8 significant 
 
 
 def _decode(runtime, cache, prompt, drafter, model_drafter, ngram):
-    from engine.speculative import DecodeOptions, SpeculativeDecoder
+    from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
 
     dec = SpeculativeDecoder(
         runtime, cache, set(), DecodeOptions(max_tokens=MAX_TOKENS, drafter=drafter), model_drafter, ngram
@@ -52,10 +52,10 @@ def test_graph_greedy_equals_eager_greedy():
     from prompts import fim_prompts
 
     from engine.api import CompletionRequest
-    from engine.cuda_graphs import GraphRuntime, eager_runtime
-    from engine.drafters import ModelDrafter, NgramDrafter
+    from engine.decoding.drafters import ModelDrafter, NgramDrafter
     from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
     from engine.local import LocalEngine
+    from engine.runtimes.cuda_graphs import GraphRuntime, eager_runtime
 
     target = load_model(DEFAULT_TARGET, device="cuda", dtype=torch.bfloat16)
     draft = load_model(DEFAULT_DRAFT, device="cuda", dtype=torch.bfloat16)

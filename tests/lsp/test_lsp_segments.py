@@ -93,7 +93,7 @@ def test_no_parse_no_segment_lines():
 
 
 def test_engine_cuts_segments_at_those_lines():
-    from engine.prompt_plan import segment_breaks
+    from engine.caching.prompt_plan import segment_breaks
 
     doc = Document("file:///a.py", PY, 1, "python")
     lines = segment_lines(doc, (0, 0), len(doc.lines) - 1, "")

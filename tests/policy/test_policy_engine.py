@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from engine.api import CompletionRequest
+from engine.decoding.speculative import SpeculativeDecoder
 from engine.local import LocalEngine
 from engine.policy import decide, decide_for_context
 from engine.postprocess import CompletionShaper
-from engine.speculative import SpeculativeDecoder
 from engine.syntax import SyntaxDocument
 
 # A prompt on which the embedded model writes several lines of code.

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.errors import ModelLoadError
 from engine.loader import load_model
-from engine.weights_check import bad_probe, bad_weight
+from engine.runtimes.weights_check import bad_probe, bad_weight
 
 
 @pytest.fixture(scope="module")

@@ -369,7 +369,7 @@ def _llama_server() -> str | None:
 
 @pytest.mark.skipif(_llama_server() is None, reason="llama-server not installed (set LLAMA_SERVER to its path)")
 def test_llama_server_infill_and_openai_endpoints(tmp_path):
-    from engine.gguf_export import export_gguf
+    from engine.runtimes.gguf_export import export_gguf
 
     gguf = export_gguf(TARGET_DIR, tmp_path / "fimble-target-f32.gguf", "f32")
     port = _free_port()

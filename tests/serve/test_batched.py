@@ -94,7 +94,7 @@ def test_batched_pass_equals_each_sequence_alone(models, one_thread):
 def test_batched_drafts_equal_each_drafter_alone(models, one_thread):
     """Greedy drafts of several sequences drafted together equal each drafted alone, and equal
     ModelDrafter.propose's (the same choices; caches left holding the same tokens)."""
-    from engine.drafters import ModelDrafter
+    from engine.decoding.drafters import ModelDrafter
     from engine.serve.batched import DraftNeed, batched_greedy_drafts
 
     rt = models[1].runtime

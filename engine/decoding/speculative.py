@@ -3,11 +3,11 @@
 State between steps: ``ids`` holds the prompt and every committed output token.
 The target's KV cache holds all of ``ids`` except the last token, which is fed
 with the next block. A rejected suffix of a block is dropped by rolling the
-cache's length back (a pointer move, see engine/compact.py).
+cache's length back (a pointer move, see engine/runtimes/compact.py).
 
 Greedy: keep the longest drafted prefix that equals the target's argmax, plus
 the target's own next token. Output equals plain greedy decoding.
-Sampling: speculative sampling (engine/sampling.py). Output is distributed as
+Sampling: speculative sampling (engine/decoding/sampling.py). Output is distributed as
 plain sampling from the target.
 """
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.drafters import Draft, ModelDrafter, NgramDrafter
+from engine.decoding.drafters import Draft, ModelDrafter, NgramDrafter
+from engine.decoding.sampling import accept_draft_token, distribution, draw, residual
 from engine.options import DecodeOptions
-from engine.sampling import accept_draft_token, distribution, draw, residual
 
 
 @dataclass
@@ -52,7 +52,7 @@ class SpeculativeDecoder:
         self.done = False
         self.finish_reason: str | None = None
         self.stats = StepStats()
-        # Token healing (engine/healing.py): text the first tokens must re-type.
+        # Token healing (engine/decoding/healing.py): text the first tokens must re-type.
         self.forced = forced if token_index is not None else ""
         self.token_index = token_index
         # Set to a list to record, for every greedy choice (stop tokens included), the token and the logits

@@ -139,7 +139,7 @@ class Block(nn.Module):
         keys, values = cache.keys[layer, :, :end], cache.values[layer, :, :end]
         gqa = cfg.num_kv_heads != cfg.num_heads
         if 1 < t <= self.row_attention_max and start > 0 and isinstance(slots, slice):
-            # Batch-invariant mode (int8, engine/quant.py): each query row attends exactly as a
+            # Batch-invariant mode (int8, engine/runtimes/quant.py): each query row attends exactly as a
             # 1-token step at its position would, so a verify block's rows are bit-identical to
             # plain decoding's; int8 activation rounding would otherwise amplify fp32 noise.
             attn = torch.cat([F.scaled_dot_product_attention(

@@ -1,7 +1,7 @@
 """Per-document KV caches under one byte budget, evicted segment by segment (LRU).
 
 Every document (a request's ``document_id``) owns its own preallocated,
-position-addressed caches (``KVCache`` in engine/compact.py): one for the target and
+position-addressed caches (``KVCache`` in engine/runtimes/compact.py): one for the target and
 one for the draft model. Switching files switches caches; nothing is copied. A cache
 is sized to its prompt plus room to decode, and grows (one copy) only when the prompt
 outgrows it.
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.caching.prompt_plan import Piece, PromptPlan, Segment
 from engine.errors import FimbleError
-from engine.prompt_plan import Piece, PromptPlan, Segment
 
 ALLOC_STEP = 256  # cache capacities are multiples of this many tokens
 MIN_BORROW_TOKENS = 64  # borrowing from another document must save at least this much
@@ -266,7 +266,7 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
 def _copied(runtime, old, cap: int):
     new = runtime.new_cache(cap)
     n = min(old.length, cap)
-    if hasattr(new, "copy_prefix_from"):  # llama.cpp contexts (engine/ggml_runtime.py)
+    if hasattr(new, "copy_prefix_from"):  # llama.cpp contexts (engine/runtimes/ggml_runtime.py)
         new.copy_prefix_from(old, n)
         return new
     new.keys[:, :, :n] = old.keys[:, :, :n]

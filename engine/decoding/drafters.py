@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.kv_store import common_prefix
-from engine.sampling import distribution
+from engine.caching.kv_store import common_prefix
+from engine.decoding.sampling import distribution
 
 
 @dataclass
@@ -56,7 +56,7 @@ class ModelDrafter:
     def propose(self, context: list[int], k: int, temperature: float, top_p: float,
                 gate: float, gen: torch.Generator | None) -> Draft:
         if temperature <= 0 and hasattr(self.runtime, "propose_greedy"):
-            # CUDA graphs (engine/cuda_graphs.py): the same greedy draft with one host sync, not one per token.
+            # CUDA graphs (engine/runtimes/cuda_graphs.py): the same greedy draft with one host sync, not one per token.
             tokens, self.ids = self.runtime.propose_greedy(self.cache, self.ids, context, k, gate)
             return Draft(tokens)
         logits = self._sync(context)

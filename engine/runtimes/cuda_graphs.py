@@ -1,4 +1,4 @@
-"""CUDA-graph decode for the compact runtime (engine/compact.py): the same calls, replayed graphs.
+"""CUDA-graph decode for the compact runtime (engine/runtimes/compact.py): the same calls, replayed graphs.
 
 On a GPU a decode step of a small model is launch-bound: hundreds of tiny kernels, each costing more
 to launch from Python than to run. ``GraphRuntime`` wraps a ``CompactTransformer`` and replays a
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.compact import CompactTransformer, KVCache
-from engine.kv_store import common_prefix
+from engine.caching.kv_store import common_prefix
+from engine.runtimes.compact import CompactTransformer, KVCache
 
 BLOCKS = (1, 2, 4, 8, 16)
 MIN_KEYS = 256  # smallest attended key length; doubling buckets above it

@@ -7,9 +7,9 @@ calls the compact runtime answers (``new_cache``, ``runtime(tokens, cache, start
 
 Why: the compact torch step pays per-op dispatch on every forward pass; llama.cpp's one
 ``llama_decode`` per step runs the whole graph in C (bench/engine.py figures in the commit).
-A HF folder is exported once to a cached GGUF (engine/gguf_export.py; f32, or q8_0 with
+A HF folder is exported once to a cached GGUF (engine/runtimes/gguf_export.py; f32, or q8_0 with
 ``FIMBLE_QUANT=int8``) under ``~/.cache/fimble/gguf`` (or ``$FIMBLE_CACHE_DIR``); a GGUF file is
-loaded as it is, tokenizer and FIM template from its metadata (engine/gguf_loader.py).
+loaded as it is, tokenizer and FIM template from its metadata (engine/runtimes/gguf_loader.py).
 
 Mapping:
 - each cache (a document's target or draft cache) is its own ``llama_context`` with one
@@ -44,15 +44,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.compact import CompactConfig
 from engine.errors import ModelLoadError
-from engine.ggml_lib import get_lib
+from engine.runtimes.compact import CompactConfig
+from engine.runtimes.ggml_lib import get_lib
 
 log = logging.getLogger("fimble.ggml")
 
 INVARIANT_ROWS = 32  # blocks needing logits on every row run in chunks of at most this many tokens
 PREFILL_BATCH = 256  # llama.cpp batch (and ubatch) size: prefill chunk, and the context's compute buffer
-EXPORT_VERSION = "1"  # bump when engine/gguf_export.py writes different files for the same folder
+EXPORT_VERSION = "1"  # bump when engine/runtimes/gguf_export.py writes different files for the same folder
 MAX_THREADS = 256
 KV_BYTES = 2  # llama.cpp's default f16 keys and values
 PROBE_DEPTH = 200  # cached positions before the load-time batch-invariance probe
@@ -232,7 +232,7 @@ def cache_dir() -> Path:
 
 def cached_gguf(folder: Path, qtype: str) -> Path:
     """A GGUF of the HF ``folder`` (written once, keyed by the source files' names, sizes and times)."""
-    from engine.gguf_export import export_gguf
+    from engine.runtimes.gguf_export import export_gguf
 
     h = hashlib.sha256(f"{EXPORT_VERSION}:{qtype}:{folder.resolve()}".encode())
     for f in sorted(folder.iterdir()):
@@ -255,7 +255,7 @@ def cached_gguf(folder: Path, qtype: str) -> Path:
 
 
 def _check_probe(runtime: GGMLRuntime, source: object) -> None:
-    from engine.weights_check import bad_probe
+    from engine.runtimes.weights_check import bad_probe
 
     reason = bad_probe(runtime)
     if reason:
@@ -272,8 +272,8 @@ def folder_runtime(folder: Path, cfg: dict, quant: str) -> GGMLRuntime:
 
 
 def gguf_model(path: Path):
-    """A GGUF file on the ggml runtime: engine.gguf_loader.GGUFModel, tokenizer and template from the file."""
-    from engine.gguf_loader import GGUFModel, _config, _template, _tokenizer
+    """A GGUF file on the ggml runtime: engine.runtimes.gguf_loader.GGUFModel, tokenizer and template from the file."""
+    from engine.runtimes.gguf_loader import GGUFModel, _config, _template, _tokenizer
 
     try:
         from gguf import GGUFReader

@@ -10,7 +10,7 @@ Pieces group into segments: the document's logical blocks (the lines where the
 language server saw a top-level definition start), or fixed blocks of lines where
 there is no parse. Each segment carries a prefix-hash chain key (its tokens and
 everything before it, as vLLM hashes blocks); each piece a content key (its tokens
-alone), which shift reuse matches after an edit (engine/kv_shift.py).
+alone), which shift reuse matches after an edit (engine/caching/kv_shift.py).
 
 Truncation keeps the prompt stable while the user types: the suffix keeps whole
 leading pieces, and the prefix drops whole leading segments in steps of
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.api import CompletionRequest
+from engine.decoding.healing import split_heal
 from engine.errors import PromptError
-from engine.healing import split_heal
 
 LINE_CUT = re.compile(r"(?<=\S)(?=\n)")
 FALLBACK_BLOCK_LINES = 32  # segment size where the caller gave no parse
@@ -117,7 +117,7 @@ class PromptBuilder:
     def __init__(self, model, psm_suffix_tokens: int = PSM_SUFFIX_TOKENS):
         self.model = model
         self.psm_suffix_tokens = psm_suffix_tokens
-        # Newline healing (engine/healing.py); off only to measure the older rule (bench/quality.py).
+        # Newline healing (engine/decoding/healing.py); off only to measure the older rule (bench/quality.py).
         self.newline_healing = True
         self._memo: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
 

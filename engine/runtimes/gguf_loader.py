@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.compact import CompactConfig, CompactTransformer, compact_from_hf_state
 from engine.errors import ModelLoadError
 from engine.fim import TEMPLATES, FimTemplate
-from engine.gguf_export import gguf_to_hf_qk
+from engine.runtimes.compact import CompactConfig, CompactTransformer, compact_from_hf_state
+from engine.runtimes.gguf_export import gguf_to_hf_qk
 
 GGUF_MAGIC = b"GGUF"
 # GGUF pre-tokenizer names whose split rule this loader reproduces exactly.

@@ -11,7 +11,7 @@ Two checks, both cheap next to the load itself:
 What stays undetectable: corruption that leaves values finite and small (a flipped low
 mantissa bit, a swapped row, plausible-looking noise) in a part the probe does not reach,
 such as the embedding rows of tokens it does not use. Such a model loads and answers badly.
-Header corruption never gets here: safetensors refuses the file (engine/compact.py).
+Header corruption never gets here: safetensors refuses the file (engine/runtimes/compact.py).
 """
 
 from __future__ import annotations

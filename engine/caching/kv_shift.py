@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.compact import rotate
-from engine.prompt_plan import Piece
+from engine.caching.prompt_plan import Piece
+from engine.runtimes.compact import rotate
 
 
 @dataclass(frozen=True)
