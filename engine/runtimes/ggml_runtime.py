@@ -273,17 +273,9 @@ def folder_runtime(folder: Path, cfg: dict, quant: str) -> GGMLRuntime:
 
 def gguf_model(path: Path):
     """A GGUF file on the ggml runtime: engine.runtimes.gguf_loader.GGUFModel, tokenizer and template from the file."""
-    from engine.runtimes.gguf_loader import GGUFModel, _config, _template, _tokenizer
+    from engine.runtimes.gguf_loader import GGUFModel, _config, _template, _tokenizer, open_reader
 
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise ModelLoadError("loading GGUF files needs the 'gguf' package (pip install gguf)") from None
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # truncated or not a GGUF: the package raises many kinds
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"{path.name} is not a readable GGUF file: {first}") from None
+    reader = open_reader(path)
     try:
         cfg, _ = _config(reader, path)
         tokenizer, tokens = _tokenizer(reader, path)

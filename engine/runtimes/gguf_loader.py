@@ -158,16 +158,21 @@ def rest_is(name: str, suffix: str) -> bool:
     return name.startswith("blk.") and name.endswith("." + suffix)
 
 
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> GGUFModel:
+def open_reader(path: Path):
+    """The file's GGUFReader, or a one-line ModelLoadError (both runtimes read GGUF metadata through this)."""
     try:
         from gguf import GGUFReader
     except ImportError:
         raise ModelLoadError("loading GGUF files needs the 'gguf' package (pip install gguf)") from None
     try:
-        reader = GGUFReader(str(path))
+        return GGUFReader(str(path))
     except Exception as exc:  # truncated or not a GGUF: the package raises many kinds
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"{path.name} is not a readable GGUF file: {first}") from None
+
+
+def load_gguf(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> GGUFModel:
+    reader = open_reader(path)
     try:
         cfg, arch = _config(reader, path)
         tokenizer, tokens = _tokenizer(reader, path)
