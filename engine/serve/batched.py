@@ -48,8 +48,20 @@ class Forward:
 
 
 def supports_batch(runtime: object) -> bool:
-    """Whether ``runtime`` can run a batch here (the compact runtime; transformers models cannot)."""
-    return isinstance(runtime, CompactTransformer)
+    """Whether ``runtime`` can run a batch here (the compact runtime, also under CUDA graphs; transformers
+    models cannot)."""
+    return isinstance(eager_model(runtime), CompactTransformer)
+
+
+def eager_model(runtime: object) -> object:
+    """The ``CompactTransformer`` under a ``GraphRuntime`` (CUDA), else ``runtime``: batched passes run eagerly.
+
+    A graph bakes in one cache's addresses, and each sequence has its own cache, so a batch of them runs
+    the eager batched forward below (on CUDA: bf16, one kernel per projection for all sequences).
+    """
+    from engine.runtimes.cuda_graphs import GraphRuntime  # no torch.cuda use at import
+
+    return runtime.model if isinstance(runtime, GraphRuntime) else runtime
 
 
 def run_one(runtime, call: Forward) -> Tensor:
@@ -68,6 +80,7 @@ def _linear(lin: nn.Module, x: Tensor) -> Tensor:
 @torch.inference_mode()
 def batched_forward(model: CompactTransformer, calls: list[Forward]) -> list[Tensor]:
     """Run every call's tokens in one pass; return each call's last ``num_logits`` logits (float32)."""
+    model = eager_model(model)
     cfg = model.cfg
     spans, pos = [], 0
     for c in calls:
