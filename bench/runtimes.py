@@ -3,7 +3,8 @@ f32 and q8_0), plain and auto (n-gram + draft model) speculative decoding.
 
 Same prompts (bench/engine.py's: HumanEval infilling and cursors in stdlib files), greedy, exactly
 --tokens new tokens each (no early stop), runtimes interleaved per prompt, one thread each by default.
-Checks that each runtime's auto output equals its own plain output.
+Checks that each runtime's auto output equals its own plain output. ``--fixed`` adds "fixed" rows: auto
+without the cost-aware policy (engine/decoding/spec_policy.py), the +2/-1 adaptive gamma alone, interleaved.
 
     FIMBLE_GGML_LIB=... python bench/runtimes.py [--quick] [--threads N] [--model DIR --draft DIR] [--json PATH]
 
@@ -48,6 +49,7 @@ def main() -> None:
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="'' for none (auto is then n-gram only)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fixed", action="store_true", help="also auto without the cost model (before/after)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     n_prompts = args.prompts or (4 if args.quick else 24)
@@ -71,13 +73,17 @@ def main() -> None:
     for name, (target, drafter) in models.items():
         methods[f"{name} plain"] = (name, target, "none", None)
         methods[f"{name} auto"] = (name, target, "auto", drafter)
+        if args.fixed:
+            methods[f"{name} fixed"] = (name, target, "fixed", drafter)
 
     def run(spec, prompt):
         """(output, prefill seconds, decode seconds, tokens per verify step)"""
         _, target, mode, drafter = spec
-        opts = DecodeOptions(max_tokens=n_tokens, drafter=mode)
+        opts = DecodeOptions(max_tokens=n_tokens, drafter="auto" if mode == "fixed" else mode)
         cache = target.runtime.new_cache(len(prompt) + n_tokens + 32)
         dec = SpeculativeDecoder(target.runtime, cache, set(), opts, drafter, ngram if mode != "none" else None)
+        if mode == "fixed":
+            dec.costs = None  # the policy before the cost model: draft every round
         t0 = time.perf_counter()
         dec.prefill(prompt)
         t1 = time.perf_counter()
@@ -122,7 +128,7 @@ def main() -> None:
     table = []
     for m, r in rows.items():
         tps = rate(m)
-        mode = "plain" if m.endswith("plain") else "auto"
+        mode = "plain" if m.endswith("plain") else "auto"  # fixed rows: a ratio of the first runtime's auto
         acc = sum(r["accepted"]) / len(r["accepted"]) if r["accepted"] else 1.0
         pre = n_prompt / r["prefill_s"]
         table.append(

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from engine.decoding.drafters import Draft, ModelDrafter, NgramDrafter
 from engine.decoding.sampling import accept_draft_token, distribution, draw, residual
+from engine.decoding.spec_policy import Acceptance, VerifyCosts, choose_gamma, verify_costs
 from engine.options import DecodeOptions
 
 
@@ -46,6 +47,18 @@ class SpeculativeDecoder:
         self.model_drafter = model_drafter if options.drafter in ("auto", "model") else None
         self.ngram_drafter = ngram_drafter if options.drafter in ("auto", "ngram") else None
         self.gamma = options.gamma
+        # Cost-aware speculation (engine/decoding/spec_policy.py): with adaptive gamma, each round
+        # drafts only as many tokens as pay for their verification on this runtime.
+        self.costs: VerifyCosts | None = None
+        self.draft_cost = 0.0  # a draft model step, in target steps
+        if options.adaptive_gamma and options.gamma > 0 and (self.model_drafter or self.ngram_drafter):
+            self.costs = verify_costs(runtime)
+            if self.model_drafter is not None and self.costs.step_s > 0:
+                own = verify_costs(self.model_drafter.runtime).step_s
+                self.draft_cost = own / self.costs.step_s if own > 0 else 0.0
+        self.acceptance = {"ngram": Acceptance(), "model": Acceptance()}
+        self._kind = ""  # which drafter drafted this round
+        self._shadow: list[int] = []  # an n-gram draft the policy chose not to verify
         self.gen = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
         self.ids: list[int] = []
         self.output: list[int] = []
@@ -114,14 +127,28 @@ class SpeculativeDecoder:
 
     def _draft(self) -> Draft:
         k = self.gamma if self.opt.gamma > 0 else 0
+        if self.costs is not None:  # the policy picks the length: its ceiling is max_gamma
+            k = self.opt.max_gamma
         k = min(k, self.opt.max_tokens - len(self.output), self.cache.max_len - len(self.ids))
         if k <= 0:
             return Draft([])
         if self.ngram_drafter is not None:
             draft = self.ngram_drafter.propose(self.ids, k)
             if len(draft.tokens) >= 2 or self.model_drafter is None:
+                self._kind = "ngram"
+                if self.costs is not None and draft.tokens:
+                    g = choose_gamma(self.costs, self.acceptance["ngram"], len(draft.tokens))
+                    if g == 0:  # not worth a verify row; still scored against the next token
+                        self._shadow = draft.tokens
+                    draft = Draft(draft.tokens[:g])
                 return draft
         if self.model_drafter is not None:
+            self._kind = "model"
+            if self.costs is not None:
+                k = choose_gamma(self.costs, self.acceptance["model"], k, self.draft_cost)
+                if k == 0:  # skipped: drift back toward the prior, so it is tried again later
+                    self.acceptance["model"].forget()
+                    return Draft([])
             return self.model_drafter.propose(self.ids, k, self.opt.temperature, self.opt.top_p,
                                               self.opt.confidence_gate, self.gen)
         return Draft([])
@@ -134,6 +161,7 @@ class SpeculativeDecoder:
             self.done, self.finish_reason = True, "context"
             return []
         # While healing, tokens are constrained one at a time: no drafting.
+        self._kind, self._shadow = "", []
         draft = Draft([]) if self.forced else self._draft()
         k = len(draft.tokens)
         start = len(self.ids) - 1
@@ -147,6 +175,10 @@ class SpeculativeDecoder:
         self.stats.drafted += k
         self.stats.accepted += n_accepted
         self.stats.target_tokens += k + 1
+        if self._kind and k:
+            self.acceptance[self._kind].update(k, n_accepted)
+        elif self._shadow:
+            self.acceptance["ngram"].update(1, int(self._shadow[0] == new[0]))
         if self.opt.adaptive_gamma and k:
             self.gamma = min(self.opt.max_gamma, self.gamma + 2) if n_accepted == k else max(1, self.gamma - 1)
         return self._commit(new)
