@@ -43,6 +43,7 @@ from engine.caching.kv_store import session_of
 from engine.decoding.detok import IncrementalDetokenizer, StopRules
 from engine.decoding.drafters import Draft, ModelDrafter, NgramDrafter
 from engine.decoding.healing import unheal
+from engine.decoding.spec_policy import choose_gamma
 from engine.decoding.speculative import SpeculativeDecoder
 from engine.errors import FimbleError, PromptError
 from engine.local import _WAKE, REUSE_MODES, LocalEngine
@@ -75,7 +76,8 @@ class StepDecoder(SpeculativeDecoder):
     """``SpeculativeDecoder`` split around its target pass, so a scheduler can batch the passes.
 
     ``begin_step`` drafts and returns the pass; ``end_step`` verifies its logits. Together they
-    do exactly what ``step`` does.
+    do exactly what ``step`` does (``next_draft`` mirrors ``_draft``, cost-aware gamma included: if
+    either changes, change the other).
     """
 
     _pending: tuple[Draft, int] | None = None
@@ -96,18 +98,33 @@ class StepDecoder(SpeculativeDecoder):
         if len(self.ids) >= self.cache.max_len:
             self.done, self.finish_reason = True, "context"
             return None
+        self._kind, self._shadow = "", []
         if self.forced:  # healing: one constrained token at a time
             return Draft([])
         k = self.gamma if self.opt.gamma > 0 else 0
+        if self.costs is not None:  # cost-aware speculation (engine/decoding/spec_policy.py), as in _draft
+            k = self.opt.max_gamma
         k = min(k, self.opt.max_tokens - len(self.output), self.cache.max_len - len(self.ids))
         if k <= 0:
             return Draft([])
         if self.ngram_drafter is not None:
             draft = self.ngram_drafter.propose(self.ids, k)
             if len(draft.tokens) >= 2 or self.model_drafter is None:
+                self._kind = "ngram"
+                if self.costs is not None and draft.tokens:
+                    g = choose_gamma(self.costs, self.acceptance["ngram"], len(draft.tokens))
+                    if g == 0:
+                        self._shadow = draft.tokens
+                    draft = Draft(draft.tokens[:g])
                 return draft
         if self.model_drafter is None:
             return Draft([])
+        self._kind = "model"
+        if self.costs is not None:
+            k = choose_gamma(self.costs, self.acceptance["model"], k, self.draft_cost)
+            if k == 0:
+                self.acceptance["model"].forget()
+                return Draft([])
         if self.opt.temperature > 0:  # sampled drafts carry their distributions: drafted here, alone
             return self.model_drafter.propose(
                 self.ids, k, self.opt.temperature, self.opt.top_p, self.opt.confidence_gate, self.gen
@@ -135,6 +152,10 @@ class StepDecoder(SpeculativeDecoder):
         self.stats.drafted += k
         self.stats.accepted += n_accepted
         self.stats.target_tokens += k + 1
+        if self._kind and k:
+            self.acceptance[self._kind].update(k, n_accepted)
+        elif self._shadow:
+            self.acceptance["ngram"].update(1, int(self._shadow[0] == new[0]))
         if self.opt.adaptive_gamma and k:
             self.gamma = min(self.opt.max_gamma, self.gamma + 2) if n_accepted == k else max(1, self.gamma - 1)
         return self._commit(new)
