@@ -90,7 +90,32 @@ async def handle(daemon: Any, head: bytes, reader: asyncio.StreamReader, writer:
         _reply(
             writer, exc.status, {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": None}}
         )
+        await writer.drain()
+        await _discard_unread(reader)
+        return
     await writer.drain()
+
+
+async def _discard_unread(reader: asyncio.StreamReader, most: int = 16 << 20, seconds: float = 2.0) -> None:
+    """A lingering close: read and drop what the client is still sending after an early error reply.
+
+    A refused request (413, 401, ...) is answered before its body is read. Closing at once would reset
+    the connection while the client is still writing, and the client would see a broken pipe instead of
+    the answer. So the body is drained, bounded in bytes and time, then the connection closes.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while most > 0:
+        left = deadline - loop.time()
+        if left <= 0:
+            return
+        try:
+            chunk = await asyncio.wait_for(reader.read(min(most, 1 << 16)), left)
+        except (TimeoutError, ConnectionError):
+            return
+        if not chunk:
+            return
+        most -= len(chunk)
 
 
 async def _read_body(headers: Headers, reader: asyncio.StreamReader, limit: int) -> dict:
