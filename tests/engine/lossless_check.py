@@ -23,6 +23,9 @@ def decode(target, cache, prompt, heal, drafter_name, model_drafter, ngram) -> S
     dec = SpeculativeDecoder(target.runtime, cache, target.stop_ids, opts, model_drafter, ngram, heal,
                              target.token_index)
     dec.trace = []
+    # Draft every round (no cost-aware skipping, engine/decoding/spec_policy.py): the check needs verify
+    # blocks, and whether drafting pays on this machine must not decide what is tested.
+    dec.costs = None
     # The prompt's keys/values from the previous run over the same prompt stay valid.
     reuse = min(cache.length, len(prompt) - 1)
     cache.rollback(reuse)
