@@ -51,7 +51,15 @@ class SpeculativeDecoder:
         # drafts only as many tokens as pay for their verification on this runtime.
         self.costs: VerifyCosts | None = None
         self.draft_cost = 0.0  # a draft model step, in target steps
-        if options.adaptive_gamma and options.gamma > 0 and (self.model_drafter or self.ngram_drafter):
+        # Only runtimes that ask for it (the ggml runtime, whose q8_0 verify rows cost about as much as a
+        # step each): on the compact runtime the policy measured no better than the +2/-1 rule, and its
+        # one-time cost probe would delay the first completion, so the default path keeps that rule.
+        if (
+            getattr(runtime, "cost_aware_drafting", False)
+            and options.adaptive_gamma
+            and options.gamma > 0
+            and (self.model_drafter or self.ngram_drafter)
+        ):
             self.costs = verify_costs(runtime)
             if self.model_drafter is not None and self.costs.step_s > 0:
                 own = verify_costs(self.model_drafter.runtime).step_s

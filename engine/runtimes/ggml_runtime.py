@@ -127,6 +127,9 @@ class GGMLCache:
 class GGMLRuntime:
     """A GGUF model on llama.cpp, called like the compact runtime."""
 
+    # engine/decoding/spec_policy.py: draft only what pays (q8_0 verify rows cost about a step each here).
+    cost_aware_drafting = True
+
     def __init__(self, path: Path, cfg: CompactConfig, threads: int | None = None):
         self.lib = get_lib()
         self.path = path
