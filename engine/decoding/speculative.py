@@ -133,7 +133,12 @@ class SpeculativeDecoder:
         self.ids = list(prompt) + [first]
         return self._commit([first])
 
-    def _draft(self) -> Draft:
+    def _plan_draft(self) -> Draft | int:
+        """This round's draft: an n-gram draft, or how many tokens to ask the draft model for.
+
+        Shared with fimble serve's scheduler (engine/serve/scheduler.py), which drafts with the model
+        for many sequences in one pass.
+        """
         k = self.gamma if self.opt.gamma > 0 else 0
         if self.costs is not None:  # the policy picks the length: its ceiling is max_gamma
             k = self.opt.max_gamma
@@ -150,16 +155,35 @@ class SpeculativeDecoder:
                         self._shadow = draft.tokens
                     draft = Draft(draft.tokens[:g])
                 return draft
-        if self.model_drafter is not None:
-            self._kind = "model"
-            if self.costs is not None:
-                k = choose_gamma(self.costs, self.acceptance["model"], k, self.draft_cost)
-                if k == 0:  # skipped: drift back toward the prior, so it is tried again later
-                    self.acceptance["model"].forget()
-                    return Draft([])
-            return self.model_drafter.propose(self.ids, k, self.opt.temperature, self.opt.top_p,
-                                              self.opt.confidence_gate, self.gen)
-        return Draft([])
+        if self.model_drafter is None:
+            return Draft([])
+        self._kind = "model"
+        if self.costs is not None:
+            k = choose_gamma(self.costs, self.acceptance["model"], k, self.draft_cost)
+            if k == 0:  # skipped: drift back toward the prior, so it is tried again later
+                self.acceptance["model"].forget()
+                return Draft([])
+        return k
+
+    def _draft(self) -> Draft:
+        plan = self._plan_draft()
+        if isinstance(plan, Draft):
+            return plan
+        return self.model_drafter.propose(self.ids, plan, self.opt.temperature, self.opt.top_p,
+                                          self.opt.confidence_gate, self.gen)
+
+    def _account(self, k: int, n_accepted: int, first: int) -> None:
+        """Counters, acceptance estimates and adaptive gamma after a verify pass of ``k`` drafts."""
+        self.stats.steps += 1
+        self.stats.drafted += k
+        self.stats.accepted += n_accepted
+        self.stats.target_tokens += k + 1
+        if self._kind and k:
+            self.acceptance[self._kind].update(k, n_accepted)
+        elif self._shadow:
+            self.acceptance["ngram"].update(1, int(self._shadow[0] == first))
+        if self.opt.adaptive_gamma and k:
+            self.gamma = min(self.opt.max_gamma, self.gamma + 2) if n_accepted == k else max(1, self.gamma - 1)
 
     def step(self) -> list[int]:
         """One verify pass. Returns the tokens it committed (possibly none if it stopped)."""
@@ -179,16 +203,7 @@ class SpeculativeDecoder:
         n_accepted = len(new) - 1
         self.cache.rollback(start + 1 + n_accepted)  # keep the fed token and the accepted drafts
         self.ids.extend(new)
-        self.stats.steps += 1
-        self.stats.drafted += k
-        self.stats.accepted += n_accepted
-        self.stats.target_tokens += k + 1
-        if self._kind and k:
-            self.acceptance[self._kind].update(k, n_accepted)
-        elif self._shadow:
-            self.acceptance["ngram"].update(1, int(self._shadow[0] == new[0]))
-        if self.opt.adaptive_gamma and k:
-            self.gamma = min(self.opt.max_gamma, self.gamma + 2) if n_accepted == k else max(1, self.gamma - 1)
+        self._account(k, n_accepted, new[0])
         return self._commit(new)
 
     def _verify(self, draft: Draft, logits: Tensor) -> list[int]:

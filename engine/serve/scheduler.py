@@ -43,7 +43,6 @@ from engine.caching.kv_store import session_of
 from engine.decoding.detok import IncrementalDetokenizer, StopRules
 from engine.decoding.drafters import Draft, ModelDrafter, NgramDrafter
 from engine.decoding.healing import unheal
-from engine.decoding.spec_policy import choose_gamma
 from engine.decoding.speculative import SpeculativeDecoder
 from engine.errors import FimbleError, PromptError
 from engine.local import _WAKE, REUSE_MODES, LocalEngine
@@ -101,35 +100,14 @@ class StepDecoder(SpeculativeDecoder):
         self._kind, self._shadow = "", []
         if self.forced:  # healing: one constrained token at a time
             return Draft([])
-        k = self.gamma if self.opt.gamma > 0 else 0
-        if self.costs is not None:  # cost-aware speculation (engine/decoding/spec_policy.py), as in _draft
-            k = self.opt.max_gamma
-        k = min(k, self.opt.max_tokens - len(self.output), self.cache.max_len - len(self.ids))
-        if k <= 0:
-            return Draft([])
-        if self.ngram_drafter is not None:
-            draft = self.ngram_drafter.propose(self.ids, k)
-            if len(draft.tokens) >= 2 or self.model_drafter is None:
-                self._kind = "ngram"
-                if self.costs is not None and draft.tokens:
-                    g = choose_gamma(self.costs, self.acceptance["ngram"], len(draft.tokens))
-                    if g == 0:
-                        self._shadow = draft.tokens
-                    draft = Draft(draft.tokens[:g])
-                return draft
-        if self.model_drafter is None:
-            return Draft([])
-        self._kind = "model"
-        if self.costs is not None:
-            k = choose_gamma(self.costs, self.acceptance["model"], k, self.draft_cost)
-            if k == 0:
-                self.acceptance["model"].forget()
-                return Draft([])
+        plan = self._plan_draft()  # SpeculativeDecoder's rule: n-gram draft, or a draft-model length
+        if isinstance(plan, Draft):
+            return plan
         if self.opt.temperature > 0:  # sampled drafts carry their distributions: drafted here, alone
             return self.model_drafter.propose(
-                self.ids, k, self.opt.temperature, self.opt.top_p, self.opt.confidence_gate, self.gen
+                self.ids, plan, self.opt.temperature, self.opt.top_p, self.opt.confidence_gate, self.gen
             )
-        return DraftNeed(self.model_drafter, self.ids, k, self.opt.confidence_gate)
+        return DraftNeed(self.model_drafter, self.ids, plan, self.opt.confidence_gate)
 
     def begin_step(self, draft: Draft) -> Forward:
         """The verify pass of the next step, for ``draft``."""
@@ -148,16 +126,7 @@ class StepDecoder(SpeculativeDecoder):
         n_accepted = len(new) - 1
         self.cache.rollback(start + 1 + n_accepted)  # keep the fed token and the accepted drafts
         self.ids.extend(new)
-        self.stats.steps += 1
-        self.stats.drafted += k
-        self.stats.accepted += n_accepted
-        self.stats.target_tokens += k + 1
-        if self._kind and k:
-            self.acceptance[self._kind].update(k, n_accepted)
-        elif self._shadow:
-            self.acceptance["ngram"].update(1, int(self._shadow[0] == new[0]))
-        if self.opt.adaptive_gamma and k:
-            self.gamma = min(self.opt.max_gamma, self.gamma + 2) if n_accepted == k else max(1, self.gamma - 1)
+        self._account(k, n_accepted, new[0])
         return self._commit(new)
 
 
