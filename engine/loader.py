@@ -188,18 +188,42 @@ def _hf_runtime(folder: Path, cfg: dict, dtype: torch.dtype, device: str, trust_
     return HFModel(model.to(device), cfg.get("max_position_embeddings", 2048))
 
 
-RUNTIMES = ("compact", "ggml")
+RUNTIMES = ("auto", "compact", "ggml")
+_fallback_logged = False
 
 
 def runtime_choice(runtime: str | None, device: str, backend: str) -> str:
     """"compact" or "ggml" (llama.cpp kernels, engine/runtimes/ggml_runtime.py): ``runtime``, else
-    ``$FIMBLE_RUNTIME``, else compact (ggml's library is no wheel on every Linux: see engine/runtimes/ggml_lib.py)."""
-    name = (runtime or os.environ.get("FIMBLE_RUNTIME", "").strip() or "compact").lower()
+    ``$FIMBLE_RUNTIME``, else "auto": ggml on the CPU where llama.cpp's library is installed (the
+    README's install step builds it: engine/runtimes/ggml_build.py), compact on a GPU, for models
+    only transformers runs, and where the library is missing (with one warning)."""
+    global _fallback_logged
+    name = (runtime or os.environ.get("FIMBLE_RUNTIME", "").strip() or "auto").lower()
     if name not in RUNTIMES:
-        raise ModelLoadError(f"unknown runtime {name!r}: use {' or '.join(RUNTIMES)}")
+        raise ModelLoadError(f"unknown runtime {name!r}: use {', '.join(RUNTIMES)}")
+    if name == "auto":
+        if str(device) != "cpu" or backend == "hf":
+            return "compact"
+        from engine.runtimes.ggml_lib import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is None:
+            return "ggml"
+        if not _fallback_logged:
+            _fallback_logged = True
+            log.warning("fimble: using the slower compact runtime: %s", reason)
+        return "compact"
     if name == "ggml" and (str(device) != "cpu" or backend == "hf"):
         raise ModelLoadError("the ggml runtime runs on the CPU, for models the compact runtime supports")
     return name
+
+
+def _ggml_supports(cfg: dict) -> bool:
+    try:
+        CompactConfig.from_hf_dict(cfg)
+    except ModelLoadError:
+        return False
+    return cfg.get("model_type") in SUPPORTED_MODEL_TYPES
 
 
 def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -208,16 +232,20 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
     """Load a model folder. ``backend``: "auto" (compact where supported), "compact" or "hf".
 
     ``quant``: "none" or "int8" (int8 weights on CPU, compact runtime only: engine/runtimes/quant.py; on the
-    ggml runtime, q8_0). ``runtime``: "compact" or "ggml" (default ``$FIMBLE_RUNTIME``, else compact)."""
+    ggml runtime, q8_0). ``runtime``: "auto", "compact" or "ggml" (default ``$FIMBLE_RUNTIME``, else auto:
+    see runtime_choice)."""
     if quant not in ("none", "int8"):
         raise ModelLoadError(f"unknown quantisation {quant!r}: use none or int8")
     if quant == "int8" and (backend == "hf" or str(device) != "cpu"):
         raise ModelLoadError("int8 weights need the compact runtime on the CPU")
+    requested = (runtime or os.environ.get("FIMBLE_RUNTIME", "").strip() or "auto").lower()
     use_ggml = runtime_choice(runtime, device, backend) == "ggml"
     folder = Path(folder).expanduser()
     if folder.suffix.lower() == ".gguf" and folder.is_file():
         return _load_gguf_model(folder, device=device, dtype=dtype, template=template, quant=quant, ggml=use_ggml)
     cfg = _read_config(folder)
+    if use_ggml and requested == "auto" and not _ggml_supports(cfg):
+        use_ggml = False  # an architecture only transformers runs: the hf backend below
     tokenizer = _load_tokenizer(folder, trust_remote_code)
     if use_ggml:
         from engine.runtimes.ggml_runtime import folder_runtime

@@ -1,15 +1,17 @@
-"""The few llama.cpp C calls the ggml runtime needs, over whichever prebuilt libllama is installed.
+"""The few llama.cpp C calls the ggml runtime needs, over whichever libllama is installed.
 
-Two Python packages ship a libllama.so with bindings; each binding matches its own library's
-struct layouts, so this module uses theirs and only papers over cffi vs ctypes:
-
+Where the library comes from, in the order tried:
+- ``llama-cpp-python``'s ctypes bindings over the library fimble builds at install time
+  (``python -m engine.runtimes.ggml_build``, into ``<venv>/lib/fimble-ggml``: llama.cpp with its
+  f32 1-row products on tinyBLAS, so verify blocks equal 1-token steps without padding), or over
+  ``$LLAMA_CPP_LIB_PATH``, or over the package's own build (the ``bench`` extra compiles one);
 - ``llama-cpp-py-sync`` (the ``ggml`` extra): a 5.5 MB manylinux wheel, CFFI ABI-mode bindings,
   no compile. Its libraries need glibc >= 2.38 (they import ``__isoc23_strtol`` & co. although the
   wheel is tagged manylinux2014), so they load on Debian 13 / Ubuntu 24.04 and newer, not on
   Debian 12 (glibc 2.36).
-- ``llama-cpp-python`` (the ``bench`` extra): ctypes bindings, built from source on install.
 
-``FIMBLE_GGML_LIB=py-sync|llama-cpp-python`` picks one; by default the first that loads.
+Each binding matches its own library's struct layouts, so this module uses theirs and only papers
+over cffi vs ctypes. ``FIMBLE_GGML_LIB=py-sync|llama-cpp-python`` picks one.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 
 from engine.errors import ModelLoadError
 
-BACKENDS = ("py-sync", "llama-cpp-python")
+BACKENDS = ("llama-cpp-python", "py-sync")
 _lock = threading.Lock()
 _lib: LlamaLib | None = None
 _failures: list[str] = []
@@ -32,8 +34,9 @@ _failures: list[str] = []
 class LlamaLib:
     """llama.cpp's C API as plain Python calls (pointers stay opaque)."""
 
-    def __init__(self, name: str, lib, ffi=None):
+    def __init__(self, name: str, lib, ffi=None, source: str = ""):
         self.name, self.lib, self.ffi = name, lib, ffi
+        self.source = source or name  # where the library was loaded from, for reports
         self.errors: deque[str] = deque(maxlen=4)  # llama.cpp's last error lines, for load errors
         self.null = ffi.NULL if ffi is not None else None
         self._log_cb = self._make_log_callback()
@@ -141,9 +144,13 @@ def _load(name: str) -> LlamaLib:
         from llama_cpp_py_sync._cffi_bindings import get_ffi, get_lib
 
         return LlamaLib(name, get_lib(), get_ffi())
+    from engine.runtimes.ggml_build import is_built, lib_dir
+
+    if not os.environ.get("LLAMA_CPP_LIB_PATH") and is_built():
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir())  # read by llama_cpp when it is first imported
     import llama_cpp.llama_cpp as L  # llama-cpp-python: loads its libllama on import
 
-    return LlamaLib(name, L)
+    return LlamaLib(name, L, source=str(L._base_path))
 
 
 def get_lib() -> LlamaLib:
@@ -164,8 +171,8 @@ def get_lib() -> LlamaLib:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 _failures.append(f"{name}: {first[:300]}")
         raise ModelLoadError(
-            "the ggml runtime needs llama.cpp's library: pip install 'fimble[ggml]' "
-            f"(glibc >= 2.38) or 'fimble[bench]'; {'; '.join(_failures)}"
+            "the ggml runtime needs llama.cpp's library: run `python -m engine.runtimes.ggml_build` "
+            f"(the README's install step); {'; '.join(_failures)}"
         )
 
 

@@ -1,0 +1,191 @@
+"""Install step: build llama.cpp's CPU library for the ggml runtime (the README's commands run it).
+
+    python -m engine.runtimes.ggml_build [--jobs N] [--force] [--check]
+
+Why it builds: PyPI has no llama.cpp library that loads on Debian 12. ``llama-cpp-python`` ships
+only a source archive, and the one prebuilt wheel (``llama-cpp-py-sync``) needs glibc >= 2.38.
+Measured here: this build takes 4-6 minutes on 2 cores.
+
+Why one line of llama.cpp is patched: fimble is lossless, so a verify block's logits must equal
+1-token steps' bit for bit. Stock ggml sends f32 products with one row through its gemv path,
+but sends 2 or more rows through llamafile's tinyBLAS. The two sum in different orders, so
+logits differ by up to 3e-3.
+- The patch lets tinyBLAS take 1-row f32 products too. tinyBLAS keeps one accumulator per output
+  element whatever the tile shape, so f32 rows are then bit-identical for 1 to 33 rows.
+- Measured on this 2-core AVX2 CPU, embedded target at 500 cached positions, 1 thread:
+  - a 1-token step costs the same, 7.45 vs 7.58 ms;
+  - prefill speed is unchanged.
+- Without the patch, the runtime has to run every 1-token step as 2 rows, which costs 30-40% of
+  decode speed.
+- q8_0 keeps its stock path: its gemv and tinyBLAS already agree, and tinyBLAS at 1 row is slower
+  there (5.4 vs 4.1 ms).
+
+Steps:
+1. Fetch the pinned llama-cpp-python source archive from the package index (``pip download``) and
+   check its sha256.
+2. Install its Python bindings without their own compile (``CMAKE_ARGS=-DLLAMA_BUILD=OFF``).
+3. Patch the vendored llama.cpp and build only ``libllama`` and ``libggml*`` (``-march=native``:
+   it runs where it was built).
+4. Install the libraries into ``<venv>/lib/fimble-ggml``, with ``$ORIGIN`` rpaths.
+5. Write a stamp, so a second run with the same version and patch does nothing.
+
+engine/runtimes/ggml_lib.py loads from there. Nothing is fetched at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+PACKAGE = "llama-cpp-python"
+VERSION = "0.3.36"
+SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+SGEMM = "vendor/llama.cpp/ggml/src/ggml-cpu/llamafile/sgemm.cpp"
+PATCH_OLD = "#if !defined(__MMA__)\n    if (n < 2)\n        return false;\n#endif"
+PATCH_NEW = (
+    "#if !defined(__MMA__)\n"
+    "    // fimble: 1-row f32 products through tinyBLAS too, so a 1-token step's logits equal a verify\n"
+    "    // block's rows bit for bit (engine/runtimes/ggml_build.py).\n"
+    "    if (n < 2 && Atype != GGML_TYPE_F32)\n"
+    "        return false;\n"
+    "#endif"
+)
+PATCH_ID = hashlib.sha256((PATCH_OLD + PATCH_NEW).encode()).hexdigest()[:12]
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DLLAMA_BUILD_COMMON=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+]
+
+
+def lib_dir() -> Path:
+    """Where the built libraries live: inside the environment that built them."""
+    return Path(sys.prefix) / "lib" / "fimble-ggml"
+
+
+def stamp() -> dict:
+    return {"package": PACKAGE, "version": VERSION, "patch": PATCH_ID, "flags": CMAKE_FLAGS}
+
+
+def is_built() -> bool:
+    try:
+        return json.loads((lib_dir() / "build.json").read_text()) == stamp() and (lib_dir() / "libllama.so").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def say(msg: str) -> None:
+    print(f"fimble ggml build: {msg}", flush=True)
+
+
+def run(cmd: list[str], *, cwd: Path | None = None, env: dict | None = None, log: Path) -> None:
+    """Run a build command with its output in ``log``; on failure, show the log's tail and stop."""
+    with log.open("ab") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n".encode())
+        out.flush()
+        rc = subprocess.call(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if rc != 0:
+        tail = log.read_text(errors="replace").splitlines()[-25:]
+        head = " ".join(cmd[:4])
+        sys.exit(f"fimble ggml build: `{head} ...` failed ({rc}); the build log ends:\n" + "\n".join(tail))
+
+
+def fetch_sdist(work: Path, log: Path) -> Path:
+    pip = [sys.executable, "-m", "pip"]
+    run([*pip, "download", "-q", "--no-deps", "--no-binary", ":all:", f"{PACKAGE}=={VERSION}", "-d", str(work)],
+        log=log)
+    sdist = work / SDIST
+    digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+    if digest != SDIST_SHA256:
+        sys.exit(f"fimble ggml build: {SDIST} has sha256 {digest}, expected {SDIST_SHA256}; not building it")
+    return sdist
+
+
+def install_bindings(sdist: Path, log: Path) -> None:
+    """llama-cpp-python's ctypes bindings only: its own copy of llama.cpp is not compiled."""
+    env = dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF")
+    run([sys.executable, "-m", "pip", "install", "-q", "--no-cache-dir", str(sdist)], env=env, log=log)
+
+
+def patch_source(src: Path) -> None:
+    path = src / SGEMM
+    text = path.read_text()
+    if text.count(PATCH_OLD) != 1:
+        sys.exit(f"fimble ggml build: {SGEMM} is not the expected source (the patch does not apply)")
+    path.write_text(text.replace(PATCH_OLD, PATCH_NEW))
+
+
+def cmake_binary() -> str:
+    found = shutil.which("cmake")
+    if found:
+        return found
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "cmake>=3.21"])  # a PyPI wheel
+    return str(Path(sys.executable).parent / "cmake")
+
+
+def build(jobs: int, force: bool) -> Path:
+    if is_built() and not force:
+        say(f"up to date in {lib_dir()}")
+        return lib_dir()
+    with tempfile.TemporaryDirectory(prefix="fimble-ggml-") as tmp:
+        work = Path(tmp)
+        log = work / "build.log"
+        say(f"fetching {PACKAGE} {VERSION} (source)")
+        sdist = fetch_sdist(work, log)
+        say("installing its Python bindings (no compile)")
+        install_bindings(sdist, log)
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, filter="data")
+        src = work / SDIST.removesuffix(".tar.gz")
+        patch_source(src)
+        cmake = cmake_binary()
+        llama_cpp = src / "vendor" / "llama.cpp"
+        build_dir = work / "build"
+        say(f"compiling llama.cpp's CPU library with {jobs} jobs (4-6 minutes on 2 cores)")
+        run([cmake, "-S", str(llama_cpp), "-B", str(build_dir), *CMAKE_FLAGS], log=log)
+        run([cmake, "--build", str(build_dir), "--target", "llama", "-j", str(jobs)], log=log)
+        out = lib_dir()
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        for lib in sorted(build_dir.rglob("lib*.so*")):
+            if lib.name.startswith(("libllama.", "libggml")):
+                shutil.copy2(lib, out / lib.name, follow_symlinks=False)
+        if not (out / "libllama.so").exists():
+            sys.exit(f"fimble ggml build: no libllama.so was built (see {log})")
+        (out / "build.json").write_text(json.dumps(stamp(), indent=1))
+    say(f"done: {out}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compile jobs")
+    ap.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+    ap.add_argument("--check", action="store_true", help="only say whether the library is built (exit 1 if not)")
+    args = ap.parse_args()
+    if args.check:
+        say(f"built in {lib_dir()}" if is_built() else "not built")
+        sys.exit(0 if is_built() else 1)
+    if not 1 <= args.jobs <= 256:
+        sys.exit("fimble ggml build: --jobs must be 1-256")
+    build(args.jobs, args.force)
+
+
+if __name__ == "__main__":
+    main()
