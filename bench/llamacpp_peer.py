@@ -30,8 +30,13 @@ now = time.perf_counter
 class LlamaWorker:
     """llama.cpp through llama-cpp-python: greedy, exactly n tokens (no EOS stop), a cold cache each time."""
 
-    def __init__(self, model: Path, threads: int):
+    def __init__(self, model: Path, threads: int, lib_dir: str | None = None):
+        # lib_dir: a stock llama.cpp build's libraries (the peer as users run it), not the library fimble
+        # builds for itself (engine/runtimes/ggml_build.py patches one line of it).
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        env.pop("LLAMA_CPP_LIB_PATH", None)
+        if lib_dir:
+            env["LLAMA_CPP_LIB_PATH"] = lib_dir
         self.proc = subprocess.Popen(
             [sys.executable, __file__, str(model), str(threads)],
             stdin=subprocess.PIPE,
@@ -72,9 +77,10 @@ class LlamaWorker:
 
 def worker_main(model: str, threads: int) -> None:
     from llama_cpp import Llama, __version__
+    from llama_cpp.llama_cpp import _base_path
 
     llm = Llama(model_path=model, n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-    print(json.dumps({"llama_cpp_python": __version__}), flush=True)
+    print(json.dumps({"llama_cpp_python": __version__, "lib": str(_base_path)}), flush=True)
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["op"] == "tokenize":

@@ -423,6 +423,10 @@ def main() -> None:
         default=os.environ.get("FIMBLE_RUNTIME"),
         help="fimble's runtime, passed as env FIMBLE_RUNTIME (default: the env's, else fimble's default)",
     )
+    ap.add_argument(
+        "--llama-lib",
+        help="folder of a stock libllama.so for the llama.cpp plain rows (default: llama-server's folder)",
+    )
     ap.add_argument("--gguf-dir", type=Path, default=Path.home() / ".cache" / "fimble" / "gguf")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
@@ -452,6 +456,11 @@ def main() -> None:
     server_bin, why_server = find_server(args.server)
     if not server_bin:
         skipped.append(f"llama-server rows: {why_server}")
+    # llama.cpp plain runs on the stock build next to llama-server (a build tree keeps libllama.so beside
+    # it), else --llama-lib, else llama-cpp-python's own: never on fimble's patched library.
+    peer_lib = args.llama_lib or (
+        str(Path(server_bin).parent) if server_bin and (Path(server_bin).parent / "libllama.so").exists() else None
+    )
     report: dict = {
         "command": " ".join(["python", *sys.argv]),
         "machine": platform.machine(),
@@ -504,7 +513,7 @@ def main() -> None:
         try:
             try:
                 for q in PRECISIONS:
-                    peers.append(LlamaWorker(ggufs[f"target-{q}"], threads))
+                    peers.append(LlamaWorker(ggufs[f"target-{q}"], threads, peer_lib))
                     systems[f"llama.cpp plain ({q})"] = partial(peers[-1].cold, n=n_tokens)
                 code = "\n".join(corpus_files())
                 snippets = [code[i : i + 400] for i in range(0, 50 * 997, 997)]
@@ -513,6 +522,7 @@ def main() -> None:
                     f"{sum(a == target.encode(s) for a, s in zip(ids, snippets, strict=True))}/50"
                 )
                 report["llama_cpp_python"] = peers[0].info.get("llama_cpp_python")
+                report["llama_cpp_lib"] = peers[0].info.get("lib")
             except RuntimeError as exc:
                 run["skipped"].append(f"llama.cpp plain rows (llama-cpp-python): {exc}")
             if server_bin:
