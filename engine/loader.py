@@ -247,10 +247,11 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
     if use_ggml and requested == "auto" and not _ggml_supports(cfg):
         use_ggml = False  # an architecture only transformers runs: the hf backend below
     tokenizer = _load_tokenizer(folder, trust_remote_code)
+    ggml_failure = None
     if use_ggml:
-        from engine.runtimes.ggml_runtime import folder_runtime
-
-        return _assemble(folder, cfg, tokenizer, template, folder_runtime(folder, cfg, quant), "ggml")
+        ggml_runtime, ggml_failure = _ggml_folder_runtime(folder, cfg, quant, strict=requested == "ggml")
+        if ggml_runtime is not None:
+            return _assemble(folder, cfg, tokenizer, template, ggml_runtime, "ggml")
     use_compact = backend == "compact" or (backend == "auto" and cfg["model_type"] in SUPPORTED_MODEL_TYPES)
     if use_compact:
         try:
@@ -264,6 +265,8 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
     else:
         runtime = _hf_runtime(folder, cfg, dtype, device, trust_remote_code)
     check_weights(runtime, folder)  # NaN/Inf/implausible weights or probe logits: a load error
+    if ggml_failure:
+        log.warning("fimble: llama.cpp cannot run %s (%s); using the compact runtime", folder.name, ggml_failure)
     if quant == "int8":
         if not use_compact or str(device) != "cpu":
             raise ModelLoadError("int8 weights need the compact runtime on the CPU")
@@ -275,6 +278,20 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
 
         runtime = GraphRuntime(runtime)
     return _assemble(folder, cfg, tokenizer, template, runtime, "compact" if use_compact else "hf")
+
+
+def _ggml_folder_runtime(folder: Path, cfg: dict, quant: str, strict: bool):
+    """(runtime, None), or (None, why) where the runtime was chosen by default (not ``strict``) and
+    llama.cpp cannot take the folder (a tokenizer it refuses, unreadable weights): the compact runtime
+    then loads it (with a warning) or gives its own error."""
+    from engine.runtimes.ggml_runtime import folder_runtime
+
+    try:
+        return folder_runtime(folder, cfg, quant), None
+    except Exception as exc:  # noqa: BLE001 - any export or load failure: the compact loader decides
+        if strict:
+            raise
+        return None, str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
 
 
 def _assemble(folder: Path, cfg: dict, tokenizer, template: str | None, runtime, backend: str) -> LoadedModel:

@@ -54,3 +54,20 @@ def embedded_draft():
     from engine.loader import load_model
 
     return load_model(DRAFT_DIR)
+
+
+# The embedded models on fimble's torch runtime, for tests of its own mechanics (CUDA-graph static path,
+# key re-rotation for shift reuse, fbgemm int8, ties pinned on its kernels). The fixtures above take the
+# default runtime: ggml on the CPU where llama.cpp's library is built (engine/runtimes/ggml_build.py).
+@pytest.fixture(scope="session")
+def compact_target():
+    from engine.loader import load_model
+
+    return load_model(TARGET_DIR, runtime="compact")
+
+
+@pytest.fixture(scope="session")
+def compact_draft():
+    from engine.loader import load_model
+
+    return load_model(DRAFT_DIR, runtime="compact")

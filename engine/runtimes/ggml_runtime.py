@@ -252,6 +252,10 @@ def cached_gguf(folder: Path, qtype: str) -> Path:
         os.replace(tmp, out)
     except OSError as exc:
         raise ModelLoadError(f"cannot write the GGUF cache {out.parent}: {exc.strerror or exc}") from None
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # unreadable safetensors, shapes that do not fit the config: one line
+        raise ModelLoadError(f"cannot read weights in {folder}: {type(exc).__name__}: {exc}") from None
     finally:
         tmp.unlink(missing_ok=True)
     return out

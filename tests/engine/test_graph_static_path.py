@@ -41,14 +41,14 @@ def test_buckets():
     assert key_bucket(10, 4096) == 256 and key_bucket(257, 4096) == 512 and key_bucket(3000, 2100) == 2100
 
 
-def test_cpu_models_are_not_wrapped(embedded_target):
-    assert maybe_wrap(embedded_target.runtime) is embedded_target.runtime
+def test_cpu_models_are_not_wrapped(compact_target):
+    assert maybe_wrap(compact_target.runtime) is compact_target.runtime
 
 
-def test_static_block_logits_match_eager(embedded_target):
-    model = embedded_target.runtime
+def test_static_block_logits_match_eager(compact_target):
+    model = compact_target.runtime
     static = GraphRuntime(model)
-    prompt = embedded_target.encode("def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self")
+    prompt = compact_target.encode("def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self")
     eager_cache, static_cache = model.new_cache(300), model.new_cache(300)
     for cache in (eager_cache, static_cache):
         model(torch.tensor(prompt), cache, 0, 1)
@@ -61,13 +61,13 @@ def test_static_block_logits_match_eager(embedded_target):
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
 
 
-def test_static_decode_equals_eager_greedy(embedded_target, embedded_draft):
-    engine = LocalEngine(embedded_target, None, start_thread=False)
-    target, draft = GraphRuntime(embedded_target.runtime), GraphRuntime(embedded_draft.runtime)
+def test_static_decode_equals_eager_greedy(compact_target, compact_draft):
+    engine = LocalEngine(compact_target, None, start_thread=False)
+    target, draft = GraphRuntime(compact_target.runtime), GraphRuntime(compact_draft.runtime)
     drafted = 0
     for prefix, suffix in fim_prompts(3, seed=3, window=300):
         prompt, _, _ = engine.build_prompt(CompletionRequest(prefix, suffix, heal=False))
-        ref = _decode(embedded_target.runtime, embedded_draft.runtime, prompt, "model")
+        ref = _decode(compact_target.runtime, compact_draft.runtime, prompt, "model")
         for drafter in ("none", "model", "auto"):
             dec = _decode(target, draft, prompt, drafter)
             assert dec.output == ref.output, drafter
@@ -77,11 +77,11 @@ def test_static_decode_equals_eager_greedy(embedded_target, embedded_draft):
     assert drafted > 0
 
 
-def test_batched_forward_matches_one_sequence_at_a_time(embedded_target):
+def test_batched_forward_matches_one_sequence_at_a_time(compact_target):
     """Streams of a batched cache, each at its own position, with several new tokens each."""
-    model = embedded_target.runtime
+    model = compact_target.runtime
     texts = ["def foo(x):\n    return", "import os\nimport sys\n", "class A:\n    pass\n\n\nclass B(A):"]
-    prompts = [embedded_target.encode(t) for t in texts]
+    prompts = [compact_target.encode(t) for t in texts]
     new = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
     cache = BatchedCache(model, len(prompts), 300)
     expected = []

@@ -29,6 +29,12 @@ def engine(embedded_target, embedded_draft):
     return LocalEngine(embedded_target, embedded_draft, start_thread=False)
 
 
+@pytest.fixture(scope="module")
+def compact_engine(compact_target, compact_draft):
+    """Shift reuse re-rotates keys in place: the compact runtime's caches (on ggml, shift falls back to exact)."""
+    return LocalEngine(compact_target, compact_draft, start_thread=False)
+
+
 def request(prefix: str, suffix: str, doc: str, reuse: str = "exact", lines: list[int] | None = None,
             opts: DecodeOptions = OPTS) -> CompletionRequest:
     return CompletionRequest(prefix, suffix, options=opts, document_id=doc, reuse=reuse, truncate=True,
@@ -88,7 +94,8 @@ def _edit_middle(text: str) -> tuple[str, int, int]:
     return text[:at] + new_line + text[end:], at, len(new_line) - len(line)
 
 
-def test_mid_file_edit_recompute_bounds(engine):
+def test_mid_file_edit_recompute_bounds(compact_engine):
+    engine = compact_engine
     text = source(engine, 3600)
     lines = definition_lines(text)
     cursor = text.index("\n", len(text) * 9 // 10) + 1
@@ -211,8 +218,8 @@ def test_prewarm_fills_the_cache_and_yields_to_completions(embedded_target, embe
         engine.close()
 
 
-def test_rerotating_keys_equals_rotating_at_the_new_position(embedded_target):
-    rt = embedded_target.runtime
+def test_rerotating_keys_equals_rotating_at_the_new_position(compact_target):
+    rt = compact_target.runtime
     rt._ensure_rope(600)
     keys = torch.randn(2, 5, rt.cfg.head_dim)
     at_100 = rotate(keys, rt.rope_cos[100:105], rt.rope_sin[100:105])
