@@ -72,7 +72,7 @@ if [ "$INIT" = 1 ]; then
     python3 bench/quality.py --set single-line $EVAL_LIMIT --procs 12 --data "$W/humaneval" --model "$W/m-mid" \
       --json "$OUT/q-mid.json" >> "$OUT/q-mid.log" 2>&1
     if [ "$HELD" = 1 ]; then
-      python3 bench/quality.py --set held-out --held-out-langs "$W/langs" --held-out-python "$W/run/heldout_python.jsonl.xz" \
+      python3 bench/quality.py --set held-out --data "$W/humaneval" --held-out-langs "$W/langs" --held-out-python "$W/run/heldout_python.jsonl.xz" \
         --limit 60 --variants raw --procs 12 --model "$W/m-init" --json "$OUT/q-held-init.json" > "$OUT/q-held-init.log" 2>&1
     fi
   ) & BG="$BG $!"
@@ -88,7 +88,7 @@ build "$W/run/adapter" "$W/fimble-smollm2"
 cp "$W/run/adapter/"* "$W/run/training_report.json" "$W/run/heldout_python.jsonl.xz" "$OUT/"
 log "evaluating the new model"
 if [ "$HELD" = 1 ]; then  # per-language held-out cursors, raw (bench/quality.py --set held-out)
-  python3 bench/quality.py --set held-out --held-out-langs "$W/langs" --held-out-python "$W/run/heldout_python.jsonl.xz" \
+  python3 bench/quality.py --set held-out --data "$W/humaneval" --held-out-langs "$W/langs" --held-out-python "$W/run/heldout_python.jsonl.xz" \
     --limit 60 --variants raw --procs 4 --model "$W/fimble-smollm2" --json "$OUT/q-held-new.json" > "$OUT/q-held-new.log" 2>&1 &
   HELDPID=$!
 fi
