@@ -383,17 +383,19 @@ class LocalEngine:
 def open_engine(model: str | Path | None = None, draft: str | Path | None = None, *, device: str = "cpu",
                 template: str | None = None, trust_remote_code: bool = False,
                 use_draft: bool = True, start_thread: bool = True,
-                kv_budget_bytes: int | None = None) -> LocalEngine:
+                kv_budget_bytes: int | None = None, runtime: str | None = None) -> LocalEngine:
     """Load the target (default: the embedded model) and, where it shares the tokenizer, a draft.
 
-    ``FIMBLE_QUANT=int8`` loads both with int8 weights (CPU only; engine/runtimes/quant.py)."""
+    ``FIMBLE_QUANT=int8`` loads both with int8 weights (CPU only; engine/runtimes/quant.py).
+    ``runtime``: as engine.loader.load_model's (default ``$FIMBLE_RUNTIME``, else auto)."""
     quant = os.environ.get("FIMBLE_QUANT", "none")
     default_target, default_draft = default_models()  # engine/model_info.py: fimble-smollm2 once built
     target = load_model(model or default_target, device=device, template=template,
-                        trust_remote_code=trust_remote_code, quant=quant)
+                        trust_remote_code=trust_remote_code, quant=quant, runtime=runtime)
     draft_model = None
     if use_draft:
         draft_path = draft or (default_draft if model is None else None)
         if draft_path is not None:
-            draft_model = load_model(draft_path, device=device, trust_remote_code=trust_remote_code, quant=quant)
+            draft_model = load_model(draft_path, device=device, trust_remote_code=trust_remote_code, quant=quant,
+                                     runtime=runtime)
     return LocalEngine(target, draft_model, start_thread=start_thread, kv_budget_bytes=kv_budget_bytes)

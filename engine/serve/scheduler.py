@@ -30,6 +30,7 @@ has usually cancelled already.
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from collections import OrderedDict
@@ -435,8 +436,18 @@ def open_serve_engine(
     """Load the models as ``engine.local.open_engine`` does, into a ServeEngine."""
     from engine.local import open_engine
 
+    # Step-level batching runs many sequences through one forward of the compact runtime; the ggml runtime
+    # (the CPU default elsewhere) keeps one llama.cpp context per document and could only take turns. So a
+    # batching engine loads compact unless FIMBLE_RUNTIME asks otherwise.
+    runtime = None if (os.environ.get("FIMBLE_RUNTIME", "").strip() or not batch) else "compact"
     loaded = open_engine(
-        model, draft, device=device, use_draft=use_draft, start_thread=False, kv_budget_bytes=kv_budget_bytes
+        model,
+        draft,
+        device=device,
+        use_draft=use_draft,
+        start_thread=False,
+        kv_budget_bytes=kv_budget_bytes,
+        runtime=runtime,
     )
     return ServeEngine(
         loaded.target,

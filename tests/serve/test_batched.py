@@ -25,8 +25,8 @@ MAX_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
-def models(embedded_target, embedded_draft):
-    return embedded_target, embedded_draft
+def models(compact_target, compact_draft):
+    return compact_target, compact_draft  # batching is the compact runtime's (engine/serve/batched.py)
 
 
 def _requests(n: int = N_PROMPTS) -> list[CompletionRequest]:
