@@ -7,18 +7,21 @@ only a source archive, and the one prebuilt wheel (``llama-cpp-py-sync``) needs 
 Measured here: this build takes 4-6 minutes on 2 cores.
 
 Why one line of llama.cpp is patched: fimble is lossless, so a verify block's logits must equal
-1-token steps' bit for bit. Stock ggml sends f32 products with one row through its gemv path,
-but sends 2 or more rows through llamafile's tinyBLAS. The two sum in different orders, so
+1-token steps' bit for bit. Stock ggml sends f32 and f16 products with one row through its gemv
+path, but sends 2 or more rows through llamafile's tinyBLAS. The two sum in different orders, so
 logits differ by up to 3e-3.
-- The patch lets tinyBLAS take 1-row f32 products too. tinyBLAS keeps one accumulator per output
-  element whatever the tile shape, so f32 rows are then bit-identical for 1 to 33 rows.
-- Measured on this 2-core AVX2 CPU, embedded target at 500 cached positions, 1 thread:
-  - a 1-token step costs the same, 7.45 vs 7.58 ms;
-  - prefill speed is unchanged.
-- Without the patch, the runtime has to run every 1-token step as 2 rows, which costs 30-40% of
-  decode speed.
-- q8_0 keeps its stock path: its gemv and tinyBLAS already agree, and tinyBLAS at 1 row is slower
-  there (5.4 vs 4.1 ms).
+- The patch lets tinyBLAS take 1-row f32 and f16 products too. tinyBLAS keeps one accumulator per
+  output element whatever the tile shape, so rows are then bit-identical for 1 to 33 rows, with
+  flash attention off as well as on (off, attention's f16 products go through the same path).
+- Measured on this 2-core AVX2 CPU, embedded target f32 at 500 cached positions, 1 thread:
+  - a 1-token step costs the same as stock gemv (7.45 vs 7.58 ms, flash attention on);
+  - prefill speed is unchanged;
+  - flash attention off, which only the patch makes lossless, is faster again: a step 7.5 vs
+    8.8 ms, an 8-token verify 16 vs 22 ms.
+- Without the patch, the runtime keeps flash attention on and runs every 1-token step as 2 rows,
+  which costs 30-40% of decode speed.
+- Quantised weights keep the stock path: q8_0's gemv and tinyBLAS already agree, and tinyBLAS at
+  1 row is slower there (5.4 vs 4.1 ms).
 
 Steps:
 1. Fetch the pinned llama-cpp-python source archive from the package index (``pip download``) and
@@ -53,9 +56,9 @@ SGEMM = "vendor/llama.cpp/ggml/src/ggml-cpu/llamafile/sgemm.cpp"
 PATCH_OLD = "#if !defined(__MMA__)\n    if (n < 2)\n        return false;\n#endif"
 PATCH_NEW = (
     "#if !defined(__MMA__)\n"
-    "    // fimble: 1-row f32 products through tinyBLAS too, so a 1-token step's logits equal a verify\n"
-    "    // block's rows bit for bit (engine/runtimes/ggml_build.py).\n"
-    "    if (n < 2 && Atype != GGML_TYPE_F32)\n"
+    "    // fimble: 1-row f32 and f16 products through tinyBLAS too, so a 1-token step's logits equal a\n"
+    "    // verify block's rows bit for bit (engine/runtimes/ggml_build.py).\n"
+    "    if (n < 2 && Atype != GGML_TYPE_F32 && Atype != GGML_TYPE_F16)\n"
     "        return false;\n"
     "#endif"
 )

@@ -74,14 +74,16 @@ class LlamaLib:
         model = self.lib.llama_model_load_from_file(path.encode(), params)
         return None if self.is_null(model) else model
 
-    def new_context(self, model, n_ctx: int, n_batch: int, threads: int):
+    def new_context(self, model, n_ctx: int, n_batch: int, threads: int, flash_attn: bool = True):
         p = self.lib.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, n_batch, n_batch, 1
         p.n_threads = p.n_threads_batch = threads
         p.no_perf = True
-        # Flash attention stays on (llama.cpp's CPU default). Off, a step is faster (embedded target q8_0
-        # at 500 positions: 3.4 vs 5.3 ms, a 13-token verify 20 vs 37 ms) but a block's rows past the
-        # first no longer equal 1-token steps' (non-FA attention's f16 matmul shape), which breaks lossless.
+        # Flash attention off is faster on this CPU (embedded target f32 at 500 positions: a step 7.5 vs
+        # 8.8 ms, an 8-token verify 16 vs 22 ms), and it is what llama-cpp-python's Llama uses by default.
+        # Its f16 products only equal across block sizes on fimble's own build (ggml_build.py patches f16
+        # 1-row products too), so the runtime probes it at load and keeps it on where blocks differ.
+        p.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
         ctx = self.lib.llama_init_from_model(model, p)
         if self.is_null(ctx):
             raise ModelLoadError(f"llama.cpp cannot make a context of {n_ctx} tokens: {self.last_error()}")

@@ -1,6 +1,7 @@
 """The target's (and draft's) forward pass on llama.cpp's ggml kernels, under fimble's own engine.
 
-Selected with ``FIMBLE_RUNTIME=ggml`` (CPU only). Speculative decoding, per-document segmented
+The CPU default where its library is built (engine/loader.py runtime_choice; ``FIMBLE_RUNTIME=ggml`` forces
+it). Speculative decoding, per-document segmented
 caches, healing, streaming and cancellation stay fimble's: this is only the runtime behind the
 calls the compact runtime answers (``new_cache``, ``runtime(tokens, cache, start, num_logits)``,
 ``cache.rollback``, ``cache.length``/``max_len``).
@@ -25,13 +26,16 @@ Mapping:
   truncates; where the copy cannot fit the destination, the tokens are re-prefilled.
 
 Lossless: greedy speculative output must equal this runtime's own plain greedy output, so a
-verify block's logits must equal 1-token steps' bit for bit. Measured with the llama.cpp builds
-here (AVX2/FMA, llamafile sgemm, repack): q8_0 is batch-invariant for 1 to 33 rows; f32 is
-invariant for 2 to 33 rows, but a 1-row pass (gemv path) differs by up to 3e-3 in a logit. So
-where a load-time probe finds the 1-row pass different, every 1-token pass is run as 2 tokens
-(the second a throwaway at the next position, dropped by the next decode) and every pass
-outputs at least 2 rows; blocks that need logits on every row run in chunks of at most 32
-tokens. Prefill chunks may use any shape: plain and speculative decoding share them.
+verify block's logits must equal 1-token steps' bit for bit. On fimble's own build of llama.cpp
+(engine/runtimes/ggml_build.py: f32/f16 1-row products on tinyBLAS) blocks of 1 to 33 rows are
+bit-identical with flash attention off, the fastest setting here. On a stock build (AVX2/FMA,
+llamafile sgemm, repack) q8_0 is invariant for 1 to 33 rows; f32 only with flash attention on and
+for 2 to 33 rows: a 1-row pass (gemv path) differs by up to 3e-3 in a logit. So a load-time probe
+picks the first setting whose blocks equal steps: flash attention off, then on, then on with every
+1-token pass run as 2 tokens (the second a throwaway at the next position, dropped by the next
+decode) and every pass outputting at least 2 rows. Blocks that need logits on every row run in
+chunks of at most 32 tokens. Prefill chunks may use any shape: plain and speculative decoding
+share them.
 """
 
 from __future__ import annotations
@@ -87,7 +91,9 @@ class GGMLCache:
     def __init__(self, runtime: GGMLRuntime, max_len: int):
         self.runtime = runtime  # keeps the model alive as long as its contexts
         lib = runtime.lib
-        self.ctx = lib.new_context(runtime.model, max_len, min(PREFILL_BATCH, max_len), runtime.threads)
+        self.ctx = lib.new_context(
+            runtime.model, max_len, min(PREFILL_BATCH, max_len), runtime.threads, runtime.flash_attn
+        )
         self.batch = lib.new_batch(min(PREFILL_BATCH, max_len))
         self.n_ctx = lib.n_ctx(self.ctx)  # llama.cpp may round the size up
         self.max_len = max_len
@@ -143,7 +149,8 @@ class GGMLRuntime:
         self.device = torch.device("cpu")
         self.dtype = torch.float16  # of the keys/values: KVStore budgets bytes per position with it
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * KV_BYTES
-        self.pad_single, self.batch_invariant = self._probe_shapes()
+        self.flash_attn = False
+        self.flash_attn, self.pad_single, self.batch_invariant = self._probe_shapes()
         if not self.batch_invariant:
             log.warning(
                 "fimble: %s: llama.cpp's logits depend on the block size here; speculative output "
@@ -159,26 +166,29 @@ class GGMLRuntime:
     def new_cache(self, max_len: int | None = None) -> GGMLCache:
         return GGMLCache(self, max_len or self.cfg.max_position_embeddings)
 
-    def _probe_shapes(self) -> tuple[bool, bool]:
-        """(pad 1-token passes to 2, blocks are bit-identical to steps) as measured on this build, at a
-        realistic depth (kernels can switch with the number of cached positions)."""
-        cache = self.new_cache(PROBE_DEPTH + 16)
+    def _probe_shapes(self) -> tuple[bool, bool, bool]:
+        """(flash attention, pad 1-token passes to 2, blocks are bit-identical to steps), the fastest setting
+        whose blocks equal 1-token steps on this build, at a realistic depth (kernels can switch with the
+        number of cached positions). Flash attention off is fastest, and equal on fimble's own build."""
         lib = self.lib
         toks = [(i * 7919 + 11) % self.vocab for i in range(PROBE_DEPTH + 8)]
-        lib.decode(cache.ctx, cache.batch, toks[:PROBE_DEPTH], 0, 1, self.vocab)
         d = PROBE_DEPTH
+        for flash in (False, True):
+            self.flash_attn = flash
+            cache = self.new_cache(PROBE_DEPTH + 16)
+            lib.decode(cache.ctx, cache.batch, toks[:PROBE_DEPTH], 0, 1, self.vocab)
 
-        def run(start: int, block: list[int], pad: bool) -> np.ndarray:
-            if pad and len(block) == 1:
-                return lib.decode(cache.ctx, cache.batch, block * 2, start, 2, self.vocab)[:1]
-            return lib.decode(cache.ctx, cache.batch, block, start, len(block), self.vocab)
+            def run(start: int, block: list[int], pad: bool, cache: GGMLCache = cache) -> np.ndarray:
+                if pad and len(block) == 1:
+                    return lib.decode(cache.ctx, cache.batch, block * 2, start, 2, self.vocab)[:1]
+                return lib.decode(cache.ctx, cache.batch, block, start, len(block), self.vocab)
 
-        for pad in (False, True):
-            steps = np.concatenate([run(d + i, [toks[d + i]], pad) for i in range(6)])
-            blocks = [run(d, toks[d : d + k], pad) for k in (6, 3, 2)]
-            if all(np.array_equal(b, steps[: len(b)]) for b in blocks):
-                return pad, True
-        return False, False
+            for pad in (False, True):
+                steps = np.concatenate([run(d + i, [toks[d + i]], pad) for i in range(6)])
+                blocks = [run(d, toks[d : d + k], pad) for k in (6, 3, 2)]
+                if all(np.array_equal(b, steps[: len(b)]) for b in blocks):
+                    return flash, pad, True
+        return True, False, False
 
     @torch.inference_mode()
     def __call__(

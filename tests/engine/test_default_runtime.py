@@ -1,0 +1,38 @@
+"""The CPU default runtime: llama.cpp's kernels through the library the README's install step builds
+(engine/runtimes/ggml_build.py), with 1-token steps that need no padding to stay lossless."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import TARGET_DIR
+
+from engine.loader import load_model
+from engine.runtimes import ggml_build
+
+
+def test_the_cpu_default_is_ggml_on_fimbles_own_build():
+    if os.environ.get("FIMBLE_RUNTIME", "").strip():
+        pytest.skip("FIMBLE_RUNTIME forces a runtime")
+    assert ggml_build.is_built(), "llama.cpp's library is not built: run `python -m engine.runtimes.ggml_build`"
+    from engine.runtimes.ggml_lib import get_lib
+
+    model = load_model(TARGET_DIR)
+    assert model.backend == "ggml"
+    assert get_lib().source == str(ggml_build.lib_dir())
+    # The patched line at work: a 1-row pass equals a block's row as it is, so no 2-row padding, and
+    # flash attention can stay off (faster here; stock builds need it on).
+    assert model.runtime.batch_invariant and not model.runtime.pad_single and not model.runtime.flash_attn
+
+
+def test_the_patch_applies_once_and_refuses_other_sources(tmp_path):
+    src = tmp_path / "src"
+    sgemm = src / ggml_build.SGEMM
+    sgemm.parent.mkdir(parents=True)
+    sgemm.write_text("bool llamafile_sgemm() {\n" + ggml_build.PATCH_OLD + "\n}\n")
+    ggml_build.patch_source(src)
+    text = sgemm.read_text()
+    assert ggml_build.PATCH_NEW in text and ggml_build.PATCH_OLD not in text
+    with pytest.raises(SystemExit, match="not the expected source"):
+        ggml_build.patch_source(src)  # already patched: a second run must not patch blindly
