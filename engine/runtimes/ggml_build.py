@@ -7,21 +7,25 @@ only a source archive, and the one prebuilt wheel (``llama-cpp-py-sync``) needs 
 Measured here: this build takes 4-6 minutes on 2 cores.
 
 Why one line of llama.cpp is patched: fimble is lossless, so a verify block's logits must equal
-1-token steps' bit for bit. Stock ggml sends f32 and f16 products with one row through its gemv
-path, but sends 2 or more rows through llamafile's tinyBLAS. The two sum in different orders, so
+1-token steps' bit for bit. Stock ggml sends f32 and f16 products with one row through its own
+gemv path, but 2 or more rows through llamafile's tinyBLAS. The two sum in different orders, so
 logits differ by up to 3e-3.
 - The patch lets tinyBLAS take 1-row f32 and f16 products too. tinyBLAS keeps one accumulator per
   output element whatever the tile shape, so rows are then bit-identical for 1 to 33 rows, with
-  flash attention off as well as on (off, attention's f16 products go through the same path).
-- Measured on this 2-core AVX2 CPU, embedded target f32 at 500 cached positions, 1 thread:
-  - a 1-token step costs the same as stock gemv (7.45 vs 7.58 ms, flash attention on);
-  - prefill speed is unchanged;
-  - flash attention off, which only the patch makes lossless, is faster again: a step 7.5 vs
-    8.8 ms, an 8-token verify 16 vs 22 ms.
-- Without the patch, the runtime keeps flash attention on and runs every 1-token step as 2 rows,
-  which costs 30-40% of decode speed.
-- Quantised weights keep the stock path: q8_0's gemv and tinyBLAS already agree, and tinyBLAS at
-  1 row is slower there (5.4 vs 4.1 ms).
+  flash attention off as well as on (off, attention's keys and values are f16 products).
+- Quantised weights (q8_0) keep the stock path: its gemv and tinyBLAS already agree, and tinyBLAS
+  at 1 row is slower there (5.4 vs 4.1 ms).
+- So flash attention can stay off, as llama-cpp-python runs it: on this CPU a step is faster off.
+Measured on this 2-core AVX2 CPU (embedded target f32, 900 cached positions, flash attention off,
+1 thread, best of 4, three alternating rounds):
+- a 1-token step costs 7.6 ms patched against 6.7-7.1 stock (tinyBLAS at 1 row is ~10% slower
+  than gemv there); an 8-token verify 17.9 ms, as stock's;
+- prefill speed is unchanged.
+Alternatives measured and dropped:
+- f16 products under 64 rows on ggml's own path instead: the same step, verify 21 ms, and a q8_0
+  bench run lost 2 of its bars;
+- llamafile off altogether: invariant, but prefill 1.66x slower;
+- stock, with flash attention on and every 1-token step run as 2 rows: 30-40% slower decode.
 
 Steps:
 1. Fetch the pinned llama-cpp-python source archive from the package index (``pip download``) and

@@ -81,8 +81,8 @@ class LlamaLib:
         p.no_perf = True
         # Flash attention off is faster on this CPU (embedded target f32 at 500 positions: a step 7.5 vs
         # 8.8 ms, an 8-token verify 16 vs 22 ms), and it is what llama-cpp-python's Llama uses by default.
-        # Its f16 products only equal across block sizes on fimble's own build (ggml_build.py patches f16
-        # 1-row products too), so the runtime probes it at load and keeps it on where blocks differ.
+        # Its f16 products only equal across block sizes on fimble's own build (ggml_build.py's patch), so
+        # the runtime probes it at load and keeps flash attention on where blocks differ.
         p.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
         ctx = self.lib.llama_init_from_model(model, p)
         if self.is_null(ctx):

@@ -27,7 +27,7 @@ Mapping:
 
 Lossless: greedy speculative output must equal this runtime's own plain greedy output, so a
 verify block's logits must equal 1-token steps' bit for bit. On fimble's own build of llama.cpp
-(engine/runtimes/ggml_build.py: f32/f16 1-row products on tinyBLAS) blocks of 1 to 33 rows are
+(engine/runtimes/ggml_build.py: one kernel path per weight type for every block size) blocks of 1 to 33 rows are
 bit-identical with flash attention off, the fastest setting here. On a stock build (AVX2/FMA,
 llamafile sgemm, repack) q8_0 is invariant for 1 to 33 rows; f32 only with flash attention on and
 for 2 to 33 rows: a 1-row pass (gemv path) differs by up to 3e-3 in a logit. So a load-time probe
@@ -171,11 +171,11 @@ class GGMLRuntime:
         whose blocks equal 1-token steps on this build, at a realistic depth (kernels can switch with the
         number of cached positions). Flash attention off is fastest, and equal on fimble's own build."""
         lib = self.lib
-        toks = [(i * 7919 + 11) % self.vocab for i in range(PROBE_DEPTH + 8)]
+        toks = [(i * 7919 + 11) % self.vocab for i in range(PROBE_DEPTH + INVARIANT_ROWS)]
         d = PROBE_DEPTH
         for flash in (False, True):
             self.flash_attn = flash
-            cache = self.new_cache(PROBE_DEPTH + 16)
+            cache = self.new_cache(PROBE_DEPTH + INVARIANT_ROWS + 8)
             lib.decode(cache.ctx, cache.batch, toks[:PROBE_DEPTH], 0, 1, self.vocab)
 
             def run(start: int, block: list[int], pad: bool, cache: GGMLCache = cache) -> np.ndarray:
@@ -185,7 +185,7 @@ class GGMLRuntime:
 
             for pad in (False, True):
                 steps = np.concatenate([run(d + i, [toks[d + i]], pad) for i in range(6)])
-                blocks = [run(d, toks[d : d + k], pad) for k in (6, 3, 2)]
+                blocks = [run(d, toks[d : d + k], pad) for k in (INVARIANT_ROWS, 6, 3, 2)]
                 if all(np.array_equal(b, steps[: len(b)]) for b in blocks):
                     return flash, pad, True
         return True, False, False
