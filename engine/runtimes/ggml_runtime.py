@@ -151,6 +151,20 @@ class GGMLRuntime:
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * KV_BYTES
         self.flash_attn = False
         self.flash_attn, self.pad_single, self.batch_invariant = self._probe_shapes()
+        if not self.batch_invariant and self.threads > 1:
+            # Measured here: with 2 threads both f32 and q8_0 blocks differ from 1-token steps (the split
+            # of the work follows the block size); with 1 they are equal. Lossless comes before speed.
+            wanted, self.threads = self.threads, 1
+            self.flash_attn, self.pad_single, self.batch_invariant = self._probe_shapes()
+            if self.batch_invariant:
+                log.warning(
+                    "fimble: %s: llama.cpp's blocks equal its 1-token steps only with 1 thread here; "
+                    "using 1 thread, not %d, so speculative output stays equal to plain decoding",
+                    path.name,
+                    wanted,
+                )
+            else:
+                self.threads = wanted
         if not self.batch_invariant:
             log.warning(
                 "fimble: %s: llama.cpp's logits depend on the block size here; speculative output "

@@ -36,3 +36,14 @@ def test_the_patch_applies_once_and_refuses_other_sources(tmp_path):
     assert ggml_build.PATCH_NEW in text and ggml_build.PATCH_OLD not in text
     with pytest.raises(SystemExit, match="not the expected source"):
         ggml_build.patch_source(src)  # already patched: a second run must not patch blindly
+
+
+def test_more_threads_never_cost_losslessness(monkeypatch):
+    """With 2 threads llama.cpp's blocks differed from its 1-token steps on this machine: the runtime
+    must then drop to a thread count whose blocks are equal, not decode lossy."""
+    if not ggml_build.is_built():
+        pytest.skip("llama.cpp's library is not built")
+    monkeypatch.setenv("FIMBLE_GGML_THREADS", "2")
+    model = load_model(TARGET_DIR, runtime="ggml")
+    assert model.runtime.batch_invariant
+    assert model.runtime.threads in (1, 2)
