@@ -152,8 +152,9 @@ class GGMLRuntime:
         self.flash_attn = False
         self.flash_attn, self.pad_single, self.batch_invariant = self._probe_shapes()
         if not self.batch_invariant and self.threads > 1:
-            # Measured here: with 2 threads both f32 and q8_0 blocks differ from 1-token steps (the split
-            # of the work follows the block size); with 1 they are equal. Lossless comes before speed.
+            # A safety net: with flash attention on and 2 threads, q8_0 blocks differed from 1-token steps
+            # here (speculative output equalled plain on 19/24 prompts); on fimble's build the probe finds
+            # flash attention off equal with 2 threads too. Where nothing is, lossless comes before speed.
             wanted, self.threads = self.threads, 1
             self.flash_attn, self.pad_single, self.batch_invariant = self._probe_shapes()
             if self.batch_invariant:
@@ -198,7 +199,7 @@ class GGMLRuntime:
                 return lib.decode(cache.ctx, cache.batch, block, start, len(block), self.vocab)
 
             for pad in (False, True):
-                steps = np.concatenate([run(d + i, [toks[d + i]], pad) for i in range(6)])
+                steps = np.concatenate([run(d + i, [toks[d + i]], pad) for i in range(INVARIANT_ROWS)])
                 blocks = [run(d, toks[d : d + k], pad) for k in (INVARIANT_ROWS, 6, 3, 2)]
                 if all(np.array_equal(b, steps[: len(b)]) for b in blocks):
                     return flash, pad, True
