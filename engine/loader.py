@@ -192,13 +192,17 @@ RUNTIMES = ("auto", "compact", "ggml")
 _fallback_logged = False
 
 
+def _requested_runtime(runtime: str | None) -> str:
+    return (runtime or os.environ.get("FIMBLE_RUNTIME", "").strip() or "auto").lower()
+
+
 def runtime_choice(runtime: str | None, device: str, backend: str) -> str:
     """"compact" or "ggml" (llama.cpp kernels, engine/runtimes/ggml_runtime.py): ``runtime``, else
     ``$FIMBLE_RUNTIME``, else "auto": ggml on the CPU where llama.cpp's library is installed (the
     README's install step builds it: engine/runtimes/ggml_build.py), compact on a GPU, for models
     only transformers runs, and where the library is missing (with one warning)."""
     global _fallback_logged
-    name = (runtime or os.environ.get("FIMBLE_RUNTIME", "").strip() or "auto").lower()
+    name = _requested_runtime(runtime)
     if name not in RUNTIMES:
         raise ModelLoadError(f"unknown runtime {name!r}: use {', '.join(RUNTIMES)}")
     if name == "auto":
@@ -238,7 +242,7 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
         raise ModelLoadError(f"unknown quantisation {quant!r}: use none or int8")
     if quant == "int8" and (backend == "hf" or str(device) != "cpu"):
         raise ModelLoadError("int8 weights need the compact runtime on the CPU")
-    requested = (runtime or os.environ.get("FIMBLE_RUNTIME", "").strip() or "auto").lower()
+    requested = _requested_runtime(runtime)
     use_ggml = runtime_choice(runtime, device, backend) == "ggml"
     folder = Path(folder).expanduser()
     if folder.suffix.lower() == ".gguf" and folder.is_file():

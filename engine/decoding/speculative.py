@@ -199,11 +199,16 @@ class SpeculativeDecoder:
         start = len(self.ids) - 1
         block = torch.tensor([self.ids[-1]] + draft.tokens, dtype=torch.long, device=self.runtime.device)
         logits = self.runtime(block, self.cache, start, k + 1)
+        return self._finish_round(draft, start, logits)
+
+    def _finish_round(self, draft: Draft, start: int, logits: Tensor) -> list[int]:
+        """Verify ``draft`` against the block's ``logits`` (the block fed at ``start``), roll the cache
+        back past the rejected drafts, account and commit. Shared with fimble serve's StepDecoder."""
         new = self._verify(draft, logits)
         n_accepted = len(new) - 1
         self.cache.rollback(start + 1 + n_accepted)  # keep the fed token and the accepted drafts
         self.ids.extend(new)
-        self._account(k, n_accepted, new[0])
+        self._account(len(draft.tokens), n_accepted, new[0])
         return self._commit(new)
 
     def _verify(self, draft: Draft, logits: Tensor) -> list[int]:

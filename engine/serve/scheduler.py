@@ -122,13 +122,7 @@ class StepDecoder(SpeculativeDecoder):
         assert self._pending is not None
         draft, start = self._pending
         self._pending = None
-        k = len(draft.tokens)
-        new = self._verify(draft, logits)
-        n_accepted = len(new) - 1
-        self.cache.rollback(start + 1 + n_accepted)  # keep the fed token and the accepted drafts
-        self.ids.extend(new)
-        self._account(k, n_accepted, new[0])
-        return self._commit(new)
+        return self._finish_round(draft, start, logits)
 
 
 @dataclass
