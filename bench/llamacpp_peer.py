@@ -30,7 +30,7 @@ now = time.perf_counter
 class LlamaWorker:
     """llama.cpp through llama-cpp-python: greedy, exactly n tokens (no EOS stop), a cold cache each time."""
 
-    def __init__(self, model: Path, threads: int, lib_dir: str | None = None):
+    def __init__(self, model: Path, threads: int, lib_dir: str | None = None, flash_attn: bool = False):
         # lib_dir: a stock llama.cpp build's libraries (the peer as users run it), not the library fimble
         # builds for itself (engine/runtimes/ggml_build.py patches one line of it).
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -38,7 +38,7 @@ class LlamaWorker:
         if lib_dir:
             env["LLAMA_CPP_LIB_PATH"] = lib_dir
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, str(model), str(threads)],
+            [sys.executable, __file__, str(model), str(threads), str(int(flash_attn))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -75,12 +75,22 @@ class LlamaWorker:
             self.proc.kill()
 
 
-def worker_main(model: str, threads: int) -> None:
+def worker_main(model: str, threads: int, flash_attn: bool) -> None:
     from llama_cpp import Llama, __version__
     from llama_cpp.llama_cpp import _base_path
 
-    llm = Llama(model_path=model, n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-    print(json.dumps({"llama_cpp_python": __version__, "lib": str(_base_path)}), flush=True)
+    llm = Llama(
+        model_path=model,
+        n_ctx=4096,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=flash_attn,
+        verbose=False,
+    )
+    info = {"llama_cpp_python": __version__, "lib": str(_base_path), "flash_attn": flash_attn}
+    print(json.dumps(info), flush=True)
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["op"] == "tokenize":
@@ -127,6 +137,7 @@ class LlamaServer:
         draft_max: int,
         log_path: Path,
         draft_p_min: float | None = None,
+        flash: str = "auto",
     ):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -154,6 +165,8 @@ class LlamaServer:
             "--port",
             str(self.port),
             "--no-webui",
+            "-fa",
+            flash,  # llama.cpp's default, auto, is on for the CPU (its outputs equal flash_attn=True's)
         ]
         if draft is not None:
             cmd += [
@@ -283,4 +296,4 @@ def read_completion(chunks):
 
 
 if __name__ == "__main__":
-    worker_main(sys.argv[1], int(sys.argv[2]))
+    worker_main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1")

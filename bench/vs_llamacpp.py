@@ -25,6 +25,10 @@ per-document caches) against llama-server /infill with cache_prompt, given the s
 to the first token; median time to the first complete line or 16 tokens. One more fimble row runs
 the LSP's own prompt (token healing on): not the same prompt, timed for reference.
 
+Flash attention: llama-server runs llama.cpp's default (-fa auto, on for the CPU); the llama.cpp plain
+rows run the setting fimble's runtime picked (--peer-flash): on for q8_0 (llama.cpp's default, so all
+three run the same attention kernels), off for f32 (engine/runtimes/ggml_runtime.py says why).
+
 FIMBLE_RUNTIME (--fimble-runtime) picks fimble's runtime; the report names the one that ran.
 --threads sets every system's threads (fimble: torch, FIMBLE_GGML_THREADS, the engine process).
 Without llama-cpp-python or llama-server, those rows are skipped with the reason. Headline last.
@@ -327,7 +331,8 @@ def print_run(run: dict) -> None:
     th, lb, la = run["threads"], run["load_before"], run["load_after"]
     print(
         f"\ncold prompts: {run['prompts']} prompts x {run['tokens']} tokens, greedy, threads={th}, "
-        f"fimble runtime {run['fimble_runtime']}, load average before {lb} after {la}"
+        f"fimble runtime {run['fimble_runtime']}, flash attention {run.get('flash_attn')}, "
+        f"load average before {lb} after {la}"
     )
     print(f"greedy outputs identical to fimble plain's (=fimble) and to llama.cpp plain {run['precision']}'s (=llama)")
     print(
@@ -427,6 +432,19 @@ def main() -> None:
         "--llama-lib",
         help="folder of a stock libllama.so for the llama.cpp plain rows (default: llama-server's folder)",
     )
+    ap.add_argument(
+        "--peer-flash",
+        choices=("fimble", "on", "off"),
+        default="fimble",
+        help="flash attention of the llama.cpp plain rows (llama-cpp-python): fimble (default: the setting "
+        "fimble's runtime picked, so both run the same attention kernels), on or off",
+    )
+    ap.add_argument(
+        "--server-flash",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="llama-server's -fa (default auto, llama.cpp's own default: on for the CPU)",
+    )
     ap.add_argument("--gguf-dir", type=Path, default=Path.home() / ".cache" / "fimble" / "gguf")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
@@ -503,6 +521,9 @@ def main() -> None:
             "skipped": list(skipped),
             "same_gguf": same,
         }
+        fimble_flash = bool(getattr(target.runtime, "flash_attn", False))
+        peer_flash = fimble_flash if args.peer_flash == "fimble" else args.peer_flash == "on"
+        run["flash_attn"] = {"fimble": fimble_flash, "llama.cpp plain": peer_flash, "llama-server": args.server_flash}
         md, ng = ModelDrafter(draft.runtime, draft.max_len), NgramDrafter(history=0)
         systems = {
             REF: partial(fimble_cold, target, "none", n=n_tokens),
@@ -513,7 +534,7 @@ def main() -> None:
         try:
             try:
                 for q in PRECISIONS:
-                    peers.append(LlamaWorker(ggufs[f"target-{q}"], threads, peer_lib))
+                    peers.append(LlamaWorker(ggufs[f"target-{q}"], threads, peer_lib, peer_flash))
                     systems[f"llama.cpp plain ({q})"] = partial(peers[-1].cold, n=n_tokens)
                 code = "\n".join(corpus_files())
                 snippets = [code[i : i + 400] for i in range(0, 50 * 997, 997)]
@@ -534,6 +555,7 @@ def main() -> None:
                     args.draft_max,
                     args.gguf_dir / f"llama-server-t{threads}.log",
                     args.draft_p_min,
+                    args.server_flash,
                 )
                 run["llama_server"] = {"cmd": " ".join(server.cmd[1:]), "build": server.props.get("build_info", "?")}
                 systems["llama-server + draft"] = partial(server.cold, n=n_tokens)

@@ -79,10 +79,8 @@ class LlamaLib:
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, n_batch, n_batch, 1
         p.n_threads = p.n_threads_batch = threads
         p.no_perf = True
-        # Flash attention off is faster on this CPU (embedded target f32 at 500 positions: a step 7.5 vs
-        # 8.8 ms, an 8-token verify 16 vs 22 ms), and it is what llama-cpp-python's Llama uses by default.
-        # Its f16 products only equal across block sizes on fimble's own build (ggml_build.py's patch), so
-        # the runtime probes it at load and keeps flash attention on where blocks differ.
+        # The runtime decides (engine/runtimes/ggml_runtime.py flash_preference and its load-time probe): on
+        # for quantised weights, as llama.cpp's own tools run it, off for f32/f16 weights, where it is faster.
         p.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
         ctx = self.lib.llama_init_from_model(model, p)
         if self.is_null(ctx):

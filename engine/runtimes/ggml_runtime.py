@@ -28,19 +28,32 @@ Mapping:
 Lossless: greedy speculative output must equal this runtime's own plain greedy output, so a
 verify block's logits must equal 1-token steps' bit for bit. On fimble's own build of llama.cpp
 (engine/runtimes/ggml_build.py: one kernel path per weight type for every block size) blocks of 1 to 33 rows are
-bit-identical with flash attention off, the fastest setting here. On a stock build (AVX2/FMA,
+bit-identical with flash attention off, and with it on at 1 thread. On a stock build (AVX2/FMA,
 llamafile sgemm, repack) q8_0 is invariant for 1 to 33 rows; f32 only with flash attention on and
 for 2 to 33 rows: a 1-row pass (gemv path) differs by up to 3e-3 in a logit. So a load-time probe
-picks the first setting whose blocks equal steps: flash attention off, then on, then on with every
-1-token pass run as 2 tokens (the second a throwaway at the next position, dropped by the next
-decode) and every pass outputting at least 2 rows. Blocks that need logits on every row run in
-chunks of at most 32 tokens. Prefill chunks may use any shape: plain and speculative decoding
-share them.
+picks the first setting whose blocks equal steps among: the preferred flash attention setting, the
+other one, then on with every 1-token pass run as 2 tokens (the second a throwaway at the next
+position, dropped by the next decode) and every pass outputting at least 2 rows. Blocks that need
+logits on every row run in chunks of at most 32 tokens. Prefill chunks may use any shape: plain and
+speculative decoding share them.
+
+Which flash attention setting is preferred (``FIMBLE_GGML_FLASH=auto|on|off``, default auto):
+- Quantised weights (q8_0, q4_*: every matrix off f32/f16): on. The patch leaves their products on
+  stock kernels, and llama.cpp's own tools run flash attention on by default on the CPU
+  (llama-server's ``-fa auto``), so fimble's greedy output then equals llama-server's and llama-cli's
+  on the same GGUF. With it off, attention's f16 products differ from stock at 1 row (the patched
+  line): measured, fimble's greedy output equalled llama.cpp's on 19/24 prompts; with it on, 24/24.
+- f32/f16 weights: off. Their 1-row products run tinyBLAS here and gemv in stock builds, so
+  identity with llama.cpp is out of reach either way, and off is faster (an 8-token verify takes
+  16.7 ms against 22 ms with it on, f32, 500 cached positions).
+On this build flash attention on is batch-invariant only at 1 thread (with 2 threads the kernel
+splits a 1-row pass differently), so with 2 threads the probe falls back to off.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -56,10 +69,17 @@ log = logging.getLogger("fimble.ggml")
 
 INVARIANT_ROWS = 32  # blocks needing logits on every row run in chunks of at most this many tokens
 PREFILL_BATCH = 256  # llama.cpp batch (and ubatch) size: prefill chunk, and the context's compute buffer
+LLAMA_UBATCH = 512  # llama.cpp's default ubatch (llama-server -ub, llama-cpp-python n_ubatch): see _blocks
 EXPORT_VERSION = "1"  # bump when engine/runtimes/gguf_export.py writes different files for the same folder
 MAX_THREADS = 256
 KV_BYTES = 2  # llama.cpp's default f16 keys and values
 PROBE_DEPTH = 200  # cached positions before the load-time batch-invariance probe
+# With flash attention on, a 1-row pass over 512 or more cached positions splits the keys across threads
+# and reduces the parts (ggml-cpu ops.cpp, use_split_kv_path), in an order that depends on the thread
+# count: its probe runs past that depth, where the kernels differ.
+FLASH_PROBE_DEPTH = 520
+FLASH_CHOICES = ("auto", "on", "off")
+PATCHED_WEIGHT_TYPES = ("F32", "F16")  # the weight types whose 1-row products ggml_build.py's patch moves
 
 
 def default_threads() -> int:
@@ -83,6 +103,28 @@ def resolve_threads(threads: int | None = None) -> int:
     if not 1 <= value <= MAX_THREADS:
         raise ModelLoadError(f"ggml thread count {value} is out of range (1..{MAX_THREADS})")
     return value
+
+
+def flash_preference(path: Path) -> bool:
+    """Whether to try flash attention on first: ``$FIMBLE_GGML_FLASH`` (on/off), else on exactly when every
+    weight matrix runs llama.cpp's stock kernels (see the module docstring)."""
+    raw = os.environ.get("FIMBLE_GGML_FLASH", "").strip().lower() or "auto"
+    if raw not in FLASH_CHOICES:
+        raise ModelLoadError(f"FIMBLE_GGML_FLASH={raw!r} is not one of {', '.join(FLASH_CHOICES)}")
+    if raw != "auto":
+        return raw == "on"
+    return stock_kernel_weights(path)
+
+
+def stock_kernel_weights(path: Path) -> bool:
+    """Whether no weight matrix of the GGUF at ``path`` is of a type whose products the patch moves."""
+    from engine.runtimes.gguf_loader import open_reader
+
+    reader = open_reader(path)
+    try:
+        return all(t.tensor_type.name not in PATCHED_WEIGHT_TYPES for t in reader.tensors if len(t.shape) >= 2)
+    finally:
+        del reader
 
 
 class GGMLCache:
@@ -149,6 +191,7 @@ class GGMLRuntime:
         self.device = torch.device("cpu")
         self.dtype = torch.float16  # of the keys/values: KVStore budgets bytes per position with it
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * KV_BYTES
+        self.flash_first = flash_preference(path)
         self.flash_attn = False
         self.flash_attn, self.pad_single, self.batch_invariant = self._probe_shapes()
         if not self.batch_invariant and self.threads > 1:
@@ -182,27 +225,28 @@ class GGMLRuntime:
         return GGMLCache(self, max_len or self.cfg.max_position_embeddings)
 
     def _probe_shapes(self) -> tuple[bool, bool, bool]:
-        """(flash attention, pad 1-token passes to 2, blocks are bit-identical to steps), the fastest setting
-        whose blocks equal 1-token steps on this build, at a realistic depth (kernels can switch with the
-        number of cached positions). Flash attention off is fastest, and equal on fimble's own build."""
+        """(flash attention, pad 1-token passes to 2, blocks are bit-identical to steps): the first setting,
+        preferred flash attention first, whose blocks equal 1-token steps on this build, at a realistic
+        depth (kernels can switch with the number of cached positions)."""
         lib = self.lib
-        toks = [(i * 7919 + 11) % self.vocab for i in range(PROBE_DEPTH + INVARIANT_ROWS)]
-        d = PROBE_DEPTH
-        for flash in (False, True):
+        # Padding costs a whole extra row a step: both flash settings unpadded before either padded.
+        for flash, pad in ((f, pad) for pad in (False, True) for f in (self.flash_first, not self.flash_first)):
             self.flash_attn = flash
-            cache = self.new_cache(PROBE_DEPTH + INVARIANT_ROWS + 8)
-            lib.decode(cache.ctx, cache.batch, toks[:PROBE_DEPTH], 0, 1, self.vocab)
+            d = FLASH_PROBE_DEPTH if flash else PROBE_DEPTH
+            toks = [(i * 7919 + 11) % self.vocab for i in range(d + INVARIANT_ROWS)]
+            cache = self.new_cache(d + INVARIANT_ROWS + 8)
+            for a, b in _blocks(d, 1):
+                lib.decode(cache.ctx, cache.batch, toks[a:b], a, 1, self.vocab)
 
-            def run(start: int, block: list[int], pad: bool, cache: GGMLCache = cache) -> np.ndarray:
+            def run(start: int, block: list[int], cache: GGMLCache = cache, pad: bool = pad) -> np.ndarray:
                 if pad and len(block) == 1:
                     return lib.decode(cache.ctx, cache.batch, block * 2, start, 2, self.vocab)[:1]
                 return lib.decode(cache.ctx, cache.batch, block, start, len(block), self.vocab)
 
-            for pad in (False, True):
-                steps = np.concatenate([run(d + i, [toks[d + i]], pad) for i in range(INVARIANT_ROWS)])
-                blocks = [run(d, toks[d : d + k], pad) for k in (INVARIANT_ROWS, 6, 3, 2)]
-                if all(np.array_equal(b, steps[: len(b)]) for b in blocks):
-                    return flash, pad, True
+            steps = np.concatenate([run(d + i, [toks[d + i]]) for i in range(INVARIANT_ROWS)])
+            blocks = [run(d, toks[d : d + k]) for k in (INVARIANT_ROWS, 6, 3, 2)]
+            if all(np.array_equal(b, steps[: len(b)]) for b in blocks):
+                return flash, pad, True
         return True, False, False
 
     @torch.inference_mode()
@@ -240,14 +284,28 @@ class GGMLRuntime:
 
 def _blocks(t: int, num_logits: int) -> list[tuple[int, int]]:
     """[a, b) passes for ``t`` tokens. Up to INVARIANT_ROWS tokens: one pass (its rows equal 1-token
-    steps'). Longer, with logits on several rows: passes of INVARIANT_ROWS. A longer prefill: big
-    passes, then its last token alone, so the logits the first token is chosen from are the same
-    whether the prompt was prefilled here or its last token re-run over a reused cache."""
+    steps'). Longer, with logits on several rows: passes of INVARIANT_ROWS. A longer prefill: llama.cpp's
+    own split, ubatches of LLAMA_UBATCH with the last token inside the last, each ubatch passed in
+    near-equal pieces of at most PREFILL_BATCH rows.
+
+    Why llama.cpp's split: with flash attention on, a row's attention runs the tiled kernel when its pass
+    has GGML_FA_TILE_Q (64) rows or more, and the per-row kernel otherwise, and the two differ in the
+    last bits. A piece of a 64+ ubatch has 64+ rows (at least PREFILL_BATCH / 2), and a smaller ubatch
+    passes whole, so every prompt row runs the kernel it runs in llama-server or llama-cli, and fimble's
+    greedy output equals theirs on the same GGUF (measured: 24/24 prompts, bench/vs_llamacpp.py). With
+    flash attention off, every row runs the same kernels at any pass size on fimble's build, so the
+    split does not change a bit."""
     if t <= INVARIANT_ROWS:
         return [(0, t)]
     if num_logits > 1:
         return [(a, min(t, a + INVARIANT_ROWS)) for a in range(0, t, INVARIANT_ROWS)]
-    return [(a, min(t - 1, a + PREFILL_BATCH)) for a in range(0, t - 1, PREFILL_BATCH)] + [(t - 1, t)]
+    passes: list[tuple[int, int]] = []
+    for a in range(0, t, LLAMA_UBATCH):
+        b = min(t, a + LLAMA_UBATCH)
+        k = -(-(b - a) // PREFILL_BATCH)
+        edges = [a + (b - a) * i // k for i in range(k + 1)]
+        passes += list(itertools.pairwise(edges))
+    return passes
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -335,6 +393,7 @@ __all__ = [
     "GGMLRuntime",
     "cached_gguf",
     "default_threads",
+    "flash_preference",
     "folder_runtime",
     "gguf_model",
     "resolve_threads",

@@ -52,10 +52,60 @@ def test_blocks_equal_steps_bit_for_bit(pair):
     for k in (2, 5, 13, 40):
         block = rt(torch.tensor(ids[300 : 300 + k]), cache, 300, k)
         assert block.shape == (k, rt.vocab) and torch.equal(block, steps[:k]), k
-    # A long prefill's last row equals a re-run of its last token over the cached rest (a warm request).
+    # With flash attention off, a long prefill's last row equals a re-run of its last token over the cached
+    # rest (a warm request). With it on (q8_0), a prefill row of a 64+ row pass runs the tiled kernel, as in
+    # llama.cpp, whose own warm re-run differs from its cold prefill the same way (test below).
     other = rt.new_cache(512)
     fresh = rt(torch.tensor(ids[:340]), other, 0, 1)
-    assert torch.equal(fresh, rt(torch.tensor(ids[339:340]), other, 339, 1))
+    warm = rt(torch.tensor(ids[339:340]), other, 339, 1)
+    assert torch.equal(fresh, warm) != rt.flash_attn
+
+
+def test_prefill_passes_follow_llamacpp_ubatches():
+    """Ubatches of 512 with the last token inside; each cut in near-equal passes of at most 256 rows, so a
+    pass has 64+ rows exactly where llama.cpp's ubatch has (its flash attention kernel switches at 64)."""
+    from engine.runtimes.ggml_runtime import _blocks
+
+    assert _blocks(20, 1) == [(0, 20)] and _blocks(40, 40) == [(0, 32), (32, 40)]
+    assert _blocks(300, 1) == [(0, 150), (150, 300)]
+    assert _blocks(580, 1) == [(0, 256), (256, 512), (512, 580)]
+    assert _blocks(540, 1) == [(0, 256), (256, 512), (512, 540)]  # a 28-row ubatch stays whole
+    for t in range(33, 1600, 7):
+        passes = _blocks(t, 1)
+        assert passes[0][0] == 0 and passes[-1][1] == t and all(b - a <= 256 for a, b in passes)
+        for u in range(0, t, 512):  # each of llama.cpp's ubatches: its passes are 64+ rows iff it is
+            size = min(t, u + 512) - u
+            inside = [b - a for a, b in passes if u <= a < u + 512]
+            assert sum(inside) == size and all((n >= 64) == (size >= 64) for n in inside)
+
+
+def test_greedy_output_equals_llamacpp_on_the_same_gguf(pair):
+    """q8_0: fimble's plain greedy output equals llama.cpp's own (llama-cpp-python's Llama, flash attention
+    on as llama-server runs it, 512-token batches) token for token on the same GGUF, prompts past one ubatch."""
+    target = pair[0]
+    if not target.runtime.flash_attn:
+        pytest.skip("f32: 1-row products differ from stock llama.cpp by design (engine/runtimes/ggml_build.py)")
+    from llama_cpp import Llama
+
+    from engine.decoding.speculative import SpeculativeDecoder
+
+    llm = Llama(model_path=str(target.runtime.path), n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=1,
+                n_threads_batch=1, flash_attn=True, verbose=False)
+    ids = target.encode(CODE)
+    for n in (300, 540, 700):
+        prompt = ids[:n]
+        theirs = []
+        llm.reset()
+        for tok in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            theirs.append(int(tok))
+            if len(theirs) == 24:
+                break
+        cache = target.runtime.new_cache(n + 32)
+        dec = SpeculativeDecoder(target.runtime, cache, set(), DecodeOptions(max_tokens=24, drafter="none"))
+        dec.prefill(prompt)
+        while not dec.done:
+            dec.step()
+        assert dec.output == theirs, n
 
 
 def test_rollback_then_redecode_equals_fresh_decode(pair):
