@@ -25,9 +25,10 @@ per-document caches) against llama-server /infill with cache_prompt, given the s
 to the first token; median time to the first complete line or 16 tokens. One more fimble row runs
 the LSP's own prompt (token healing on): not the same prompt, timed for reference.
 
-Flash attention: llama-server runs llama.cpp's default (-fa auto, on for the CPU); the llama.cpp plain
-rows run the setting fimble's runtime picked (--peer-flash): on for q8_0 (llama.cpp's default, so all
-three run the same attention kernels), off for f32 (engine/runtimes/ggml_runtime.py says why).
+Flash attention: every llama.cpp system runs the setting fimble's runtime picked (--peer-flash,
+--server-flash): off by default, as llama-cpp-python runs it, and the faster setting on this CPU
+(engine/runtimes/ggml_runtime.py); llama-server's own default, -fa auto, would turn it on. With the same
+setting and q8_0 weights, the outputs must be identical (engine/runtimes/ggml_build.py says how).
 
 FIMBLE_RUNTIME (--fimble-runtime) picks fimble's runtime; the report names the one that ran.
 --threads sets every system's threads (fimble: torch, FIMBLE_GGML_THREADS, the engine process).
@@ -441,9 +442,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--server-flash",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="llama-server's -fa (default auto, llama.cpp's own default: on for the CPU)",
+        choices=("fimble", "auto", "on", "off"),
+        default="fimble",
+        help="llama-server's -fa: fimble (default: fimble's setting, the same attention kernels), or auto "
+        "(llama-server's own default: on for the CPU), on, off",
     )
     ap.add_argument("--gguf-dir", type=Path, default=Path.home() / ".cache" / "fimble" / "gguf")
     ap.add_argument("--seed", type=int, default=0)
@@ -523,7 +525,8 @@ def main() -> None:
         }
         fimble_flash = bool(getattr(target.runtime, "flash_attn", False))
         peer_flash = fimble_flash if args.peer_flash == "fimble" else args.peer_flash == "on"
-        run["flash_attn"] = {"fimble": fimble_flash, "llama.cpp plain": peer_flash, "llama-server": args.server_flash}
+        server_flash = ("on" if fimble_flash else "off") if args.server_flash == "fimble" else args.server_flash
+        run["flash_attn"] = {"fimble": fimble_flash, "llama.cpp plain": peer_flash, "llama-server": server_flash}
         md, ng = ModelDrafter(draft.runtime, draft.max_len), NgramDrafter(history=0)
         systems = {
             REF: partial(fimble_cold, target, "none", n=n_tokens),
@@ -555,7 +558,7 @@ def main() -> None:
                     args.draft_max,
                     args.gguf_dir / f"llama-server-t{threads}.log",
                     args.draft_p_min,
-                    args.server_flash,
+                    server_flash,
                 )
                 run["llama_server"] = {"cmd": " ".join(server.cmd[1:]), "build": server.props.get("build_info", "?")}
                 systems["llama-server + draft"] = partial(server.cold, n=n_tokens)

@@ -6,26 +6,28 @@ Why it builds: PyPI has no llama.cpp library that loads on Debian 12. ``llama-cp
 only a source archive, and the one prebuilt wheel (``llama-cpp-py-sync``) needs glibc >= 2.38.
 Measured here: this build takes 4-6 minutes on 2 cores.
 
-Why one line of llama.cpp is patched: fimble is lossless, so a verify block's logits must equal
-1-token steps' bit for bit. Stock ggml sends f32 and f16 products with one row through its own
-gemv path, but 2 or more rows through llamafile's tinyBLAS. The two sum in different orders, so
-logits differ by up to 3e-3.
-- The patch lets tinyBLAS take 1-row f32 and f16 products too. tinyBLAS keeps one accumulator per
-  output element whatever the tile shape, so rows are then bit-identical for 1 to 33 rows, with
-  flash attention off as well as on (off, attention's keys and values are f16 products).
-- Quantised weights (q8_0) keep the stock path: its gemv and tinyBLAS already agree, and tinyBLAS
-  at 1 row is slower there (5.4 vs 4.1 ms).
-- So flash attention can stay off, as llama-cpp-python runs it: on this CPU a step is faster off.
-Measured on this 2-core AVX2 CPU (embedded target f32, 900 cached positions, flash attention off,
-1 thread, best of 4, three alternating rounds):
-- a 1-token step costs 7.6 ms patched against 6.7-7.1 stock (tinyBLAS at 1 row is ~10% slower
-  than gemv there); an 8-token verify 17.9 ms, as stock's;
-- prefill speed is unchanged.
-Alternatives measured and dropped:
-- f16 products under 64 rows on ggml's own path instead: the same step, verify 21 ms, and a q8_0
-  bench run lost 2 of its bars;
-- llamafile off altogether: invariant, but prefill 1.66x slower;
-- stock, with flash attention on and every 1-token step run as 2 rows: 30-40% slower decode.
+Why one line of llama.cpp is patched (two conditions in place of one): fimble is lossless, so a verify
+block's logits must equal 1-token steps' bit for bit. Stock ggml sends products with one row through
+its own path (gemv-like: one vec_dot per output), but 2 or more rows of f32 and f16 (and q8_0)
+products through llamafile's tinyBLAS. The two sum in different orders, so logits differ by up to
+3e-3. The patch gives each product one path for 1 to 32 rows (verify blocks run in passes of at most
+32; engine/runtimes/ggml_runtime.py):
+- f32 weights: tinyBLAS from 1 row. It keeps one accumulator per output element whatever the tile,
+  so rows are bit-identical for any row count. (A 1-token step costs ~10% more than stock's gemv.)
+- f16 products (with flash attention off, attention's keys and values): ggml's own path up to 32
+  rows, tinyBLAS from 33. Why not tinyBLAS from 1 row, as for f32 (the first version of this patch,
+  faster verify blocks): a 1-token step's attention then differs from stock llama.cpp's, and fimble's
+  greedy output equalled llama.cpp's on only 19 of 24 prompts with q8_0 weights. With this rule a
+  q8_0 model runs exactly stock's kernels in a 1-token step and in prefill passes of 33+ rows (the
+  runtime lengthens a shorter last prefill pass to 33), so its output equals llama.cpp's.
+- Quantised weights (q8_0): the stock path. Its gemv and tinyBLAS already agree bit for bit.
+- Flash attention stays off, as llama-cpp-python runs it: with it on, a 1-token step costs ~12% more
+  and each verify row ~50% more here (the kernel is per row), so speculation stops paying.
+Measured on this 2-core AVX2 CPU, 1 thread, first version (tinyBLAS for 1-row f16 too), embedded
+target f32, 900 cached positions: a 1-token step 7.6 ms against 6.7-7.1 stock; an 8-token verify
+17.9 ms, as stock's; prefill unchanged. f16 under 64 rows on ggml's own path: verify 21 ms.
+Alternatives dropped: llamafile off altogether (invariant, but prefill 1.66x slower); stock with
+flash attention on and every 1-token step run as 2 rows (30-40% slower decode).
 
 Steps:
 1. Fetch the pinned llama-cpp-python source archive from the package index (``pip download``) and
@@ -60,9 +62,13 @@ SGEMM = "vendor/llama.cpp/ggml/src/ggml-cpu/llamafile/sgemm.cpp"
 PATCH_OLD = "#if !defined(__MMA__)\n    if (n < 2)\n        return false;\n#endif"
 PATCH_NEW = (
     "#if !defined(__MMA__)\n"
-    "    // fimble: 1-row f32 and f16 products through tinyBLAS too, so a 1-token step's logits equal a\n"
-    "    // verify block's rows bit for bit (engine/runtimes/ggml_build.py).\n"
-    "    if (n < 2 && Atype != GGML_TYPE_F32 && Atype != GGML_TYPE_F16)\n"
+    "    // fimble (engine/runtimes/ggml_build.py): one kernel path per product for every row count up to 32,\n"
+    "    // so a 1-token step's logits equal a verify block's rows bit for bit: f32 weights through tinyBLAS\n"
+    "    // from 1 row; f16 products (attention's keys and values) through ggml's own path, stock's 1-row\n"
+    "    // path, up to 32 rows.\n"
+    "    if (n < 2 && Atype != GGML_TYPE_F32)\n"
+    "        return false;\n"
+    "    if (n <= 32 && Atype == GGML_TYPE_F16)\n"
     "        return false;\n"
     "#endif"
 )

@@ -79,8 +79,8 @@ class LlamaLib:
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, n_batch, n_batch, 1
         p.n_threads = p.n_threads_batch = threads
         p.no_perf = True
-        # The runtime decides (engine/runtimes/ggml_runtime.py flash_preference and its load-time probe): on
-        # for quantised weights, as llama.cpp's own tools run it, off for f32/f16 weights, where it is faster.
+        # The runtime decides (engine/runtimes/ggml_runtime.py flash_preference and its load-time probe):
+        # off unless FIMBLE_GGML_FLASH=on, as llama-cpp-python runs it; faster here.
         p.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
         ctx = self.lib.llama_init_from_model(model, p)
         if self.is_null(ctx):

@@ -27,27 +27,25 @@ Mapping:
 
 Lossless: greedy speculative output must equal this runtime's own plain greedy output, so a
 verify block's logits must equal 1-token steps' bit for bit. On fimble's own build of llama.cpp
-(engine/runtimes/ggml_build.py: one kernel path per weight type for every block size) blocks of 1 to 33 rows are
-bit-identical with flash attention off, and with it on at 1 thread. On a stock build (AVX2/FMA,
-llamafile sgemm, repack) q8_0 is invariant for 1 to 33 rows; f32 only with flash attention on and
-for 2 to 33 rows: a 1-row pass (gemv path) differs by up to 3e-3 in a logit. So a load-time probe
-picks the first setting whose blocks equal steps among: the preferred flash attention setting, the
-other one, then on with every 1-token pass run as 2 tokens (the second a throwaway at the next
-position, dropped by the next decode) and every pass outputting at least 2 rows. Blocks that need
-logits on every row run in chunks of at most 32 tokens. Prefill chunks may use any shape: plain and
-speculative decoding share them.
+(engine/runtimes/ggml_build.py: one kernel path per product for 1 to 32 rows) blocks of 1 to 32 rows
+are bit-identical with flash attention off, and with it on at 1 thread. On a stock build f32 blocks are
+invariant only with flash attention on and for 2 to 33 rows. So a load-time probe picks the first
+setting whose blocks equal steps among: the preferred flash attention setting, the other one, then
+each with every 1-token pass run as 2 tokens (the second a throwaway at the next position, dropped
+by the next decode) and every pass outputting at least 2 rows. Blocks that need logits on every row
+run in passes of at most 32 tokens.
 
-Which flash attention setting is preferred (``FIMBLE_GGML_FLASH=auto|on|off``, default auto):
-- Quantised weights (q8_0, q4_*: every matrix off f32/f16): on. The patch leaves their products on
-  stock kernels, and llama.cpp's own tools run flash attention on by default on the CPU
-  (llama-server's ``-fa auto``), so fimble's greedy output then equals llama-server's and llama-cli's
-  on the same GGUF. With it off, attention's f16 products differ from stock at 1 row (the patched
-  line): measured, fimble's greedy output equalled llama.cpp's on 19/24 prompts; with it on, 24/24.
-- f32/f16 weights: off. Their 1-row products run tinyBLAS here and gemv in stock builds, so
-  identity with llama.cpp is out of reach either way, and off is faster (an 8-token verify takes
-  16.7 ms against 22 ms with it on, f32, 500 cached positions).
-On this build flash attention on is batch-invariant only at 1 thread (with 2 threads the kernel
-splits a 1-row pass differently), so with 2 threads the probe falls back to off.
+Same output as llama.cpp: with q8_0 weights, fimble's greedy output equals llama.cpp's own (llama-cpp-python,
+llama-server, llama-cli) on the same GGUF when both run the same flash attention setting. That takes
+stock kernels in 1-token steps (the build's patch keeps them for q8_0 and for attention) and prefill
+passes that run the kernels llama.cpp's own prefill runs: see _blocks.
+
+Flash attention (``FIMBLE_GGML_FLASH=auto|on|off``): auto is off, as llama-cpp-python runs it. On this
+CPU (1 thread, q8_0 embedded target, 600 cached positions) a 1-token step costs 3.2-3.4 ms off against
+3.7 on, and each extra verify row about 50% more on (its kernel works row by row), so speculation stops
+paying. ``on`` matches llama-server's and llama-cli's default (``-fa auto``, on for the CPU), bit for bit.
+With flash attention on, a 1-row pass over 512+ cached positions splits the keys across threads, so
+with 2 threads the probe finds it not batch-invariant and keeps it off.
 """
 
 from __future__ import annotations
@@ -79,7 +77,6 @@ PROBE_DEPTH = 200  # cached positions before the load-time batch-invariance prob
 # count: its probe runs past that depth, where the kernels differ.
 FLASH_PROBE_DEPTH = 520
 FLASH_CHOICES = ("auto", "on", "off")
-PATCHED_WEIGHT_TYPES = ("F32", "F16")  # the weight types whose 1-row products ggml_build.py's patch moves
 
 
 def default_threads() -> int:
@@ -105,26 +102,13 @@ def resolve_threads(threads: int | None = None) -> int:
     return value
 
 
-def flash_preference(path: Path) -> bool:
-    """Whether to try flash attention on first: ``$FIMBLE_GGML_FLASH`` (on/off), else on exactly when every
-    weight matrix runs llama.cpp's stock kernels (see the module docstring)."""
+def flash_preference() -> bool:
+    """Whether to try flash attention on first: ``$FIMBLE_GGML_FLASH`` on/off, auto (default) is off
+    (the module docstring says why)."""
     raw = os.environ.get("FIMBLE_GGML_FLASH", "").strip().lower() or "auto"
     if raw not in FLASH_CHOICES:
         raise ModelLoadError(f"FIMBLE_GGML_FLASH={raw!r} is not one of {', '.join(FLASH_CHOICES)}")
-    if raw != "auto":
-        return raw == "on"
-    return stock_kernel_weights(path)
-
-
-def stock_kernel_weights(path: Path) -> bool:
-    """Whether no weight matrix of the GGUF at ``path`` is of a type whose products the patch moves."""
-    from engine.runtimes.gguf_loader import open_reader
-
-    reader = open_reader(path)
-    try:
-        return all(t.tensor_type.name not in PATCHED_WEIGHT_TYPES for t in reader.tensors if len(t.shape) >= 2)
-    finally:
-        del reader
+    return raw == "on"
 
 
 class GGMLCache:
@@ -191,7 +175,7 @@ class GGMLRuntime:
         self.device = torch.device("cpu")
         self.dtype = torch.float16  # of the keys/values: KVStore budgets bytes per position with it
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * KV_BYTES
-        self.flash_first = flash_preference(path)
+        self.flash_first = flash_preference()
         self.flash_attn = False
         self.flash_attn, self.pad_single, self.batch_invariant = self._probe_shapes()
         if not self.batch_invariant and self.threads > 1:
@@ -235,7 +219,7 @@ class GGMLRuntime:
             d = FLASH_PROBE_DEPTH if flash else PROBE_DEPTH
             toks = [(i * 7919 + 11) % self.vocab for i in range(d + INVARIANT_ROWS)]
             cache = self.new_cache(d + INVARIANT_ROWS + 8)
-            for a, b in _blocks(d, 1):
+            for a, b in _blocks(d, 1, flash):
                 lib.decode(cache.ctx, cache.batch, toks[a:b], a, 1, self.vocab)
 
             def run(start: int, block: list[int], cache: GGMLCache = cache, pad: bool = pad) -> np.ndarray:
@@ -264,7 +248,7 @@ class GGMLRuntime:
             raise ValueError(f"sequence of {end} tokens exceeds the cache's {cache.max_len}")
         num_logits = max(1, min(num_logits, t))
         rows: list[np.ndarray] = []
-        for a, b in _blocks(t, num_logits):
+        for a, b in _blocks(t, num_logits, self.flash_attn):
             want = max(0, b - max(t - num_logits, a))  # rows of this block among the last num_logits
             out = self._decode(cache, ids[a:b], start + a, want)
             if want:
@@ -282,19 +266,21 @@ class GGMLRuntime:
         return lib.decode(cache.ctx, cache.batch, block, pos, k, self.vocab)[k - want :]
 
 
-def _blocks(t: int, num_logits: int) -> list[tuple[int, int]]:
-    """[a, b) passes for ``t`` tokens. Up to INVARIANT_ROWS tokens: one pass (its rows equal 1-token
-    steps'). Longer, with logits on several rows: passes of INVARIANT_ROWS. A longer prefill: llama.cpp's
-    own split, ubatches of LLAMA_UBATCH with the last token inside the last, each ubatch passed in
-    near-equal pieces of at most PREFILL_BATCH rows.
-
-    Why llama.cpp's split: with flash attention on, a row's attention runs the tiled kernel when its pass
-    has GGML_FA_TILE_Q (64) rows or more, and the per-row kernel otherwise, and the two differ in the
-    last bits. A piece of a 64+ ubatch has 64+ rows (at least PREFILL_BATCH / 2), and a smaller ubatch
-    passes whole, so every prompt row runs the kernel it runs in llama-server or llama-cli, and fimble's
-    greedy output equals theirs on the same GGUF (measured: 24/24 prompts, bench/vs_llamacpp.py). With
-    flash attention off, every row runs the same kernels at any pass size on fimble's build, so the
-    split does not change a bit."""
+def _blocks(t: int, num_logits: int, flash_attn: bool) -> list[tuple[int, int]]:
+    """[a, b) passes for ``t`` tokens, in order (a pass may start before the previous one ended: the
+    decode drops the cache from its start). Up to INVARIANT_ROWS tokens: one pass (its rows equal
+    1-token steps'). Longer, with logits on several rows: passes of INVARIANT_ROWS. A longer prefill:
+    llama.cpp's own split, ubatches of LLAMA_UBATCH with the last token inside the last, each passed
+    in near-equal pieces of at most PREFILL_BATCH rows, so that every prompt row runs the kernels it
+    runs in llama.cpp's own prefill:
+    - flash attention off: attention's f16 products take ggml's own path up to 32 rows and tinyBLAS
+      above (the build's patch), while llama.cpp runs tinyBLAS from 2 rows. Pieces of a ubatch of 33+
+      rows have 33+ rows; a last ubatch of 2-32 rows is run as the last 33 tokens (recomputing a few
+      rows of the previous ubatch, to the same bits), so it runs tinyBLAS as in llama.cpp.
+    - flash attention on: its tiled kernel runs for passes of 64+ rows (GGML_FA_TILE_Q), the per-row
+      kernel below; pieces of a ubatch of 64+ rows have 64+ rows (at least PREFILL_BATCH / 2), and a
+      smaller ubatch passes whole.
+    Measured: fimble's greedy output then equals llama.cpp's on 24/24 bench prompts (bench/vs_llamacpp.py)."""
     if t <= INVARIANT_ROWS:
         return [(0, t)]
     if num_logits > 1:
@@ -302,6 +288,9 @@ def _blocks(t: int, num_logits: int) -> list[tuple[int, int]]:
     passes: list[tuple[int, int]] = []
     for a in range(0, t, LLAMA_UBATCH):
         b = min(t, a + LLAMA_UBATCH)
+        if not flash_attn and 2 <= b - a <= INVARIANT_ROWS:
+            passes.append((t - INVARIANT_ROWS - 1, t))  # t > LLAMA_UBATCH here: a full ubatch came before
+            continue
         k = -(-(b - a) // PREFILL_BATCH)
         edges = [a + (b - a) * i // k for i in range(k + 1)]
         passes += list(itertools.pairwise(edges))
