@@ -36,6 +36,7 @@ class LlamaLib:
 
     def __init__(self, name: str, lib, ffi=None, source: str = ""):
         self.name, self.lib, self.ffi = name, lib, ffi
+        self._float_arrays: dict[int, type] = {}  # ctypes float array types by length (logits views)
         self.source = source or name  # where the library was loaded from, for reports
         self.errors: deque[str] = deque(maxlen=4)  # llama.cpp's last error lines, for load errors
         self.null = ffi.NULL if ffi is not None else None
@@ -119,10 +120,14 @@ class LlamaLib:
         if outputs == 0:
             return np.empty((0, vocab), dtype=np.float32)
         ptr = lib.llama_get_logits(ctx)
+        count = outputs * vocab
         if self.ffi is not None:
-            out = np.frombuffer(self.ffi.buffer(ptr, outputs * vocab * 4), dtype=np.float32)
-        else:
-            out = np.ctypeslib.as_array(ptr, shape=(outputs * vocab,))
+            out = np.frombuffer(self.ffi.buffer(ptr, count * 4), dtype=np.float32)
+        else:  # a float array at the pointer's address: 2 us, against 15 for np.ctypeslib.as_array (per step)
+            kind = self._float_arrays.get(count)
+            if kind is None:
+                kind = self._float_arrays[count] = ctypes.c_float * count
+            out = np.frombuffer(kind.from_address(ctypes.addressof(ptr.contents)), dtype=np.float32)
         return out.reshape(outputs, vocab).copy()
 
     def seq_rm(self, ctx, p0: int) -> None:
