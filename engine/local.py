@@ -28,6 +28,7 @@ from engine.caching.prompt_plan import PromptBuilder, PromptPlan
 from engine.decoding.detok import IncrementalDetokenizer, StopRules
 from engine.decoding.drafters import ModelDrafter, NgramDrafter
 from engine.decoding.healing import unheal
+from engine.decoding.spec_policy import verify_costs
 from engine.decoding.speculative import SpeculativeDecoder
 from engine.errors import FimbleError, PromptError
 from engine.loader import LoadedModel, default_models, load_model
@@ -58,6 +59,12 @@ class LocalEngine:
         self.model_drafter = ModelDrafter(draft.runtime, 0) if draft else None
         self.ngram_drafter = NgramDrafter()
         _ = target.token_index  # build it now, not on the first keystroke
+        if getattr(target.runtime, "cost_aware_drafting", False):
+            # The verify-cost probe (engine/decoding/spec_policy.py) times ~15 passes once per runtime:
+            # 5-6 s for a 0.5B model on a 2-core CPU, which the first completion used to wait for.
+            verify_costs(target.runtime)
+            if draft is not None:
+                verify_costs(draft.runtime)
         self._ids = itertools.count(1)
         self._queue: queue.Queue = queue.Queue()
         self._prewarms: OrderedDict[str, CompletionRequest] = OrderedDict()  # newest last

@@ -55,8 +55,9 @@ def _tokenizer_tables(folder: Path) -> tuple[list[str], list[int], list[str], di
     return tokens, types, merges, special, eos
 
 
-def export_gguf(folder: str | Path, out: str | Path, qtype: str = "f32") -> Path:
-    """Write ``folder`` (HF safetensors) to ``out`` with 2-D weights as ``qtype`` ("f32", "f16" or "q8_0")."""
+def export_gguf(folder: str | Path, out: str | Path, qtype: str = "f32", pre: str = "gpt-2") -> Path:
+    """Write ``folder`` (HF safetensors) to ``out`` with 2-D weights as ``qtype`` ("f32", "f16" or "q8_0").
+    ``pre`` names the pre-tokenizer in the file (tests write other split rules over the same vocabulary)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -90,7 +91,7 @@ def export_gguf(folder: str | Path, out: str | Path, qtype: str = "f32") -> Path
     w.add_vocab_size(len(tokens))
     w.add_file_type(file_type)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)

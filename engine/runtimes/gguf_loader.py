@@ -16,13 +16,18 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
-from engine.fim import TEMPLATES, FimTemplate
+from engine.fim import TEMPLATES, FimTemplate, detect_template
 from engine.runtimes.compact import CompactConfig, CompactTransformer, compact_from_hf_state
 from engine.runtimes.gguf_export import gguf_to_hf_qk
 
 GGUF_MAGIC = b"GGUF"
-# GGUF pre-tokenizer names whose split rule this loader reproduces exactly.
-SUPPORTED_PRE = {"gpt-2", "gpt2", "default"}
+# GGUF pre-tokenizer names whose split rule this loader reproduces exactly: None means GPT-2's own
+# byte-level regex; a string is the split pattern llama.cpp uses for that name (llama-vocab.cpp), applied
+# before byte-level mapping, as the model's Hugging Face tokenizer.json does. Tests check each against
+# llama.cpp's own tokenizer on code.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SUPPORTED_PRE: dict[str, str | None] = {"gpt-2": None, "gpt2": None, "default": None, "qwen2": QWEN2_SPLIT}
 
 
 @dataclass
@@ -52,7 +57,7 @@ def _field(reader, key: str, default=None):
 
 
 def _tokenizer(reader, path: Path):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     kind = _field(reader, "tokenizer.ggml.model")
@@ -60,12 +65,20 @@ def _tokenizer(reader, path: Path):
     if kind != "gpt2":
         raise ModelLoadError(f"{path.name}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
     if pre not in SUPPORTED_PRE:
-        raise ModelLoadError(f"{path.name}: GGUF pre-tokenizer {pre!r} is not supported yet (supported: gpt-2)")
+        known = ", ".join(sorted(SUPPORTED_PRE))
+        raise ModelLoadError(f"{path.name}: GGUF pre-tokenizer {pre!r} is not supported yet (supported: {known})")
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    split = SUPPORTED_PRE[pre]
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:  # NFC as the model's own tokenizer.json does (llama.cpp skips it: equal on text already in NFC)
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     # Control (3) and user-defined (4) tokens are whole tokens, never split by BPE.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
@@ -84,8 +97,12 @@ def _template(reader, tokens: list[str]) -> tuple[FimTemplate | None, set[int]]:
         ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("prefix", "suffix", "middle")]
     stops = {int(v) for k in ("eos", "eot", "fim_pad", "fim_rep", "fim_sep")
              if (v := _field(reader, f"tokenizer.ggml.{k}_token_id")) is not None}
-    if None in ids:
-        return None, stops
+    if None in ids:  # files converted without fim ids (Qwen2.5-Coder's often are): the sentinels by name
+        named = detect_template(set(tokens))
+        if named is None:
+            return None, stops
+        stops |= {tokens.index(s) for s in named.stop_tokens if s in tokens}
+        return named, stops
     pre, suf, mid = (tokens[i] for i in ids)
     for t in TEMPLATES.values():  # a known family keeps its order (SPM/PSM) and stop tokens
         if (t.prefix_token, t.suffix_token, t.middle_token) == (pre, suf, mid):

