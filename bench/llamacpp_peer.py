@@ -120,12 +120,14 @@ def find_server(arg: str | None) -> tuple[str | None, str]:
 
 
 class LlamaServer:
-    """llama-server on loopback with the same draft model, draft-simple speculation.
+    """llama-server on loopback with the same draft model, draft-simple speculation (``draft`` None:
+    no draft model: plain decoding, or ``spec``, a draft-free --spec-type such as ngram-simple).
 
     ``--spec-type draft-simple`` is what turns the draft on (``-md`` alone loads it and never
     drafts). ``-b`` above ``-c`` leaves /infill no room for its repository header
     (``<|file_sep|>filename``: its budget is n_ctx - n_batch - 2 n_predict), so /infill's prompt
-    is token for token fimble's: suffix-first (``--spm-infill``), no BOS.
+    is token for token fimble's: suffix-first (``spm``: ``--spm-infill``) or prefix-first as the
+    model's FIM template orders it, no BOS (unless the GGUF asks for one).
     """
 
     def __init__(
@@ -138,6 +140,8 @@ class LlamaServer:
         log_path: Path,
         draft_p_min: float | None = None,
         flash: str = "auto",
+        spm: bool = True,
+        spec: str | None = None,
     ):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -159,7 +163,7 @@ class LlamaServer:
             "512",
             "-np",
             "1",
-            "--spm-infill",
+            *(["--spm-infill"] if spm else []),
             "--host",
             "127.0.0.1",
             "--port",
@@ -185,6 +189,8 @@ class LlamaServer:
             ]
             if draft_p_min is not None:
                 cmd += ["--spec-draft-p-min", str(draft_p_min)]
+        elif spec:  # speculation without a draft model, e.g. ngram-simple (prompt lookup)
+            cmd += ["--spec-type", spec]
         self.cmd = cmd
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - kept open for the server's lifetime

@@ -2,13 +2,22 @@
 
     pip install -e '.[bench]'     # llama-cpp-python (compiles llama.cpp; not in CI's path)
     python bench/vs_llamacpp.py [--quick] [--threads 1,2] [--llama-server PATH] [--fimble-runtime compact|ggml]
-                                [--precision f32|q8_0] [--json PATH]
+                                [--precision f32|q8_0 | --model PATH.gguf] [--json PATH]
 
 Model: the embedded target and draft (bf16 weights), written as GGUF by engine/runtimes/gguf_export.py
 (pre-tokenizer "gpt-2", FIM ids, add_bos false) into --gguf-dir, f32 and q8_0. --precision picks
 the weights of both sides: f32 (fimble fp32) or q8_0 (fimble FIMBLE_QUANT=int8: q8_0 itself on the
 ggml runtime, fbgemm int8 rows on the compact one). llama.cpp must tokenise real code to fimble's
 ids, and every row of that precision reports how many greedy outputs equal fimble plain's.
+
+--model PATH.gguf: the same comparison on one GGUF file instead (e.g. Qwen2.5-Coder-0.5B q8_0), run in
+its own weight type by both sides (no FIMBLE_QUANT; --precision does not apply). With no draft model
+sharing its tokenizer, fimble default is the auto drafter without a model drafter (n-gram drafting),
+llama.cpp plain is one row, "llama.cpp plain (gguf)", and llama-server runs the file without a draft
+("llama-server": plain /completion and /infill, no speculation; --server-ngram adds a cold-prompt row
+with its draft-free n-gram speculation, "llama-server + n-gram"); the keystroke loop's engine process
+loads the file with no draft. The token-id check compares fimble's tokenizer for the file with
+llama.cpp's; the report records the file's path and sha256.
 
 Cold prompts (--prompts x --tokens, default 24 x 96): each system decodes exactly that many tokens
 greedily from the same token ids, cold caches. Per prompt the systems run one after another
@@ -58,6 +67,7 @@ from llamacpp_peer import LlamaServer, LlamaWorker, find_server, read_completion
 now = time.perf_counter
 PRECISIONS = ("f32", "q8_0")
 REF = "fimble plain"  # the greedy reference: every system of the same weight precision must match it
+NGRAM_SERVER = "llama-server + n-gram"  # --model --server-ngram: llama-server's draft-free speculation
 
 
 # -- inputs ---------------------------------------------------------------------------------
@@ -165,17 +175,19 @@ def source_state() -> dict:
     }
 
 
+def sha256_file(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def same_file(a: Path, b: Path) -> bool:
     """Whether two files hold the same bytes (fimble's ggml runtime and llama.cpp load the same GGUF)."""
-
-    def digest(p: Path) -> str:
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        return h.hexdigest()
-
-    return a.stat().st_size == b.stat().st_size and digest(a) == digest(b)
+    if a.resolve() == b.resolve():
+        return True
+    return a.stat().st_size == b.stat().st_size and sha256_file(a) == sha256_file(b)
 
 
 def load() -> list[float]:
@@ -183,9 +195,10 @@ def load() -> list[float]:
 
 
 # -- runs -------------------------------------------------------------------------------------
-def cold_run(systems: dict, prompts: list[list[int]], n: int, stops: set[int], same: str, other: str) -> dict:
+def cold_run(systems: dict, prompts: list[list[int]], n: int, stops: set[int], same: str, other: str | None) -> dict:
     """Outputs are compared with fimble plain's and with ``same`` (llama.cpp plain of the same
-    precision); ``other`` (llama.cpp plain of the other precision) is compared with neither."""
+    precision); ``other`` (llama.cpp plain of the other precision; None with --model) is compared
+    with neither."""
     rows = {
         name: {
             "e2e_ms": [],
@@ -224,12 +237,13 @@ def cold_run(systems: dict, prompts: list[list[int]], n: int, stops: set[int], s
     return rows
 
 
-def keystroke_run(engine, server, target, files: list[Path], keys: int, seed: int) -> dict:
-    """Type ``keys`` characters, spread over ``files``; both systems primed on the file as opened."""
+def keystroke_run(engine, server, server_row: str, target, files: list[Path], keys: int, seed: int) -> dict:
+    """Type ``keys`` characters, spread over ``files``; both systems primed on the file as opened.
+    ``server_row``: the llama-server row's name ("llama-server + draft", or "llama-server" with --model)."""
     from engine.caching.prompt_plan import PromptBuilder
 
     builder, rng = PromptBuilder(target), random.Random(seed)
-    names = ["fimble", "llama-server + draft", "fimble, LSP prompt (healing)"]
+    names = ["fimble", server_row, "fimble, LSP prompt (healing)"]
     rows = {k: {"ttft_ms": [], "line_ms": [], "texts": []} for k in names}
     identical = compared = 0
     per_file = max(1, keys // len(files))
@@ -272,13 +286,16 @@ def keystroke_run(engine, server, target, files: list[Path], keys: int, seed: in
 
 
 def split_fim(ids: list[int], tok) -> tuple[list[int], list[int]]:
-    """fimble's suffix-first prompt [SUF] suffix [PRE] prefix [MID] as /infill's (prefix ids, suffix ids)."""
+    """fimble's prompt, suffix-first [SUF] suffix [PRE] prefix [MID] or prefix-first [PRE] prefix [SUF]
+    suffix [MID] (the template's order), as /infill's (prefix ids, suffix ids)."""
     tpl = tok.template
     suf, pre, mid = tok.token_id(tpl.suffix_token), tok.token_id(tpl.prefix_token), tok.token_id(tpl.middle_token)
-    if tpl.order != "spm" or ids[0] != suf or ids[-1] != mid or ids.count(pre) != 1:
+    first, second = (suf, pre) if tpl.order == "spm" else (pre, suf)
+    if tpl.order not in ("spm", "psm") or ids[0] != first or ids[-1] != mid or ids.count(second) != 1:
         raise RuntimeError("unexpected fimble prompt layout: cannot give llama-server the same prompt")
-    cut = ids.index(pre)
-    return ids[cut + 1 : -1], ids[1:cut]
+    cut = ids.index(second)
+    head, tail = ids[1:cut], ids[cut + 1 : -1]
+    return (tail, head) if tpl.order == "spm" else (head, tail)
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -300,27 +317,38 @@ def cold_table(rows: dict) -> list[dict]:
     return table
 
 
-def ratios(cold: dict, keys: dict | None, prec: str) -> dict:
-    """Each bar of issue 10 as a ratio and whether it is met (against llama.cpp of the same precision)."""
+def server_key(server_row: str) -> str:
+    """The ratio keys' name for the llama-server row: server_draft, or server (--model: no draft)."""
+    return "server_draft" if server_row.endswith("+ draft") else "server"
+
+
+def ratios(cold: dict, keys: dict | None, prec: str, server_row: str = "llama-server + draft") -> dict:
+    """Each bar of issue 10 as a ratio and whether it is met (against llama.cpp of the same precision;
+    with --model, prec is "gguf" and the one llama.cpp plain row is the file's)."""
     out: dict = {}
 
     def e2e(name):
         return sum(cold[name]["e2e_ms"])
 
-    for q in PRECISIONS:
+    for q in (*PRECISIONS, "gguf"):
         if f"llama.cpp plain ({q})" in cold:
             r = e2e("fimble plain") / e2e(f"llama.cpp plain ({q})")
             out[f"plain_time_vs_llamacpp_{q}"] = {
                 "ratio": r,
                 **({"bar": "<= 1.00", "met": r <= 1.0} if q == prec else {}),
             }
-    if "llama-server + draft" in cold:
-        r = e2e("fimble default") / e2e("llama-server + draft")
-        out["default_time_vs_server_draft"] = {"ratio": r, "bar": "<= 1.00", "met": r <= 1.0}
-        r = cold["fimble default"]["decode_tok_s"] / cold["llama-server + draft"]["decode_tok_s"]
-        out["default_decode_rate_vs_server_draft"] = {"ratio": r, "bar": ">= 1.30", "met": r >= 1.3}
-    if keys and keys["llama-server + draft"]["ttft_ms"]:
-        f, s = keys["fimble"], keys["llama-server + draft"]
+    sk = server_key(server_row)
+    if server_row in cold:
+        r = e2e("fimble default") / e2e(server_row)
+        out[f"default_time_vs_{sk}"] = {"ratio": r, "bar": "<= 1.00", "met": r <= 1.0}
+        r = cold["fimble default"]["decode_tok_s"] / cold[server_row]["decode_tok_s"]
+        out[f"default_decode_rate_vs_{sk}"] = {"ratio": r, "bar": ">= 1.30", "met": r >= 1.3}
+    if NGRAM_SERVER in cold:  # no issue-10 bar: reported for reference
+        out["default_time_vs_server_ngram"] = {"ratio": e2e("fimble default") / e2e(NGRAM_SERVER)}
+        r = cold["fimble default"]["decode_tok_s"] / cold[NGRAM_SERVER]["decode_tok_s"]
+        out["default_decode_rate_vs_server_ngram"] = {"ratio": r}
+    if keys and keys[server_row]["ttft_ms"]:
+        f, s = keys["fimble"], keys[server_row]
         r = med(f["ttft_ms"]) / med(s["ttft_ms"])
         out["keystroke_ttft_median_vs_server"] = {"ratio": r, "bar": "<= 1.00", "met": r <= 1.0}
         r = med(f["line_ms"]) / med(s["line_ms"])
@@ -354,7 +382,7 @@ def print_run(run: dict) -> None:
             f"{', '.join(run['typing_files'])}; fimble and llama-server outputs identical "
             f"{ident['identical']}/{ident['compared']}"
         )
-        for name in ("fimble", "llama-server + draft", "fimble, LSP prompt (healing)"):
+        for name in ("fimble", run.get("server_row", "llama-server + draft"), "fimble, LSP prompt (healing)"):
             r = keys[name]
             if r["ttft_ms"]:
                 print(
@@ -374,18 +402,20 @@ def print_run(run: dict) -> None:
 def headline(report: dict) -> str:
     run = report["runs"][0]
     r = run["ratios"]
+    gguf = report["model"].get("file")  # --model
     parts = [
         f"threads={run['threads']}",
-        f"weights {report['precision']}",
+        f"model {Path(gguf).name} (its own weights)" if gguf else f"weights {report['precision']}",
         f"fimble runtime {run['fimble_runtime']}",
         f"load {run['load_after'][0]}",
     ]
     bits = []
-    if "default_time_vs_server_draft" in r:
-        bits.append(
-            f"fimble default {r['default_time_vs_server_draft']['ratio']:.2f}x llama-server+draft's time, "
-            f"{r['default_decode_rate_vs_server_draft']['ratio']:.2f}x its decode rate"
-        )
+    for sk, label in (("server_draft", "llama-server+draft"), ("server", "llama-server")):
+        if f"default_time_vs_{sk}" in r:
+            bits.append(
+                f"fimble default {r[f'default_time_vs_{sk}']['ratio']:.2f}x {label}'s time, "
+                f"{r[f'default_decode_rate_vs_{sk}']['ratio']:.2f}x its decode rate"
+            )
     q = report["precision"]
     if f"plain_time_vs_llamacpp_{q}" in r:
         bits.append(f"fimble plain {r[f'plain_time_vs_llamacpp_{q}']['ratio']:.2f}x llama.cpp {q} plain's time")
@@ -412,17 +442,32 @@ def main() -> None:
     ap.add_argument(
         "--precision",
         choices=PRECISIONS,
-        default="f32",
-        help="weights of fimble, llama-server and the compared llama.cpp row: f32, or q8_0 "
-        "(fimble: FIMBLE_QUANT=int8, which is q8_0 on the ggml runtime)",
+        help="weights of fimble, llama-server and the compared llama.cpp row: f32 (default), or q8_0 "
+        "(fimble: FIMBLE_QUANT=int8, which is q8_0 on the ggml runtime); not with --model",
+    )
+    ap.add_argument(
+        "--model",
+        type=Path,
+        metavar="PATH.gguf",
+        help="compare on this one GGUF file instead of the embedded target/draft: both sides run it in its "
+        "own weight type; no draft model (fimble default drafts n-grams, llama-server runs without a draft)",
+    )
+    ap.add_argument(
+        "--server-ngram",
+        action="store_true",
+        help="with --model: one more cold-prompt row, llama-server + n-gram (its prompt-lookup speculation, "
+        "--spec-type ngram-simple with its default sizes), against fimble default's n-gram drafting",
     )
     ap.add_argument(
         "--draft-max",
         type=int,
         default=3,
-        help="llama-server's --spec-draft-n-max (default 3, its own: the best in an interleaved sweep)",
+        help="llama-server's --spec-draft-n-max (default 3, its own: the best in an interleaved sweep; "
+        "unused with --model)",
     )
-    ap.add_argument("--draft-p-min", type=float, help="llama-server's --spec-draft-p-min (default: its own)")
+    ap.add_argument(
+        "--draft-p-min", type=float, help="llama-server's --spec-draft-p-min (default: its own; unused with --model)"
+    )
     ap.add_argument(
         "--fimble-runtime",
         choices=("compact", "ggml"),
@@ -451,13 +496,26 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    model_file: Path | None = None
+    if args.model is not None:
+        if args.precision is not None:
+            ap.error("--precision does not apply with --model: a GGUF file runs in its own weight type")
+        model_file = args.model.expanduser().resolve()
+        if model_file.suffix.lower() != ".gguf" or not model_file.is_file():
+            ap.error(f"--model {args.model}: not a .gguf file")
+    if args.server_ngram and model_file is None:
+        ap.error("--server-ngram needs --model (the embedded model's llama-server row drafts with the draft model)")
     n_prompts = args.prompts or (3 if args.quick else 24)
     n_tokens = args.tokens or (32 if args.quick else 96)
     keys = args.keys if args.keys is not None else (6 if args.quick else 60)
     n_files = args.files or (1 if args.quick else 3)
     thread_counts = [int(t) for t in (args.threads or ("1" if args.quick else "1,2")).split(",")]
-    prec, other = args.precision, next(q for q in PRECISIONS if q != args.precision)
-    quant = "int8" if prec == "q8_0" else "none"
+    if model_file:  # one file, its own weights: one llama.cpp plain row, named "gguf"
+        prec, other, quant = "gguf", None, "none"
+    else:
+        prec = args.precision or "f32"
+        other, quant = next(q for q in PRECISIONS if q != prec), "int8" if prec == "q8_0" else "none"
+    server_row = "llama-server" if model_file else "llama-server + draft"
     # Before fimble loads anything; the engine process inherits them.
     if args.fimble_runtime:
         os.environ["FIMBLE_RUNTIME"] = args.fimble_runtime
@@ -472,7 +530,11 @@ def main() -> None:
     from engine.process import EngineProcess
 
     skipped: list[str] = []
-    ggufs = ensure_ggufs(args.gguf_dir, DEFAULT_TARGET, DEFAULT_DRAFT)
+    if model_file:
+        args.gguf_dir.mkdir(parents=True, exist_ok=True)  # llama-server's log
+        ggufs = {"target-gguf": model_file}
+    else:
+        ggufs = ensure_ggufs(args.gguf_dir, DEFAULT_TARGET, DEFAULT_DRAFT)
     server_bin, why_server = find_server(args.server)
     if not server_bin:
         skipped.append(f"llama-server rows: {why_server}")
@@ -489,11 +551,15 @@ def main() -> None:
         "precision": prec,
         "source": source_state(),
         "fimble_runtime_requested": os.environ.get("FIMBLE_RUNTIME", "(unset)"),
-        "model": {
-            "target": DEFAULT_TARGET.name,
-            "draft": DEFAULT_DRAFT.name,
-            "gguf": {k: str(v) for k, v in ggufs.items()},
-        },
+        "model": (
+            {"file": str(model_file), "bytes": model_file.stat().st_size, "sha256": sha256_file(model_file)}
+            if model_file
+            else {
+                "target": DEFAULT_TARGET.name,
+                "draft": DEFAULT_DRAFT.name,
+                "gguf": {k: str(v) for k, v in ggufs.items()},
+            }
+        ),
         "runs": [],
     }
     files = typing_files(n_files, args.seed) if keys else []
@@ -503,7 +569,10 @@ def main() -> None:
         # and the engine process (inherits the environment).
         os.environ["OMP_NUM_THREADS"] = os.environ["FIMBLE_GGML_THREADS"] = str(threads)
         torch.set_num_threads(threads)
-        target, draft = load_model(DEFAULT_TARGET, quant=quant), load_model(DEFAULT_DRAFT, quant=quant)
+        if model_file:
+            target, draft = load_model(model_file), None
+        else:
+            target, draft = load_model(DEFAULT_TARGET, quant=quant), load_model(DEFAULT_DRAFT, quant=quant)
         rt_name = runtime_name(target)
         gguf = getattr(target.runtime, "path", None)  # the ggml runtime's GGUF (its own cached export)
         same = same_file(Path(gguf), ggufs[f"target-{prec}"]) if gguf is not None else None
@@ -522,21 +591,24 @@ def main() -> None:
             "typing_files": [f.name for f in files],
             "skipped": list(skipped),
             "same_gguf": same,
+            "server_row": server_row,
         }
         fimble_flash = bool(getattr(target.runtime, "flash_attn", False))
         peer_flash = fimble_flash if args.peer_flash == "fimble" else args.peer_flash == "on"
         server_flash = ("on" if fimble_flash else "off") if args.server_flash == "fimble" else args.server_flash
         run["flash_attn"] = {"fimble": fimble_flash, "llama.cpp plain": peer_flash, "llama-server": server_flash}
-        md, ng = ModelDrafter(draft.runtime, draft.max_len), NgramDrafter(history=0)
+        # --model: no draft model; fimble default is then the auto drafter's n-gram drafting alone
+        md = ModelDrafter(draft.runtime, draft.max_len) if draft is not None else None
+        ng = NgramDrafter(history=0)
         systems = {
             REF: partial(fimble_cold, target, "none", n=n_tokens),
             "fimble default": partial(fimble_cold, target, "auto", n=n_tokens, model_drafter=md, ngram=ng),
         }
         peers: list = []
-        server = None
+        server = server_ngram = None
         try:
             try:
-                for q in PRECISIONS:
+                for q in ("gguf",) if model_file else PRECISIONS:
                     peers.append(LlamaWorker(ggufs[f"target-{q}"], threads, peer_lib, peer_flash))
                     systems[f"llama.cpp plain ({q})"] = partial(peers[-1].cold, n=n_tokens)
                 code = "\n".join(corpus_files())
@@ -553,15 +625,30 @@ def main() -> None:
                 server = LlamaServer(
                     server_bin,
                     ggufs[f"target-{prec}"],
-                    ggufs[f"draft-{prec}"],
+                    None if model_file else ggufs[f"draft-{prec}"],
                     threads,
                     args.draft_max,
                     args.gguf_dir / f"llama-server-t{threads}.log",
                     args.draft_p_min,
                     server_flash,
+                    spm=target.template is not None and target.template.order == "spm",
                 )
                 run["llama_server"] = {"cmd": " ".join(server.cmd[1:]), "build": server.props.get("build_info", "?")}
-                systems["llama-server + draft"] = partial(server.cold, n=n_tokens)
+                systems[server_row] = partial(server.cold, n=n_tokens)
+                if args.server_ngram:
+                    server_ngram = LlamaServer(
+                        server_bin,
+                        model_file,
+                        None,
+                        threads,
+                        args.draft_max,
+                        args.gguf_dir / f"llama-server-ngram-t{threads}.log",
+                        flash=server_flash,
+                        spm=target.template is not None and target.template.order == "spm",
+                        spec="ngram-simple",
+                    )
+                    run["llama_server_ngram"] = {"cmd": " ".join(server_ngram.cmd[1:])}
+                    systems[NGRAM_SERVER] = partial(server_ngram.cold, n=n_tokens)
             for fn in systems.values():  # warm-up, not timed
                 fn(prompts[0])
             cold = cold_run(
@@ -570,21 +657,26 @@ def main() -> None:
             run["cold"], run["cold_table"] = cold, cold_table(cold)
             keyrows = None
             if files:
-                engine = EngineProcess(DEFAULT_TARGET, DEFAULT_DRAFT)
+                engine = (
+                    EngineProcess(model_file, no_draft=True)
+                    if model_file
+                    else EngineProcess(DEFAULT_TARGET, DEFAULT_DRAFT)
+                )
                 try:
                     run["engine_info"] = engine.info
-                    keyrows = keystroke_run(engine, server, target, files, keys, args.seed)
+                    keyrows = keystroke_run(engine, server, server_row, target, files, keys, args.seed)
                 finally:
                     engine.close()
                 run["keystroke"] = keyrows
         finally:
             for p in peers:
                 p.close()
-            if server:
-                server.close()
+            for srv in (server, server_ngram):
+                if srv:
+                    srv.close()
         del target, draft, md, systems  # free this thread count's runtimes before the next loads
         run["load_after"] = load()
-        run["ratios"] = ratios(run["cold"], keyrows, prec)
+        run["ratios"] = ratios(run["cold"], keyrows, prec, server_row)
         report["runs"].append(run)
         print_run(run)
     report["wall_s"] = round(now() - t_start, 1)
