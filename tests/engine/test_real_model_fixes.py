@@ -136,12 +136,40 @@ def test_default_model_is_the_built_smollm2_unless_pinned_or_unbuilt(tmp_path, m
     built = tmp_path / "fimble-smollm2"
     built.mkdir()
     monkeypatch.setattr(model_info, "BUILT_TARGET", built)
+    monkeypatch.setattr(model_info, "QWEN_TARGET", tmp_path / "not-fetched.gguf")
     monkeypatch.delenv("FIMBLE_DEFAULT_MODEL", raising=False)
     assert default_models() == (DEFAULT_TARGET, DEFAULT_DRAFT)  # not built: the embedded pair
     (built / "model.safetensors").write_bytes(b"x")
     (built / "built_from.json").write_text("{}")
     assert default_models() == (built, None)  # no draft shares its tokenizer
     assert model_info.model_folder(None) == built  # the server's languages follow the same folder
+    monkeypatch.setenv("FIMBLE_DEFAULT_MODEL", "embedded")
+    assert default_models() == (DEFAULT_TARGET, DEFAULT_DRAFT)
+
+
+def test_default_model_is_qwen_once_fetched(tmp_path, monkeypatch):
+    from engine import model_info
+    from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, default_models
+
+    built, qwen = tmp_path / "fimble-smollm2", tmp_path / "qwen" / "q8_0.gguf"
+    built.mkdir()
+    qwen.parent.mkdir()
+    monkeypatch.setattr(model_info, "BUILT_TARGET", built)
+    monkeypatch.setattr(model_info, "QWEN_TARGET", qwen)
+    monkeypatch.delenv("FIMBLE_DEFAULT_MODEL", raising=False)
+    (built / "model.safetensors").write_bytes(b"x")
+    (built / "built_from.json").write_text("{}")
+    qwen.write_bytes(b"GGUF")
+    assert default_models() == (built, None)  # no SOURCE.txt yet: the fetch did not finish
+    (qwen.parent / "SOURCE.txt").write_text("sha256 ...")
+    assert default_models() == (qwen, None)
+    assert model_info.read_model_info(None).languages is None  # trained on every language: all enabled
+    monkeypatch.setenv("FIMBLE_DEFAULT_MODEL", "smollm2")
+    assert default_models() == (built, None)
+    monkeypatch.setenv("FIMBLE_DEFAULT_MODEL", "qwen")
+    assert default_models() == (qwen, None)
+    qwen.unlink()
+    assert default_models() == (built, None)  # pinned but gone: the next one, with a log line
     monkeypatch.setenv("FIMBLE_DEFAULT_MODEL", "embedded")
     assert default_models() == (DEFAULT_TARGET, DEFAULT_DRAFT)
 
