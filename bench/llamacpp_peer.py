@@ -264,8 +264,9 @@ class LlamaServer:
                 final = chunk
         return out, ttft or total, total, final.get("timings", {})
 
-    def infill(self, prefix: list[int], suffix: list[int], n: int):
-        """/infill with cache_prompt, as an editor plugin calls it: (text, ttft s, first line s, final chunk)."""
+    def infill(self, prefix: list[int] | str, suffix: list[int] | str, n: int):
+        """/infill with cache_prompt, as an editor plugin calls it: (text, ttft s, first line s, final chunk).
+        Token ids, or text that the server tokenises and lays out itself."""
         body = {
             "input_prefix": prefix,
             "input_suffix": suffix,
@@ -276,6 +277,18 @@ class LlamaServer:
             "samplers": ["top_k"],
         }
         return read_completion(self.stream("/infill", body))
+
+    def completion_cached(self, prompt: list[int], n: int):
+        """/completion from token ids with cache_prompt: (text, ttft s, first line s, final chunk)."""
+        body = {
+            "prompt": prompt,
+            "n_predict": n,
+            "temperature": 0.0,
+            "top_k": 1,
+            "cache_prompt": True,
+            "samplers": ["top_k"],
+        }
+        return read_completion(self.stream("/completion", body))
 
     def close(self) -> None:
         if self.proc.poll() is None:

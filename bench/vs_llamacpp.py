@@ -32,7 +32,11 @@ current line removed. fimble's engine process (engine/process.py, the path the L
 per-document caches) against llama-server /infill with cache_prompt, given the same prompt ids
 (suffix-first, no repository header), so the greedy outputs must be identical. Median and p90 time
 to the first token; median time to the first complete line or 16 tokens. One more fimble row runs
-the LSP's own prompt (token healing on): not the same prompt, timed for reference.
+the LSP's own prompt (token healing on): not the same prompt, timed for reference. For a PSM model
+(Qwen2.5-Coder) fimble's prompt carries the cursor's line after the middle sentinel, which /infill
+cannot express, so the same ids go through /completion with cache_prompt; one more row sends the
+text to /infill as llama.vim does ("llama-server /infill, own prompt": the cursor's line ends the
+prefix, so each key re-evaluates the suffix), timed for reference.
 
 Flash attention: every llama.cpp system runs the setting fimble's runtime picked (--peer-flash,
 --server-flash): off by default, as llama-cpp-python runs it, and the faster setting on this CPU
@@ -68,6 +72,7 @@ now = time.perf_counter
 PRECISIONS = ("f32", "q8_0")
 REF = "fimble plain"  # the greedy reference: every system of the same weight precision must match it
 NGRAM_SERVER = "llama-server + n-gram"  # --model --server-ngram: llama-server's draft-free speculation
+STOCK_INFILL = "llama-server /infill, own prompt"  # PSM models: the text as llama.vim sends it
 
 
 # -- inputs ---------------------------------------------------------------------------------
@@ -244,6 +249,11 @@ def keystroke_run(engine, server, server_row: str, target, files: list[Path], ke
 
     builder, rng = PromptBuilder(target), random.Random(seed)
     names = ["fimble", server_row, "fimble, LSP prompt (healing)"]
+    # PSM models: llama-server's /infill on the text, in its own layout (the cursor's line ends the prefix,
+    # so every key re-evaluates the suffix), as llama.vim and llama.vscode call it. Not the same prompt.
+    stock = STOCK_INFILL if target.template.order == "psm" else None
+    if stock:
+        names.append(stock)
     rows = {k: {"ttft_ms": [], "line_ms": [], "texts": []} for k in names}
     identical = compared = 0
     per_file = max(1, keys // len(files))
@@ -260,19 +270,21 @@ def keystroke_run(engine, server, server_row: str, target, files: list[Path], ke
             n = 1 if k == 0 else 16  # k == 0 primes the caches: the editor opened the file before typing
             req = fimble_request(prefix, suffix, doc, n, heal=False)
             a = fimble_keystroke(engine, req)
-            b = None
+            b = d = None
             if server:
                 ids = builder.build(req).ids
-                b = server.infill(*split_fim(ids, target), n)
+                b = server_same_prompt(server, ids, target, n)
                 if k == 0 and f == files[0]:
                     rows["prompt_check"] = {
                         "fimble_prompt_tokens": len(ids),
                         "server_tokens_evaluated": b[3].get("tokens_evaluated"),
                     }
             c = fimble_keystroke(engine, fimble_request(prefix, suffix, doc + "#heal", n, heal=True))
+            if server and stock:
+                d = server.infill(prefix, suffix, n)
             if k == 0:
                 continue
-            for name, res in zip(names, (a, b, c), strict=True):
+            for name, res in zip(names, (a, b, c, d)[: len(names)], strict=True):
                 if res is not None:
                     rows[name]["ttft_ms"].append(res[1] * 1e3)
                     rows[name]["line_ms"].append(res[2] * 1e3)
@@ -283,6 +295,15 @@ def keystroke_run(engine, server, server_row: str, target, files: list[Path], ke
         print(f"  typed {per_file} keys into {f.name}  load {load()[0]}", file=sys.stderr, flush=True)
     rows["identical"] = {"identical": identical, "compared": compared}
     return rows
+
+
+def server_same_prompt(server, ids: list[int], target, n: int):
+    """fimble's prompt ids through llama-server with cache_prompt: /infill where the prompt ends in the
+    middle sentinel; /completion from the ids where a PSM prompt carries the cursor's line after it
+    (engine/caching/prompt_plan.py), which /infill cannot express (its "prompt" joins the prefix)."""
+    if ids[-1] == target.token_id(target.template.middle_token):
+        return server.infill(*split_fim(ids, target), n)
+    return server.completion_cached(ids, n)
 
 
 def split_fim(ids: list[int], tok) -> tuple[list[int], list[int]]:
@@ -353,6 +374,9 @@ def ratios(cold: dict, keys: dict | None, prec: str, server_row: str = "llama-se
         out["keystroke_ttft_median_vs_server"] = {"ratio": r, "bar": "<= 1.00", "met": r <= 1.0}
         r = med(f["line_ms"]) / med(s["line_ms"])
         out["keystroke_first_line_median_vs_server"] = {"ratio": r, "bar": "<= 0.75", "met": r <= 0.75}
+    if keys and keys.get(STOCK_INFILL, {}).get("ttft_ms"):  # no bar: not the same prompt
+        f, s = keys["fimble, LSP prompt (healing)"], keys[STOCK_INFILL]
+        out["keystroke_ttft_median_lsp_vs_stock_infill"] = {"ratio": med(f["ttft_ms"]) / med(s["ttft_ms"])}
     return out
 
 
@@ -382,8 +406,11 @@ def print_run(run: dict) -> None:
             f"{', '.join(run['typing_files'])}; fimble and llama-server outputs identical "
             f"{ident['identical']}/{ident['compared']}"
         )
-        for name in ("fimble", run.get("server_row", "llama-server + draft"), "fimble, LSP prompt (healing)"):
-            r = keys[name]
+        for name in ("fimble", run.get("server_row", "llama-server + draft"), "fimble, LSP prompt (healing)",
+                     STOCK_INFILL):
+            r = keys.get(name)
+            if r is None:
+                continue
             if r["ttft_ms"]:
                 print(
                     f"{name:30s} TTFT median {med(r['ttft_ms']):6.1f} ms  p90 {pct(r['ttft_ms'], 0.9):6.1f} ms   "

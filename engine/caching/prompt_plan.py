@@ -12,6 +12,14 @@ there is no parse. Each segment carries a prefix-hash chain key (its tokens and
 everything before it, as vLLM hashes blocks); each piece a content key (its tokens
 alone), which shift reuse matches after an edit (engine/caching/kv_shift.py).
 
+For prefix-first (PSM) templates the text of the cursor's line, from the line break before it,
+goes after the middle sentinel: ``[PRE] lines before [SUF] suffix [MID] \n current line``. The
+model reads it as the start of the middle it is filling, which is how FIM training splits a file
+anyway (at any character). Without it every keystroke moves the end of the prefix, and the whole
+suffix behind it must be recomputed: 256 suffix tokens cost seconds on a 2-core CPU. With it, only
+a new line (Enter) does that; keys within a line re-evaluate the line's last tokens. A cursor at a
+line start or on indentation is healed back to the line break, so it keeps the plain layout.
+
 Truncation keeps the prompt stable while the user types: the suffix keeps whole
 leading pieces, and the prefix drops whole leading segments in steps of
 ``TRUNCATE_STRIDE`` tokens, so its start moves only in jumps.
@@ -34,6 +42,9 @@ LINE_CUT = re.compile(r"(?<=\S)(?=\n)")
 FALLBACK_BLOCK_LINES = 32  # segment size where the caller gave no parse
 MAX_SEGMENT_LINES = 64  # a longer logical block is cut into blocks of this many lines
 PSM_SUFFIX_TOKENS = 256  # PSM puts the suffix after the moving cursor: keep its recompute bounded
+# PSM only: the cursor's line goes after the middle sentinel, so typing on a line appends to the prompt
+# instead of moving the prefix's end in front of the suffix. A longer line (minified code) stays in the prefix.
+MAX_LINE_HEAD_CHARS = 512
 MEMO_PIECES = 65536
 
 
@@ -119,6 +130,8 @@ class PromptBuilder:
         self.psm_suffix_tokens = psm_suffix_tokens
         # Newline healing (engine/decoding/healing.py); off only to measure the older rule (bench/quality.py).
         self.newline_healing = True
+        # The cursor's line after the middle sentinel (PSM only, see the module doc); off only to measure.
+        self.line_in_middle = True
         self._memo: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
 
     def _encode(self, text: str) -> tuple[list[int], bytes]:
@@ -153,7 +166,11 @@ class PromptBuilder:
             if ids:
                 last = m.tokenizer.decode(ids[-1:], clean_up_tokenization_spaces=False)
                 prefix_text, heal, constrained = split_heal(prefix_text, last, self.newline_healing)
+        head_text = ""
+        if template.order == "psm" and self.line_in_middle:
+            prefix_text, head_text = split_line_head(request.prefix, prefix_text)
         prefix = self._part(prefix_text, 0, lines)
+        head = self._part(head_text, prefix_text.count("\n"), lines)
         if template.prefix_only:  # no FIM tokens (engine/fim.py PREFIX_ONLY): the suffix goes unused
             if not prefix.size:
                 raise PromptError("empty prompt: this model completes from the text before the cursor only, "
@@ -164,17 +181,18 @@ class PromptBuilder:
         psm = template.order != "spm"
         if psm and suffix.size > self.psm_suffix_tokens:
             _keep_leading(suffix, self.psm_suffix_tokens)
-        budget = m.max_len - request.options.max_tokens - 8
+        budget = m.max_len - request.options.max_tokens - 8 - head.size
         total = prefix.size + suffix.size
         if total > budget:
             if not request.truncate:
-                raise PromptError(f"prompt of {total} tokens does not fit the model's context of "
+                raise PromptError(f"prompt of {total + head.size} tokens does not fit the model's context of "
                                   f"{m.max_len} with {request.options.max_tokens} new tokens")
             _keep_leading(suffix, min(suffix.size, budget // 4))
             _drop_leading(prefix, prefix.size - (budget - suffix.size), stride=max(256, budget // 8))
-        return self._assemble(prefix, suffix, heal, constrained, total - prefix.size - suffix.size)
+        return self._assemble(prefix, suffix, head, heal, constrained, total - prefix.size - suffix.size)
 
-    def _assemble(self, prefix: _Part, suffix: _Part, heal: str, constrained: bool, dropped: int) -> PromptPlan:
+    def _assemble(self, prefix: _Part, suffix: _Part, head: _Part, heal: str, constrained: bool,
+                  dropped: int) -> PromptPlan:
         m = self.model
         order: list[tuple[list[int], bool]] = []  # (piece tokens, starts a segment)
         if getattr(m.tokenizer, "add_bos_token", False) and m.tokenizer.bos_token_id is not None:
@@ -188,6 +206,7 @@ class PromptBuilder:
             if lead:
                 order.append((lead, False))
             order.extend(zip(part.tokens, part.starts, strict=True))
+        order.extend(zip(head.tokens, head.starts, strict=True))  # after the middle sentinel
         ids: list[int] = []
         pieces: list[Piece] = []
         segments: list[Segment] = []
@@ -204,6 +223,17 @@ class PromptBuilder:
             ids.extend(toks)
         segments.append(Segment(seg_start, len(ids) - seg_start, _digest(seg_hash, chain)))
         return PromptPlan(ids, pieces, segments, heal, constrained, dropped)
+
+
+def split_line_head(prefix: str, healed: str) -> tuple[str, str]:
+    """(prefix text, line head) for a PSM prompt: ``healed`` (the prefix after token healing) cut at
+    the last line break of ``prefix``, the break going to the head. No head when the cursor's line
+    is the document's first, when healing already took the line back to its break (cursor at a line
+    start or on indentation), or when the line is longer than MAX_LINE_HEAD_CHARS."""
+    cut = prefix.rfind("\n")
+    if cut < 0 or len(healed) <= cut + 1 or len(healed) - cut > MAX_LINE_HEAD_CHARS:
+        return healed, ""
+    return healed[:cut], healed[cut:]
 
 
 def _keep_leading(part: _Part, limit: int) -> None:

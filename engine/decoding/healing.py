@@ -76,8 +76,10 @@ def split_heal(prefix: str, last_token_text: str | None, newline: bool = True) -
         # Cursor on indentation: end the prompt at the line break, as line-aligned training did.
         return prefix[:line_start], tail, False
     t = last_token_text
+    # A word, or spaces after a word ("def "): a prompt that ends in a lone space token is a boundary
+    # BPE training rarely shows (Qwen2.5-Coder answers "    def " with an immediate end of text).
     if t and len(t) <= MAX_HEAL_CHARS and len(t) < len(prefix) and prefix.endswith(t) and t.isascii() \
-            and "\n" not in t and t.strip():
+            and "\n" not in t and (t.strip() or tail.strip()):
         return prefix[: -len(t)], t, True
     return prefix, "", False
 

@@ -93,6 +93,9 @@ def test_healing_splits_indentation_and_ragged_words():
     # newline=False: the older rule (newline healing is tested in test_real_model_fixes.py).
     assert split_heal("if x:\n        ", "\n        ", newline=False) == ("if x:\n", "        ", False)
     assert split_heal("os.pa", "pa") == ("os.", "pa", True)
+    # spaces after a word are re-typed too; spaces alone on a line are indentation, handled above
+    assert split_heal("x = 1\n    def ", " ") == ("x = 1\n    def", " ", True)
+    assert split_heal("    ", "    ") == ("    ", "", False)
     assert split_heal("x = 1\n", "\n", newline=False) == ("x = 1\n", "", False)
     assert unheal("        return x", "        ", False) == "return x"
     assert unheal("path)", "pa", True) == "th)"
