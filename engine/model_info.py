@@ -1,6 +1,7 @@
 """What a model folder says about itself, read without loading the model (no torch here).
 
-A model folder may hold ``fimble.json`` (written by whoever trained the model):
+A model folder, or the folder of a GGUF file, may hold ``fimble.json`` (written by whoever trained
+the model, or shipped with the install step that fetches it):
 
     {"languages": ["python"]}
 
@@ -77,7 +78,7 @@ def read_model_info(model: str | None) -> ModelInfo:
     """``model``'s fimble.json; a missing or bad file gives languages=None (bad ones are logged)."""
     folder = model_folder(model)
     info = ModelInfo(folder.name or str(folder), None)
-    path = folder / INFO_FILE
+    path = (folder.parent if folder.suffix.lower() == ".gguf" else folder) / INFO_FILE
     try:
         if not path.is_file():
             return info

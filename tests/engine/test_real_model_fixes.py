@@ -163,7 +163,12 @@ def test_default_model_is_qwen_once_fetched(tmp_path, monkeypatch):
     assert default_models() == (built, None)  # no SOURCE.txt yet: the fetch did not finish
     (qwen.parent / "SOURCE.txt").write_text("sha256 ...")
     assert default_models() == (qwen, None)
-    assert model_info.read_model_info(None).languages is None  # trained on every language: all enabled
+    assert model_info.read_model_info(None).languages is None  # no fimble.json beside the file: every language
+    shipped = model_info.EMBEDDED_TARGET.parent / "qwen2.5-coder-0.5b" / "fimble.json"
+    (qwen.parent / "fimble.json").write_text(shipped.read_text())  # the committed list, beside the GGUF
+    langs = model_info.read_model_info(None).languages
+    assert langs is not None and {"python", "javascript", "typescript", "go", "rust", "java", "c", "cpp"} <= set(langs)
+    assert "plaintext" not in langs
     monkeypatch.setenv("FIMBLE_DEFAULT_MODEL", "smollm2")
     assert default_models() == (built, None)
     monkeypatch.setenv("FIMBLE_DEFAULT_MODEL", "qwen")
