@@ -142,6 +142,7 @@ class LlamaServer:
         flash: str = "auto",
         spm: bool = True,
         spec: str | None = None,
+        slots: int = 1,
     ):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -156,13 +157,13 @@ class LlamaServer:
             "-tb",
             t,
             "-c",
-            "4096",
+            str(4096 * slots),  # the context is split between the slots: 4096 each
             "-b",
             "8192",
             "-ub",
             "512",
             "-np",
-            "1",
+            str(slots),
             *(["--spm-infill"] if spm else []),
             "--host",
             "127.0.0.1",
@@ -264,10 +265,13 @@ class LlamaServer:
                 final = chunk
         return out, ttft or total, total, final.get("timings", {})
 
-    def infill(self, prefix: list[int] | str, suffix: list[int] | str, n: int):
+    def infill(self, prefix: list[int] | str, suffix: list[int] | str, n: int, slot: int = 0):
         """/infill with cache_prompt, as an editor plugin calls it: (text, ttft s, first line s, final chunk).
-        Token ids, or text that the server tokenises and lays out itself."""
+        Token ids, or text that the server tokenises and lays out itself. ``slot``: which slot's cache
+        (a server with ``slots`` > 1 keeps one prompt cache per slot; two kinds of prompt sent to one
+        slot in turn would evict each other's cache every request)."""
         body = {
+            "id_slot": slot,
             "input_prefix": prefix,
             "input_suffix": suffix,
             "n_predict": n,
@@ -279,8 +283,9 @@ class LlamaServer:
         return read_completion(self.stream("/infill", body))
 
     def completion_cached(self, prompt: list[int], n: int):
-        """/completion from token ids with cache_prompt: (text, ttft s, first line s, final chunk)."""
+        """/completion from token ids with cache_prompt, in slot 0: (text, ttft s, first line s, final chunk)."""
         body = {
+            "id_slot": 0,
             "prompt": prompt,
             "n_predict": n,
             "temperature": 0.0,

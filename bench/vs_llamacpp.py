@@ -281,7 +281,7 @@ def keystroke_run(engine, server, server_row: str, target, files: list[Path], ke
                     }
             c = fimble_keystroke(engine, fimble_request(prefix, suffix, doc + "#heal", n, heal=True))
             if server and stock:
-                d = server.infill(prefix, suffix, n)
+                d = server.infill(prefix, suffix, n, slot=1)
             if k == 0:
                 continue
             for name, res in zip(names, (a, b, c, d)[: len(names)], strict=True):
@@ -659,6 +659,8 @@ def main() -> None:
                     args.draft_p_min,
                     server_flash,
                     spm=target.template is not None and target.template.order == "spm",
+                    # PSM: the keystroke loop's /infill-on-text row keeps its own cache in slot 1
+                    slots=2 if target.template is not None and target.template.order == "psm" else 1,
                 )
                 run["llama_server"] = {"cmd": " ".join(server.cmd[1:]), "build": server.props.get("build_info", "?")}
                 systems[server_row] = partial(server.cold, n=n_tokens)
