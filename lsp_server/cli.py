@@ -101,9 +101,11 @@ def _parser() -> argparse.ArgumentParser:
 
     comp = sub.add_parser("complete", help="print a completion at FILE:LINE:COL (1-based)")
     comp.add_argument("spec", metavar="FILE:LINE:COL")
-    comp.add_argument("--max-tokens", type=int, default=64)
-    comp.add_argument("--max-lines", type=int, default=8)
+    comp.add_argument("--max-tokens", type=int, default=64, help="at most this many tokens (default 64)")
+    comp.add_argument("--max-lines", type=int, default=8, help="at most this many lines (default 8)")
     comp.add_argument("--drafter", default="auto", choices=("auto", "model", "ngram", "none"))
+    comp.add_argument("--raw", action="store_true",
+                      help="the model's text as decoded: no syntax policy, no shaping (default: as an editor shows it)")
     comp.add_argument("--stats", action="store_true", help="print decode statistics to stderr")
     _add_model_args(comp)
     comp.add_argument("--template", help="FIM template name (default: detected from the tokenizer)")
@@ -266,20 +268,32 @@ def read_source(path: Path) -> str:
         raise FimbleError(f"{path}: not UTF-8 text (byte {exc.start})") from None
 
 
+def _cap_lines(limit: int, cap: int) -> int:
+    """The smaller of two line limits where 0 means none."""
+    if cap <= 0:
+        return limit
+    return cap if limit <= 0 else min(limit, cap)
+
+
 def run_complete(args: argparse.Namespace) -> int:
+    from engine.syntax.languages import normalize_language_id
     from lsp_server.documents import Document
     from lsp_server.prompt import build_context, clean
     from lsp_server.settings import Settings
 
     path, line, col = parse_spec(args.spec)
-    doc = Document(uri=path.resolve().as_uri(), text=read_source(path))
+    # The language from the file name, as an editor would send it (".py" -> python): the policy needs it.
+    language = normalize_language_id(path.suffix.lstrip(".")) or ""
+    doc = Document(uri=path.resolve().as_uri(), text=read_source(path), language_id=language)
     if line > len(doc.lines):
         raise FimbleError(f"{path} has {len(doc.lines)} lines; line {line} is past the end")
     width = len(doc.line_text(line - 1))
     if col > width + 1:
         raise FimbleError(f"line {line} of {path} has {width} characters; column {col} is past its end")
-    if args.max_tokens < 1:
-        raise FimbleError("--max-tokens must be at least 1")
+    if not 1 <= args.max_tokens <= 4096:
+        raise FimbleError("--max-tokens must be between 1 and 4096")
+    if not 0 <= args.max_lines <= 1000:
+        raise FimbleError("--max-lines must be between 0 (no limit) and 1000")
     s = Settings()
     ctx = build_context(doc, line - 1, col - 1, s.prefix_chars, s.suffix_chars)
 
@@ -289,12 +303,34 @@ def run_complete(args: argparse.Namespace) -> int:
 
     engine = open_engine(args.model, args.draft, device=args.device, use_draft=not args.no_draft,
                          template=args.template, trust_remote_code=args.trust_remote_code, start_thread=False)
-    opts = DecodeOptions(max_tokens=args.max_tokens, max_lines=args.max_lines, drafter=args.drafter)
+    shaper, where = None, "raw"
+    if args.raw:
+        opts = DecodeOptions(max_tokens=args.max_tokens, max_lines=args.max_lines, drafter=args.drafter)
+    else:  # what the editor would show: the syntax policy's options for this cursor, then the shaper
+        from engine.policy import decide
+        from engine.postprocess import CompletionShaper
+        from engine.syntax.context import classify
+
+        byte = doc.byte_offset(line - 1, col - 1)
+        cursor_ctx = classify(doc.syntax, byte)
+        decision = decide(doc.syntax, byte, doc.language_id, context=cursor_ctx)
+        opts = decision.to_options(drafter=args.drafter, max_tokens=min(decision.max_tokens, args.max_tokens),
+                                   max_lines=_cap_lines(decision.line_limit, args.max_lines))
+        shaper = CompletionShaper(doc.syntax, byte, context=cursor_ctx)
+        where = decision.context
     result = engine.complete(CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=opts, truncate=True))
-    sys.stdout.write(result.text if result.text.endswith("\n") else result.text + "\n")
+    text, cut = result.text, None
+    if shaper is not None:
+        stop = shaper.feed(text)
+        if stop is not None:
+            text = text[:stop]
+        shaped = shaper.finish()
+        text, cut = shaped.text, shaped.cut_reason
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
     if args.stats:
         st = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.stats.items()}
-        print(f"fimble: {result.finish_reason}, {result.tokens} tokens, {st}", file=sys.stderr)
+        print(f"fimble: {result.finish_reason}, {result.tokens} tokens, context {where}, cut {cut}, {st}",
+              file=sys.stderr)
     engine.close()
     return 0
 

@@ -26,6 +26,31 @@ def test_complete_prints_a_completion(tmp_path: Path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.endswith("\n")
     assert "Traceback" not in r.stderr and "tokens" in r.stderr
+    assert "context mid_statement" in r.stderr  # the syntax policy chose the options, as in an editor
+
+
+def test_complete_shapes_as_an_editor_and_raw_does_not(tmp_path: Path):
+    f = tmp_path / "add.py"
+    f.write_text(SOURCE)
+    shaped = run("complete", f"{f}:2:16", "--max-tokens", "24", "--stats")
+    raw = run("complete", f"{f}:2:16", "--max-tokens", "24", "--stats", "--raw")
+    assert shaped.returncode == 0 and raw.returncode == 0, shaped.stderr + raw.stderr
+    assert "context raw" in raw.stderr
+    # a mid-statement cursor gets one line at most; the raw decode may run on for 8 lines
+    assert shaped.stdout.count("\n") == 1
+    assert raw.stdout.startswith(shaped.stdout.rstrip("\n")) or shaped.stdout == "\n"
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-tokens", "0", "between 1 and 4096"),
+    ("--max-tokens", "100000", "between 1 and 4096"),
+    ("--max-lines", "-1", "between 0"),
+])
+def test_out_of_range_options_are_one_line_errors(tmp_path: Path, flag: str, value: str, message: str):
+    f = tmp_path / "add.py"
+    f.write_text(SOURCE)
+    r = run("complete", f"{f}:2:16", flag, value)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 @pytest.mark.parametrize("spec, message", [
