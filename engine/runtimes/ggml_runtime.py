@@ -352,9 +352,9 @@ def folder_runtime(folder: Path, cfg: dict, quant: str) -> GGMLRuntime:
 
 def gguf_model(path: Path):
     """A GGUF file on the ggml runtime: engine.runtimes.gguf_loader.GGUFModel, tokenizer and template from the file."""
-    from engine.runtimes.gguf_loader import GGUFModel, _config, _template, _tokenizer, open_reader
+    from engine.runtimes.gguf_loader import GGUFModel, _config, _template, _tokenizer, open_meta
 
-    reader = open_reader(path)
+    reader = open_meta(path)  # llama.cpp reads the tensors: only the metadata is needed here
     try:
         cfg, _ = _config(reader, path)
         tokenizer, tokens = _tokenizer(reader, path)

@@ -126,3 +126,23 @@ def test_fim_template_by_token_names_when_the_file_has_no_fim_ids():
     assert stops == {2, 3, 7, 8, 9}  # eos, <|endoftext|> and the template's own stop tokens
     template, stops = _template(Reader(), ["a", "b", "c", "d"])
     assert template is None and stops == {3}
+
+
+def test_fast_metadata_reader_equals_gguf_py(gguf_files, tmp_path):
+    """engine/runtimes/gguf_meta.py (the ggml runtime's loader) reads what gguf-py's GGUFReader reads."""
+    from gguf import GGUFReader
+
+    from engine.runtimes.gguf_meta import GGUFFormatError, GGUFMeta
+
+    for path in gguf_files.values():
+        meta, ref = GGUFMeta(path), GGUFReader(str(path))
+        keys = [k for k in ref.fields if not k.startswith("GGUF.")]  # gguf-py's own header pseudo-fields
+        assert list(meta.fields) == keys
+        for k in keys:
+            assert meta.fields[k].contents() == ref.fields[k].contents(), k
+        assert [(t.name, t.shape) for t in meta.tensors] == [(t.name, tuple(int(x) for x in t.shape))
+                                                            for t in ref.tensors]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_files["f32"].read_bytes()[:5000])  # inside the vocabulary
+    with pytest.raises(GGUFFormatError, match="ends early"):
+        GGUFMeta(cut)
