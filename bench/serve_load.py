@@ -16,6 +16,19 @@ passes buys. Both daemons run with 1 torch thread (the default).
 
     python bench/serve_load.py --quick              # 1 and 4 editors, under a minute
     python bench/serve_load.py --json out.json      # 1, 8, 32, 64
+    python bench/serve_load.py --device cuda --shape 1.5B --levels 1,8,32 --no-peer   # issue 11's bar
+
+``--shape`` (CUDA): the daemon serves a random-weight bf16 model of that Qwen2.5 shape (bench/gpu.py's
+``random_model``: 0.5B, 1.5B, 7B) with the embedded target's tokenizer and FIM template, no draft model
+(n-gram drafts only). The model's vocabulary rows past the tokenizer's are zeroed in ``lm_head`` (same
+matmul, never the argmax), so every token decodes. Random weights: the text is noise and acceptance of
+n-gram drafts means nothing; the point is the cost of serving that shape. The slotted rounds' graphs
+(engine/runtimes/cuda_graphs.py SlotGraphs) are captured at start (``--no-warm-graphs``: on first use), so
+capture time stays out of the timed levels. ``--max-tokens 128 --max-lines 0`` makes every completion run
+until the next keystroke cancels it (the trace's default, 16 tokens and one line, caps tok/s: at 32 editors
+with 100 ms think time, 32 x 16 tokens per ~0.15 s is about 3,400 tok/s whatever the engine does).
+``sched_round_ms``/``sched_pass_ms`` give each level's mean round time and its share in target passes.
+Where the Python 3.12 daemon's decode loop should be profiled, set ``SERVE_LOAD_PROFILE=path`` (--shape).
 
 The last line printed is the headline.
 """
@@ -43,28 +56,38 @@ from websockets.asyncio.client import connect  # noqa: E402
 from engine.serve import protocol  # noqa: E402
 
 CORPUS = REPO / "tests" / "data" / "lossless_corpus"
+MAX_LINES = 1  # each completion's max_lines (--max-lines; 0: no limit)
 
 
 class Daemon:
     """``fimble serve --port 0`` in a subprocess; its port read from the line it prints."""
 
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, shape: str | None = None, warm_graphs: bool = True):
         self.log = tempfile.NamedTemporaryFile(prefix="fimble-serve-load-", suffix=".log", delete=False)
         env = dict(os.environ)
         env.setdefault("FIMBLE_DEFAULT_MODEL", "embedded")
+        if shape:  # this file, as a daemon serving a random-weight model of that shape (serve_shape below)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-shape", shape, *extra]
+            if not warm_graphs:
+                cmd.append("--no-warm-graphs")
+        else:
+            cmd = [sys.executable, "-m", "lsp_server", "serve", "--port", "0", *extra]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lsp_server", "serve", "--port", "0", *extra],
+            cmd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=self.log,
             env=env,
         )
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600
         while True:
             text = Path(self.log.name).read_text(errors="replace")
             found = re.search(r"on ws://127\.0\.0\.1:(\d+)", text)
             if found:
                 self.url = f"ws://127.0.0.1:{found.group(1)}"
+                for line in text.splitlines():
+                    if line.startswith("serve_shape:"):
+                        print(f"  daemon: {line}", flush=True)
                 return
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"fimble serve did not start: {text[-1000:]}")
@@ -112,14 +135,16 @@ class Session:
         del self.queues[self.ids]
         return msg
 
-    async def submit(self, prefix: str, suffix: str, doc: str, max_tokens: int) -> tuple[int, asyncio.Queue]:
+    async def submit(
+        self, prefix: str, suffix: str, doc: str, max_tokens: int, max_lines: int = 1
+    ) -> tuple[int, asyncio.Queue]:
         self.ids += 1
         q = self.queues[self.ids] = asyncio.Queue()
         request = {
             "prefix": prefix,
             "suffix": suffix,
             "document_id": doc,
-            "options": {"max_tokens": max_tokens, "max_lines": 1},
+            "options": {"max_tokens": max_tokens, "max_lines": max_lines},
         }
         await self.ws.send(protocol.pack({"op": "submit", "id": self.ids, "request": request}))
         return self.ids, q
@@ -177,7 +202,7 @@ async def editor(
         try:
             s = await Session.open(url)
             t0 = time.perf_counter()
-            _, q = await s.submit(before, after, name, max_tokens)
+            _, q = await s.submit(before, after, name, max_tokens, MAX_LINES)
             cold, err = await _first_delta(q, t0, wait_end=True)
             errors += err
         finally:
@@ -189,7 +214,7 @@ async def editor(
                 await s.cancel(previous)
                 s.queues.pop(previous, None)
             t0 = time.perf_counter()
-            previous, q = await s.submit(before + typed[:k], after, name, max_tokens)
+            previous, q = await s.submit(before + typed[:k], after, name, max_tokens, MAX_LINES)
             first, err = await _first_delta(q, t0, wait_end=k == len(typed))
             errors += err
             if first is not None:
@@ -199,6 +224,66 @@ async def editor(
         if s is not None:
             await s.close()
     return {"cold_s": cold, "warm_s": warm, "errors": errors}
+
+
+def _bench_gpu():
+    """bench/gpu.py as a module (by path: bench/ on sys.path would let bench/engine.py shadow ``engine``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "bench" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def serve_shape(shape: str, device: str, batch: bool, max_active: int, warm_graphs: bool, attention: str) -> int:
+    """Run ``fimble serve`` (port 0, loopback) on a random-weight model of a bench/gpu.py shape."""
+    from dataclasses import replace
+
+    import torch
+
+    random_model = _bench_gpu().random_model
+    from engine.loader import DEFAULT_TARGET, load_model
+    from engine.runtimes.cuda_graphs import GraphRuntime
+    from engine.serve.daemon import ServeOptions, run_daemon
+    from engine.serve.scheduler import ServeEngine
+
+    if device != "cuda":
+        raise SystemExit("--shape needs --device cuda (bench/gpu.py builds the shapes on CUDA, bf16)")
+    base = load_model(DEFAULT_TARGET, device=device, dtype=torch.bfloat16, runtime="compact")
+    model = random_model(shape)
+    vocab = len(base.tokenizer)
+    with torch.no_grad():
+        model.lm_head.weight[vocab:].zero_()  # ids the tokenizer lacks: logit 0, never the argmax
+    target = replace(base, name=f"random-{shape}", runtime=GraphRuntime(model, attention=attention))
+    del base
+    torch.cuda.empty_cache()
+    engine = ServeEngine(target, None, batch=batch, max_active=max_active, threads=1)
+    t0 = time.perf_counter()
+    if engine.slots is not None and warm_graphs:
+        engine.slots.warm((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8, 16), (256, 512, 1024, 2048))
+    print(
+        f"serve_shape: {shape}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, "
+        f"scheduler {engine.info()['scheduler']}, attention {attention}, slots "
+        f"{engine.slots.streams if engine.slots else 0} x {engine.slots.slot_len if engine.slots else 0}, "
+        f"{engine.slots.captures if engine.slots else 0} graphs captured in {time.perf_counter() - t0:.1f} s, "
+        f"GPU memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB",
+        file=sys.stderr,
+        flush=True,
+    )
+    announce = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    profile = os.environ.get("SERVE_LOAD_PROFILE")  # a path: cProfile the decode loop, stats written at exit
+    if not profile:
+        return run_daemon(engine, ServeOptions(port=0), announce=announce)
+    import cProfile
+
+    prof = cProfile.Profile()
+    serve = engine.serve_forever
+    engine.serve_forever = lambda: prof.runcall(serve)
+    try:
+        return run_daemon(engine, ServeOptions(port=0), announce=announce)
+    finally:
+        prof.dump_stats(profile)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -242,6 +327,9 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
     tokens = after["tokens_generated"] - before["tokens_generated"]
     rounds = after["sched_rounds"] - before["sched_rounds"]
     rows = after["sched_batched_rows"] - before["sched_batched_rows"]
+    round_ms = after.get("sched_round_ms", 0) - before.get("sched_round_ms", 0)
+    pass_ms = after.get("sched_pass_ms", 0) - before.get("sched_pass_ms", 0)
+    graph_rounds = after.get("sched_graph_rounds", 0) - before.get("sched_graph_rounds", 0)
     return {
         "editors": editors,
         "requests": editors * (chars + 1),
@@ -256,6 +344,11 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
         "errors": errors,
         "max_batch": after["sched_max_batch"],
         "mean_rows_per_round": round(rows / rounds, 1) if rounds else 0,
+        "rounds": rounds,
+        "graph_rounds": graph_rounds,
+        "mean_round_ms": round(round_ms / rounds, 2) if rounds else 0,
+        "mean_pass_ms": round(pass_ms / rounds, 2) if rounds else 0,
+        "busy_share": round(round_ms / 1e3 / wall, 2) if wall else 0,
     }
 
 
@@ -265,24 +358,52 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chars", type=int, default=12, help="characters each editor types (one request each)")
     ap.add_argument("--think-ms", type=int, default=100, help="pause between a first delta and the next keystroke")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-lines", type=int, default=1, help="each completion's max_lines (0: no limit)")
     ap.add_argument("--quick", action="store_true", help="levels 1 and 4, 6 characters: under a minute")
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("--device", default="cpu", help="the daemons' --device (cpu, cuda)")
+    ap.add_argument("--shape", choices=("0.5B", "1.5B", "7B"), help="serve a random-weight model of this shape (CUDA)")
+    ap.add_argument("--no-peer", action="store_true", help="batched daemon only (no round-robin peer)")
+    ap.add_argument("--no-warm-graphs", action="store_true", help="--shape: capture graphs on first use instead")
+    ap.add_argument("--max-active", type=int, default=64, help="--shape: the daemon's max active sequences")
+    ap.add_argument(
+        "--attention",
+        choices=("sdpa", "matmul"),
+        default="sdpa",
+        help="--shape: the graphs' attention (sdpa, GraphRuntime's default; on 2026-12-01 matmul was slower in "
+        "32-slot rounds of the 1.5B shape: 6.5 ms passes against 5.4)",
+    )
+    ap.add_argument("--serve-shape", help=argparse.SUPPRESS)  # internal: be the daemon (serve_shape)
+    ap.add_argument("--no-batch", action="store_true", help=argparse.SUPPRESS)  # internal, with --serve-shape
     args = ap.parse_args(argv)
+    if args.serve_shape:
+        return serve_shape(
+            args.serve_shape, args.device, not args.no_batch, args.max_active, not args.no_warm_graphs, args.attention
+        )
     if args.quick:
         args.levels, args.chars = "1,4", 6
+    global MAX_LINES
+    MAX_LINES = args.max_lines
     levels = [int(x) for x in args.levels.split(",")]
     if any(not 1 <= n <= 1024 for n in levels) or not 1 <= args.chars <= 200 or not 0 <= args.think_ms <= 10_000:
         raise SystemExit("levels 1-1024 editors, --chars 1-200, --think-ms 0-10000")
     load_start = os.getloadavg()
+    model = f"random {args.shape}" if args.shape else os.environ.get("FIMBLE_DEFAULT_MODEL", "embedded")
     print(
-        f"fimble serve load: levels {levels}, {args.chars} keystrokes each, think {args.think_ms} ms, "
-        f"max_tokens {args.max_tokens}, daemon threads 1, load average {load_start[0]:.2f}",
+        f"fimble serve load: {model} on {args.device}, levels {levels}, {args.chars} keystrokes each, think "
+        f"{args.think_ms} ms, max_tokens {args.max_tokens}, max_lines {args.max_lines}, daemon threads 1, "
+        f"load average {load_start[0]:.2f}",
         flush=True,
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the daemons
-    common = ("--threads", "1", "--device", args.device)
-    daemons = {"batched": Daemon(*common), "round-robin": Daemon(*common, "--no-batch")}
+    if args.shape:
+        common = ("--device", args.device, "--max-active", str(args.max_active), "--attention", args.attention)
+        kw = {"shape": args.shape, "warm_graphs": not args.no_warm_graphs}
+    else:
+        common, kw = ("--threads", "1", "--device", args.device), {}
+    daemons = {"batched": Daemon(*common, **kw)}
+    if not args.no_peer:
+        daemons["round-robin"] = Daemon(*common, "--no-batch", **kw)
     rows: list[dict] = []
     try:
         for n in levels:  # interleaved: both schedulers at one level before the next level
@@ -295,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {name:>11} {n:>3} editors: cold first delta p95 {r['cold_p95_ms']:>8.1f} ms; typing "
                     f"{r['tok_per_s']:>7.1f} tok/s, first delta p50 {r['p50_first_delta_ms']:>7.1f} ms p95 "
                     f"{r['p95_first_delta_ms']:>7.1f} ms; errors {r['errors']}, rows/round "
-                    f"{r['mean_rows_per_round']}, load {r['load_average']}",
+                    f"{r['mean_rows_per_round']}, round {r['mean_round_ms']} ms (passes {r['mean_pass_ms']} ms, "
+                    f"busy {r['busy_share']:.0%}), load {r['load_average']}",
                     flush=True,
                 )
     finally:
@@ -307,9 +429,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{'rr p95 ms':>9} | {'cold p95 ms':>11} | {'rr cold p95':>11} | errors"
     )
     headline = ""
+    none = {"tok_per_s": float("nan"), "p95_first_delta_ms": float("nan"), "cold_p95_ms": float("nan"), "errors": 0}
     for n in levels:
         b = next(r for r in rows if r["editors"] == n and r["scheduler"] == "batched")
-        rr = next(r for r in rows if r["editors"] == n and r["scheduler"] == "round-robin")
+        rr = next((r for r in rows if r["editors"] == n and r["scheduler"] == "round-robin"), none)
         ratio = b["tok_per_s"] / rr["tok_per_s"] if rr["tok_per_s"] else float("nan")
         print(
             f"{n:>7} | {b['tok_per_s']:>13.1f} | {rr['tok_per_s']:>8.1f} | {ratio:>5.2f} | "
@@ -317,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{b['cold_p95_ms']:>11.1f} | {rr['cold_p95_ms']:>11.1f} | {b['errors'] + rr['errors']}"
         )
         headline = (
-            f"serve_load: {n} editors typing into one fimble serve ({args.device}, 1 thread): {b['tok_per_s']:.0f} "
+            f"serve_load: {n} editors typing into one fimble serve ({model}, {args.device}, 1 thread): "
+            f"{b['tok_per_s']:.0f} "
             f"tok/s aggregate batched vs {rr['tok_per_s']:.0f} round-robin ({ratio:.2f}x), p95 first delta "
             f"{b['p95_first_delta_ms']:.0f} ms vs {rr['p95_first_delta_ms']:.0f} ms, "
             f"errors {b['errors'] + rr['errors']}, load average {os.getloadavg()[0]:.2f}"
@@ -330,10 +454,12 @@ def main(argv: list[str] | None = None) -> int:
                     "date": time.strftime("%Y-%m-%d"),
                     "threads": 1,
                     "device": args.device,
+                    "model": model,
                     "levels": levels,
                     "chars": args.chars,
                     "think_ms": args.think_ms,
                     "max_tokens": args.max_tokens,
+                    "max_lines": args.max_lines,
                     "load_average_start": load_start,
                     "load_average_end": os.getloadavg(),
                     "cpu_count": os.cpu_count(),

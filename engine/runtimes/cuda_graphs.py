@@ -322,10 +322,228 @@ def batched_forward(
     return forward_batch(model, cache.keys, cache.values, tokens, positions, keys_len, last, attention)
 
 
+SLOT_SCRATCH = 128  # positions past each slot's end that padding rows may write (the longest slotted pass)
+
+
+def batch_bucket(n: int, streams: int) -> int:
+    """Graph batch size for the ``n`` lowest slots: a power of two, at most ``streams``."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, streams)
+
+
+class SlotGraphs:
+    """Served sequences' caches as slots of one ``BatchedCache``; a round of short passes replays one graph.
+
+    ``fimble serve`` (engine/serve/scheduler.py) hands each running sequence a slot: ``take`` copies the
+    valid part of its document's cache into the slot and returns a ``KVCache`` view of it (same
+    ``max_len``), which the sequence then uses for everything (prefill chunks run eagerly into the view);
+    ``give`` copies the slot back into the document's own cache and frees the slot (on finish, cancel or
+    error). Rollback stays a change of the view's ``length``.
+
+    ``run`` takes one pass of up to ``max(BLOCKS)`` tokens from each of several slotted sequences and
+    replays the graph captured for (batch, block, key length): batch = the lowest ``2^k`` slots covering
+    every caller (slots are handed out lowest first), block = the longest pass's bucket, key length = a
+    bucket of the furthest position. Slots in the batch that have no pass this round (free ones, or
+    sequences prefilling eagerly) get start = ``slot_len``: their padding rows write into a scratch tail of
+    ``SLOT_SCRATCH`` positions past every view's end, so they never touch valid keys/values. A caller's own
+    padding rows land past its end, as in ``GraphRuntime``. The graphs read token ids and starts from static
+    buffers written before each replay; no host sync happens in ``run``.
+
+    ``prefill`` runs longer chunks (up to ``SLOT_SCRATCH`` tokens, last logits only) of several slotted
+    sequences in one eager ``forward_batch`` over the same slot range, padded to the longest chunk: one
+    launch sequence for all of them instead of attention, RoPE and cache writes per sequence.
+
+    Returned logits are views of the graph's static output: valid until the next ``run``.
+    On a CPU (tests) the same forward runs without graphs.
+    """
+
+    def __init__(self, model: CompactTransformer, streams: int, slot_len: int, attention: str = "sdpa"):
+        import heapq
+
+        self._heap = heapq
+        self.model = model
+        self.streams, self.slot_len = streams, slot_len
+        self.cache = BatchedCache(model, streams, slot_len + SLOT_SCRATCH)
+        self.attention = attention
+        self.use_graphs = model.device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        dev = model.device
+        self.tokens = torch.zeros(streams * max(BLOCKS), dtype=torch.long, device=dev)
+        self.starts = torch.full((streams,), slot_len, dtype=torch.long, device=dev)
+        self._free = list(range(streams))  # a heap: the lowest free slot first
+        self._slot: dict[int, int] = {}  # id(view) -> slot
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph | None, Tensor | None]] = {}
+        self.captures = 0
+        self.replays = 0
+
+    # -- slots ----------------------------------------------------------------------------
+    def holds(self, cache: object) -> bool:
+        return id(cache) in self._slot
+
+    def in_use(self) -> int:
+        return len(self._slot)
+
+    @torch.inference_mode()
+    def take(self, cache: KVCache) -> KVCache | None:
+        """A slot view holding ``cache``'s valid positions, or None (no free slot, or ``cache`` is too long)."""
+        if not self._free or cache.max_len > self.slot_len or not isinstance(cache, KVCache):
+            return None
+        if cache.keys.dtype != self.cache.keys.dtype or cache.keys.device != self.cache.keys.device:
+            return None
+        slot = self._heap.heappop(self._free)
+        view = KVCache.__new__(KVCache)
+        view.keys = self.cache.keys[:, slot, :, : cache.max_len]
+        view.values = self.cache.values[:, slot, :, : cache.max_len]
+        view.max_len, view.length = cache.max_len, cache.length
+        n = cache.length
+        if n:
+            view.keys[:, :, :n].copy_(cache.keys[:, :, :n])
+            view.values[:, :, :n].copy_(cache.values[:, :, :n])
+        self._slot[id(view)] = slot
+        return view
+
+    @torch.inference_mode()
+    def give(self, view: KVCache, into: KVCache) -> None:
+        """Copy the slot's valid positions back into ``into`` (its own cache) and free the slot."""
+        slot = self._slot.pop(id(view))
+        n = min(view.length, into.max_len)
+        if n:
+            into.keys[:, :, :n].copy_(view.keys[:, :, :n])
+            into.values[:, :, :n].copy_(view.values[:, :, :n])
+        into.length = n
+        self._heap.heappush(self._free, slot)
+
+    def fits(self, tokens: int, cache: object, start: int) -> bool:
+        """Whether a pass of ``tokens`` at ``start`` into ``cache`` can run in a slot graph."""
+        return (
+            id(cache) in self._slot
+            and 0 < tokens <= max(BLOCKS)
+            and start <= cache.length
+            and start + tokens <= cache.max_len
+        )
+
+    def fits_prefill(self, tokens: int, cache: object, start: int, num_logits: int) -> bool:
+        """Whether a chunk of ``tokens`` at ``start`` (last logits only) can run in ``prefill``."""
+        return (
+            id(cache) in self._slot
+            and 0 < tokens <= SLOT_SCRATCH
+            and num_logits == 1
+            and start <= cache.length
+            and start + tokens <= cache.max_len
+        )
+
+    @torch.inference_mode()
+    def prefill(self, passes: list[tuple[Tensor, KVCache, int, int]], best: list | None = None) -> list[Tensor]:
+        """Eager pass of several slotted chunks (each ``fits_prefill``), padded to the longest; like ``run``."""
+        slots = [self._slot[id(c)] for _, c, _, _ in passes]
+        lens = [t.shape[0] for t, _, _, _ in passes]
+        block = -(-max(lens) // 16) * 16
+        batch = batch_bucket(max(slots) + 1, self.streams)
+        keys_len = key_bucket(max(s + block for _, _, s, _ in passes), self.slot_len + SLOT_SCRATCH)
+        dev = self.tokens.device
+        tokens = torch.zeros(batch, block, dtype=torch.long)
+        starts = [self.slot_len] * batch
+        last = [0] * batch
+        for slot, n, (t, _, start, _) in zip(slots, lens, passes, strict=True):
+            tokens[slot, :n] = t.cpu() if t.device.type != "cpu" else t
+            starts[slot], last[slot] = start, n - 1
+        logits = forward_batch(
+            self.model,
+            self.cache.keys[:, :batch],
+            self.cache.values[:, :batch],
+            tokens.to(dev),
+            torch.tensor(starts, dtype=torch.long).to(dev),
+            keys_len,
+            last=torch.tensor(last, dtype=torch.long).to(dev),
+            attention=self.attention,
+        )
+        host = logits.argmax(-1).tolist() if best is not None else None
+        out = []
+        for slot, n, (_, cache, start, _) in zip(slots, lens, passes, strict=True):
+            cache.length = start + n
+            out.append(logits[slot : slot + 1])
+            if host is not None:
+                best.append(host[slot : slot + 1])
+        return out
+
+    # -- passes ---------------------------------------------------------------------------
+    def _forward(self, batch: int, block: int, keys_len: int) -> tuple[Tensor, Tensor]:
+        logits = forward_batch(
+            self.model,
+            self.cache.keys[:, :batch],
+            self.cache.values[:, :batch],
+            self.tokens[: batch * block].view(batch, block),
+            self.starts[:batch],
+            keys_len,
+            attention=self.attention,
+        )
+        return logits, logits.argmax(-1)  # every row's greedy choice, read back in one copy (``run``)
+
+    @torch.inference_mode()
+    def run(self, passes: list[tuple[Tensor, KVCache, int, int]], best: list | None = None) -> list[Tensor]:
+        """``passes``: (tokens, slotted cache, start, num_logits) each, every one ``fits``. Returns each
+        pass's last ``num_logits`` float32 logits, as ``runtime(tokens, cache, start, num_logits)`` would.
+
+        ``best``: a list to receive each pass's argmax per returned row (host ints, one device-to-host copy
+        for the whole round instead of one argmax and sync per sequence)."""
+        slots = [self._slot[id(c)] for _, c, _, _ in passes]
+        lens = [t.shape[0] for t, _, _, _ in passes]
+        block = block_bucket(max(lens))
+        batch = batch_bucket(max(slots) + 1, self.streams)
+        keys_len = key_bucket(max(s + block for _, _, s, _ in passes), self.slot_len + SLOT_SCRATCH)
+        dev = self.tokens.device
+        flat = torch.cat([t for t, _, _, _ in passes]) if len(passes) > 1 else passes[0][0]
+        index = [slot * block + j for slot, n in zip(slots, lens, strict=True) for j in range(n)]
+        starts = [self.slot_len] * batch
+        for slot, (_, _, start, _) in zip(slots, passes, strict=True):
+            starts[slot] = start
+        self.tokens.index_copy_(0, torch.tensor(index, dtype=torch.long, device=dev), flat.to(dev))
+        self.starts[:batch].copy_(torch.tensor(starts, dtype=torch.long), non_blocking=True)
+        key = (batch, block, keys_len)
+        if self.use_graphs:
+            entry = self._graphs.get(key)
+            if entry is None:
+                entry = self._graphs[key] = capture(lambda: self._forward(batch, block, keys_len), self.pool)
+                self.captures += 1
+            graph, (logits, argmax) = entry
+            graph.replay()
+            self.replays += 1
+        else:
+            logits, argmax = self._forward(batch, block, keys_len)
+        host = argmax.tolist() if best is not None else None  # the round's one sync
+        out = []
+        for slot, n, (_, cache, start, num_logits) in zip(slots, lens, passes, strict=True):
+            cache.length = start + n
+            k = min(num_logits, n)
+            out.append(logits[slot * block + n - k : slot * block + n])
+            if host is not None:
+                best.append(host[slot * block + n - k : slot * block + n])
+        return out
+
+    def warm(self, batches: tuple[int, ...], blocks: tuple[int, ...], keys: tuple[int, ...]) -> None:
+        """Capture graphs ahead of traffic (each capture runs the forward once on scratch positions)."""
+        if not self.use_graphs:
+            return
+        with torch.inference_mode():
+            self.starts.fill_(self.slot_len)
+            for b in batches:
+                for t in blocks:
+                    for k in keys:
+                        key = (min(b, self.streams), t, min(k, self.slot_len + SLOT_SCRATCH))
+                        if key not in self._graphs:
+                            self._graphs[key] = capture(lambda key=key: self._forward(*key), self.pool)
+                            self.captures += 1
+
+
 __all__ = [
     "BLOCKS",
     "BatchedCache",
     "GraphRuntime",
+    "SLOT_SCRATCH",
+    "SlotGraphs",
+    "batch_bucket",
     "StaticInputs",
     "batched_forward",
     "forward_batch",

@@ -45,6 +45,9 @@ class Forward:
     cache: object  # engine.runtimes.compact.KVCache (or the runtime's own cache type)
     start: int
     num_logits: int = 1
+    # Set by a slotted round (scheduler): the argmax of each returned logits row, on the host; the decoder
+    # takes greedy choices from it instead of an argmax and a sync of its own.
+    best: list[int] | None = None
 
 
 def supports_batch(runtime: object) -> bool:
@@ -57,7 +60,10 @@ def eager_model(runtime: object) -> object:
     """The ``CompactTransformer`` under a ``GraphRuntime`` (CUDA), else ``runtime``: batched passes run eagerly.
 
     A graph bakes in one cache's addresses, and each sequence has its own cache, so a batch of them runs
-    the eager batched forward below (on CUDA: bf16, one kernel per projection for all sequences).
+    the eager batched forward below (on CUDA: bf16, one kernel per projection for all sequences). The
+    scheduler's slotted rounds (engine/serve/scheduler.py, cuda_graphs.SlotGraphs) avoid this on CUDA by
+    moving running sequences' caches into slots of one batched cache; this path stays for the CPU, for
+    sequences without a slot, and for draft-model passes.
     """
     from engine.runtimes.cuda_graphs import GraphRuntime  # no torch.cuda use at import
 

@@ -10,9 +10,14 @@ round collects one pass from every active sequence and runs them together:
   (engine/serve/batched.py), each sequence with its own cache and cache length;
 - round-robin (``batch=False``, or a transformers runtime): one after another.
 
-On CUDA the compact runtime sits under a ``GraphRuntime`` (engine/runtimes/cuda_graphs.py), whose graphs
-each belong to one cache; a round of two or more sequences runs the eager batched forward on the
-model under it, and a round of one replays that sequence's graph.
+On CUDA the compact runtime sits under a ``GraphRuntime`` (engine/runtimes/cuda_graphs.py). There the
+rounds are slotted (``SlotGraphs``): a running sequence's target cache is copied into a slot of one
+``BatchedCache`` when it starts and back into its document's cache when it ends (finish, cancel, error),
+and every round replays one captured batched graph for all passes of up to 16 tokens (steps, verify
+blocks, short prefill chunks), with one host copy of every row's argmax; longer prefill chunks of slotted
+sequences run in one eager pass over the slot range. Without a slot (no free one, a document longer than a
+slot, ``FIMBLE_SERVE_SLOTS=0``) a sequence runs as before: the eager batched forward on the model under the
+``GraphRuntime``, or alone through its own graph. Draft-model passes still run eagerly (batched).
 
 Each sequence drafts into its own draft cache (its own ``ModelDrafter``); greedy model drafts of
 all sequences run together too, token i of every draft in one draft-model pass
@@ -64,12 +69,16 @@ SCHED_COUNTERS = (
     "sched_active",
     "sched_waiting",
     "sched_admitted",
+    "sched_graph_rounds",
+    "sched_round_ms",  # wall time in rounds (drafts, passes, advancing every sequence)
+    "sched_pass_ms",  # of which the target passes (a slotted round: up to its one sync)
 )
 MAX_ACTIVE = 64  # sequences stepped together; more wait their turn
 # Prompt tokens a sequence prefills per round. A new request's prompt (often 1,000+ tokens on its
 # first keystroke in a file) then costs the others' step at most this many rows per round.
 PREFILL_CHUNK = 128
 MAX_SESSIONS_REMEMBERED = 1024  # per-session n-gram drafters kept (least recently used dropped)
+SLOT_LEN = 4096  # positions per slot of the slotted (CUDA graph) rounds; longer documents run eagerly
 
 
 class StepDecoder(SpeculativeDecoder):
@@ -80,10 +89,38 @@ class StepDecoder(SpeculativeDecoder):
     either changes, change the other).
     """
 
-    _pending: tuple[Draft, int] | None = None
+    _pending: tuple[Draft, int, Forward] | None = None
+    # Slotted rounds: the scheduler's host copy of each returned row's argmax (Forward.best), used for
+    # greedy choices without a forced prefix or a trace (the same tokens ``_choose``/``_verify`` would pick
+    # from the same logits: argmax of each row). ``host_tokens``: build pass blocks on the host (one
+    # copy to the device per round instead of one per sequence).
+    _best: list[int] | None = None
+    host_tokens = False
 
-    def prefill_done(self, prompt: list[int], logits: torch.Tensor) -> list[int]:
-        first = self._choose(logits[-1])
+    def _greedy_best(self) -> list[int] | None:
+        if self._best is None or self.opt.temperature > 0 or self.trace is not None or self.forced:
+            return None
+        return self._best
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        best = self._greedy_best()
+        return best[-1] if best is not None else super()._choose(logits)  # called with the last row only
+
+    def _verify(self, draft: Draft, logits: torch.Tensor) -> list[int]:
+        best = self._greedy_best()
+        if best is None or not draft.tokens:
+            return super()._verify(draft, logits)
+        d, n = draft.tokens, 0
+        while n < len(d) and d[n] == best[n]:
+            n += 1
+        return d[:n] + [best[n]]
+
+    def prefill_done(self, prompt: list[int], logits: torch.Tensor, best: list[int] | None = None) -> list[int]:
+        self._best = best
+        try:
+            first = self._choose(logits[-1])
+        finally:
+            self._best = None
         self.ids = list(prompt) + [first]
         return self._commit([first])
 
@@ -114,15 +151,21 @@ class StepDecoder(SpeculativeDecoder):
         """The verify pass of the next step, for ``draft``."""
         k = len(draft.tokens)
         start = len(self.ids) - 1
-        self._pending = (draft, start)
-        block = torch.tensor([self.ids[-1]] + draft.tokens, dtype=torch.long, device=self.runtime.device)
-        return Forward(block, self.cache, start, k + 1)
+        device = "cpu" if self.host_tokens else self.runtime.device
+        block = torch.tensor([self.ids[-1]] + draft.tokens, dtype=torch.long, device=device)
+        fwd = Forward(block, self.cache, start, k + 1)
+        self._pending = (draft, start, fwd)
+        return fwd
 
     def end_step(self, logits: torch.Tensor) -> list[int]:
         assert self._pending is not None
-        draft, start = self._pending
+        draft, start, fwd = self._pending
         self._pending = None
-        return self._finish_round(draft, start, logits)
+        self._best = fwd.best
+        try:
+            return self._finish_round(draft, start, logits)
+        finally:
+            self._best = None
 
 
 @dataclass
@@ -138,14 +181,36 @@ class _Seq:
 class ServeEngine(LocalEngine):
     """A LocalEngine that steps up to ``max_active`` requests together (see the module docstring)."""
 
-    def __init__(self, target, draft=None, *, batch: bool = True, max_active: int = MAX_ACTIVE, **kw):
+    def __init__(
+        self,
+        target,
+        draft=None,
+        *,
+        batch: bool = True,
+        max_active: int = MAX_ACTIVE,
+        slots: bool | None = None,
+        slot_len: int | None = None,
+        **kw,
+    ):
         kw["start_thread"] = False  # the daemon runs serve_forever() in its main thread (CPU speed)
         super().__init__(target, draft, **kw)
         self.batched = batch and supports_batch(target.runtime)
-        # On CUDA (GraphRuntime) a lone sequence's pass replays its captured graph (1.7-2.8 ms a step,
-        # against 8-11 ms eager); two or more run the eager batched forward together (batched.py).
+        # On CUDA (GraphRuntime) without slots, a lone sequence's pass replays its captured graph (1.7-2.8 ms
+        # a step, against 8-11 ms eager); two or more run the eager batched forward together (batched.py).
         self._graphs = hasattr(target.runtime, "propose_greedy")
         self.max_active = max_active
+        # Slotted rounds (CUDA): each running sequence's target cache lives in a slot of one BatchedCache and
+        # a round's short passes (steps, verify blocks, short prefill chunks) replay one captured batched
+        # graph (engine/runtimes/cuda_graphs.py SlotGraphs). ``slots``: None = on CUDA with graphs when
+        # batching (FIMBLE_SERVE_SLOTS=0 turns it off); True forces it (the CPU runs it without graphs: tests).
+        if slots is None:
+            slots = self.batched and self._graphs and os.environ.get("FIMBLE_SERVE_SLOTS", "1") != "0"
+        self.slots = None
+        if slots and self.batched:
+            from engine.runtimes.cuda_graphs import SlotGraphs, eager_runtime
+
+            length = slot_len or min(target.max_len, SLOT_LEN)
+            self.slots = SlotGraphs(eager_runtime(target.runtime), max_active, length, self._attention(target.runtime))
         self._counters.update(dict.fromkeys(SCHED_COUNTERS, 0))
         self._active: list[_Seq] = []
         self._held: list[tuple[CompletionRequest, CompletionStream]] = []  # submitted, not yet admitted
@@ -154,10 +219,16 @@ class ServeEngine(LocalEngine):
         # completions never shape (nor, by acceptance, time) another's drafts.
         self._ngrams: OrderedDict[str, NgramDrafter] = OrderedDict()
 
+    @staticmethod
+    def _attention(runtime) -> str:
+        """The GraphRuntime's graph attention ("sdpa" or "matmul"), for the slot graphs too."""
+        attention = getattr(runtime, "attention", None)
+        return attention if attention in ("sdpa", "matmul") else "sdpa"
+
     def info(self) -> dict:
         return {
             **super().info(),
-            "scheduler": "batched" if self.batched else "round-robin",
+            "scheduler": ("batched-graphs" if self.slots is not None else "batched") if self.batched else "round-robin",
             "max_active": self.max_active,
         }
 
@@ -230,16 +301,16 @@ class ServeEngine(LocalEngine):
 
     def _round(self) -> None:
         """Drafts, then one target pass for every active sequence, then each one's next step is prepared."""
+        t0 = time.perf_counter()
         self._drafts()
         seqs = [s for s in self._active if isinstance(s.pending, Forward)]
         calls = [s.pending for s in seqs]
-        runtime = self.target.runtime
-        if self.batched and len(calls) > 0 and not (len(calls) == 1 and self._graphs):
-            logits = batched_forward(runtime, calls)
-            self._count("sched_passes")
+        t1 = time.perf_counter()
+        if self.slots is not None:
+            logits = self._slotted(calls)
         else:
-            logits = [run_one(runtime, c) for c in calls]
-            self._count("sched_passes", len(calls))
+            logits = self._eager(calls)
+        self._count("sched_pass_ms", (time.perf_counter() - t1) * 1e3)
         self._count("sched_rounds")
         self._count("sched_batched_rows", sum(c.tokens.shape[0] for c in calls))
         with self._lock:
@@ -248,6 +319,70 @@ class ServeEngine(LocalEngine):
         self._active = [s for s in self._active if id(s) not in ended]
         self._snapshot_kv()
         self._gauges()
+        self._count("sched_round_ms", (time.perf_counter() - t0) * 1e3)
+
+    def _eager(self, calls: list[Forward]) -> list[torch.Tensor]:
+        runtime = self.target.runtime
+        device = getattr(runtime, "device", None)
+        for c in calls:  # blocks built on the host for a slotted round that runs eagerly after all
+            if device is not None and c.tokens.device != torch.device(device):
+                c.tokens = c.tokens.to(device)
+        if self.batched and len(calls) > 0 and not (len(calls) == 1 and self._graphs):
+            self._count("sched_passes")
+            return batched_forward(runtime, calls)
+        self._count("sched_passes", len(calls))
+        return [run_one(runtime, c) for c in calls]
+
+    def _slotted(self, calls: list[Forward]) -> list[torch.Tensor]:
+        """Slotted passes of up to 16 tokens in one graph replay, slotted prefill chunks in one eager slot
+        pass (``SlotGraphs.prefill``), the others (sequences without a slot) as ``_eager``. The graph's
+        logits are views of its output, read by ``_advance`` before the next round replays anything."""
+        slots = self.slots
+        fast = [i for i, c in enumerate(calls) if slots.fits(c.tokens.shape[0], c.cache, c.start)]
+        out: list = [None] * len(calls)
+        if fast:
+            best: list[list[int]] = []
+            got = slots.run(
+                [(calls[i].tokens, calls[i].cache, calls[i].start, calls[i].num_logits) for i in fast], best
+            )
+            for i, logits, row_best in zip(fast, got, best, strict=True):
+                out[i] = logits
+                calls[i].best = row_best
+            self._count("sched_passes")
+            self._count("sched_graph_rounds")
+        chunks = [
+            i
+            for i, c in enumerate(calls)
+            if out[i] is None and slots.fits_prefill(c.tokens.shape[0], c.cache, c.start, c.num_logits)
+        ]
+        if chunks:  # longer prefill chunks of slotted sequences: one eager pass over the slot range
+            best = []
+            got = slots.prefill([(calls[i].tokens, calls[i].cache, calls[i].start, 1) for i in chunks], best)
+            for i, logits, row_best in zip(chunks, got, best, strict=True):
+                out[i] = logits
+                calls[i].best = row_best
+            self._count("sched_passes")
+        if len(fast) + len(chunks) < len(calls):
+            rest = [i for i in range(len(calls)) if out[i] is None]
+            for i, logits in zip(rest, self._eager([calls[i] for i in rest]), strict=True):
+                out[i] = logits
+        return out
+
+    def _take_slot(self, doc) -> object | None:
+        """Move the document's target cache into a slot for the run (None: it stays where it is)."""
+        if self.slots is None:
+            return None
+        own = doc.target
+        view = self.slots.take(own)
+        if view is None:
+            return None
+        doc.target = view
+        return own
+
+    def _give_slot(self, doc, own) -> None:
+        if own is not None and self.slots is not None and self.slots.holds(doc.target):
+            self.slots.give(doc.target, own)
+            doc.target = own
 
     def _drafts(self) -> None:
         """Answer every sequence waiting for greedy draft tokens: token i of all drafts in one pass."""
@@ -310,8 +445,10 @@ class ServeEngine(LocalEngine):
         drafter = ModelDrafter(self.draft.runtime, 0) if self.draft is not None else None
         ngram = self._ngram_drafter(request.document_id or "")
         reuse = 0
+        own = None  # the document's own target cache while a slot holds it (slotted rounds)
         try:
             reuse, runs, shifted = self._reuse(doc, plan, request.reuse)
+            own = self._take_slot(doc)
             prefilled = sum(b - a for a, b in runs) if runs is not None else len(prompt) - reuse
             decoder = StepDecoder(
                 self.target.runtime,
@@ -323,6 +460,8 @@ class ServeEngine(LocalEngine):
                 heal if constrained else "",
                 self.target.token_index if constrained else None,
             )
+            decoder.host_tokens = own is not None  # slotted: blocks go to the device once per round
+            device = "cpu" if own is not None else self.target.runtime.device
             if drafter is not None:
                 drafter.bind(doc.draft, doc.draft_ids)
             doc.ids = []  # the cache is about to change; valid again after prefill
@@ -338,10 +477,11 @@ class ServeEngine(LocalEngine):
                         self._finish(stream, "", "cancelled", 0, {"prompt_tokens": len(prompt)})
                         return
                     end = min(len(prompt), pos + PREFILL_CHUNK)
-                    chunk = torch.tensor(prompt[pos:end], dtype=torch.long, device=self.target.runtime.device)
-                    logits = yield Forward(chunk, doc.target, pos, 1)
+                    chunk = torch.tensor(prompt[pos:end], dtype=torch.long, device=device)
+                    fwd = Forward(chunk, doc.target, pos, 1)
+                    logits = yield fwd
                     pos = end
-                first = decoder.prefill_done(prompt, logits)
+                first = decoder.prefill_done(prompt, logits, fwd.best)
             self._count("tokens_prefilled", prefilled)
             self._count("tokens_reused", len(prompt) - prefilled)
             self._count("tokens_shifted", shifted)
@@ -350,6 +490,7 @@ class ServeEngine(LocalEngine):
             doc.ids = decoder.ids[: doc.target.length]
             doc.exact_len = len(doc.ids) if runs is None or not shifted else reuse
         finally:
+            self._give_slot(doc, own)
             if drafter is not None:
                 doc.draft_ids = drafter.ids if doc.ids else []
             self.store.release(doc, plan, reuse)

@@ -1,0 +1,139 @@
+"""Slotted rounds (engine/runtimes/cuda_graphs.py SlotGraphs, engine/serve/scheduler.py), on the CPU.
+
+On CUDA `fimble serve` keeps each running sequence's target cache in a slot of one BatchedCache and replays
+one captured batched graph per round. The CPU runs the same slotted forward without graphs, so the slot
+bookkeeping (copy in, copy back, scratch rows of idle slots, rollback as a length change, slots freed on
+finish and cancel) and the scheduler's use of it are checked here; tests/gpu/test_serve_graph_slots.py checks
+the graphs on a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from prompts import fim_prompts  # noqa: E402
+from serve_helpers import wait_for  # noqa: E402
+
+from engine.api import CompletionRequest, DecodeOptions  # noqa: E402
+from engine.local import LocalEngine  # noqa: E402
+from engine.runtimes.cuda_graphs import SlotGraphs  # noqa: E402
+from engine.serve.scheduler import ServeEngine  # noqa: E402
+
+N_PROMPTS = 5
+MAX_TOKENS = 20
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _requests(n: int = N_PROMPTS, max_tokens: int = MAX_TOKENS) -> list[CompletionRequest]:
+    return [
+        CompletionRequest(p, s, options=DecodeOptions(max_tokens=max_tokens), document_id=f"doc{i}")
+        for i, (p, s) in enumerate(fim_prompts(n, seed=3))
+    ]
+
+
+def test_slot_passes_match_the_model_and_leave_other_slots_alone(compact_target, one_thread):
+    rt = compact_target.runtime
+    torch.manual_seed(0)
+    slots = SlotGraphs(rt, 8, 256)
+    prompts = [torch.randint(0, rt.cfg.vocab_size, (n,)) for n in (37, 5, 120)]
+    blocks = [torch.randint(0, rt.cfg.vocab_size, (t,)) for t in (1, 9, 3)]
+    own, views = [], []
+    for p in prompts:
+        cache = rt.new_cache(256)
+        rt(p, cache, 0, 1)
+        own.append(cache)
+        views.append(slots.take(cache))
+    assert all(v is not None for v in views) and slots.in_use() == 3
+    for c, v in zip(own, views, strict=True):
+        assert v.length == c.length and torch.equal(v.keys[:, :, : c.length], c.keys[:, :, : c.length])
+    # A bystander slot holding a document that takes no part in the pass: its valid keys must survive.
+    other = rt.new_cache(256)
+    rt(torch.randint(0, rt.cfg.vocab_size, (200,)), other, 0, 1)
+    bystander = slots.take(other)
+    kept = bystander.keys[:, :, :200].clone()
+    ref = [rt(b, c, len(p), len(b)) for p, b, c in zip(prompts, blocks, own, strict=True)]
+    got = slots.run([(b, v, len(p), len(b)) for p, b, v in zip(prompts, blocks, views, strict=True)])
+    for r, g in zip(ref, got, strict=True):
+        assert g.shape == r.shape
+        assert torch.allclose(g, r, atol=1e-4, rtol=1e-4)
+        assert torch.equal(g.argmax(-1), r.argmax(-1))
+    for c, v in zip(own, views, strict=True):
+        assert v.length == c.length
+        assert torch.allclose(v.keys[:, :, : c.length], c.keys[:, :, : c.length], atol=1e-5)
+    assert torch.equal(bystander.keys[:, :, :200], kept) and bystander.length == 200
+    # Longer chunks (prefill) of several slots in one eager slot pass, padded to the longest chunk.
+    chunks = [torch.randint(0, rt.cfg.vocab_size, (t,)) for t in (100, 17, 64)]
+    ref = [rt(ch, c, c.length, 1) for ch, c in zip(chunks, own, strict=True)]
+    best: list = []
+    got = slots.prefill([(ch, v, v.length, 1) for ch, v in zip(chunks, views, strict=True)], best)
+    for r, g, b in zip(ref, got, best, strict=True):
+        assert g.shape == r.shape and torch.allclose(g, r, atol=1e-4, rtol=1e-4)
+        assert b == [int(g[-1].argmax())] == [int(r[-1].argmax())]
+    for c, v in zip(own, views, strict=True):
+        assert v.length == c.length
+        assert torch.allclose(v.keys[:, :, : c.length], c.keys[:, :, : c.length], atol=1e-5)
+    assert torch.equal(bystander.keys[:, :, :200], kept) and bystander.length == 200
+    # Rollback is a length change; giving back copies the valid part home and frees the slot.
+    views[0].rollback(len(prompts[0]))
+    home = rt.new_cache(256)
+    slots.give(views[0], home)
+    assert home.length == len(prompts[0]) and slots.in_use() == 3
+    assert torch.equal(home.keys[:, :, : home.length], views[0].keys[:, :, : home.length])
+    again = slots.take(rt.new_cache(256))
+    assert slots._slot[id(again)] == 0  # the lowest free slot is reused first
+    assert slots.take(rt.new_cache(512)) is None  # longer than a slot: stays where it is
+
+
+def test_slotted_scheduler_output_equals_unbatched(compact_target, compact_draft, one_thread):
+    target, draft = compact_target, compact_draft
+    plain = LocalEngine(target, draft, start_thread=False)
+    expected = [plain.complete(r).text for r in _requests()]
+    engine = ServeEngine(target, draft, batch=True, slots=True)
+    thread = threading.Thread(target=engine.serve_forever, daemon=True)
+    thread.start()
+    try:
+        together = [s.collect() for s in [engine.submit(r) for r in _requests()]]
+        counters = engine.counters()
+        alone = [engine.submit(r).collect() for r in _requests()]
+        in_use = engine.slots.in_use()
+    finally:
+        engine.close()
+        thread.join(10)
+    assert engine.info()["scheduler"] == "batched-graphs"
+    assert counters["sched_graph_rounds"] > 0 and counters["sched_max_batch"] == N_PROMPTS
+    assert not counters.get("failed")
+    assert in_use == 0  # every finished sequence gave its slot back
+    assert together == expected
+    assert alone == expected
+
+
+def test_cancelled_sequences_free_their_slots(compact_target):
+    engine = ServeEngine(compact_target, None, batch=True, slots=True)
+    thread = threading.Thread(target=engine.serve_forever, daemon=True)
+    thread.start()
+    try:
+        streams = [engine.submit(r) for r in _requests(4, max_tokens=200)]
+        wait_for(lambda: engine.counters()["sched_graph_rounds"] > 2)
+        for s in streams:
+            s.cancel()
+        for s in streams:
+            s.collect()  # raises on an error
+        wait_for(lambda: engine.slots.in_use() == 0 and not engine.active_documents())
+        counters = engine.counters()
+    finally:
+        engine.close()
+        thread.join(10)
+    assert engine.slots.in_use() == 0 and not counters.get("failed")
