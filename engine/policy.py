@@ -192,6 +192,13 @@ def decide_for_context(
     return PolicyDecision(context=context, mid_line=mid_line, plain_text=plain_text, **values)
 
 
+def cap_line_limit(limit: int, cap: int) -> int:
+    """The smaller of two line limits where 0 means none (a decision's limit under a user's cap)."""
+    if cap <= 0:
+        return limit
+    return cap if limit <= 0 else min(limit, cap)
+
+
 def policy_table(overrides: dict | None = None) -> dict[str, dict]:
     """Every context's decision at line end (and the two modifiers applied to mid_statement)."""
     table = {name: decide_for_context(name, overrides=overrides).to_dict() for name in CONTEXT_NAMES}

@@ -268,13 +268,6 @@ def read_source(path: Path) -> str:
         raise FimbleError(f"{path}: not UTF-8 text (byte {exc.start})") from None
 
 
-def _cap_lines(limit: int, cap: int) -> int:
-    """The smaller of two line limits where 0 means none."""
-    if cap <= 0:
-        return limit
-    return cap if limit <= 0 else min(limit, cap)
-
-
 def run_complete(args: argparse.Namespace) -> int:
     from engine.syntax.languages import normalize_language_id
     from lsp_server.documents import Document
@@ -307,7 +300,7 @@ def run_complete(args: argparse.Namespace) -> int:
     if args.raw:
         opts = DecodeOptions(max_tokens=args.max_tokens, max_lines=args.max_lines, drafter=args.drafter)
     else:  # what the editor would show: the syntax policy's options for this cursor, then the shaper
-        from engine.policy import decide
+        from engine.policy import cap_line_limit, decide
         from engine.postprocess import CompletionShaper
         from engine.syntax.context import classify
 
@@ -315,7 +308,7 @@ def run_complete(args: argparse.Namespace) -> int:
         cursor_ctx = classify(doc.syntax, byte)
         decision = decide(doc.syntax, byte, doc.language_id, context=cursor_ctx)
         opts = decision.to_options(drafter=args.drafter, max_tokens=min(decision.max_tokens, args.max_tokens),
-                                   max_lines=_cap_lines(decision.line_limit, args.max_lines))
+                                   max_lines=cap_line_limit(decision.line_limit, args.max_lines))
         shaper = CompletionShaper(doc.syntax, byte, context=cursor_ctx)
         where = decision.context
     result = engine.complete(CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=opts, truncate=True))

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from engine.options import DecodeOptions  # plain data: no torch here
-from engine.policy import decide
+from engine.policy import cap_line_limit, decide
 from engine.postprocess import CompletionShaper
 from engine.syntax.brackets import fit_to_line_rest
 from engine.syntax.context import classify
@@ -117,13 +117,6 @@ def _clamp(doc: Document, cursor: tuple[int, int] | None) -> tuple[int, int]:
         return last, len(doc.line_text(last))
     line = min(cursor[0], last)
     return line, min(cursor[1], len(doc.line_text(line)))
-
-
-def _cap(limit: int, cap: int) -> int:
-    """The smaller of two line limits where 0 means none."""
-    if cap <= 0:
-        return limit
-    return cap if limit <= 0 else min(limit, cap)
 
 
 class Completer:
@@ -425,7 +418,7 @@ class Completer:
             decision = decide(doc.syntax, byte, doc.language_id, settings.policy, context=cursor_ctx)
             opts = decision.to_options(drafter=settings.drafter,
                                        max_tokens=min(decision.max_tokens, max(1, settings.max_tokens)),
-                                       max_lines=_cap(decision.line_limit, settings.max_lines))
+                                       max_lines=cap_line_limit(decision.line_limit, settings.max_lines))
             shaper = None if prewarm else CompletionShaper(doc.syntax, byte, context=cursor_ctx)
         except Exception as exc:  # a syntax-layer bug must not cost the user the completion
             if prewarm:

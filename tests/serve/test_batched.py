@@ -52,15 +52,6 @@ class Running:
         self.thread.join(10)
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread, as `fimble serve` runs by default (engine/serve/batched.py says why)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_batched_pass_equals_each_sequence_alone(models, one_thread):
     """Prefill, 1-token steps and verify blocks at different cache lengths in one pass: every
     sequence's logits and cache are bit-identical to running it by itself."""

@@ -13,7 +13,6 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -27,14 +26,6 @@ from engine.serve.scheduler import ServeEngine  # noqa: E402
 
 N_PROMPTS = 5
 MAX_TOKENS = 20
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _requests(n: int = N_PROMPTS, max_tokens: int = MAX_TOKENS) -> list[CompletionRequest]:
