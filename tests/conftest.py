@@ -71,3 +71,12 @@ def compact_draft():
     from engine.loader import load_model
 
     return load_model(DRAFT_DIR, runtime="compact")
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as `fimble serve` runs by default (engine/serve/batched.py says why)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
