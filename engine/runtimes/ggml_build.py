@@ -12,20 +12,20 @@ its own path (gemv-like: one vec_dot per output), but 2 or more rows of f32 and 
 products through llamafile's tinyBLAS. The two sum in different orders, so logits differ by up to
 3e-3. The patch gives each product one path for 1 to 32 rows (verify blocks run in passes of at most
 32; engine/runtimes/ggml_runtime.py):
-- f32 weights: tinyBLAS from 1 row. It keeps one accumulator per output element whatever the tile,
-  so rows are bit-identical for any row count. (A 1-token step costs ~10% more than stock's gemv.)
-- f16 products (with flash attention off, attention's keys and values): ggml's own path up to 32
-  rows, tinyBLAS from 33. Why not tinyBLAS from 1 row, as for f32 (the first version of this patch,
-  faster verify blocks): a 1-token step's attention then differs from stock llama.cpp's, and fimble's
-  greedy output equalled llama.cpp's on only 19 of 24 prompts with q8_0 weights. With this rule a
-  q8_0 model runs exactly stock's kernels in a 1-token step and in prefill passes of 33+ rows (the
-  runtime lengthens a shorter last prefill pass to 33), so its output equals llama.cpp's.
+- f32 weights and f16 products (attention's keys and values, flash attention off): ggml's own path,
+  stock's 1-row path, up to 32 rows; tinyBLAS from 33, as stock. So a 1-token step runs exactly
+  stock's kernels at stock's speed, and every row of a 2-32-row block runs the same vec_dot as a
+  step. Prefill passes of 33+ rows run stock's tinyBLAS (the runtime lengthens a shorter last prefill
+  pass to 33), so fimble's greedy output equals llama.cpp's.
 - Quantised weights (q8_0): the stock path. Its gemv and tinyBLAS already agree bit for bit.
 - Flash attention stays off, as llama-cpp-python runs it: with it on, a 1-token step costs ~12% more
   and each verify row ~50% more here (the kernel is per row), so speculation stops paying.
-Measured on this 2-core AVX2 CPU, 1 thread, first version (tinyBLAS for 1-row f16 too), embedded
-target f32, 900 cached positions: a 1-token step 7.6 ms against 6.7-7.1 stock; an 8-token verify
-17.9 ms, as stock's; prefill unchanged. f16 under 64 rows on ggml's own path: verify 21 ms.
+Measured on this 2-core AVX2 CPU, 1 thread, embedded target f32, 900 cached positions, interleaved
+three times (ms for 1 / 2 / 4 / 8 rows; median of 55):
+- this rule: 5.3-5.6 / 8.4-8.7 / 13.7-13.8 / 22.9-23.2;
+- stock (not invariant): 5.3-5.8 / 11.5-12.3 / 15.1-16.3 / 20.5-21.7;
+- the previous patch, f32 through tinyBLAS from 1 row: 8.4-8.9 / 11.5-12.0 / 16.0-16.4 / 23.1-24.0.
+  tinyBLAS keeps one accumulator per output, a serial chain of FMAs, where ggml's vec_dot keeps four.
 Alternatives dropped: llamafile off altogether (invariant, but prefill 1.66x slower); stock with
 flash attention on and every 1-token step run as 2 rows (30-40% slower decode).
 
@@ -63,12 +63,11 @@ PATCH_OLD = "#if !defined(__MMA__)\n    if (n < 2)\n        return false;\n#endi
 PATCH_NEW = (
     "#if !defined(__MMA__)\n"
     "    // fimble (engine/runtimes/ggml_build.py): one kernel path per product for every row count up to 32,\n"
-    "    // so a 1-token step's logits equal a verify block's rows bit for bit: f32 weights through tinyBLAS\n"
-    "    // from 1 row; f16 products (attention's keys and values) through ggml's own path, stock's 1-row\n"
-    "    // path, up to 32 rows.\n"
-    "    if (n < 2 && Atype != GGML_TYPE_F32)\n"
+    "    // so a 1-token step's logits equal a verify block's rows bit for bit: f32 weights and f16 products\n"
+    "    // (attention's keys and values) take ggml's own path, stock's 1-row path, up to 32 rows.\n"
+    "    if (n < 2)\n"
     "        return false;\n"
-    "    if (n <= 32 && Atype == GGML_TYPE_F16)\n"
+    "    if (n <= 32 && (Atype == GGML_TYPE_F32 || Atype == GGML_TYPE_F16))\n"
     "        return false;\n"
     "#endif"
 )

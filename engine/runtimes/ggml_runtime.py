@@ -35,10 +35,10 @@ each with every 1-token pass run as 2 tokens (the second a throwaway at the next
 by the next decode) and every pass outputting at least 2 rows. Blocks that need logits on every row
 run in passes of at most 32 tokens.
 
-Same output as llama.cpp: with q8_0 weights, fimble's greedy output equals llama.cpp's own (llama-cpp-python,
-llama-server, llama-cli) on the same GGUF when both run the same flash attention setting. That takes
-stock kernels in 1-token steps (the build's patch keeps them for q8_0 and for attention) and prefill
-passes that run the kernels llama.cpp's own prefill runs: see _blocks.
+Same output as llama.cpp: with f32 or q8_0 weights, fimble's greedy output equals llama.cpp's own
+(llama-cpp-python, llama-server, llama-cli) on the same GGUF when both run the same flash attention
+setting. That takes stock kernels in 1-token steps (the build's patch keeps them) and prefill passes
+that run the kernels llama.cpp's own prefill runs: see _blocks.
 
 Flash attention (``FIMBLE_GGML_FLASH=auto|on|off``): auto is off, as llama-cpp-python runs it. On this
 CPU (1 thread, q8_0 embedded target, 600 cached positions) a 1-token step costs 3.2-3.4 ms off against
@@ -273,8 +273,8 @@ def _blocks(t: int, num_logits: int, flash_attn: bool) -> list[tuple[int, int]]:
     llama.cpp's own split, ubatches of LLAMA_UBATCH with the last token inside the last, each passed
     in near-equal pieces of at most PREFILL_BATCH rows, so that every prompt row runs the kernels it
     runs in llama.cpp's own prefill:
-    - flash attention off: attention's f16 products take ggml's own path up to 32 rows and tinyBLAS
-      above (the build's patch), while llama.cpp runs tinyBLAS from 2 rows. Pieces of a ubatch of 33+
+    - flash attention off: f32 weights' and attention's f16 products take ggml's own path up to 32
+      rows and tinyBLAS above (the build's patch), while llama.cpp runs tinyBLAS from 2 rows. Pieces of a ubatch of 33+
       rows have 33+ rows; a last ubatch of 2-32 rows is run as the last 33 tokens (recomputing a few
       rows of the previous ubatch, to the same bits), so it runs tinyBLAS as in llama.cpp.
     - flash attention on: its tiled kernel runs for passes of 64+ rows (GGML_FA_TILE_Q), the per-row
