@@ -6,25 +6,28 @@ Why it builds: PyPI has no llama.cpp library that loads on Debian 12. ``llama-cp
 only a source archive, and the one prebuilt wheel (``llama-cpp-py-sync``) needs glibc >= 2.38.
 Measured here: this build takes 4-6 minutes on 2 cores.
 
-Why one line of llama.cpp is patched (two conditions in place of one): fimble is lossless, so a verify
-block's logits must equal 1-token steps' bit for bit. Stock ggml sends products with one row through
-its own path (gemv-like: one vec_dot per output), but 2 or more rows of f32 and f16 (and q8_0)
+Why llama.cpp is patched (engine/runtimes/ggml_patch.py holds the edits): fimble is lossless, so a
+verify block's logits must equal 1-token steps' bit for bit. Stock ggml sends products with one row
+through its own path (gemv-like: one vec_dot per output), but 2 or more rows of f32 and f16 (and q8_0)
 products through llamafile's tinyBLAS. The two sum in different orders, so logits differ by up to
 3e-3. The patch gives each product one path for 1 to 32 rows (verify blocks run in passes of at most
 32; engine/runtimes/ggml_runtime.py):
 - f32 weights and f16 products (attention's keys and values, flash attention off): ggml's own path,
   stock's 1-row path, up to 32 rows; tinyBLAS from 33, as stock. So a 1-token step runs exactly
-  stock's kernels at stock's speed, and every row of a 2-32-row block runs the same vec_dot as a
-  step. Prefill passes of 33+ rows run stock's tinyBLAS (the runtime lengthens a shorter last prefill
+  stock's kernels at stock's speed, and every row of a 2-32-row block runs the same sum as a step.
+  Prefill passes of 33+ rows run stock's tinyBLAS (the runtime lengthens a shorter last prefill
   pass to 33), so fimble's greedy output equals llama.cpp's.
+- ggml's own f32 path reads each weight row once for two rows of a block (stock: once per row), each
+  sum in ggml_vec_dot_f32's exact order: blocks cost less, so speculation pays more.
 - Quantised weights (q8_0): the stock path. Its gemv and tinyBLAS already agree bit for bit.
 - Flash attention stays off, as llama-cpp-python runs it: with it on, a 1-token step costs ~12% more
   and each verify row ~50% more here (the kernel is per row), so speculation stops paying.
 Measured on this 2-core AVX2 CPU, 1 thread, embedded target f32, 900 cached positions, interleaved
 three times (ms for 1 / 2 / 4 / 8 rows; median of 55):
-- this rule: 5.3-5.6 / 8.4-8.7 / 13.7-13.8 / 22.9-23.2;
+- this patch: 5.6-6.4 / 6.1-7.1 / 11.2-11.7 / 19.4-20.8;
+- without the two-row pass: 5.3-5.8 / 8.4-8.9 / 13.7-13.9 / 22.9-23.9;
 - stock (not invariant): 5.3-5.8 / 11.5-12.3 / 15.1-16.3 / 20.5-21.7;
-- the previous patch, f32 through tinyBLAS from 1 row: 8.4-8.9 / 11.5-12.0 / 16.0-16.4 / 23.1-24.0.
+- the first patch, f32 through tinyBLAS from 1 row: 8.4-8.9 / 11.5-12.0 / 16.0-16.4 / 23.1-24.0.
   tinyBLAS keeps one accumulator per output, a serial chain of FMAs, where ggml's vec_dot keeps four.
 Alternatives dropped: llamafile off altogether (invariant, but prefill 1.66x slower); stock with
 flash attention on and every 1-token step run as 2 rows (30-40% slower decode).
@@ -54,24 +57,13 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from engine.runtimes.ggml_patch import PATCHES
+
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-SGEMM = "vendor/llama.cpp/ggml/src/ggml-cpu/llamafile/sgemm.cpp"
-PATCH_OLD = "#if !defined(__MMA__)\n    if (n < 2)\n        return false;\n#endif"
-PATCH_NEW = (
-    "#if !defined(__MMA__)\n"
-    "    // fimble (engine/runtimes/ggml_build.py): one kernel path per product for every row count up to 32,\n"
-    "    // so a 1-token step's logits equal a verify block's rows bit for bit: f32 weights and f16 products\n"
-    "    // (attention's keys and values) take ggml's own path, stock's 1-row path, up to 32 rows.\n"
-    "    if (n < 2)\n"
-    "        return false;\n"
-    "    if (n <= 32 && (Atype == GGML_TYPE_F32 || Atype == GGML_TYPE_F16))\n"
-    "        return false;\n"
-    "#endif"
-)
-PATCH_ID = hashlib.sha256((PATCH_OLD + PATCH_NEW).encode()).hexdigest()[:12]
+PATCH_ID = hashlib.sha256(repr(PATCHES).encode()).hexdigest()[:12]
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=ON",
@@ -136,11 +128,14 @@ def install_bindings(sdist: Path, log: Path) -> None:
 
 
 def patch_source(src: Path) -> None:
-    path = src / SGEMM
-    text = path.read_text()
-    if text.count(PATCH_OLD) != 1:
-        sys.exit(f"fimble ggml build: {SGEMM} is not the expected source (the patch does not apply)")
-    path.write_text(text.replace(PATCH_OLD, PATCH_NEW))
+    """Apply every edit of PATCHES, or none: a source whose texts differ stops the build."""
+    texts = {rel: (src / rel).read_text() for rel in {rel for rel, _, _ in PATCHES}}
+    for rel, old, new in PATCHES:
+        if texts[rel].count(old) != 1:
+            sys.exit(f"fimble ggml build: {rel} is not the expected source (the patch does not apply)")
+        texts[rel] = texts[rel].replace(old, new)
+    for rel, text in texts.items():
+        (src / rel).write_text(text)
 
 
 def cmake_binary() -> str:

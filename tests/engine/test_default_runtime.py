@@ -28,14 +28,26 @@ def test_the_cpu_default_is_ggml_on_fimbles_own_build():
 
 def test_the_patch_applies_once_and_refuses_other_sources(tmp_path):
     src = tmp_path / "src"
-    sgemm = src / ggml_build.SGEMM
-    sgemm.parent.mkdir(parents=True)
-    sgemm.write_text("bool llamafile_sgemm() {\n" + ggml_build.PATCH_OLD + "\n}\n")
+    originals: dict[str, str] = {}
+    for rel, old, _ in ggml_build.PATCHES:
+        originals[rel] = originals.get(rel, "// source\n") + old + "\n// more\n"
+    for rel, text in originals.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
     ggml_build.patch_source(src)
-    text = sgemm.read_text()
-    assert ggml_build.PATCH_NEW in text and ggml_build.PATCH_OLD not in text
+    for rel, _old, new in ggml_build.PATCHES:
+        assert new in (src / rel).read_text()
     with pytest.raises(SystemExit, match="not the expected source"):
         ggml_build.patch_source(src)  # already patched: a second run must not patch blindly
+    # one edit's text missing: nothing is written at all
+    for rel, text in originals.items():
+        (src / rel).write_text(text)
+    rel, old, _ = ggml_build.PATCHES[-1]
+    (src / rel).write_text(originals[rel].replace(old, "changed upstream"))
+    with pytest.raises(SystemExit, match="not the expected source"):
+        ggml_build.patch_source(src)
+    first_rel = ggml_build.PATCHES[0][0]
+    assert first_rel != rel and (src / first_rel).read_text() == originals[first_rel]
 
 
 def test_more_threads_never_cost_losslessness(monkeypatch):
