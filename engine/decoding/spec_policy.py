@@ -15,7 +15,7 @@ most tokens per unit of time, and ``g = 0`` (a plain step) unless that beats a p
 prior of 0.75: per position because acceptance is bursty.
 
 ``c`` is measured once per loaded runtime (``verify_costs``): the fastest of a few timed passes of
-1, 2, 4, 8 and 16 rows on a scratch cache, linear in between. Timing only changes how many tokens
+1, 2, 3, 4, 8 and 16 rows on a scratch cache, linear in between. Timing only changes how many tokens
 are drafted, never which tokens are committed: those are the target's greedy choices whatever the
 draft, so output stays equal to plain greedy decoding.
 """
@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-PROBE_ROWS = (1, 2, 4, 8, 16)
+# 3 as well as the powers of two: fimble's llama.cpp build runs 3-row blocks of f32 weights in one pass over
+# them (engine/runtimes/ggml_patch.py), so a 3-row block costs well under the 2-to-4 interpolation
+PROBE_ROWS = (1, 2, 3, 4, 8, 16)
 PROBE_DEPTH = 256  # cached positions under the timed passes: a completion's depth (attention's share)
 PROBE_REPEATS = 3
 MIN_GAIN = 1.03  # drafting must beat a plain step by 3%: timings are noisy
@@ -124,7 +126,7 @@ def _time_pass(runtime, cache, tokens: list[int], start: int) -> float:
 
 
 def measure(runtime) -> VerifyCosts:
-    """Time passes of PROBE_ROWS rows at PROBE_DEPTH on a scratch cache (about 30 passes)."""
+    """Time passes of PROBE_ROWS rows at PROBE_DEPTH on a scratch cache (PROBE_REPEATS rounds)."""
     cache = runtime.new_cache(PROBE_DEPTH + max(PROBE_ROWS) + 1)
     vocab = int(getattr(runtime, "vocab", 0) or getattr(runtime.cfg, "vocab_size", 256))
     toks = [(i * 7919 + 11) % vocab for i in range(PROBE_DEPTH + max(PROBE_ROWS))]

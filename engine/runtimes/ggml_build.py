@@ -17,18 +17,22 @@ products through llamafile's tinyBLAS. The two sum in different orders, so logit
   stock's kernels at stock's speed, and every row of a 2-32-row block runs the same sum as a step.
   Prefill passes of 33+ rows run stock's tinyBLAS (the runtime lengthens a shorter last prefill
   pass to 33), so fimble's greedy output equals llama.cpp's.
-- ggml's own f32 path reads each weight row once for two rows of a block (stock: once per row), each
-  sum in ggml_vec_dot_f32's exact order: blocks cost less, so speculation pays more.
+- ggml's own path reads each weight row once for two or three rows of a block (stock: once per row),
+  each sum in ggml_vec_dot_f32's (f16: ggml_vec_dot_f16's) exact order: blocks cost less, so
+  speculation pays more.
 - Quantised weights (q8_0): the stock path. Its gemv and tinyBLAS already agree bit for bit.
 - Flash attention stays off, as llama-cpp-python runs it: with it on, a 1-token step costs ~12% more
   and each verify row ~50% more here (the kernel is per row), so speculation stops paying.
-Measured on this 2-core AVX2 CPU, 1 thread, embedded target f32, 900 cached positions, interleaved
-three times (ms for 1 / 2 / 4 / 8 rows; median of 55):
-- this patch: 5.6-6.4 / 6.1-7.1 / 11.2-11.7 / 19.4-20.8;
-- without the two-row pass: 5.3-5.8 / 8.4-8.9 / 13.7-13.9 / 22.9-23.9;
+Measured on this 2-core AVX2 CPU, 1 thread, embedded target f32, 900 cached positions (ms for 1 / 2 /
+4 / 8 rows; median of 55, three interleaved runs each):
 - stock (not invariant): 5.3-5.8 / 11.5-12.3 / 15.1-16.3 / 20.5-21.7;
-- the first patch, f32 through tinyBLAS from 1 row: 8.4-8.9 / 11.5-12.0 / 16.0-16.4 / 23.1-24.0.
-  tinyBLAS keeps one accumulator per output, a serial chain of FMAs, where ggml's vec_dot keeps four.
+- the first patch, f32 through tinyBLAS from 1 row: 8.4-8.9 / 11.5-12.0 / 16.0-16.4 / 23.1-24.0
+  (tinyBLAS keeps one accumulator per output, a serial chain of FMAs; ggml's vec_dot keeps four);
+- ggml's own path up to 32 rows, one row a pass: 5.3-5.8 / 8.4-8.9 / 13.7-13.9 / 22.9-23.9;
+- with two f32 rows a pass: 5.6-6.4 / 6.1-7.1 / 11.2-11.7 / 19.4-20.8.
+Then, pinned to one core, 20th percentile of 145, three interleaved runs (1 / 2 / 3 / 4 / 5 rows): two
+f32 rows a pass 4.7-5.8 / 5.7-6.4 / 9.5-10.2 / 10.9-11.3 / 13.3-13.5; adding three f32 rows and two
+f16 rows a pass 5.2-5.6 / 5.5-6.2 / 7.4-7.9 / 10.1-10.4 / 11.7-12.2.
 Alternatives dropped: llamafile off altogether (invariant, but prefill 1.66x slower); stock with
 flash attention on and every 1-token step run as 2 rows (30-40% slower decode).
 
