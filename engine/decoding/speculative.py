@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from engine.decoding.drafters import Draft, ModelDrafter, NgramDrafter
-from engine.decoding.sampling import accept_draft_token, distribution, draw, residual
+from engine.decoding.sampling import accept_draft_token, distribution, draw, greedy_ids, residual
 from engine.decoding.spec_policy import Acceptance, VerifyCosts, choose_gamma, verify_costs
 from engine.options import DecodeOptions
 
@@ -81,7 +82,8 @@ class SpeculativeDecoder:
         self.trace: list[tuple[int, Tensor]] | None = None
 
     # -- token choice ---------------------------------------------------------
-    def _choose(self, logits: Tensor) -> int:
+    def _choose(self, logits: Tensor | np.ndarray) -> int:
+        """The next token from one row of logits (numpy only when greedy with nothing forced: _numpy_rows)."""
         if self.forced:
             mask = torch.full_like(logits, float("-inf"))
             allowed = self.token_index.allowed(self.forced)
@@ -89,7 +91,7 @@ class SpeculativeDecoder:
                 mask[allowed] = 0.0
                 logits = logits + mask
         if self.opt.temperature <= 0:
-            tok = int(logits.argmax())
+            tok = greedy_ids(logits.reshape(1, -1))[0]
         else:
             tok = draw(distribution(logits, self.opt.temperature, self.opt.top_p), self.gen)
         if self.trace is not None:
@@ -197,11 +199,23 @@ class SpeculativeDecoder:
         draft = Draft([]) if self.forced else self._draft()
         k = len(draft.tokens)
         start = len(self.ids) - 1
-        block = torch.tensor([self.ids[-1]] + draft.tokens, dtype=torch.long, device=self.runtime.device)
-        logits = self.runtime(block, self.cache, start, k + 1)
+        block = [self.ids[-1]] + draft.tokens
+        if self._numpy_rows:
+            # The ggml runtime's numpy rows, no torch call on the way (sampling.greedy_ids says why).
+            logits = self.runtime.numpy_logits(block, self.cache, start, k + 1)
+        else:
+            logits = self.runtime(torch.tensor(block, dtype=torch.long, device=self.runtime.device), self.cache,
+                                  start, k + 1)
         return self._finish_round(draft, start, logits)
 
-    def _finish_round(self, draft: Draft, start: int, logits: Tensor) -> list[int]:
+    @property
+    def _numpy_rows(self) -> bool:
+        """Greedy, nothing forced, no trace, and a runtime that returns numpy rows (engine/runtimes/ggml_runtime.py):
+        this round needs only each row's argmax."""
+        greedy = self.opt.temperature <= 0 and not self.forced
+        return greedy and self.trace is None and hasattr(self.runtime, "numpy_logits")
+
+    def _finish_round(self, draft: Draft, start: int, logits: Tensor | np.ndarray) -> list[int]:
         """Verify ``draft`` against the block's ``logits`` (the block fed at ``start``), roll the cache
         back past the rejected drafts, account and commit. Shared with fimble serve's StepDecoder."""
         new = self._verify(draft, logits)
@@ -211,12 +225,12 @@ class SpeculativeDecoder:
         self._account(len(draft.tokens), n_accepted, new[0])
         return self._commit(new)
 
-    def _verify(self, draft: Draft, logits: Tensor) -> list[int]:
+    def _verify(self, draft: Draft, logits: Tensor | np.ndarray) -> list[int]:
         d = draft.tokens
         if not d:
             return [self._choose(logits[-1])]
         if self.opt.temperature <= 0:
-            best = logits.argmax(-1).tolist()
+            best = greedy_ids(logits)
             n = 0
             while n < len(d) and d[n] == best[n]:
                 n += 1

@@ -238,8 +238,13 @@ class GGMLRuntime:
         self, tokens: torch.Tensor, cache: GGMLCache, start: int | None = None, num_logits: int = 1
     ) -> torch.Tensor:
         """Run ``tokens`` at positions ``start..``; float32 logits [num_logits, vocab] of the last ones."""
+        return torch.from_numpy(self.numpy_logits([int(t) for t in tokens.tolist()], cache, start, num_logits))
+
+    def numpy_logits(
+        self, ids: list[int], cache: GGMLCache, start: int | None = None, num_logits: int = 1
+    ) -> np.ndarray:
+        """``__call__`` on token ids, with numpy logits: the greedy decoding loop's path (no torch call)."""
         start = cache.length if start is None else start
-        ids = [int(t) for t in tokens.tolist()]
         t = len(ids)
         end = start + t
         if start > cache.length:
@@ -254,7 +259,7 @@ class GGMLRuntime:
             if want:
                 rows.append(out)
         cache.length = end
-        return torch.from_numpy(np.concatenate(rows) if len(rows) > 1 else rows[0])
+        return np.concatenate(rows) if len(rows) > 1 else rows[0]
 
     def _decode(self, cache: GGMLCache, block: list[int], pos: int, want: int) -> np.ndarray:
         """One llama_decode; logits of the block's last ``want`` rows. In pad mode no pass has one row,

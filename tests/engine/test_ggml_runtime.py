@@ -49,7 +49,7 @@ def test_blocks_equal_steps_bit_for_bit(pair):
     cache = rt.new_cache(512)
     rt(torch.tensor(ids[:300]), cache, 0, 1)
     steps = torch.cat([rt(torch.tensor([ids[300 + i]]), cache, 300 + i, 1) for i in range(40)])
-    for k in (2, 5, 13, 40):
+    for k in (2, 3, 4, 5, 13, 40):  # 3 and 4: the build's two- and three-row passes (ggml_patch.py)
         block = rt(torch.tensor(ids[300 : 300 + k]), cache, 300, k)
         assert block.shape == (k, rt.vocab) and torch.equal(block, steps[:k]), k
     # A long prefill's last row runs the prefill's kernels (llama.cpp's own split, below); a warm request's
@@ -222,3 +222,27 @@ def test_settings_are_range_checked(monkeypatch):
     monkeypatch.setenv("FIMBLE_RUNTIME", "ggml")
     with pytest.raises(ModelLoadError, match="CPU"):
         load_model(TARGET_DIR, device="cuda")
+
+
+def test_greedy_rounds_on_numpy_rows_decode_as_the_torch_path(pair):
+    """Greedy rounds take the runtime's numpy rows, no torch call (speculative.py, _numpy_rows); a trace
+    forces the torch path. Both commit the same tokens, plain and speculative."""
+    from engine.decoding.drafters import ModelDrafter
+    from engine.decoding.speculative import SpeculativeDecoder
+
+    target, draft = pair
+    prompt = target.encode(CODE)[:300]
+    for drafter in ("none", "model"):
+        outs = []
+        for traced in (False, True):
+            md = ModelDrafter(draft.runtime, 512) if drafter == "model" else None
+            opts = DecodeOptions(max_tokens=48, drafter=drafter)
+            dec = SpeculativeDecoder(target.runtime, target.runtime.new_cache(400), set(), opts, md, None)
+            if traced:
+                dec.trace = []
+            assert dec._numpy_rows is not traced
+            dec.prefill(prompt)
+            while not dec.done:
+                dec.step()
+            outs.append(dec.output)
+        assert len(outs[0]) == 48 and outs[0] == outs[1], drafter
