@@ -34,7 +34,8 @@ Then, pinned to one core, 20th percentile of 145, three interleaved runs (1 / 2 
 f32 rows a pass 4.7-5.8 / 5.7-6.4 / 9.5-10.2 / 10.9-11.3 / 13.3-13.5; adding three f32 rows and two
 f16 rows a pass 5.2-5.6 / 5.5-6.2 / 7.4-7.9 / 10.1-10.4 / 11.7-12.2.
 Alternatives dropped: llamafile off altogether (invariant, but prefill 1.66x slower); stock with
-flash attention on and every 1-token step run as 2 rows (30-40% slower decode).
+flash attention on and every 1-token step run as 2 rows (30-40% slower decode); four f32 rows a pass
+(16 accumulators spill AVX2's 16 registers: 2-row blocks got slower, 4-row ones no faster).
 
 Steps:
 1. Fetch the pinned llama-cpp-python source archive from the package index (``pip download``) and
