@@ -32,6 +32,9 @@ SGEMM_NEW = """#if !defined(__MMA__)
 #endif"""
 
 KERNELS_BEFORE = "static void ggml_compute_forward_mul_mat_one_chunk("
+# The two- and three-row f32 kernels are written out, not one loop over a row count: each must keep its
+# 8 or 12 accumulators in AVX2's 16 registers, and a generic version (up to four rows) measured slower
+# here. This text is part of the build's stamp: editing it rebuilds the library.
 KERNELS = """// fimble (engine/runtimes/ggml_patch.py): one src0 row against two or three src1 rows per pass.
 // Each sum runs in exactly ggml_vec_dot_f32's / ggml_vec_dot_f16's order (the same accumulators,
 // the same reduction), so a block's rows equal the 1-row path bit for bit, while the src0 row is
