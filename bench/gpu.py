@@ -49,6 +49,7 @@ from engine.decoding.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder  # noqa: E402
 from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
 from engine.local import LocalEngine  # noqa: E402
+from engine.runtimes import gpu_kernels  # noqa: E402
 from engine.runtimes.compact import CompactConfig, CompactTransformer  # noqa: E402
 from engine.runtimes.cuda_graphs import (  # noqa: E402
     BatchedCache,
@@ -91,6 +92,8 @@ SHAPES = {
 }
 DEV = "cuda"
 DTYPE = torch.bfloat16
+# graph attentions compared per shape (cuda_graphs.forward_batch); "fused" = the Triton kernels, where Triton runs
+ATTENTIONS = ("sdpa", "matmul") + (("fused",) if gpu_kernels.available() else ())
 
 
 def sync() -> None:
@@ -188,7 +191,7 @@ def step_table(
         return row
     row["eager_step_ms"] = median_ms(lambda: model(one, cache, context, 1).argmax(-1).tolist(), n)
     row["eager_verify8_ms"] = median_ms(lambda: model(eight, cache, context, 8).argmax(-1).tolist(), n)
-    for attention in ("sdpa", "matmul"):
+    for attention in ATTENTIONS:
         runtime = GraphRuntime(model, attention=attention)
         row[f"graph_step_ms_{attention}"] = median_ms(
             lambda runtime=runtime: runtime(one, cache, context, 1).argmax(-1).tolist(), n
@@ -197,7 +200,7 @@ def step_table(
             lambda runtime=runtime: runtime(eight, cache, context, 8).argmax(-1).tolist(), n
         )
         row[f"graph_gpu_step_ms_{attention}"] = gpu_ms(runtime)
-    best = min(("sdpa", "matmul"), key=lambda a: row[f"graph_step_ms_{a}"] + row[f"graph_verify8_ms_{a}"])
+    best = min(ATTENTIONS, key=lambda a: row[f"graph_step_ms_{a}"] + row[f"graph_verify8_ms_{a}"])
     row["attention"] = best
     for key in ("graph_step_ms", "graph_verify8_ms", "graph_gpu_step_ms"):
         row[key] = row[f"{key}_{best}"]
@@ -583,19 +586,20 @@ def main() -> None:
     )
     print(
         "floor = weight bytes read per step / measured copy bandwidth; step = call + argmax read back; "
-        "graph GPU = back-to-back replays; att = the faster graph attention (sdpa | matmul), used below"
+        "graph GPU = back-to-back replays; att = the fastest graph attention (sdpa | matmul | fused), used below"
     )
     print(
         f"{'shape':16s} {'weights GB':>10s} {'eager step':>10s} {'eager ver8':>10s} {'graph step':>10s} "
         f"{'graph ver8':>10s} {'graph GPU':>9s} {'floor':>7s} {'step/floor':>10s} {'GPU/floor':>9s} att   "
-        f"{'sdpa step':>9s} {'mm step':>9s}"
+        f"{'sdpa step':>9s} {'mm step':>9s} {'fused step':>10s}"
     )
     for r in steps:
         print(
             f"{r['shape']:16s} {r['weight_GB']:10.3f} {r['eager_step_ms']:8.3f}ms {r['eager_verify8_ms']:8.3f}ms "
             f"{r['graph_step_ms']:8.3f}ms {r['graph_verify8_ms']:8.3f}ms {r['graph_gpu_step_ms']:7.3f}ms "
             f"{r['floor_ms']:5.3f}ms {r['graph_step_over_floor']:10.2f} {r['graph_gpu_over_floor']:9.2f} "
-            f"{r['attention']:6s}{r['graph_step_ms_sdpa']:7.3f}ms {r['graph_step_ms_matmul']:7.3f}ms"
+            f"{r['attention']:6s}{r['graph_step_ms_sdpa']:7.3f}ms {r['graph_step_ms_matmul']:7.3f}ms "
+            f"{r.get('graph_step_ms_fused', float('nan')):8.3f}ms"
         )
     print(
         f"\nembedded pair, {n_prompts} FIM prompts (~{info['prompt_tokens_mean']:.0f} tokens), {n_tokens} new tokens "

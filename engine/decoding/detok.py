@@ -12,6 +12,11 @@ from __future__ import annotations
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, window: int = 6):
         self.tok = tokenizer
+        # A fast (tokenizers-backed) tokenizer's decode with clean-up off is its backend's decode; called
+        # directly it skips transformers' argument handling, most of the cost of a streamed token (~40 us
+        # of ~45, measured on fimble serve's rounds: every active sequence decodes twice a step).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if callable(getattr(backend, "decode", None)) else None
         self.ids: list[int] = []
         self.text = ""  # everything released so far
         self._prefix_offset = 0  # start of the decoding window
@@ -19,6 +24,8 @@ class IncrementalDetokenizer:
         self.window = window
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=True)
         return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, new_ids: list[int]) -> str:

@@ -22,6 +22,7 @@ CPU models are never wrapped (``maybe_wrap``).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -93,6 +94,8 @@ def forward_batch(
     s, t = tokens.shape
     dev = tokens.device
     positions = starts[:, None] + torch.arange(t, device=dev)[None, :]  # [S, T]
+    if attention == "fused":
+        return _forward_fused(model, keys, values, tokens, positions, keys_len, last)
     cos, sin = _rope_tables(model, positions)  # [S, T, 1, hd]
     # Additive mask, rows ordered (group member, token) as the queries below; built once, not per layer.
     # Its storage is padded to 16 columns so the attention kernel needs no aligned copy per layer.
@@ -129,6 +132,47 @@ def forward_batch(
     if last is not None:
         x = x.view(s, t, -1)[rows, last]
     return model.lm_head(model.norm(x)).float()
+
+
+def _forward_fused(
+    model: CompactTransformer,
+    keys: Tensor,
+    values: Tensor,
+    tokens: Tensor,
+    positions: Tensor,
+    keys_len: int,
+    last: Tensor | None,
+) -> Tensor:
+    """``forward_batch`` with RoPE, the cache writes and attention in Triton kernels (engine/runtimes/gpu_kernels.py):
+    about half a layer's kernels. The same computation: RoPE's values equal the torch ops' bit for bit;
+    attention sums in fp32 in another order (the bf16 matmul path rounds its scores to bf16 first)."""
+    from engine.runtimes import gpu_kernels
+
+    cfg = model.cfg
+    heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
+    s, t = tokens.shape
+    flat = positions.reshape(-1)
+    x = model.embed(tokens).view(s * t, -1)
+    scratch = None
+    for i, layer in enumerate(model.layers):
+        qkv = layer.qkv(layer.attn_norm(x))
+        q = gpu_kernels.rope_store(qkv, keys[i], values[i], model.rope_cos, model.rope_sin, flat, s, heads, kv_heads)
+        if scratch is None:  # one buffer of partial sums for every layer's attention
+            scratch = gpu_kernels.attention_scratch(q, keys_len, s, kv_heads, cfg.head_dim)
+        attn = gpu_kernels.attention(q, keys[i], values[i], flat, keys_len, s, kv_heads, scratch)
+        x = torch.addmm(x, attn, layer.o_proj.weight.t())
+        gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
+        x = torch.addmm(x, F.silu(gate) * up, layer.down.weight.t())
+    if last is not None:
+        x = x.view(s, t, -1)[torch.arange(s, device=x.device), last]
+    return model.lm_head(model.norm(x)).float()
+
+
+def default_attention() -> str:
+    """The graph path's attention: Triton's fused kernels where they run (CUDA with Triton), else sdpa."""
+    from engine.runtimes import gpu_kernels
+
+    return "fused" if gpu_kernels.available() else "sdpa"
 
 
 def static_forward(
@@ -174,9 +218,11 @@ class GraphRuntime:
     are a view of the graph's static output: valid until the next call on this runtime.
     """
 
-    def __init__(self, model: CompactTransformer, max_caches: int = 4, attention: str = "sdpa", compile: bool = False):
+    def __init__(
+        self, model: CompactTransformer, max_caches: int = 4, attention: str | None = None, compile: bool = False
+    ):
         self.model = model
-        self.attention = attention  # "sdpa" or "matmul" (forward_batch)
+        self.attention = attention or default_attention()  # "fused", "sdpa" or "matmul" (forward_batch)
         # torch.compile fuses the elementwise work between the matmuls (one compile per captured shape:
         # minutes, so opt-in; bench/gpu.py --compile measures it).
         self.fn = torch.compile(forward_batch, dynamic=False) if compile else forward_batch
@@ -372,6 +418,16 @@ class SlotGraphs:
         dev = model.device
         self.tokens = torch.zeros(streams * max(BLOCKS), dtype=torch.long, device=dev)
         self.starts = torch.full((streams,), slot_len, dtype=torch.long, device=dev)
+        # Host side of a round: token ids and starts staged in pinned memory (copied without a sync), and every
+        # row's argmax copied back into pinned memory by the round's stream; GPU time per graph from events.
+        pinned = self.use_graphs
+        self._stage = torch.zeros(streams * (max(BLOCKS) + 1), dtype=torch.long, pin_memory=pinned)
+        self._stage_np = self._stage.numpy()
+        self._best_host = torch.zeros(streams * max(BLOCKS), dtype=torch.long, pin_memory=pinned)
+        if self.use_graphs:
+            self._began = torch.cuda.Event(enable_timing=True)
+            self._ended = torch.cuda.Event(enable_timing=True)
+        self._cost: dict[tuple[int, int, int], float] = {}  # graph key -> fastest replay seen, ms of GPU time
         self._free = list(range(streams))  # a heap: the lowest free slot first
         self._slot: dict[int, int] = {}  # id(view) -> slot
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph | None, Tensor | None]] = {}
@@ -482,39 +538,74 @@ class SlotGraphs:
         return logits, logits.argmax(-1)  # every row's greedy choice, read back in one copy (``run``)
 
     @torch.inference_mode()
-    def run(self, passes: list[tuple[Tensor, KVCache, int, int]], best: list | None = None) -> list[Tensor]:
+    def run(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]], best: list | None = None) -> list[Tensor]:
         """``passes``: (tokens, slotted cache, start, num_logits) each, every one ``fits``. Returns each
         pass's last ``num_logits`` float32 logits, as ``runtime(tokens, cache, start, num_logits)`` would.
 
         ``best``: a list to receive each pass's argmax per returned row (host ints, one device-to-host copy
-        for the whole round instead of one argmax and sync per sequence)."""
-        slots = [self._slot[id(c)] for _, c, _, _ in passes]
-        lens = [t.shape[0] for t, _, _, _ in passes]
-        block = block_bucket(max(lens))
-        batch = batch_bucket(max(slots) + 1, self.streams)
+        for the whole round instead of one argmax and sync per sequence). ``launch`` + ``collect``."""
+        return self.collect(self.launch(passes), best)
+
+    def shape(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]]) -> tuple[int, int, int]:
+        """The graph key (batch, block, key length) these passes would replay."""
+        block = block_bucket(max(len(t) for t, _, _, _ in passes))
+        batch = batch_bucket(max(self._slot[id(c)] for _, c, _, _ in passes) + 1, self.streams)
         keys_len = key_bucket(max(s + block for _, _, s, _ in passes), self.slot_len + SLOT_SCRATCH)
-        dev = self.tokens.device
-        flat = torch.cat([t for t, _, _, _ in passes]) if len(passes) > 1 else passes[0][0]
-        index = [slot * block + j for slot, n in zip(slots, lens, strict=True) for j in range(n)]
-        starts = [self.slot_len] * batch
-        for slot, (_, _, start, _) in zip(slots, passes, strict=True):
-            starts[slot] = start
-        self.tokens.index_copy_(0, torch.tensor(index, dtype=torch.long, device=dev), flat.to(dev))
-        self.starts[:batch].copy_(torch.tensor(starts, dtype=torch.long), non_blocking=True)
-        key = (batch, block, keys_len)
+        return batch, block, keys_len
+
+    def pass_ms(self, key: tuple[int, int, int]) -> float | None:
+        """The GPU time of one replay of ``key``'s graph (the fastest seen), None before it ran."""
+        return self._cost.get(key)
+
+    @torch.inference_mode()
+    def launch(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]]) -> tuple:
+        """Start the round's graph on the GPU and return at once; ``collect`` waits for it. Tokens are
+        written through pinned host buffers (two asynchronous copies, no sync)."""
+        slots = [self._slot[id(c)] for _, c, _, _ in passes]
+        key = batch, block, keys_len = self.shape(passes)
+        rows = batch * block
+        stage = self._stage_np
+        stage[:rows] = 0
+        stage[rows : rows + batch] = self.slot_len
+        for slot, (t, _, start, _) in zip(slots, passes, strict=True):
+            at = slot * block
+            stage[at : at + len(t)] = t if isinstance(t, list) else t.tolist()
+            stage[rows + slot] = start
         if self.use_graphs:
+            self.tokens[:rows].copy_(self._stage[:rows], non_blocking=True)
+            self.starts[:batch].copy_(self._stage[rows : rows + batch], non_blocking=True)
             entry = self._graphs.get(key)
             if entry is None:
                 entry = self._graphs[key] = capture(lambda: self._forward(batch, block, keys_len), self.pool)
                 self.captures += 1
             graph, (logits, argmax) = entry
+            self._began.record()
             graph.replay()
             self.replays += 1
-        else:
+            self._best_host[:rows].copy_(argmax, non_blocking=True)
+            self._ended.record()
+        else:  # CPU (tests): the same forward, synchronous, timed on the wall clock
+            t0 = time.perf_counter()
+            self.tokens[:rows].copy_(self._stage[:rows])
+            self.starts[:batch].copy_(self._stage[rows : rows + batch])
             logits, argmax = self._forward(batch, block, keys_len)
-        host = argmax.tolist() if best is not None else None  # the round's one sync
+            self._best_host[:rows].copy_(argmax)
+            ms = (time.perf_counter() - t0) * 1e3
+            self._cost[key] = min(ms, self._cost.get(key, ms))
+        return passes, slots, key, logits
+
+    def collect(self, launched: tuple, best: list | None = None) -> list[Tensor]:
+        """Wait for ``launch``'s graph (the round's one sync; the GIL is free meanwhile) and hand out the logits."""
+        passes, slots, key, logits = launched
+        block = key[1]
+        if self.use_graphs:
+            self._ended.synchronize()
+            ms = self._began.elapsed_time(self._ended)
+            self._cost[key] = min(ms, self._cost.get(key, ms))
+        host = self._best_host[: key[0] * block].tolist() if best is not None else None
         out = []
-        for slot, n, (_, cache, start, num_logits) in zip(slots, lens, passes, strict=True):
+        for slot, (t, cache, start, num_logits) in zip(slots, passes, strict=True):
+            n = len(t)
             cache.length = start + n
             k = min(num_logits, n)
             out.append(logits[slot * block + n - k : slot * block + n])
@@ -548,6 +639,7 @@ __all__ = [
     "batched_forward",
     "forward_batch",
     "block_bucket",
+    "default_attention",
     "eager_runtime",
     "capture",
     "key_bucket",

@@ -41,13 +41,15 @@ MIN_ROWS = 8  # pad matmuls to at least this many rows: one kernel for every bat
 class Forward:
     """One sequence's share of a pass: ``tokens`` at positions ``start..`` into ``cache``."""
 
-    tokens: Tensor  # 1-D token ids
+    tokens: Tensor | list[int]  # 1-D token ids (a host list: a slotted round stages them itself)
     cache: object  # engine.runtimes.compact.KVCache (or the runtime's own cache type)
     start: int
     num_logits: int = 1
     # Set by a slotted round (scheduler): the argmax of each returned logits row, on the host; the decoder
     # takes greedy choices from it instead of an argmax and a sync of its own.
     best: list[int] | None = None
+    # The decoder whose verify block this is (None for a prefill chunk): the scheduler may shorten its draft.
+    decoder: object | None = None
 
 
 def supports_batch(runtime: object) -> bool:
@@ -90,7 +92,7 @@ def batched_forward(model: CompactTransformer, calls: list[Forward]) -> list[Ten
     cfg = model.cfg
     spans, pos = [], 0
     for c in calls:
-        t = c.tokens.shape[0]
+        t = len(c.tokens)
         end = c.start + t
         if c.start > c.cache.length:
             raise ValueError(f"position {c.start} leaves a gap after cache length {c.cache.length}")

@@ -105,6 +105,11 @@ class EngineDaemon:
         self._sockdir = tempfile.mkdtemp(prefix="fimble-serve-")  # 0700: only this user reaches the relay
         self._sock_path = os.path.join(self._sockdir, "ws.sock")
         self._stop: asyncio.Event | None = None
+        # Messages from the engine thread wait here and reach the loop in one wake-up per batch: a round of
+        # 32 sequences would otherwise wake the loop (a self-pipe write, a loop pass, the GIL) 32 times.
+        self._outgoing: list[tuple[Any, bytes]] = []
+        self._outgoing_lock = threading.Lock()
+        self._flush_pending = False
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> int:
@@ -264,7 +269,7 @@ class EngineDaemon:
             outbox.put_nowait(data)
 
         def send(msg: dict) -> None:  # from any thread
-            loop.call_soon_threadsafe(enqueue, protocol.pack(msg))
+            self._post(loop, enqueue, protocol.pack(msg))
 
         async def writer() -> None:
             while (data := await outbox.get()) is not None:
@@ -295,6 +300,23 @@ class EngineDaemon:
                 write_task.cancel()
             except Exception:  # the client vanished while we flushed: nothing left to tell it
                 write_task.cancel()
+
+    def _post(self, loop: asyncio.AbstractEventLoop, enqueue, data: bytes) -> None:
+        """Queue ``data`` for a session's writer from any thread; the first message of a batch wakes the loop."""
+        with self._outgoing_lock:
+            self._outgoing.append((enqueue, data))
+            if self._flush_pending:
+                return
+            self._flush_pending = True
+        loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        """In the loop: hand every queued message to its session's outbox, in order."""
+        with self._outgoing_lock:
+            batch, self._outgoing = self._outgoing, []
+            self._flush_pending = False
+        for enqueue, data in batch:
+            enqueue(data)
 
     def _dispatch(self, session: _Session, msg: dict, send) -> str | None:
         op = msg["op"]
@@ -344,7 +366,7 @@ class EngineDaemon:
             session.streams.pop(rid, None)
             if stream is not None and stream.result is not None:
                 send({"op": "result", "id": rid, "result": asdict(stream.result)})
-        send({"op": "delta", "id": rid, "delta": asdict(delta)})
+        send({"op": "delta", "id": rid, "delta": dict(vars(delta))})  # Delta's fields are plain values
 
     def _end_session(self, session: _Session) -> None:
         """The client left: cancel its running requests and free its documents' caches."""

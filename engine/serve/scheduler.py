@@ -49,9 +49,11 @@ from engine.caching.kv_store import session_of
 from engine.decoding.detok import IncrementalDetokenizer, StopRules
 from engine.decoding.drafters import Draft, ModelDrafter, NgramDrafter
 from engine.decoding.healing import unheal
+from engine.decoding.spec_policy import MIN_GAIN
 from engine.decoding.speculative import SpeculativeDecoder
 from engine.errors import FimbleError, PromptError
 from engine.local import _WAKE, REUSE_MODES, LocalEngine
+from engine.runtimes.cuda_graphs import BLOCKS, SLOT_SCRATCH, block_bucket, key_bucket
 from engine.serve.batched import (
     DraftNeed,
     Forward,
@@ -60,6 +62,12 @@ from engine.serve.batched import (
     run_one,
     supports_batch,
 )
+
+# A slotted round's two-phase handshake with each sequence's generator: after its pass is launched the
+# generator is sent LAUNCHED and streams the text of its previous step while the GPU runs (it then yields
+# AWAIT); the logits come with the next send.
+LAUNCHED = object()
+AWAIT = object()
 
 SCHED_COUNTERS = (
     "sched_rounds",
@@ -71,7 +79,9 @@ SCHED_COUNTERS = (
     "sched_admitted",
     "sched_graph_rounds",
     "sched_round_ms",  # wall time in rounds (drafts, passes, advancing every sequence)
-    "sched_pass_ms",  # of which the target passes (a slotted round: up to its one sync)
+    "sched_pass_ms",  # of which launching the target passes and waiting for them (not the overlapped work)
+    "sched_gpu_ms",  # slotted rounds: GPU time of their graph replays
+    "sched_shortened",  # verify blocks cut by the round's block choice (_shorten_drafts)
 )
 MAX_ACTIVE = 64  # sequences stepped together; more wait their turn
 # Prompt tokens a sequence prefills per round. A new request's prompt (often 1,000+ tokens on its
@@ -151,11 +161,42 @@ class StepDecoder(SpeculativeDecoder):
         """The verify pass of the next step, for ``draft``."""
         k = len(draft.tokens)
         start = len(self.ids) - 1
-        device = "cpu" if self.host_tokens else self.runtime.device
-        block = torch.tensor([self.ids[-1]] + draft.tokens, dtype=torch.long, device=device)
-        fwd = Forward(block, self.cache, start, k + 1)
+        block = [self.ids[-1]] + draft.tokens
+        if not self.host_tokens:
+            block = torch.tensor(block, dtype=torch.long, device=self.runtime.device)
+        fwd = Forward(block, self.cache, start, k + 1, decoder=self)
         self._pending = (draft, start, fwd)
         return fwd
+
+    def shorten(self, rows: int) -> None:
+        """Cut the pending verify block to ``rows`` rows (its draft to ``rows - 1`` tokens) before it runs.
+
+        Lossless: the committed tokens are still the target's own choices; only fewer drafts are checked."""
+        assert self._pending is not None
+        draft, start, fwd = self._pending
+        if rows >= len(fwd.tokens):
+            return
+        g = rows - 1
+        draft = Draft(draft.tokens[:g], draft.probs[:g] if draft.probs is not None else None)
+        fwd.tokens, fwd.num_logits = fwd.tokens[:rows], rows
+        self._pending = (draft, start, fwd)
+
+    def expected_tokens(self, rows: int) -> float:
+        """Tokens the pending step commits on average if its block is cut to ``rows`` rows (spec_policy's
+        running acceptance of this round's drafter)."""
+        assert self._pending is not None
+        draft = self._pending[0]
+        g = min(rows - 1, len(draft.tokens))
+        if g <= 0 or not self._kind:
+            return 1.0
+        return self.acceptance[self._kind].expected_tokens(g)
+
+    def abandon_step(self) -> None:
+        """Drop the pending pass (its text hit a stop meanwhile): the cache goes back to the committed tokens."""
+        assert self._pending is not None
+        _, start, _ = self._pending
+        self._pending = None
+        self.cache.rollback(start)
 
     def end_step(self, logits: torch.Tensor) -> list[int]:
         assert self._pending is not None
@@ -221,9 +262,9 @@ class ServeEngine(LocalEngine):
 
     @staticmethod
     def _attention(runtime) -> str:
-        """The GraphRuntime's graph attention ("sdpa" or "matmul"), for the slot graphs too."""
+        """The GraphRuntime's graph attention ("fused", "sdpa" or "matmul"), for the slot graphs too."""
         attention = getattr(runtime, "attention", None)
-        return attention if attention in ("sdpa", "matmul") else "sdpa"
+        return attention if attention in ("fused", "sdpa", "matmul") else "sdpa"
 
     def info(self) -> dict:
         return {
@@ -300,31 +341,50 @@ class ServeEngine(LocalEngine):
         self._gauges()
 
     def _round(self) -> None:
-        """Drafts, then one target pass for every active sequence, then each one's next step is prepared."""
+        """Drafts, then one target pass for every active sequence, then each one's next step is prepared.
+
+        The passes are launched first; while they run (on CUDA), every sequence streams the text of its
+        previous step (LAUNCHED/AWAIT); then the logits are collected and each sequence verifies."""
         t0 = time.perf_counter()
         self._drafts()
         seqs = [s for s in self._active if isinstance(s.pending, Forward)]
         calls = [s.pending for s in seqs]
-        t1 = time.perf_counter()
         if self.slots is not None:
-            logits = self._slotted(calls)
-        else:
-            logits = self._eager(calls)
-        self._count("sched_pass_ms", (time.perf_counter() - t1) * 1e3)
+            self._shorten_drafts(calls)
+        t1 = time.perf_counter()
+        launched = self._launch(calls)
+        t2 = time.perf_counter()
+        ended = {id(seq) for seq in seqs if not self._advance(seq, LAUNCHED)}
+        t3 = time.perf_counter()
+        logits = self._collect(launched)
+        self._count("sched_pass_ms", (t2 - t1 + time.perf_counter() - t3) * 1e3)
         self._count("sched_rounds")
-        self._count("sched_batched_rows", sum(c.tokens.shape[0] for c in calls))
+        self._count("sched_batched_rows", sum(len(c.tokens) for c in calls))
         with self._lock:
             self._counters["sched_max_batch"] = max(self._counters["sched_max_batch"], len(calls))
-        ended = {id(seq) for seq, out in zip(seqs, logits, strict=True) if not self._advance(seq, out)}
+        for seq, out in zip(seqs, logits, strict=True):
+            if id(seq) not in ended and not self._advance(seq, out):
+                ended.add(id(seq))
         self._active = [s for s in self._active if id(s) not in ended]
         self._snapshot_kv()
         self._gauges()
         self._count("sched_round_ms", (time.perf_counter() - t0) * 1e3)
 
+    def _launch(self, calls: list[Forward]) -> tuple:
+        if self.slots is None:
+            return ("done", self._eager(calls))
+        return ("slotted", self._slotted_launch(calls))
+
+    def _collect(self, launched: tuple) -> list:
+        kind, value = launched
+        return value if kind == "done" else self._slotted_collect(*value)
+
     def _eager(self, calls: list[Forward]) -> list[torch.Tensor]:
         runtime = self.target.runtime
         device = getattr(runtime, "device", None)
         for c in calls:  # blocks built on the host for a slotted round that runs eagerly after all
+            if isinstance(c.tokens, list):
+                c.tokens = torch.tensor(c.tokens, dtype=torch.long)
             if device is not None and c.tokens.device != torch.device(device):
                 c.tokens = c.tokens.to(device)
         if self.batched and len(calls) > 0 and not (len(calls) == 1 and self._graphs):
@@ -333,40 +393,84 @@ class ServeEngine(LocalEngine):
         self._count("sched_passes", len(calls))
         return [run_one(runtime, c) for c in calls]
 
-    def _slotted(self, calls: list[Forward]) -> list[torch.Tensor]:
-        """Slotted passes of up to 16 tokens in one graph replay, slotted prefill chunks in one eager slot
-        pass (``SlotGraphs.prefill``), the others (sequences without a slot) as ``_eager``. The graph's
-        logits are views of its output, read by ``_advance`` before the next round replays anything."""
+    def _slotted_launch(self, calls: list[Forward]) -> tuple:
+        """Slotted passes of up to 16 tokens in one graph replay, started and not waited for; slotted prefill
+        chunks in one eager slot pass (``SlotGraphs.prefill``) and the others (sequences without a slot) as
+        ``_eager``, run here. The graph's logits are views of its output, read by ``_advance`` before the next
+        round replays anything."""
         slots = self.slots
-        fast = [i for i, c in enumerate(calls) if slots.fits(c.tokens.shape[0], c.cache, c.start)]
+        fast = [i for i, c in enumerate(calls) if slots.fits(len(c.tokens), c.cache, c.start)]
         out: list = [None] * len(calls)
+        graph = None
         if fast:
-            best: list[list[int]] = []
-            got = slots.run(
-                [(calls[i].tokens, calls[i].cache, calls[i].start, calls[i].num_logits) for i in fast], best
-            )
-            for i, logits, row_best in zip(fast, got, best, strict=True):
-                out[i] = logits
-                calls[i].best = row_best
+            graph = slots.launch([(calls[i].tokens, calls[i].cache, calls[i].start, calls[i].num_logits) for i in fast])
             self._count("sched_passes")
             self._count("sched_graph_rounds")
         chunks = [
             i
             for i, c in enumerate(calls)
-            if out[i] is None and slots.fits_prefill(c.tokens.shape[0], c.cache, c.start, c.num_logits)
+            if out[i] is None and i not in fast and slots.fits_prefill(len(c.tokens), c.cache, c.start, c.num_logits)
         ]
         if chunks:  # longer prefill chunks of slotted sequences: one eager pass over the slot range
-            best = []
+            best: list[list[int]] = []
             got = slots.prefill([(calls[i].tokens, calls[i].cache, calls[i].start, 1) for i in chunks], best)
             for i, logits, row_best in zip(chunks, got, best, strict=True):
                 out[i] = logits
                 calls[i].best = row_best
             self._count("sched_passes")
-        if len(fast) + len(chunks) < len(calls):
-            rest = [i for i in range(len(calls)) if out[i] is None]
+        rest = [i for i in range(len(calls)) if out[i] is None and i not in fast]
+        if rest:
             for i, logits in zip(rest, self._eager([calls[i] for i in rest]), strict=True):
                 out[i] = logits
+        return calls, fast, graph, out
+
+    def _slotted_collect(self, calls: list[Forward], fast: list[int], graph, out: list) -> list:
+        if graph is not None:
+            best: list[list[int]] = []
+            got = self.slots.collect(graph, best)
+            for i, logits, row_best in zip(fast, got, best, strict=True):
+                out[i] = logits
+                calls[i].best = row_best
+            gpu = self.slots.pass_ms(graph[2])
+            if gpu is not None:
+                self._count("sched_gpu_ms", gpu)
         return out
+
+    def _shorten_drafts(self, calls: list[Forward]) -> None:
+        """Choose the round's block length: cut verify blocks so the graph's rows buy the most tokens per ms.
+
+        A slotted round pads every pass to the longest one's bucket, and a graph of 32 sequences x 16 rows
+        costs several times one of 32 x 1 (H200, 1.5B shape: ~3.3 ms against ~7). So each candidate bucket
+        is scored by the tokens the round commits on average (each decoder's running acceptance of its
+        drafter) over that graph's measured GPU time; a bucket not measured yet counts as free, so it is tried
+        once and learnt. Only drafts are cut; prefill chunks and unslotted passes keep their length."""
+        slots = self.slots
+        fast = [c for c in calls if slots.fits(len(c.tokens), c.cache, c.start)]
+        verify = [c for c in fast if c.decoder is not None and len(c.tokens) > 1]
+        if not verify:
+            return
+        floor = max((len(c.tokens) for c in fast if c.decoder is None or len(c.tokens) == 1), default=1)
+        longest = block_bucket(max(len(c.tokens) for c in fast))
+        passes = [(c.tokens, c.cache, c.start, c.num_logits) for c in fast]
+        batch = slots.shape(passes)[0]
+        furthest = max(c.start for c in fast)
+        best_rate, best_rows = -1.0, longest
+        for rows in BLOCKS:
+            if rows < floor or rows > longest:
+                continue
+            cost = slots.pass_ms((batch, rows, key_bucket(furthest + rows, slots.slot_len + SLOT_SCRATCH)))
+            if cost is None:
+                best_rows = rows  # unmeasured: tried once (the smallest such), its time decides afterwards
+                break
+            tokens = sum(c.decoder.expected_tokens(rows) for c in verify)
+            rate = tokens / max(cost, 1e-3)
+            if rate > best_rate * MIN_GAIN:  # a longer block must pay for itself by a margin: timings are noisy
+                best_rate, best_rows = rate, rows
+        if best_rows < longest:
+            for c in verify:
+                if len(c.tokens) > best_rows:
+                    c.decoder.shorten(best_rows)
+                    self._count("sched_shortened")
 
     def _take_slot(self, doc) -> object | None:
         """Move the document's target cache into a slot for the run (None: it stays where it is)."""
@@ -479,7 +583,8 @@ class ServeEngine(LocalEngine):
                     end = min(len(prompt), pos + PREFILL_CHUNK)
                     chunk = torch.tensor(prompt[pos:end], dtype=torch.long, device=device)
                     fwd = Forward(chunk, doc.target, pos, 1)
-                    logits = yield fwd
+                    yield fwd  # launched: nothing to stream yet
+                    logits = yield AWAIT
                     pos = end
                 first = decoder.prefill_done(prompt, logits, fwd.best)
             self._count("tokens_prefilled", prefilled)
@@ -516,45 +621,72 @@ class ServeEngine(LocalEngine):
 
     def _decode_steps(
         self, decoder: StepDecoder, stream: CompletionStream, first: list[int], heal: str, constrained: bool
-    ) -> Generator[Forward, torch.Tensor, tuple[str, int, str | None]]:
-        """``LocalEngine._decode`` with each verify pass yielded to the scheduler."""
-        opt = decoder.opt
-        detok = IncrementalDetokenizer(self.target.tokenizer)
-        rules = StopRules(opt.stop, opt.max_lines)
-        shown = 0
-        new_tokens = first
+    ) -> Generator[object, object, tuple[str, int, str | None]]:
+        """``LocalEngine._decode`` with each verify pass yielded to the scheduler.
+
+        The text of a step's tokens is streamed while the next step's pass runs (after LAUNCHED), so the host
+        work of detokenising and sending overlaps the GPU. If that text hits a stop string or the line limit,
+        the pass in flight is dropped (``abandon_step``): one wasted row, never a wrong token."""
+        out = _TextOut(self, decoder, stream, heal, constrained)
+        pending = first  # committed tokens whose text is not streamed yet
         reason = None
         while True:
-            self._count("tokens_generated", len(new_tokens))
-            detok.add(new_tokens)
-            text, hit = rules.cut(unheal(detok.text, heal, constrained))
-            if hit:
-                reason = "stop"
-            safe = len(text) if (hit or decoder.done) else rules.safe_length(text)
-            if safe > shown:
-                stream.push(Delta(text[shown:safe]))
-                shown = safe
-            if reason or decoder.done:
-                break
-            if stream.cancelled:
-                reason = "cancelled"
+            if decoder.done or stream.cancelled:
+                if out.emit(pending):
+                    reason = "stop"
+                elif not decoder.done:
+                    reason = "cancelled"
                 break
             draft = decoder.next_draft()
-            if draft is None:
-                new_tokens = []
-            else:
-                if isinstance(draft, DraftNeed):  # the scheduler drafts for every sequence at once
-                    draft = Draft((yield draft))
-                new_tokens = decoder.end_step((yield decoder.begin_step(draft)))
+            if draft is None:  # decoding is over (the context is full): loop to stream the rest
+                continue
+            if isinstance(draft, DraftNeed):  # the scheduler drafts for every sequence at once
+                draft = Draft((yield draft))
+            yield decoder.begin_step(draft)  # LAUNCHED: the pass is on its way
+            hit = out.emit(pending)
+            logits = yield AWAIT
+            if hit:
+                decoder.abandon_step()
+                reason = "stop"
+                break
+            pending = decoder.end_step(logits)
             self._count("decode_steps")
         if decoder.done and not reason:
-            detok.flush()
-            text, _ = rules.cut(unheal(detok.text, heal, constrained))
-            if len(text) > shown:
-                stream.push(Delta(text[shown:]))
-                shown = len(text)
-            reason = "eos" if decoder.finish_reason == "stop" else decoder.finish_reason
-        return text, shown, reason
+            reason = out.finish()
+        return out.text, out.shown, reason
+
+
+class _TextOut:
+    """A sequence's streamed text: detokeniser, stop rules, what was shown (``ServeEngine._decode_steps``)."""
+
+    def __init__(
+        self, engine: ServeEngine, decoder: StepDecoder, stream: CompletionStream, heal: str, constrained: bool
+    ):
+        self.engine, self.decoder, self.stream = engine, decoder, stream
+        self.heal, self.constrained = heal, constrained
+        self.detok = IncrementalDetokenizer(engine.target.tokenizer)
+        self.rules = StopRules(decoder.opt.stop, decoder.opt.max_lines)
+        self.text, self.shown = "", 0
+
+    def emit(self, tokens: list[int]) -> bool:
+        """Stream the text of ``tokens``; True when it hit a stop string or the line limit."""
+        self.engine._count("tokens_generated", len(tokens))
+        self.detok.add(tokens)
+        self.text, hit = self.rules.cut(unheal(self.detok.text, self.heal, self.constrained))
+        safe = len(self.text) if (hit or self.decoder.done) else self.rules.safe_length(self.text)
+        if safe > self.shown:
+            self.stream.push(Delta(self.text[self.shown : safe]))
+            self.shown = safe
+        return hit
+
+    def finish(self) -> str:
+        """The decoder is done: stream what the detokeniser held back; the finish reason."""
+        self.detok.flush()
+        self.text, _ = self.rules.cut(unheal(self.detok.text, self.heal, self.constrained))
+        if len(self.text) > self.shown:
+            self.stream.push(Delta(self.text[self.shown :]))
+            self.shown = len(self.text)
+        return "eos" if self.decoder.finish_reason == "stop" else self.decoder.finish_reason
 
 
 def open_serve_engine(

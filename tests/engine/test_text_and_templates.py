@@ -32,6 +32,24 @@ def test_streamed_text_round_trips_and_never_splits_a_character(tokenizer, text)
     assert all("\ufffd" not in p for p in pieces if "\ufffd" not in text)
 
 
+@pytest.mark.parametrize("folder", ["fimble-target", "fimble-smollm2"])
+def test_backend_decode_equals_the_tokenizers_decode(folder):
+    """IncrementalDetokenizer decodes through the fast tokenizer's backend: the same text as ``decode``."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TARGET_DIR.parent / folder)
+    detok = IncrementalDetokenizer(tok)
+    assert detok._backend is not None  # the fast path is the one taken
+    rng = random.Random(0)
+    special = list(tok.all_special_ids)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))] + rng.sample(special, 1)
+        rng.shuffle(ids)
+        assert detok._decode(ids) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
 def test_control_token_strings_in_a_document_stay_text(embedded_target):
     """A file that mentions FIM tokens (a tokenizer's own source, say) must not steer the prompt."""
     from engine.api import CompletionRequest

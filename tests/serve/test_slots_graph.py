@@ -128,3 +128,45 @@ def test_cancelled_sequences_free_their_slots(compact_target):
         engine.close()
         thread.join(10)
     assert engine.slots.in_use() == 0 and not counters.get("failed")
+
+
+class _StubDecoder:
+    """The two calls ``ServeEngine._shorten_drafts`` makes of a StepDecoder, with a fixed acceptance rate."""
+
+    def __init__(self, rate: float):
+        self.rate, self.cut_to = rate, None
+
+    def expected_tokens(self, rows: int) -> float:
+        return sum(self.rate**j for j in range(rows))  # 1 + a + a^2 + ... for rows - 1 drafts
+
+    def shorten(self, rows: int) -> None:
+        self.cut_to = rows
+
+
+def test_round_block_choice_cuts_drafts_that_do_not_pay(compact_target, one_thread):
+    """A round's verify blocks are cut to the bucket with the most expected tokens per measured ms."""
+    from engine.serve.batched import Forward
+
+    rt = compact_target.runtime
+    engine = ServeEngine(compact_target, None, slots=True, threads=1, slot_len=256)
+    slots = engine.slots
+    views = [slots.take(rt.new_cache(256)) for _ in range(2)]
+    for v in views:
+        v.length = 100
+    batch = 2  # two slots: the lowest power of two covering both
+
+    def round_with(rate: float, costs: dict[int, float]) -> list[_StubDecoder]:
+        slots._cost = {(batch, rows, 256): ms for rows, ms in costs.items()}
+        stubs = [_StubDecoder(rate) for _ in views]
+        calls = [Forward([1] * 8, v, 100, 8, decoder=d) for v, d in zip(views, stubs, strict=True)]
+        engine._shorten_drafts(calls)
+        return stubs
+
+    flat = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.05}
+    steep = {1: 1.0, 2: 1.9, 4: 3.8, 8: 7.6}  # a row costs as much as a step: drafting never pays
+    assert [d.cut_to for d in round_with(0.9, flat)] == [None, None]  # cheap rows, good drafts: kept
+    assert [d.cut_to for d in round_with(0.0, flat)] == [1, 1]  # drafts never accepted: plain steps
+    assert [d.cut_to for d in round_with(0.9, steep)] == [1, 1]
+    assert [d.cut_to for d in round_with(0.9, {1: 1.0})] == [2, 2]  # 2 rows unmeasured: tried once, then learnt
+    assert engine.counters()["sched_shortened"] >= 6
+    engine.close()

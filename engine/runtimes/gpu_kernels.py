@@ -1,0 +1,252 @@
+"""Triton kernels for the CUDA path's static forward (engine/runtimes/cuda_graphs.py ``attention="fused"``).
+
+A decode step of a small model is a few hundred tiny kernels (bench/reports/gpu-profile-h200-*.txt: 548
+for the 0.5B shape, ~23 a layer, median 1.6 us each), so the step costs several times its weights' read
+time. Two kernels here replace 13 of a layer's:
+
+- ``rope_store``: RoPE on the query and key heads of one ``qkv`` projection row, the rotated query
+  written out, the rotated key and the value stored into the cache at the row's position (torch: a
+  concatenation, two products and a sum per head group, two cache writes and their layout copies).
+  Each product and the sum are rounded to the model's dtype in the order torch's ops round them, so the
+  rotated values are the torch path's bit for bit.
+- ``attention``: grouped-query attention of each query row over the cache's first ``keys_len``
+  positions, masked by position (key p is visible to the row at position q when p <= q), as a split-key
+  flash-decoding pass (online softmax per ``SPLIT_KEYS`` keys, fp32 accumulators) and a combine kernel.
+  torch: the mask add, a product, softmax, a cast, a product and the layout copies.
+
+Every query row is computed on its own with the same tile shapes whatever the block or batch size
+(``BLOCK_M`` rows of one kv head, the split layout fixed by key position), so a row's attention does not
+depend on which rows share its pass. Splits past a row's position do no work and add exact zeros.
+
+Triton is imported lazily: CPU machines (CI) never load it, and ``available()`` says whether it is there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+BLOCK_M = 16  # query rows of one kv head per program (tl.dot needs 16)
+BLOCK_N = 64  # keys per inner iteration
+SPLIT_KEYS = 256  # keys per split: the split layout depends on positions only, never on the batch
+MIN_SPLITS_TILE = 64  # the combine kernel's split tile: one compiled variant up to 16,384 keys
+
+
+@functools.cache
+def available() -> bool:
+    """Triton importable and a CUDA device present (the fused path's requirements)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # an ImportError, or a Triton that cannot find its compiler
+        return False
+    return True
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["T"])
+    def rope_store_kernel(
+        qkv, q_out, keys, values, cos, sin, positions,
+        T, qkv_stride, q_stride,
+        k_s, k_h, k_p, v_s, v_h, v_p,
+        H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr,
+        QKP: tl.constexpr, VP: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)  # one token row: sequence row // T, position positions[row]
+        s = row // T
+        pos = tl.load(positions + row)
+        d = tl.arange(0, HD)
+        half: tl.constexpr = HD // 2
+        swapped = (d + half) % HD
+        c = tl.load(cos + pos * HD + d).to(tl.float32)
+        # torch's sign-folded table: -sin on the first half, sin on the second (negation is exact)
+        sn = tl.load(sin + pos * HD + d).to(tl.float32)
+        sn = tl.where(d < half, -sn, sn)
+        heads = tl.arange(0, QKP)[:, None]
+        live = heads < H + KV
+        base = qkv + row * qkv_stride + heads * HD
+        x = tl.load(base + d[None, :], mask=live, other=0.0).to(tl.float32)
+        xs = tl.load(base + swapped[None, :], mask=live, other=0.0).to(tl.float32)
+        dt = q_out.dtype.element_ty
+        # rounded as torch rounds: bf16(bf16(x*cos) + bf16(swap(x)*sin))
+        a = (x * c[None, :]).to(dt).to(tl.float32)
+        b = (xs * sn[None, :]).to(dt).to(tl.float32)
+        r = (a + b).to(dt)
+        tl.store(q_out + row * q_stride + heads * HD + d[None, :], r, mask=heads < H)
+        kh = heads - H
+        kptr = keys + s * k_s + kh * k_h + pos * k_p + d[None, :]
+        tl.store(kptr, r, mask=(heads >= H) & live)
+        vh = tl.arange(0, VP)[:, None]
+        v = tl.load(qkv + row * qkv_stride + (H + KV + vh) * HD + d[None, :], mask=vh < KV, other=0.0)
+        tl.store(values + s * v_s + vh * v_h + pos * v_p + d[None, :], v, mask=vh < KV)
+
+    # T, keys_len and the split count are plain arguments (not specialised), so one compiled kernel serves every
+    # block size and cache length: a new variant mid-decode would stall a step for a compile.
+    @triton.jit(do_not_specialize=["T", "keys_len", "SPLITS"])
+    def attention_split_kernel(
+        q, keys, values, positions, out, part_acc, part_ml,
+        T, keys_len, q_stride, out_stride,
+        k_s, k_h, k_p, v_s, v_h, v_p,
+        scale, SPLITS,
+        KV: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)  # (sequence, kv head, block of BM query rows)
+        split = tl.program_id(1)
+        blocks = tl.cdiv(G * T, BM)
+        mb = pid % blocks
+        h = (pid // blocks) % KV
+        s = pid // (blocks * KV)
+        r = mb * BM + tl.arange(0, BM)  # query row r = token * G + group member
+        live = r < G * T
+        t = r // G
+        head = h * G + r % G
+        pos = tl.load(positions + s * T + t, mask=live, other=-1)
+        d = tl.arange(0, HD)
+        qrow = s * T + t
+        qt = tl.load(q + qrow[:, None] * q_stride + head[:, None] * HD + d[None, :], mask=live[:, None], other=0.0)
+        lo = split * SPLIT
+        hi = tl.minimum(tl.minimum(lo + SPLIT, keys_len), tl.max(pos, axis=0) + 1)  # keys past every row: skipped
+        m = tl.full((BM,), -1.0e30, tl.float32)
+        l = tl.zeros((BM,), tl.float32)  # noqa: E741
+        acc = tl.zeros((BM, HD), tl.float32)
+        n = tl.arange(0, BN)
+        start = lo
+        while start < hi:  # a while loop: bounds that are tensors (Triton's interpreter needs it for range)
+            key = start + n
+            inside = key < hi
+            kt = tl.load(keys + s * k_s + h * k_h + key[:, None] * k_p + d[None, :], mask=inside[:, None], other=0.0)
+            scores = tl.dot(qt, tl.trans(kt)) * scale
+            visible = (key[None, :] <= pos[:, None]) & inside[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+            vt = tl.load(values + s * v_s + h * v_h + key[:, None] * v_p + d[None, :], mask=inside[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m = m_new
+            start += BN
+        if SPLITS == 1:  # one split: normalise and write the rows here
+            res = acc / tl.where(l > 0, l, 1.0)[:, None]
+            optr = out + qrow[:, None] * out_stride + head[:, None] * HD + d[None, :]
+            tl.store(optr, res.to(out.dtype.element_ty), mask=live[:, None])
+        else:
+            slot = (pid * SPLITS + split) * BM
+            tl.store(part_acc + (slot + tl.arange(0, BM))[:, None] * HD + d[None, :], acc)
+            tl.store(part_ml + (slot + tl.arange(0, BM)) * 2, m)
+            tl.store(part_ml + (slot + tl.arange(0, BM)) * 2 + 1, l)
+
+    @triton.jit(do_not_specialize=["T", "SPLITS"])
+    def attention_combine_kernel(
+        out, part_acc, part_ml, T, out_stride, SPLITS,
+        KV: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, SP: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        row = tl.program_id(1)  # one query row of the program's block
+        blocks = tl.cdiv(G * T, BM)
+        mb = pid % blocks
+        h = (pid // blocks) % KV
+        s = pid // (blocks * KV)
+        r = mb * BM + row
+        if r < G * T:
+            sp = tl.arange(0, SP)
+            used = sp < SPLITS
+            slot = (pid * SPLITS + sp) * BM + row
+            m = tl.load(part_ml + slot * 2, mask=used, other=-1.0e30)
+            l = tl.load(part_ml + slot * 2 + 1, mask=used, other=0.0)  # noqa: E741
+            top = tl.max(m, axis=0)
+            w = tl.exp(m - top)  # a split with no visible key: m = -1e30, weight and sums exactly 0
+            d = tl.arange(0, HD)
+            acc = tl.load(part_acc + slot[:, None] * HD + d[None, :], mask=used[:, None], other=0.0)
+            total = tl.sum(l * w, axis=0)
+            res = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+            t = r // G
+            head = h * G + r % G
+            tl.store(out + (s * T + t) * out_stride + head * HD + d, res.to(out.dtype.element_ty))
+
+    return rope_store_kernel, attention_split_kernel, attention_combine_kernel
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def rope_store(
+    qkv: Tensor, keys: Tensor, values: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
+    seqs: int, heads: int, kv_heads: int,
+) -> Tensor:  # fmt: skip
+    """``qkv`` [S*T, (heads + 2*kv_heads) * hd] → the rotated queries [S*T, heads * hd]; keys/values
+    [S, kv_heads, max_len, hd] get the rotated keys and the values at ``positions`` ([S*T], flattened)."""
+    rows, hd = qkv.shape[0], keys.shape[-1]
+    q = torch.empty(rows, heads * hd, dtype=qkv.dtype, device=qkv.device)
+    rope_kernel = _kernels()[0]
+    rope_kernel[(rows,)](
+        qkv, q, keys, values, cos, sin, positions,
+        rows // seqs, qkv.stride(0), q.stride(0),
+        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+        H=heads, KV=kv_heads, HD=hd, QKP=_pow2(heads + kv_heads), VP=_pow2(kv_heads),
+    )  # fmt: skip
+    return q
+
+
+def attention(
+    q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, keys_len: int, seqs: int, kv_heads: int,
+    scratch: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:  # fmt: skip
+    """Attention of ``q`` [S*T, heads * hd] over ``keys``/``values`` [S, kv_heads, max_len, hd], first
+    ``keys_len`` positions, masked by ``positions`` [S*T]. Returns [S*T, heads * hd] in q's dtype.
+
+    ``scratch``: ``attention_scratch``'s buffers, made once for all layers of a pass."""
+    _, split_kernel, combine_kernel = _kernels()
+    rows, width = q.shape
+    hd = keys.shape[-1]
+    group = width // hd // kv_heads
+    t = rows // seqs
+    blocks = -(-(group * t) // BLOCK_M)
+    programs = seqs * kv_heads * blocks
+    splits = -(-keys_len // SPLIT_KEYS)
+    out = torch.empty_like(q)
+    if scratch is None:
+        scratch = attention_scratch(q, keys_len, seqs, kv_heads, hd)
+    part_acc, part_ml = scratch
+    split_kernel[(programs, splits)](
+        q, keys, values, positions, out, part_acc, part_ml,
+        t, keys_len, q.stride(0), out.stride(0),
+        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+        hd**-0.5, splits,
+        KV=kv_heads, G=group, HD=hd, BM=BLOCK_M, BN=BLOCK_N, SPLIT=SPLIT_KEYS,
+    )  # fmt: skip
+    if splits > 1:
+        combine_kernel[(programs, BLOCK_M)](
+            out, part_acc, part_ml, t, out.stride(0), splits,
+            KV=kv_heads, G=group, HD=hd, BM=BLOCK_M, SP=max(MIN_SPLITS_TILE, _pow2(splits)),
+        )  # fmt: skip
+    return out
+
+
+def attention_scratch(q: Tensor, keys_len: int, seqs: int, kv_heads: int, hd: int) -> tuple[Tensor, Tensor]:
+    """Per-split partial sums for ``attention`` (fp32), sized for one pass's shapes."""
+    rows, width = q.shape
+    group = width // hd // kv_heads
+    blocks = -(-(group * (rows // seqs)) // BLOCK_M)
+    splits = max(1, -(-keys_len // SPLIT_KEYS))
+    n = seqs * kv_heads * blocks * splits * BLOCK_M
+    return (
+        torch.empty(n, hd, dtype=torch.float32, device=q.device),
+        torch.empty(n, 2, dtype=torch.float32, device=q.device),
+    )
+
+
+__all__ = ["BLOCK_M", "SPLIT_KEYS", "attention", "attention_scratch", "available", "rope_store"]

@@ -1,0 +1,167 @@
+"""The fused CUDA-path kernels (engine/runtimes/gpu_kernels.py) against the torch ops they replace.
+
+On a CUDA machine with Triton they run natively, in bf16 (the GPU tests: ``pytest tests/engine/test_gpu_kernels.py``
+there). On a CPU they run only under Triton's interpreter (``TRITON_INTERPRET=1`` and Triton installed), in
+fp32; CI has no Triton, so there they are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except Exception:
+    HAVE_TRITON = False
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(
+    not HAVE_TRITON or not (CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs Triton, and CUDA or TRITON_INTERPRET=1",
+)
+DEV = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+
+
+def _rope_tables(length: int, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    freqs = torch.outer(torch.arange(length).float(), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(DTYPE).to(DEV), emb.sin().to(DTYPE).to(DEV)
+
+
+def _reference_rope(qkv, cos, sin, positions, heads, kv_heads, hd):
+    """cuda_graphs.forward_batch's rotation, op for op."""
+    half = hd // 2
+    c, s = cos[positions], sin[positions]
+    s = torch.cat((-s[:, :half], s[:, half:]), dim=-1)
+    qk = qkv.view(qkv.shape[0], -1, hd)[:, : heads + kv_heads]
+    rot = qk * c[:, None] + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * s[:, None]
+    return rot[:, :heads], rot[:, heads:], qkv.view(qkv.shape[0], -1, hd)[:, heads + kv_heads :]
+
+
+@pytest.mark.parametrize("seqs,t,heads,kv_heads,hd", [(1, 1, 14, 2, 64), (3, 4, 8, 2, 64), (2, 2, 12, 2, 128)])
+def test_rope_store_equals_torch_ops(seqs, t, heads, kv_heads, hd):
+    from engine.runtimes.gpu_kernels import rope_store
+
+    torch.manual_seed(0)
+    max_len = 300
+    cos, sin = _rope_tables(max_len, hd)
+    qkv = torch.randn(seqs * t, (heads + 2 * kv_heads) * hd).to(DTYPE).to(DEV)
+    starts = torch.tensor([5, 100, 250][:seqs])
+    positions = (starts[:, None] + torch.arange(t)[None, :]).reshape(-1).to(DEV)
+    keys = torch.zeros(seqs, kv_heads, max_len, hd, dtype=DTYPE, device=DEV)
+    values = torch.zeros_like(keys)
+    q = rope_store(qkv, keys, values, cos, sin, positions, seqs, heads, kv_heads)
+    rq, rk, rv = _reference_rope(qkv, cos, sin, positions, heads, kv_heads, hd)
+    assert torch.equal(q.view(-1, heads, hd), rq)  # bit for bit: the same roundings in the same order
+    rows = torch.arange(seqs).repeat_interleave(t).to(DEV)
+    assert torch.equal(keys[rows, :, positions], rk)
+    assert torch.equal(values[rows, :, positions], rv)
+    written = torch.zeros(seqs, max_len, dtype=torch.bool)
+    written[rows.cpu(), positions.cpu()] = True
+    assert not keys.abs().sum((1, 3)).cpu()[~written].any()  # nothing else in the cache was touched
+
+
+def _reference_attention(q, keys, values, positions, keys_len, seqs, kv_heads):
+    rows, width = q.shape
+    hd = keys.shape[-1]
+    heads = width // hd
+    group, t = heads // kv_heads, rows // seqs
+    out = torch.empty(rows, heads, hd, dtype=torch.float64)
+    for r in range(rows):
+        s, pos = r // t, int(positions[r])
+        for h in range(heads):
+            k = keys[s, h // group, : min(pos + 1, keys_len)].double()
+            v = values[s, h // group, : min(pos + 1, keys_len)].double()
+            w = torch.softmax(k @ q[r, h * hd : (h + 1) * hd].double() / math.sqrt(hd), dim=0)
+            out[r, h] = w @ v
+    return out.view(rows, width)
+
+
+@pytest.mark.parametrize(
+    "seqs,t,heads,kv_heads,hd,keys_len,starts",
+    [
+        (1, 1, 8, 2, 64, 256, [40]),  # one split, written directly
+        (1, 4, 14, 2, 64, 1024, [700]),  # four splits, the last ones past the rows: skipped
+        (3, 2, 12, 2, 128, 512, [3, 300, 509]),  # batch of three at different depths
+    ],
+)
+def test_attention_matches_masked_softmax(seqs, t, heads, kv_heads, hd, keys_len, starts):
+    from engine.runtimes.gpu_kernels import attention
+
+    torch.manual_seed(1)
+    max_len = keys_len + 64
+    q = torch.randn(seqs * t, heads * hd).to(DTYPE).to(DEV)
+    keys = torch.randn(seqs, kv_heads, max_len, hd).to(DTYPE).to(DEV)
+    values = torch.randn(seqs, kv_heads, max_len, hd).to(DTYPE).to(DEV)
+    positions = (torch.tensor(starts)[:, None] + torch.arange(t)[None, :]).reshape(-1).to(DEV)
+    got = attention(q, keys, values, positions, keys_len, seqs, kv_heads)
+    want = _reference_attention(q.cpu(), keys.cpu(), values.cpu(), positions.cpu(), keys_len, seqs, kv_heads)
+    tol = 2e-2 if DTYPE == torch.bfloat16 else 1e-4
+    assert torch.allclose(got.cpu().double(), want, atol=tol, rtol=tol)
+
+
+def test_attention_row_does_not_depend_on_its_pass():
+    """A query row's result is the same alone (a 1-token step) and in a block or batch (batch invariance)."""
+    from engine.runtimes.gpu_kernels import attention
+
+    torch.manual_seed(2)
+    heads, kv_heads, hd, keys_len, t = 8, 2, 64, 512, 4
+    keys = torch.randn(2, kv_heads, keys_len, hd).to(DTYPE).to(DEV)
+    values = torch.randn(2, kv_heads, keys_len, hd).to(DTYPE).to(DEV)
+    q = torch.randn(2 * t, heads * hd).to(DTYPE).to(DEV)
+    positions = torch.tensor([300, 301, 302, 303, 10, 11, 12, 13], device=DEV)
+    block = attention(q, keys, values, positions, keys_len, 2, kv_heads)
+    for r in (0, 3, 5):
+        s = r // t
+        alone = attention(q[r : r + 1], keys[s : s + 1], values[s : s + 1], positions[r : r + 1], keys_len, 1, kv_heads)
+        if CUDA:
+            assert torch.equal(alone[0], block[r])
+        else:  # numpy's vectorised exp rounds by an element's place in its array: not a property of the kernel
+            assert torch.allclose(alone[0], block[r], atol=1e-6, rtol=0)
+
+
+def test_fused_forward_equals_torch_forward():
+    """cuda_graphs.forward_batch with attention="fused" against its torch attention, on a small random model."""
+    from engine.runtimes.compact import CompactConfig, CompactTransformer
+    from engine.runtimes.cuda_graphs import forward_batch
+
+    cfg = CompactConfig.from_hf_dict(
+        dict(model_type="qwen2", hidden_act="silu", rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=2048,
+             vocab_size=500, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, tie_word_embeddings=True)
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = CompactTransformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.05)
+    model = model.to(DEV).to(DTYPE).eval()
+    model.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=DEV).float() / cfg.head_dim))
+    model._ensure_rope(1024)
+    seqs, t, keys_len = 3, 4, 512
+    shape = (cfg.num_layers, seqs, cfg.num_kv_heads, keys_len + 64, cfg.head_dim)
+    history = torch.randn(shape).to(DTYPE).to(DEV)
+    tokens = torch.randint(0, 500, (seqs, t), device=DEV)
+    starts = torch.tensor([0, 37, 400], device=DEV)
+    outs = {}
+    for attention in ("sdpa", "fused"):
+        keys, values = history.clone(), history.clone() * 0.5
+        with torch.inference_mode():
+            logits = forward_batch(model, keys, values, tokens, starts, keys_len, attention=attention)
+        outs[attention] = (logits, keys, values)
+    (a, ka, va), (b, kb, vb) = outs["sdpa"], outs["fused"]
+    # layer 0's rotated keys and values are the torch path's bit for bit, in the same places (later layers
+    # take attention's output, summed in another order)
+    assert torch.equal(ka[0], kb[0]) and torch.equal(va[0], vb[0])
+    tol = 5e-2 if DTYPE == torch.bfloat16 else 1e-4
+    assert torch.allclose(ka, kb, atol=tol, rtol=tol) and torch.allclose(va, vb, atol=tol, rtol=tol)
+    assert torch.allclose(a, b, atol=tol, rtol=tol)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
