@@ -27,7 +27,9 @@ n-gram drafts means nothing; the point is the cost of serving that shape. The sl
 capture time stays out of the timed levels. ``--max-tokens 128 --max-lines 0`` makes every completion run
 until the next keystroke cancels it (the trace's default, 16 tokens and one line, caps tok/s: at 32 editors
 with 100 ms think time, 32 x 16 tokens per ~0.15 s is about 3,400 tok/s whatever the engine does).
-``sched_round_ms``/``sched_pass_ms`` give each level's mean round time and its share in target passes.
+``sched_round_ms``/``sched_pass_ms`` give each level's mean round time and its share spent launching and waiting
+for target passes (the text of the previous step is streamed while a slotted round's graph runs);
+``sched_gpu_ms`` the graph's GPU time; ``sched_shortened`` the verify blocks the round's block choice cut.
 Where the Python 3.12 daemon's decode loop should be profiled, set ``SERVE_LOAD_PROFILE=path`` (--shape).
 
 The last line printed is the headline.
@@ -255,7 +257,9 @@ def serve_shape(shape: str, device: str, batch: bool, max_active: int, warm_grap
     vocab = len(base.tokenizer)
     with torch.no_grad():
         model.lm_head.weight[vocab:].zero_()  # ids the tokenizer lacks: logit 0, never the argmax
-    target = replace(base, name=f"random-{shape}", runtime=GraphRuntime(model, attention=attention))
+    runtime = GraphRuntime(model, attention=None if attention == "default" else attention)
+    attention = runtime.attention
+    target = replace(base, name=f"random-{shape}", runtime=runtime)
     del base
     torch.cuda.empty_cache()
     engine = ServeEngine(target, None, batch=batch, max_active=max_active, threads=1)
@@ -271,6 +275,9 @@ def serve_shape(shape: str, device: str, batch: bool, max_active: int, warm_grap
         file=sys.stderr,
         flush=True,
     )
+    switch_ms = os.environ.get("SERVE_LOAD_SWITCH_MS")  # experiment: the GIL switch interval of the daemon
+    if switch_ms:
+        sys.setswitchinterval(float(switch_ms) / 1e3)
     announce = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     profile = os.environ.get("SERVE_LOAD_PROFILE")  # a path: cProfile the decode loop, stats written at exit
     if not profile:
@@ -330,6 +337,8 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
     round_ms = after.get("sched_round_ms", 0) - before.get("sched_round_ms", 0)
     pass_ms = after.get("sched_pass_ms", 0) - before.get("sched_pass_ms", 0)
     graph_rounds = after.get("sched_graph_rounds", 0) - before.get("sched_graph_rounds", 0)
+    gpu_ms = after.get("sched_gpu_ms", 0) - before.get("sched_gpu_ms", 0)
+    shortened = after.get("sched_shortened", 0) - before.get("sched_shortened", 0)
     return {
         "editors": editors,
         "requests": editors * (chars + 1),
@@ -348,6 +357,8 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
         "graph_rounds": graph_rounds,
         "mean_round_ms": round(round_ms / rounds, 2) if rounds else 0,
         "mean_pass_ms": round(pass_ms / rounds, 2) if rounds else 0,
+        "mean_graph_gpu_ms": round(gpu_ms / graph_rounds, 2) if graph_rounds else 0,
+        "drafts_shortened": shortened,
         "busy_share": round(round_ms / 1e3 / wall, 2) if wall else 0,
     }
 
@@ -368,10 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-active", type=int, default=64, help="--shape: the daemon's max active sequences")
     ap.add_argument(
         "--attention",
-        choices=("sdpa", "matmul"),
-        default="sdpa",
-        help="--shape: the graphs' attention (sdpa, GraphRuntime's default; on 2026-12-01 matmul was slower in "
-        "32-slot rounds of the 1.5B shape: 6.5 ms passes against 5.4)",
+        choices=("default", "fused", "sdpa", "matmul"),
+        default="default",
+        help="--shape: the graphs' attention (default: GraphRuntime's, the Triton kernels where Triton runs, else "
+        "sdpa; on 2026-12-01 matmul was slower than sdpa in 32-slot rounds of the 1.5B shape: 6.5 ms against 5.4)",
     )
     ap.add_argument("--serve-shape", help=argparse.SUPPRESS)  # internal: be the daemon (serve_shape)
     ap.add_argument("--no-batch", action="store_true", help=argparse.SUPPRESS)  # internal, with --serve-shape
@@ -417,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['tok_per_s']:>7.1f} tok/s, first delta p50 {r['p50_first_delta_ms']:>7.1f} ms p95 "
                     f"{r['p95_first_delta_ms']:>7.1f} ms; errors {r['errors']}, rows/round "
                     f"{r['mean_rows_per_round']}, round {r['mean_round_ms']} ms (passes {r['mean_pass_ms']} ms, "
-                    f"busy {r['busy_share']:.0%}), load {r['load_average']}",
+                    f"graph GPU {r['mean_graph_gpu_ms']} ms, busy {r['busy_share']:.0%}), drafts cut "
+                    f"{r['drafts_shortened']}, load {r['load_average']}",
                     flush=True,
                 )
     finally:

@@ -87,6 +87,9 @@ class NgramDrafter:
 
     Token sequences are searched as int32 byte strings with ``bytes.rfind``: a scan
     in C over a few thousand tokens takes microseconds, with no index to build.
+    The remembered completions are one byte string, each followed by a separator token (-1, never an id),
+    so each n-gram length costs two scans, not one per completion (fimble serve calls this for every
+    sequence every round). The context's bytes are extended as the caller's token list grows.
     """
 
     name = "ngram"
@@ -94,6 +97,10 @@ class NgramDrafter:
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, history: int = 16):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.recent: deque[bytes] = deque(maxlen=history)
+        self._joined = b""  # the recent completions, oldest first, each followed by _SEPARATOR
+        self._ctx: list[int] | None = None  # the list the cached bytes were made from
+        self._ctx_len = 0
+        self._ctx_buf = b""
 
     def reset(self) -> None:
         pass  # stateless between calls apart from the remembered completions
@@ -102,21 +109,40 @@ class NgramDrafter:
         """Keep a finished completion to draft from in later requests."""
         if completion:
             self.recent.append(array("i", completion).tobytes())
+            self._joined = b"".join(past + _SEPARATOR for past in self.recent)
+
+    def _context_bytes(self, context: list[int]) -> bytes:
+        # A decoder's ids only ever grow, so the bytes of the same list are extended, not rebuilt. (Were the list
+        # edited in place, drafts would be worse, never the output: every draft is verified by the target.)
+        if context is self._ctx and len(context) >= self._ctx_len:
+            if len(context) > self._ctx_len:
+                self._ctx_buf += array("i", context[self._ctx_len :]).tobytes()
+        else:
+            self._ctx_buf = array("i", context).tobytes()
+        self._ctx, self._ctx_len = context, len(context)
+        return self._ctx_buf
 
     def propose(self, context: list[int], k: int, temperature: float = 0.0, top_p: float = 1.0,
                 gate: float = 0.0, gen: torch.Generator | None = None) -> Draft:
-        buf = array("i", context).tobytes()
+        buf = self._context_bytes(context)
+        joined = self._joined
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             pattern = buf[-4 * n:]
             # An occurrence must end before the last token, so that something follows it.
             found = _rfind_aligned(buf, pattern, 4 * (len(context) - 1))
             if found is not None:
                 return Draft(_tokens(buf, found + 4 * n, k))
-            for past in reversed(self.recent):
-                found = _rfind_aligned(past, pattern, len(past) - 4)
-                if found is not None:
-                    return Draft(_tokens(past, found + 4 * n, k))
+            # The newest remembered completion holding it, where a token (not the separator) follows it.
+            end = len(joined)
+            while (found := _rfind_aligned(joined, pattern, end)) is not None:
+                after = found + 4 * n
+                if joined[after : after + 4] != _SEPARATOR:
+                    return Draft(_tokens(joined, after, k))
+                end = after - 4  # ends a completion: look further left
         return Draft([])
+
+
+_SEPARATOR = array("i", [-1]).tobytes()
 
 
 def _rfind_aligned(buf: bytes, pattern: bytes, end: int) -> int | None:
@@ -128,4 +154,5 @@ def _rfind_aligned(buf: bytes, pattern: bytes, end: int) -> int | None:
 
 
 def _tokens(buf: bytes, offset: int, k: int) -> list[int]:
-    return array("i", buf[offset: offset + 4 * k]).tolist()
+    tokens = array("i", buf[offset: offset + 4 * k]).tolist()
+    return tokens[: tokens.index(-1)] if -1 in tokens else tokens  # a remembered completion ends at its separator

@@ -107,7 +107,7 @@ class EngineDaemon:
         self._stop: asyncio.Event | None = None
         # Messages from the engine thread wait here and reach the loop in one wake-up per batch: a round of
         # 32 sequences would otherwise wake the loop (a self-pipe write, a loop pass, the GIL) 32 times.
-        self._outgoing: list[tuple[Any, bytes]] = []
+        self._outgoing: list[tuple[Any, dict]] = []
         self._outgoing_lock = threading.Lock()
         self._flush_pending = False
 
@@ -259,21 +259,33 @@ class EngineDaemon:
         session = _Session(secrets.token_hex(6))
         self.counts["sessions_open"] += 1
         self.counts["sessions_total"] += 1
-        outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        outbox: asyncio.Queue[dict | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
-        def enqueue(data: bytes) -> None:
+        def enqueue(msg: dict) -> None:
             if outbox.qsize() >= OUTBOX_LIMIT:  # the client stopped reading: drop it, not our memory
                 ws.transport.abort()
                 return
-            outbox.put_nowait(data)
+            outbox.put_nowait(msg)
 
         def send(msg: dict) -> None:  # from any thread
-            self._post(loop, enqueue, protocol.pack(msg))
+            self._post(loop, enqueue, msg)
 
         async def writer() -> None:
-            while (data := await outbox.get()) is not None:
-                await ws.send(data)
+            # Whatever queued up while the last frame went out is sent together, a request's consecutive deltas
+            # as one: under load the writer falls behind the decode loop, and a frame per token would grow the
+            # backlog (and every first delta's wait behind it).
+            closing = False
+            while not closing and (msg := await outbox.get()) is not None:
+                batch = [msg]
+                while not outbox.empty():
+                    more = outbox.get_nowait()
+                    if more is None:
+                        closing = True
+                        break
+                    batch.append(more)
+                for merged in coalesce_deltas(batch):
+                    await ws.send(protocol.pack(merged))
 
         write_task = asyncio.create_task(writer())
         send({"op": "ready", "version": protocol.PROTOCOL_VERSION, "session": session.id, "info": self.engine.info()})
@@ -301,10 +313,10 @@ class EngineDaemon:
             except Exception:  # the client vanished while we flushed: nothing left to tell it
                 write_task.cancel()
 
-    def _post(self, loop: asyncio.AbstractEventLoop, enqueue, data: bytes) -> None:
-        """Queue ``data`` for a session's writer from any thread; the first message of a batch wakes the loop."""
+    def _post(self, loop: asyncio.AbstractEventLoop, enqueue, msg: dict) -> None:
+        """Queue ``msg`` for a session's writer from any thread; the first message of a batch wakes the loop."""
         with self._outgoing_lock:
-            self._outgoing.append((enqueue, data))
+            self._outgoing.append((enqueue, msg))
             if self._flush_pending:
                 return
             self._flush_pending = True
@@ -315,8 +327,8 @@ class EngineDaemon:
         with self._outgoing_lock:
             batch, self._outgoing = self._outgoing, []
             self._flush_pending = False
-        for enqueue, data in batch:
-            enqueue(data)
+        for enqueue, msg in batch:
+            enqueue(msg)
 
     def _dispatch(self, session: _Session, msg: dict, send) -> str | None:
         op = msg["op"]
@@ -379,6 +391,26 @@ class EngineDaemon:
             self.engine.forget(doc)  # done by the engine once the cancelled sequence has stopped
             self.counts["documents_freed"] += 1
         session.documents.clear()
+
+
+def coalesce_deltas(messages: list[dict]) -> list[dict]:
+    """``messages`` in order, each run of consecutive deltas of one request merged into one (texts joined, the
+    last one's end fields kept). A delta that ends its stream or carries an error ends a run."""
+    out: list[dict] = []
+    for msg in messages:
+        prev = out[-1] if out else None
+        if (
+            prev is not None
+            and msg.get("op") == "delta"
+            and prev.get("op") == "delta"
+            and prev.get("id") == msg.get("id")
+            and not prev["delta"].get("finished")
+            and not prev["delta"].get("error")
+        ):
+            out[-1] = {**msg, "delta": {**msg["delta"], "text": prev["delta"]["text"] + msg["delta"]["text"]}}
+        else:
+            out.append(msg)
+    return out
 
 
 def run_daemon(engine: Any, options: ServeOptions, announce=print) -> int:

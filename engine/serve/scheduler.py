@@ -181,15 +181,19 @@ class StepDecoder(SpeculativeDecoder):
         fwd.tokens, fwd.num_logits = fwd.tokens[:rows], rows
         self._pending = (draft, start, fwd)
 
-    def expected_tokens(self, rows: int) -> float:
-        """Tokens the pending step commits on average if its block is cut to ``rows`` rows (spec_policy's
-        running acceptance of this round's drafter)."""
+    def expected_tokens(self) -> list[float]:
+        """Tokens the pending step commits on average with its first g drafts, for g = 0..len(draft)
+        (spec_policy's running acceptance of this round's drafter, per draft position)."""
         assert self._pending is not None
-        draft = self._pending[0]
-        g = min(rows - 1, len(draft.tokens))
-        if g <= 0 or not self._kind:
-            return 1.0
-        return self.acceptance[self._kind].expected_tokens(g)
+        k = len(self._pending[0].tokens)
+        curve = [1.0]
+        if not self._kind:
+            return curve * (k + 1)
+        acceptance, survive = self.acceptance[self._kind], 1.0
+        for i in range(k):
+            survive *= acceptance.rate(i)
+            curve.append(curve[-1] + survive)
+        return curve
 
     def abandon_step(self) -> None:
         """Drop the pending pass (its text hit a stop meanwhile): the cache goes back to the committed tokens."""
@@ -454,6 +458,7 @@ class ServeEngine(LocalEngine):
         passes = [(c.tokens, c.cache, c.start, c.num_logits) for c in fast]
         batch = slots.shape(passes)[0]
         furthest = max(c.start for c in fast)
+        curves = [c.decoder.expected_tokens() for c in verify]
         best_rate, best_rows = -1.0, longest
         for rows in BLOCKS:
             if rows < floor or rows > longest:
@@ -462,7 +467,7 @@ class ServeEngine(LocalEngine):
             if cost is None:
                 best_rows = rows  # unmeasured: tried once (the smallest such), its time decides afterwards
                 break
-            tokens = sum(c.decoder.expected_tokens(rows) for c in verify)
+            tokens = sum(curve[min(rows - 1, len(curve) - 1)] for curve in curves)
             rate = tokens / max(cost, 1e-3)
             if rate > best_rate * MIN_GAIN:  # a longer block must pay for itself by a margin: timings are noisy
                 best_rate, best_rows = rate, rows

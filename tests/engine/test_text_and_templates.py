@@ -128,6 +128,35 @@ def test_ngram_drafter_copies_from_context_and_history():
     assert d.propose([0, 7, 8], 2).tokens == [10, 11]
 
 
+def _reference_ngram_draft(context, k, recent, max_ngram):
+    """NgramDrafter's rule written plainly: the longest n-gram first; the context, then completions newest first."""
+    for n in range(min(max_ngram, len(context)), 0, -1):
+        tail = context[-n:]
+        for source, limit in [(context, len(context) - 1)] + [(p, len(p) - 1) for p in reversed(recent)]:
+            for start in range(limit - n, -1, -1):  # the last occurrence with a token after it
+                if source[start : start + n] == tail:
+                    return source[start + n : start + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 5), max_size=12), max_size=5),
+    st.lists(st.integers(0, 5), min_size=1, max_size=30),
+    st.lists(st.integers(0, 5), max_size=4),
+    st.integers(1, 6),
+)
+def test_ngram_drafter_matches_the_plain_rule(history, context, grown, k):
+    """Drafts equal the plain rule, also when the context list grows between calls (cached bytes)."""
+    d = NgramDrafter(max_ngram=3, history=4)
+    for past in history:
+        d.remember(past)
+    recent = [p for p in history if p][-4:]
+    assert d.propose(context, k).tokens == _reference_ngram_draft(context, k, recent, 3)
+    context.extend(grown)  # the same list, longer: the drafter extends its bytes
+    assert d.propose(context, k).tokens == _reference_ngram_draft(context, k, recent, 3)
+
+
 def test_ngram_drafter_ignores_misaligned_byte_matches():
     # 256 = bytes 00 01 00 00; a byte-level match straddling two tokens must not count.
     d = NgramDrafter(max_ngram=1)

@@ -224,3 +224,29 @@ def test_messages_over_the_size_limit_are_refused(daemon, client):
     status, _, text = post(daemon.port, {"prompt": big}, daemon.token)
     assert status == 413 and "error" in json.loads(text)
     assert client.submit(request("file:///after.py")).collect()  # the daemon serves on
+
+
+def test_backlogged_deltas_of_one_request_are_sent_as_one():
+    """The writer merges a request's consecutive deltas queued behind a slow socket; ends and errors stay apart."""
+    from engine.serve.daemon import coalesce_deltas
+
+    def delta(rid, text, finished=False, error=None):
+        return {"op": "delta", "id": rid, "delta": {"text": text, "finished": finished, "error": error}}
+
+    msgs = [
+        delta(1, "a"),
+        delta(1, "b"),
+        delta(2, "x"),
+        delta(1, "c"),
+        delta(1, "d", finished=True),
+        delta(1, "late"),  # after a finished delta: never merged into it
+        {"op": "pong", "id": 9},
+        delta(3, "e", error="boom"),
+        delta(3, "f"),
+    ]
+    out = coalesce_deltas(msgs)
+    assert [(m.get("id"), m.get("delta", {}).get("text")) for m in out] == [
+        (1, "ab"), (2, "x"), (1, "cd"), (1, "late"), (9, None), (3, "e"), (3, "f")
+    ]  # fmt: skip
+    assert out[2]["delta"]["finished"] is True
+    assert "".join(m["delta"]["text"] for m in out if m.get("id") == 1) == "abcdlate"  # nothing lost or reordered

@@ -136,8 +136,8 @@ class _StubDecoder:
     def __init__(self, rate: float):
         self.rate, self.cut_to = rate, None
 
-    def expected_tokens(self, rows: int) -> float:
-        return sum(self.rate**j for j in range(rows))  # 1 + a + a^2 + ... for rows - 1 drafts
+    def expected_tokens(self) -> list[float]:  # 1 + a + a^2 + ... with g of its 7 drafts
+        return [sum(self.rate**j for j in range(g + 1)) for g in range(8)]
 
     def shorten(self, rows: int) -> None:
         self.cut_to = rows
