@@ -144,8 +144,8 @@ def _forward_fused(
     last: Tensor | None,
 ) -> Tensor:
     """``forward_batch`` with RoPE, the cache writes and attention in Triton kernels (engine/runtimes/gpu_kernels.py):
-    about half a layer's kernels. The same computation, rounded differently: RoPE within one ulp of the torch
-    ops; attention sums in fp32 in another order (the bf16 matmul path rounds its scores to bf16 first)."""
+    about half a layer's kernels. The same computation, rounded differently: RoPE in fp32 rounded once (torch's
+    ops round three times); attention sums in fp32 in another order (the matmul path rounds scores to bf16)."""
     from engine.runtimes import gpu_kernels
 
     cfg = model.cfg

@@ -289,7 +289,8 @@ class ServeEngine(LocalEngine):
             idle = not self._active and not self._held and not self._forgets
             if not self._take(block=idle and not self._prewarms):
                 break  # close()
-            self._admit()
+            if not self._active:  # while sequences run, requests are admitted during a round's pass (_round)
+                self._admit()
             if not self._active:
                 if not self._held and self._prewarms:
                     self._next_prewarm()
@@ -348,7 +349,8 @@ class ServeEngine(LocalEngine):
         """Drafts, then one target pass for every active sequence, then each one's next step is prepared.
 
         The passes are launched first; while they run (on CUDA), every sequence streams the text of its
-        previous step (LAUNCHED/AWAIT); then the logits are collected and each sequence verifies."""
+        previous step (LAUNCHED/AWAIT) and waiting requests are admitted; then the logits are collected and
+        each sequence verifies."""
         t0 = time.perf_counter()
         self._drafts()
         seqs = [s for s in self._active if isinstance(s.pending, Forward)]
@@ -359,6 +361,10 @@ class ServeEngine(LocalEngine):
         launched = self._launch(calls)
         t2 = time.perf_counter()
         ended = {id(seq) for seq in seqs if not self._advance(seq, LAUNCHED)}
+        # New requests are admitted here too, while the GPU runs: building a prompt costs ~1 ms of Python, and
+        # 32 editors' keystrokes arriving together would otherwise stall every sequence ~30-50 ms between two
+        # rounds. Their first passes join the next round.
+        self._admit()
         t3 = time.perf_counter()
         logits = self._collect(launched)
         self._count("sched_pass_ms", (t2 - t1 + time.perf_counter() - t3) * 1e3)
