@@ -264,8 +264,8 @@ def serve_shape(shape: str, device: str, batch: bool, max_active: int, warm_grap
     torch.cuda.empty_cache()
     engine = ServeEngine(target, None, batch=batch, max_active=max_active, threads=1)
     t0 = time.perf_counter()
-    if engine.slots is not None and warm_graphs:
-        engine.slots.warm((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8, 16), (256, 512, 1024, 2048))
+    if warm_graphs:
+        engine.warm_graphs()  # as fimble serve does at start
     print(
         f"serve_shape: {shape}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, "
         f"scheduler {engine.info()['scheduler']}, attention {attention}, slots "

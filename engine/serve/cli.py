@@ -86,7 +86,10 @@ def run_serve(args: argparse.Namespace) -> int:
             kv_budget_bytes=args.kv_budget_mb << 20 if args.kv_budget_mb else None,
             threads=args.threads or None,
         )
+    announce = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if hasattr(engine, "warm_graphs"):  # CUDA: capture the batched rounds' graphs now, not on a first keystroke
+        engine.warm_graphs(announce)
     try:
-        return run_daemon(engine, options, announce=lambda line: print(line, file=sys.stderr, flush=True))
+        return run_daemon(engine, options, announce=announce)
     except OSError as exc:  # the port is taken, the address is not ours
         raise FimbleError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None

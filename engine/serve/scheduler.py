@@ -53,7 +53,7 @@ from engine.decoding.spec_policy import MIN_GAIN
 from engine.decoding.speculative import SpeculativeDecoder
 from engine.errors import FimbleError, PromptError
 from engine.local import _WAKE, REUSE_MODES, LocalEngine
-from engine.runtimes.cuda_graphs import BLOCKS, SLOT_SCRATCH, block_bucket, key_bucket
+from engine.runtimes.cuda_graphs import BLOCKS, SLOT_SCRATCH, batch_bucket, block_bucket, key_bucket
 from engine.serve.batched import (
     DraftNeed,
     Forward,
@@ -276,6 +276,25 @@ class ServeEngine(LocalEngine):
             "scheduler": ("batched-graphs" if self.slots is not None else "batched") if self.batched else "round-robin",
             "max_active": self.max_active,
         }
+
+    def warm_graphs(self, announce=None) -> int:
+        """Capture the slotted rounds' graphs before traffic (CUDA only; else nothing to do): every batch bucket up
+        to ``max_active``, block and key length up to 2,048 (longer caches capture on first use). On a GPU this
+        takes seconds (Triton compiles its kernels once, then ~140 captures), which a first keystroke would
+        otherwise wait for. Returns the number captured."""
+        slots = self.slots
+        if slots is None or not slots.use_graphs:
+            return 0
+        batches = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= batch_bucket(self.max_active, slots.streams))
+        keys = tuple(k for k in (256, 512, 1024, 2048) if k <= slots.slot_len)
+        if announce is not None:
+            announce(f"fimble: capturing {len(batches) * len(BLOCKS) * len(keys)} CUDA graphs for batched rounds...")
+        t0 = time.perf_counter()
+        before = slots.captures
+        slots.warm(batches, BLOCKS, keys)
+        if announce is not None:
+            announce(f"fimble: {slots.captures - before} graphs captured in {time.perf_counter() - t0:.1f} s")
+        return slots.captures - before
 
     def active_documents(self) -> list[str]:
         """Document keys of the sequences running now (for tests and the daemon's counters)."""

@@ -169,4 +169,5 @@ def test_round_block_choice_cuts_drafts_that_do_not_pay(compact_target, one_thre
     assert [d.cut_to for d in round_with(0.9, steep)] == [1, 1]
     assert [d.cut_to for d in round_with(0.9, {1: 1.0})] == [2, 2]  # 2 rows unmeasured: tried once, then learnt
     assert engine.counters()["sched_shortened"] >= 6
+    assert engine.warm_graphs() == 0  # nothing to capture without CUDA
     engine.close()
