@@ -21,10 +21,14 @@
 
 The last line is the headline.
 
-Running it on the device tool: the tracked tree is ~85 MB, over the tool's 64 MiB per-call transfer, and
-models/fimble-smollm2/adapter.safetensors (19.6 MB, not needed here) is most of the excess. Move that
-file out of the tree for the call and back right after (2026-11-30's runs did so); never commit its
-removal, the install step needs it.
+Graph attention: each shape is timed with torch's sdpa, plain matmuls and, where Triton runs, the fused
+Triton kernels (engine/runtimes/gpu_kernels.py); the fastest is used for the rest of the run.
+
+Running it on the device tool: the tracked tree is ~92 MB, over the tool's 64 MiB per-call transfer;
+models/fimble-smollm2/adapter.safetensors (19.6 MB) and bench/reports (8 MB), neither needed there, are the
+excess. Move them out of the tree for the call and back right after (2026-12-01's runs did so); never
+commit their removal, the install step needs the adapter. The GPU image lacks msgpack and websockets:
+carry their cp312 wheels (the device tool's README says how).
 """
 
 from __future__ import annotations
