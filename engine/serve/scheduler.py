@@ -63,10 +63,11 @@ from engine.serve.batched import (
     supports_batch,
 )
 
-# A slotted round's two-phase handshake with each sequence's generator: after its pass is launched the
-# generator is sent LAUNCHED and streams the text of its previous step while the GPU runs (it then yields
-# AWAIT); the logits come with the next send.
-LAUNCHED = object()
+# A round's two-phase handshake with each sequence's generator: having yielded its pass, the generator is sent
+# STREAM_NOW and streams the text of its previous step (it then yields AWAIT); the logits come with the next
+# send. With overlap (the default) STREAM_NOW is sent once the round's passes are launched, so that work runs
+# while the GPU does; without, before they are launched (the order of the plain decode loop).
+STREAM_NOW = object()
 AWAIT = object()
 
 SCHED_COUNTERS = (
@@ -235,6 +236,7 @@ class ServeEngine(LocalEngine):
         max_active: int = MAX_ACTIVE,
         slots: bool | None = None,
         slot_len: int | None = None,
+        overlap: bool | None = None,
         **kw,
     ):
         kw["start_thread"] = False  # the daemon runs serve_forever() in its main thread (CPU speed)
@@ -256,6 +258,16 @@ class ServeEngine(LocalEngine):
 
             length = slot_len or min(target.max_len, SLOT_LEN)
             self.slots = SlotGraphs(eager_runtime(target.runtime), max_active, length, self._attention(target.runtime))
+        # Overlap: a round's host work (streaming text, admitting requests) runs while its passes do. Only graph
+        # rounds run asynchronously (CUDA); elsewhere a pass has finished when _launch returns, so overlap would
+        # only hold each delta back a round. FIMBLE_SERVE_OVERLAP=0 turns it off on CUDA too: on the H200 at 32
+        # editors this session's changes doubled tok/s (2,504 -> 5,279) while p95 first delta grew (92 -> 342
+        # ms); whether overlap (the decode loop keeping the interpreter through the GPU wait) caused the tail is
+        # not measured yet, and this switch is there to measure it.
+        if overlap is None:
+            asynchronous = self.slots is not None and self.slots.use_graphs
+            overlap = asynchronous and os.environ.get("FIMBLE_SERVE_OVERLAP", "1") != "0"
+        self.overlap = overlap
         self._counters.update(dict.fromkeys(SCHED_COUNTERS, 0))
         self._active: list[_Seq] = []
         self._held: list[tuple[CompletionRequest, CompletionStream]] = []  # submitted, not yet admitted
@@ -308,8 +320,8 @@ class ServeEngine(LocalEngine):
             idle = not self._active and not self._held and not self._forgets
             if not self._take(block=idle and not self._prewarms):
                 break  # close()
-            if not self._active:  # while sequences run, requests are admitted during a round's pass (_round)
-                self._admit()
+            if not self._active or not self.overlap:  # with overlap, requests arriving while sequences run are
+                self._admit()  # admitted during a round's pass (_round)
             if not self._active:
                 if not self._held and self._prewarms:
                     self._next_prewarm()
@@ -367,23 +379,27 @@ class ServeEngine(LocalEngine):
     def _round(self) -> None:
         """Drafts, then one target pass for every active sequence, then each one's next step is prepared.
 
-        The passes are launched first; while they run (on CUDA), every sequence streams the text of its
-        previous step (LAUNCHED/AWAIT) and waiting requests are admitted; then the logits are collected and
-        each sequence verifies."""
+        With ``overlap`` the passes are launched first; while they run (on CUDA), every sequence streams the
+        text of its previous step (STREAM_NOW/AWAIT) and waiting requests are admitted; then the logits are
+        collected and each sequence verifies. Without, the text is streamed before the launch and requests
+        are admitted between rounds, so the GPU wait leaves the interpreter to the daemon's websocket thread."""
         t0 = time.perf_counter()
         self._drafts()
         seqs = [s for s in self._active if isinstance(s.pending, Forward)]
         calls = [s.pending for s in seqs]
         if self.slots is not None:
             self._shorten_drafts(calls)
+        if not self.overlap:
+            ended = {id(seq) for seq in seqs if not self._advance(seq, STREAM_NOW)}
         t1 = time.perf_counter()
         launched = self._launch(calls)
         t2 = time.perf_counter()
-        ended = {id(seq) for seq in seqs if not self._advance(seq, LAUNCHED)}
-        # New requests are admitted here too, while the GPU runs: building a prompt costs ~1 ms of Python, and
-        # 32 editors' keystrokes arriving together would otherwise stall every sequence ~30-50 ms between two
-        # rounds. Their first passes join the next round.
-        self._admit()
+        if self.overlap:
+            ended = {id(seq) for seq in seqs if not self._advance(seq, STREAM_NOW)}
+            # New requests are admitted here too, while the GPU runs: building a prompt costs ~1 ms of Python,
+            # and 32 editors' keystrokes arriving together would otherwise stall every sequence ~30-50 ms
+            # between two rounds. Their first passes join the next round.
+            self._admit()
         t3 = time.perf_counter()
         logits = self._collect(launched)
         self._count("sched_pass_ms", (t2 - t1 + time.perf_counter() - t3) * 1e3)
@@ -613,7 +629,7 @@ class ServeEngine(LocalEngine):
                     end = min(len(prompt), pos + PREFILL_CHUNK)
                     chunk = torch.tensor(prompt[pos:end], dtype=torch.long, device=device)
                     fwd = Forward(chunk, doc.target, pos, 1)
-                    yield fwd  # launched: nothing to stream yet
+                    yield fwd  # answered STREAM_NOW: nothing to stream yet
                     logits = yield AWAIT
                     pos = end
                 first = decoder.prefill_done(prompt, logits, fwd.best)
@@ -654,7 +670,7 @@ class ServeEngine(LocalEngine):
     ) -> Generator[object, object, tuple[str, int, str | None]]:
         """``LocalEngine._decode`` with each verify pass yielded to the scheduler.
 
-        The text of a step's tokens is streamed while the next step's pass runs (after LAUNCHED), so the host
+        The text of a step's tokens is streamed while the next step's pass runs (at STREAM_NOW), so the host
         work of detokenising and sending overlaps the GPU. If that text hits a stop string or the line limit,
         the pass in flight is dropped (``abandon_step``): one wasted row, never a wrong token."""
         out = _TextOut(self, decoder, stream, heal, constrained)
@@ -672,7 +688,7 @@ class ServeEngine(LocalEngine):
                 continue
             if isinstance(draft, DraftNeed):  # the scheduler drafts for every sequence at once
                 draft = Draft((yield draft))
-            yield decoder.begin_step(draft)  # LAUNCHED: the pass is on its way
+            yield decoder.begin_step(draft)  # answered STREAM_NOW (the pass is launched, or about to be)
             hit = out.emit(pending)
             logits = yield AWAIT
             if hit:

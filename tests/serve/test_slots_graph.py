@@ -13,6 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -88,11 +89,13 @@ def test_slot_passes_match_the_model_and_leave_other_slots_alone(compact_target,
     assert slots.take(rt.new_cache(512)) is None  # longer than a slot: stays where it is
 
 
-def test_slotted_scheduler_output_equals_unbatched(compact_target, compact_draft, one_thread):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_slotted_scheduler_output_equals_unbatched(compact_target, compact_draft, one_thread, overlap):
+    """Also without overlap (FIMBLE_SERVE_OVERLAP=0: text streamed before a round's launch, not during it)."""
     target, draft = compact_target, compact_draft
     plain = LocalEngine(target, draft, start_thread=False)
     expected = [plain.complete(r).text for r in _requests()]
-    engine = ServeEngine(target, draft, batch=True, slots=True)
+    engine = ServeEngine(target, draft, batch=True, slots=True, overlap=overlap)
     thread = threading.Thread(target=engine.serve_forever, daemon=True)
     thread.start()
     try:
