@@ -90,6 +90,9 @@ MAX_ACTIVE = 64  # sequences stepped together; more wait their turn
 PREFILL_CHUNK = 128
 MAX_SESSIONS_REMEMBERED = 1024  # per-session n-gram drafters kept (least recently used dropped)
 SLOT_LEN = 4096  # positions per slot of the slotted (CUDA graph) rounds; longer documents run eagerly
+# After a completion's first text, deltas go out at most this often (_TextOut.emit): ~80 a second, more than an
+# editor redraws ghost text, against one per round (400+ a second for one editor on the H200).
+STREAM_INTERVAL_S = 0.012
 
 
 class StepDecoder(SpeculativeDecoder):
@@ -705,6 +708,8 @@ class ServeEngine(LocalEngine):
 class _TextOut:
     """A sequence's streamed text: detokeniser, stop rules, what was shown (``ServeEngine._decode_steps``)."""
 
+    clock = staticmethod(time.monotonic)  # the pacing's clock (a test sets its own)
+
     def __init__(
         self, engine: ServeEngine, decoder: StepDecoder, stream: CompletionStream, heal: str, constrained: bool
     ):
@@ -713,16 +718,24 @@ class _TextOut:
         self.detok = IncrementalDetokenizer(engine.target.tokenizer)
         self.rules = StopRules(decoder.opt.stop, decoder.opt.max_lines)
         self.text, self.shown = "", 0
+        self._pushed_at: float | None = None
 
     def emit(self, tokens: list[int]) -> bool:
-        """Stream the text of ``tokens``; True when it hit a stop string or the line limit."""
+        """Stream the text of ``tokens``; True when it hit a stop string or the line limit.
+
+        The first text goes out at once; later text at most every ``STREAM_INTERVAL_S`` (held text joins the
+        next delta, and the last one always goes): an editor cannot show 400 updates a second, and every delta
+        costs the daemon's websocket thread the interpreter the decode loop needs."""
         self.engine._count("tokens_generated", len(tokens))
         self.detok.add(tokens)
         self.text, hit = self.rules.cut(unheal(self.detok.text, self.heal, self.constrained))
-        safe = len(self.text) if (hit or self.decoder.done) else self.rules.safe_length(self.text)
+        final = hit or self.decoder.done
+        safe = len(self.text) if final else self.rules.safe_length(self.text)
         if safe > self.shown:
-            self.stream.push(Delta(self.text[self.shown : safe]))
-            self.shown = safe
+            now = self.clock()
+            if final or self._pushed_at is None or now - self._pushed_at >= STREAM_INTERVAL_S:
+                self.stream.push(Delta(self.text[self.shown : safe]))
+                self.shown, self._pushed_at = safe, now
         return hit
 
     def finish(self) -> str:

@@ -216,3 +216,31 @@ def test_prewarm_runs_when_idle_and_is_reused(models):
         )
         stream.collect()
         assert stream.result.stats["prefilled_tokens"] <= 1 < stream.result.stats["reused_tokens"]
+
+
+def test_streamed_deltas_are_paced_but_nothing_is_lost(compact_target):
+    """fimble serve sends a completion's first text at once, later text at most every STREAM_INTERVAL_S, and
+    the rest at the end: joined, the deltas are the whole text."""
+    from types import SimpleNamespace
+
+    from engine.serve.scheduler import STREAM_INTERVAL_S, _TextOut
+
+    pushed = []
+    engine = SimpleNamespace(target=compact_target, _count=lambda *a: None)
+    decoder = SimpleNamespace(opt=SimpleNamespace(stop=(), max_lines=0), done=False, finish_reason="length")
+    stream = SimpleNamespace(push=lambda d: pushed.append(d.text))
+    out = _TextOut(engine, decoder, stream, "", False)
+    now = [100.0]
+    out.clock = lambda: now[0]  # a clock of the test's own: no dependence on how fast this machine runs
+    tok = compact_target.tokenizer
+    ids = tok.encode("def total(values):\n    return sum(v for v in values if v)\n", add_special_tokens=False)
+    for i in ids[:-1]:  # far faster than the interval: one delta for the first text, then held
+        out.emit([i])
+    assert len(pushed) == 1 and pushed[0]
+    now[0] += STREAM_INTERVAL_S
+    out.emit([])  # the interval has passed: what was held goes out
+    assert len(pushed) == 2
+    decoder.done = True
+    out.emit(ids[-1:])  # the last tokens always go
+    out.finish()
+    assert "".join(pushed) == tok.decode(ids) == out.text
