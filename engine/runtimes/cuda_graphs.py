@@ -395,7 +395,8 @@ class SlotGraphs:
     sequences prefilling eagerly) get start = ``slot_len``: their padding rows write into a scratch tail of
     ``SLOT_SCRATCH`` positions past every view's end, so they never touch valid keys/values. A caller's own
     padding rows land past its end, as in ``GraphRuntime``. The graphs read token ids and starts from static
-    buffers written before each replay; no host sync happens in ``run``.
+    buffers written before each replay. ``run`` is ``launch`` (the replay is started, no host sync) then
+    ``collect`` (the round's one sync: every row's argmax, read back at once), so a caller can work between them.
 
     ``prefill`` runs longer chunks (up to ``SLOT_SCRATCH`` tokens, last logits only) of several slotted
     sequences in one eager ``forward_batch`` over the same slot range, padded to the longest chunk: one
