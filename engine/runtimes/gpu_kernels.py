@@ -2,7 +2,7 @@
 
 A decode step of a small model is a few hundred tiny kernels (bench/reports/gpu-profile-h200-*.txt: 548
 for the 0.5B shape, ~23 a layer, median 1.6 us each), so the step costs several times its weights' read
-time. Two kernels here replace 13 of a layer's:
+time. Three kernels here replace about a dozen of a layer's:
 
 - ``rope_store``: RoPE on the query and key heads of one ``qkv`` projection row, the rotated query
   written out, the rotated key and the value stored into the cache at the row's position (torch: a
