@@ -98,6 +98,7 @@ class NgramDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.recent: deque[bytes] = deque(maxlen=history)
         self._joined = b""  # the recent completions, oldest first, each followed by _SEPARATOR
+        self._joined_from: tuple[bytes, ...] = ()  # the completions _joined was made of
         self._ctx: list[int] | None = None  # the list the cached bytes were made from
         self._ctx_len = 0
         self._ctx_buf = b""
@@ -109,7 +110,15 @@ class NgramDrafter:
         """Keep a finished completion to draft from in later requests."""
         if completion:
             self.recent.append(array("i", completion).tobytes())
-            self._joined = b"".join(past + _SEPARATOR for past in self.recent)
+
+    def _remembered(self) -> bytes:
+        # Made again whenever ``recent`` changed, by remember() or by a caller that cleared it (tests do).
+        # Comparing the tuples compares 16 references at most: bytes compare equal to themselves at once.
+        recent = tuple(self.recent)
+        if recent != self._joined_from:
+            self._joined_from = recent
+            self._joined = b"".join(past + _SEPARATOR for past in recent)
+        return self._joined
 
     def _context_bytes(self, context: list[int]) -> bytes:
         # A decoder's ids only ever grow, so the bytes of the same list are extended, not rebuilt. (Were the list
@@ -125,7 +134,7 @@ class NgramDrafter:
     def propose(self, context: list[int], k: int, temperature: float = 0.0, top_p: float = 1.0,
                 gate: float = 0.0, gen: torch.Generator | None = None) -> Draft:
         buf = self._context_bytes(context)
-        joined = self._joined
+        joined = self._remembered()
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             pattern = buf[-4 * n:]
             # An occurrence must end before the last token, so that something follows it.

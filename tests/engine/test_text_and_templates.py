@@ -155,6 +155,8 @@ def test_ngram_drafter_matches_the_plain_rule(history, context, grown, k):
     assert d.propose(context, k).tokens == _reference_ngram_draft(context, k, recent, 3)
     context.extend(grown)  # the same list, longer: the drafter extends its bytes
     assert d.propose(context, k).tokens == _reference_ngram_draft(context, k, recent, 3)
+    d.recent.clear()  # forgotten by a caller: never drafted from again
+    assert d.propose(list(context), k).tokens == _reference_ngram_draft(context, k, [], 3)
 
 
 def test_ngram_drafter_ignores_misaligned_byte_matches():
