@@ -448,6 +448,7 @@ class ServeEngine(LocalEngine):
         round replays anything."""
         slots = self.slots
         fast = [i for i, c in enumerate(calls) if slots.fits(len(c.tokens), c.cache, c.start)]
+        in_graph = set(fast)
         out: list = [None] * len(calls)
         graph = None
         if fast:
@@ -457,7 +458,7 @@ class ServeEngine(LocalEngine):
         chunks = [
             i
             for i, c in enumerate(calls)
-            if out[i] is None and i not in fast and slots.fits_prefill(len(c.tokens), c.cache, c.start, c.num_logits)
+            if i not in in_graph and slots.fits_prefill(len(c.tokens), c.cache, c.start, c.num_logits)
         ]
         if chunks:  # longer prefill chunks of slotted sequences: one eager pass over the slot range
             best: list[list[int]] = []
@@ -466,7 +467,7 @@ class ServeEngine(LocalEngine):
                 out[i] = logits
                 calls[i].best = row_best
             self._count("sched_passes")
-        rest = [i for i in range(len(calls)) if out[i] is None and i not in fast]
+        rest = [i for i in range(len(calls)) if out[i] is None and i not in in_graph]
         if rest:
             for i, logits in zip(rest, self._eager([calls[i] for i in rest]), strict=True):
                 out[i] = logits
