@@ -285,7 +285,12 @@ class EngineDaemon:
                         break
                     batch.append(more)
                 for merged in coalesce_deltas(batch):
-                    await ws.send(protocol.pack(merged))
+                    try:
+                        data = protocol.pack(merged)
+                    except Exception:  # packed here, on the loop: a bad message must not end the writer
+                        log.debug("a message could not be packed", exc_info=True)
+                        data = protocol.pack({"op": "error", "error": "a reply could not be encoded"})
+                    await ws.send(data)
 
         write_task = asyncio.create_task(writer())
         send({"op": "ready", "version": protocol.PROTOCOL_VERSION, "session": session.id, "info": self.engine.info()})
