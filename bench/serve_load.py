@@ -238,8 +238,8 @@ def _bench_gpu():
     return module
 
 
-def serve_shape(shape: str, device: str, batch: bool, max_active: int, warm_graphs: bool, attention: str) -> int:
-    """Run ``fimble serve`` (port 0, loopback) on a random-weight model of a bench/gpu.py shape."""
+def shape_engine(shape: str, device: str, batch: bool, max_active: int, warm_graphs: bool, attention: str):
+    """A ServeEngine on a random-weight model of a bench/gpu.py shape (its line printed to stderr)."""
     from dataclasses import replace
 
     import torch
@@ -247,7 +247,6 @@ def serve_shape(shape: str, device: str, batch: bool, max_active: int, warm_grap
     random_model = _bench_gpu().random_model
     from engine.loader import DEFAULT_TARGET, load_model
     from engine.runtimes.cuda_graphs import GraphRuntime
-    from engine.serve.daemon import ServeOptions, run_daemon
     from engine.serve.scheduler import ServeEngine
 
     if device != "cuda":
@@ -271,26 +270,51 @@ def serve_shape(shape: str, device: str, batch: bool, max_active: int, warm_grap
         f"scheduler {engine.info()['scheduler']}, attention {attention}, slots "
         f"{engine.slots.streams if engine.slots else 0} x {engine.slots.slot_len if engine.slots else 0}, "
         f"{engine.slots.captures if engine.slots else 0} graphs captured in {time.perf_counter() - t0:.1f} s, "
-        f"GPU memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB",
+        f"GPU memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB, "
+        f"engine {'in a child process' if os.environ.get('SERVE_LOAD_CHILD') else 'in the daemon process'}",
         file=sys.stderr,
         flush=True,
     )
-    switch_ms = os.environ.get("SERVE_LOAD_SWITCH_MS")  # experiment: the GIL switch interval of the daemon
+    switch_ms = os.environ.get("SERVE_LOAD_SWITCH_MS")  # experiment: the GIL switch interval of the decode loop
     if switch_ms:
         sys.setswitchinterval(float(switch_ms) / 1e3)
-    announce = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    profile = os.environ.get("SERVE_LOAD_PROFILE")  # a path: cProfile the decode loop, stats written at exit
-    if not profile:
-        return run_daemon(engine, ServeOptions(port=0), announce=announce)
-    import cProfile
+    profile = os.environ.get("SERVE_LOAD_PROFILE")  # a path: cProfile the decode loop, stats written at its end
+    if profile:
+        import cProfile
 
-    prof = cProfile.Profile()
-    serve = engine.serve_forever
-    engine.serve_forever = lambda: prof.runcall(serve)
-    try:
-        return run_daemon(engine, ServeOptions(port=0), announce=announce)
-    finally:
-        prof.dump_stats(profile)
+        prof = cProfile.Profile()
+        serve = engine.serve_forever
+
+        def profiled() -> None:
+            try:
+                prof.runcall(serve)
+            finally:
+                prof.dump_stats(profile)
+
+        engine.serve_forever = profiled
+    return engine
+
+
+def serve_shape(args: argparse.Namespace) -> int:
+    """Run ``fimble serve`` (port 0, loopback) on a random-weight model of a bench/gpu.py shape: the engine in a
+    child process as fimble serve does on CUDA (``--engine-process on``), or in this one."""
+    from engine.process import serve_built
+    from engine.serve.daemon import ServeOptions, run_daemon
+
+    build = lambda: shape_engine(  # noqa: E731
+        args.serve_shape, args.device, not args.no_batch, args.max_active, not args.no_warm_graphs, args.attention
+    )
+    if os.environ.get("SERVE_LOAD_CHILD"):  # this process is the engine process of the one below
+        return serve_built(build)
+    announce = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.engine_process == "off":
+        return run_daemon(build(), ServeOptions(port=0), announce=announce)
+    from engine.serve.engine_process import ServeEngineProcess
+
+    os.environ["SERVE_LOAD_CHILD"] = "1"  # inherited by the child: it builds the engine and serves it on stdio
+    engine = ServeEngineProcess.start(command=[sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
+    del os.environ["SERVE_LOAD_CHILD"]
+    return run_daemon(engine, ServeOptions(port=0), announce=announce)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -384,13 +408,17 @@ def main(argv: list[str] | None = None) -> int:
         help="--shape: the graphs' attention (default: GraphRuntime's, the Triton kernels where Triton runs, else "
         "sdpa; on 2026-12-01 matmul was slower than sdpa in 32-slot rounds of the 1.5B shape: 6.5 ms against 5.4)",
     )
+    ap.add_argument(
+        "--engine-process",
+        choices=("on", "off"),
+        default="on",
+        help="--shape: the decode loop in a child process (on: fimble serve's CUDA default) or in the daemon's",
+    )
     ap.add_argument("--serve-shape", help=argparse.SUPPRESS)  # internal: be the daemon (serve_shape)
     ap.add_argument("--no-batch", action="store_true", help=argparse.SUPPRESS)  # internal, with --serve-shape
     args = ap.parse_args(argv)
     if args.serve_shape:
-        return serve_shape(
-            args.serve_shape, args.device, not args.no_batch, args.max_active, not args.no_warm_graphs, args.attention
-        )
+        return serve_shape(args)
     if args.quick:
         args.levels, args.chars = "1,4", 6
     global MAX_LINES
@@ -409,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the daemons
     if args.shape:
         common = ("--device", args.device, "--max-active", str(args.max_active), "--attention", args.attention)
+        common += ("--engine-process", args.engine_process)
         kw = {"shape": args.shape, "warm_graphs": not args.no_warm_graphs}
     else:
         common, kw = ("--threads", "1", "--device", args.device), {}

@@ -31,8 +31,11 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -53,9 +56,11 @@ def request_from_dict(d: dict) -> CompletionRequest:
 
 
 # -- engine side ----------------------------------------------------------------------------
-def serve(args: argparse.Namespace) -> int:
+def stdio_sender() -> Callable[[dict], None]:
+    """The engine side's ``send``: one msgpack message to stdout per call (any thread). Stray prints from
+    libraries go to stderr from here on, so they cannot corrupt the message stream."""
     out = sys.stdout.buffer
-    sys.stdout = sys.stderr  # stray prints from libraries must not corrupt the message stream
+    sys.stdout = sys.stderr
     write_lock = threading.Lock()
 
     def send(msg: dict) -> None:
@@ -64,16 +69,27 @@ def serve(args: argparse.Namespace) -> int:
             out.write(data)
             out.flush()
 
-    try:
-        from engine.local import open_engine
+    return send
 
-        engine = open_engine(args.model, args.draft, device=args.device, template=args.template,
-                             trust_remote_code=args.trust_remote_code, use_draft=not args.no_draft,
-                             start_thread=False,
-                             kv_budget_bytes=args.kv_budget_mb << 20 if args.kv_budget_mb else None)
+
+def serve_built(build: Callable[[], Any]) -> int:
+    """Be an engine process: ``build()`` the engine (a LocalEngine or a ServeEngine), then answer stdin's
+    messages until it closes. A build error is one ``fatal`` message (no traceback), exit status 1."""
+    send = stdio_sender()
+    try:
+        engine = build()
     except FimbleError as exc:
         send({"op": "fatal", "error": str(exc)})
         return 1
+    except Exception as exc:  # the client shows this line; the details stay in this process's stderr
+        traceback.print_exc(file=sys.stderr)
+        send({"op": "fatal", "error": f"engine failed to start: {type(exc).__name__}"})
+        return 1
+    return run_engine(engine, send)
+
+
+def run_engine(engine: Any, send: Callable[[dict], None]) -> int:
+    """Answer stdin's messages with ``engine`` (its decode loop in this, the main, thread) until stdin closes."""
     send({"op": "ready", "info": engine.info()})
     streams: dict[int, CompletionStream] = {}
 
@@ -90,8 +106,8 @@ def serve(args: argparse.Namespace) -> int:
                         if delta.finished:
                             streams.pop(rid, None)
                             if stream is not None and stream.result is not None:
-                                send({"op": "result", "id": rid, "result": asdict(stream.result)})
-                        send({"op": "delta", "id": rid, "delta": asdict(delta)})
+                                        send({"op": "result", "id": rid, "result": asdict(stream.result)})
+                        send({"op": "delta", "id": rid, "delta": dict(vars(delta))})  # plain values
                     try:
                         req = request_from_dict(msg["request"])
                     except (TypeError, KeyError, ValueError) as exc:
@@ -121,14 +137,42 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    """The engine process of ``fimble lsp`` (a LocalEngine), or with ``--serve`` of ``fimble serve`` (a ServeEngine:
+    many requests stepped together; engine/serve/engine_process.py starts it)."""
+
+    def build() -> Any:
+        budget = args.kv_budget_mb << 20 if args.kv_budget_mb else None
+        if not args.serve:
+            from engine.local import open_engine
+
+            return open_engine(args.model, args.draft, device=args.device, template=args.template,
+                               trust_remote_code=args.trust_remote_code, use_draft=not args.no_draft,
+                               start_thread=False, kv_budget_bytes=budget)
+        from engine.serve.scheduler import open_serve_engine
+
+        engine = open_serve_engine(args.model, args.draft, device=args.device, use_draft=not args.no_draft,
+                                   batch=not args.no_batch, max_active=args.max_active, kv_budget_bytes=budget,
+                                   threads=args.threads or None)
+        # CUDA: capture the batched rounds' graphs before the first keystroke (progress on stderr, which the
+        # daemon's process shares).
+        engine.warm_graphs(lambda line: print(line, file=sys.stderr, flush=True))
+        return engine
+
+    return serve_built(build)
+
+
 # -- client side ----------------------------------------------------------------------------
 class EngineProcess:
     """An ``Engine`` whose model runs in a child process. Same API as ``LocalEngine``."""
 
     def __init__(self, model: str | Path | None = None, draft: str | Path | None = None, *,
                  device: str = "cpu", template: str | None = None, no_draft: bool = False,
-                 trust_remote_code: bool = False, startup_timeout: float = 120.0, kv_budget_mb: int = 0):
-        cmd = [sys.executable, "-m", "engine.process", "--device", device]
+                 trust_remote_code: bool = False, startup_timeout: float = 120.0, kv_budget_mb: int = 0,
+                 extra_args: tuple[str, ...] = (), command: list[str] | None = None):
+        """``extra_args``: more of engine.process's flags (``--serve`` ...); ``command``: a whole command line to
+        run instead (one that ends in ``serve_built``, e.g. a benchmark's engine)."""
+        cmd = [sys.executable, "-m", "engine.process", "--device", device, *extra_args]
         if kv_budget_mb:
             cmd += ["--kv-budget-mb", str(int(kv_budget_mb))]
         for flag, value in (("--model", model), ("--draft", draft), ("--template", template)):
@@ -139,7 +183,7 @@ class EngineProcess:
         if trust_remote_code:
             cmd.append("--trust-remote-code")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._proc = subprocess.Popen(command or cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._ids = itertools.count(1)
         self._streams: dict[int, CompletionStream] = {}
         self._progress: dict[int, float] = {}  # request id -> when it was submitted or last got a delta
@@ -231,13 +275,13 @@ class EngineProcess:
             event.set()
 
     # -- Engine API ------------------------------------------------------------------------
-    def submit(self, request: CompletionRequest) -> CompletionStream:
+    def submit(self, request: CompletionRequest, on_delta=None) -> CompletionStream:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
         rid = next(self._ids)
-        stream = CompletionStream(rid, loop, on_cancel=lambda: self._send({"op": "cancel", "id": rid}))
+        stream = CompletionStream(rid, loop, on_delta, on_cancel=lambda: self._send({"op": "cancel", "id": rid}))
         if self.error:
             stream.push(Delta("", True, "error", self.error))
             return stream
@@ -327,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--kv-budget-mb", type=int, default=0,
                     help="KV cache memory budget in MiB for all documents (0: the engine's default per device)")
+    ap.add_argument("--serve", action="store_true", help="fimble serve's engine: many requests stepped together")
+    ap.add_argument("--max-active", type=int, default=64, help="--serve: sequences stepped together")
+    ap.add_argument("--no-batch", action="store_true", help="--serve: round-robin instead of batched passes")
+    ap.add_argument("--threads", type=int, default=0, help="--serve: torch threads (0: torch's default)")
     return serve(ap.parse_args(argv))
 
 

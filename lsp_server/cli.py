@@ -131,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="torch threads (default 1: batched passes then equal solo ones bit for bit; 0: torch's "
                           "default; up to 1024)")
     srv.add_argument("--kv-budget-mb", type=int, default=0, help="KV cache budget in MiB (0: the default)")
+    srv.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto",
+                     help="run the decode loop in a child process, so it and the listeners each have an "
+                          "interpreter (auto: on with --device cuda; engine/serve/engine_process.py)")
     srv.add_argument("--model-name", default="fimble", help="the model name the OpenAI API reports")
     srv.add_argument("--log-level", default=os.environ.get("FIMBLE_LOG", "WARNING"))
     srv.add_argument("--log-file", help="log here instead of stderr")

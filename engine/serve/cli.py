@@ -61,6 +61,13 @@ def serve_options(args: argparse.Namespace):
     )
 
 
+def engine_in_child(args: argparse.Namespace) -> bool:
+    """Whether the decode loop runs in a child process (``--engine-process``; auto: on CUDA, where a round's GPU
+    work is short enough that the listeners' share of one interpreter held it back; see engine_process.py)."""
+    mode = getattr(args, "engine_process", "auto")
+    return mode == "on" or (mode == "auto" and str(args.device).startswith("cuda"))
+
+
 def run_serve(args: argparse.Namespace) -> int:
     level = getattr(logging, str(args.log_level).upper(), None)
     if not isinstance(level, int):
@@ -75,6 +82,19 @@ def run_serve(args: argparse.Namespace) -> int:
         from engine.ray_serve import open_ray_engine
 
         engine = open_ray_engine(args)
+    elif engine_in_child(args):
+        from engine.serve.engine_process import ServeEngineProcess
+
+        engine = ServeEngineProcess.start(  # loads and captures its graphs before it answers (progress on stderr)
+            args.model,
+            args.draft,
+            device=args.device,
+            use_draft=not args.no_draft,
+            batch=not args.no_batch,
+            max_active=args.max_active,
+            kv_budget_mb=args.kv_budget_mb,
+            threads=args.threads or None,
+        )
     else:
         engine = open_serve_engine(
             args.model,

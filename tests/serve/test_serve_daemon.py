@@ -27,9 +27,12 @@ def request(doc: str, max_tokens: int = 12, **opts) -> CompletionRequest:
     return CompletionRequest(PREFIX, SUFFIX, options=DecodeOptions(max_tokens=max_tokens, **opts), document_id=doc)
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    yield from running_daemon("--max-message-mb", "1")  # small, so the size-limit test sends little
+@pytest.fixture(scope="module", params=["in-process", "engine-process"])
+def daemon(request):
+    # Every test against both layouts: the decode loop in the daemon's process (the CPU default) and in a child
+    # process behind engine/serve/engine_process.py (the CUDA default).
+    mode = "on" if request.param == "engine-process" else "off"
+    yield from running_daemon("--max-message-mb", "1", "--engine-process", mode)  # small: the size-limit test
 
 
 @pytest.fixture
@@ -250,3 +253,29 @@ def test_backlogged_deltas_of_one_request_are_sent_as_one():
     ]  # fmt: skip
     assert out[2]["delta"]["finished"] is True
     assert "".join(m["delta"]["text"] for m in out if m.get("id") == 1) == "abcdlate"  # nothing lost or reordered
+
+
+def test_a_dead_engine_process_ends_requests_and_the_daemon():
+    """The child that decodes is killed mid-stream: the open request ends with an error (no hang), the daemon
+    exits with one line saying why, not a traceback."""
+    import os
+    import signal
+
+    from serve_helpers import ServeProcess
+
+    proc = ServeProcess("--engine-process", "on")
+    try:
+        engine = WSEngine(proc.url, proc.token)
+        child = engine.info["engine_process"]
+        assert child != proc.proc.pid
+        stream = engine.submit(request("file:///dies.py", max_tokens=2000, drafter="none"))
+        wait_for(lambda: stream.text)  # decoding has begun in the child
+        os.kill(child, signal.SIGKILL)
+        with pytest.raises(FimbleError, match="killed by signal 9"):  # the stream's error, raised by its reader
+            stream.collect()
+        assert proc.proc.wait(60) != 0
+        err = proc.stderr()
+        assert "engine process was killed by signal 9" in err and "Traceback" not in err
+        engine.close()
+    finally:
+        proc.stop()
