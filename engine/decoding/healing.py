@@ -41,6 +41,22 @@ class TokenIndex:
         for t, i in texts:
             self._by_text.setdefault(t, []).append(i)
 
+    def spell(self, text: str, limit: int = 8) -> list[int]:
+        """Up to ``limit`` tokens that spell ``text`` exactly, each the longest token text that fits (the usual
+        tokenisation of a word); stops where no token fits. A guess, checked by the model (heal drafts)."""
+        out: list[int] = []
+        at = 0
+        while at < len(text) and len(out) < limit:
+            for n in range(len(text) - at, 0, -1):
+                ids = self._by_text.get(text[at : at + n])
+                if ids:
+                    out.append(ids[0])
+                    at += n
+                    break
+            else:
+                break
+        return out if at == len(text) else []
+
     def allowed(self, forced: str) -> list[int]:
         """Tokens that keep the output consistent with ``forced``: a prefix of it, or starting with it."""
         ids = [i for n in range(1, len(forced)) for i in self._by_text.get(forced[:n], ())]

@@ -38,7 +38,13 @@ class StepStats:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
+MAX_HEAL_DRAFT = 4  # tokens of healed text checked along with the prompt's last pass
+
+
 class SpeculativeDecoder:
+    # Heal drafts (prefill_draft): off only to measure against, or to compare outputs in a test.
+    heal_drafts = True
+
     def __init__(self, runtime, cache, stop_ids: set[int], options: DecodeOptions,
                  model_drafter: ModelDrafter | None = None, ngram_drafter: NgramDrafter | None = None,
                  forced: str = "", token_index=None):
@@ -117,7 +123,8 @@ class SpeculativeDecoder:
 
     # -- the loop ---------------------------------------------------------------
     def prefill(self, prompt: list[int], reuse: int = 0, runs: list[tuple[int, int]] | None = None) -> list[int]:
-        """Run the prompt (its first ``reuse`` positions are already in the cache); return the first token.
+        """Run the prompt (its first ``reuse`` positions are already in the cache); return the tokens it commits:
+        the first token, or with a heal draft (``prefill_draft``) up to all of it and the token after.
 
         ``runs``: only these [start, end) positions need computing (shift reuse put the rest
         in place); in order, the last one ending at the prompt's end.
@@ -125,15 +132,39 @@ class SpeculativeDecoder:
         if runs:  # scattered stretches, one pass (compact runtime only: shift reuse needs it)
             positions = [p for a, b in runs for p in range(a, b)]
             tokens = torch.tensor([prompt[p] for p in positions], dtype=torch.long, device=self.runtime.device)
-            logits = self.runtime.forward_at(tokens, positions, self.cache)[-1]
+            logits = self.runtime.forward_at(tokens, positions, self.cache)[-1:]
+            return self.prefill_verified(prompt, [], logits)
+        if reuse < self.cache.length:
+            self.cache.rollback(reuse)
+        draft = self.prefill_draft(len(prompt))
+        tokens = torch.tensor(prompt[reuse:] + draft, dtype=torch.long, device=self.runtime.device)
+        logits = self.runtime(tokens, self.cache, reuse, 1 + len(draft))
+        return self.prefill_verified(prompt, draft, logits)
+
+    def prefill_draft(self, prompt_len: int) -> list[int]:
+        """Heal draft: the tokens that spell the healed text (engine/decoding/healing.py), fed after the prompt in
+        its last pass. The model's constrained choice at each row decides (``prefill_verified``), so the output
+        is what one constrained step at a time gives; when the model re-types the text as it is usually spelt, a
+        keystroke's first visible token comes from the prompt's own pass instead of one or more passes later.
+        Greedy only (a sampled constrained choice stays one token a step)."""
+        if not (self.heal_drafts and self.forced and self.opt.temperature <= 0):
+            return []
+        draft = self.token_index.spell(self.forced, MAX_HEAL_DRAFT)
+        return draft if prompt_len + len(draft) < self.cache.max_len else []
+
+    def prefill_verified(self, prompt: list[int], draft: list[int], logits: Tensor) -> list[int]:
+        """Choose the first tokens from the prompt pass's last ``len(draft) + 1`` rows of ``logits`` (the draft fed
+        after the prompt); keep the accepted drafts in the cache; commit."""
+        new: list[int] = []
+        for i, tok in enumerate(draft):
+            new.append(self._choose(logits[i]))
+            if new[-1] != tok:
+                break
         else:
-            if reuse < self.cache.length:
-                self.cache.rollback(reuse)
-            tokens = torch.tensor(prompt[reuse:], dtype=torch.long, device=self.runtime.device)
-            logits = self.runtime(tokens, self.cache, reuse, 1)[-1]
-        first = self._choose(logits)
-        self.ids = list(prompt) + [first]
-        return self._commit([first])
+            new.append(self._choose(logits[len(draft)]))
+        self.cache.rollback(min(self.cache.length, len(prompt) + len(new) - 1))
+        self.ids = list(prompt) + new
+        return self._commit(new)
 
     def _plan_draft(self) -> Draft | int:
         """This round's draft: an n-gram draft, or how many tokens to ask the draft model for.

@@ -129,14 +129,15 @@ class StepDecoder(SpeculativeDecoder):
             n += 1
         return d[:n] + [best[n]]
 
-    def prefill_done(self, prompt: list[int], logits: torch.Tensor, best: list[int] | None = None) -> list[int]:
+    def prefill_done(
+        self, prompt: list[int], logits: torch.Tensor, best: list[int] | None = None, draft: list[int] | None = None
+    ) -> list[int]:
+        """The prompt's last pass is back (``draft``: the heal draft it carried): commit its first tokens."""
         self._best = best
         try:
-            first = self._choose(logits[-1])
+            return self.prefill_verified(prompt, draft or [], logits)
         finally:
             self._best = None
-        self.ids = list(prompt) + [first]
-        return self._commit([first])
 
     def next_draft(self) -> Draft | DraftNeed | None:
         """The next step's draft, a DraftNeed where the draft model must run it, or None when decoding is over.
@@ -274,6 +275,9 @@ class ServeEngine(LocalEngine):
         self._counters.update(dict.fromkeys(SCHED_COUNTERS, 0))
         self._active: list[_Seq] = []
         self._held: list[tuple[CompletionRequest, CompletionStream]] = []  # submitted, not yet admitted
+        # Prompts built ahead for held requests whose document is busy (id(request) -> PromptPlan): built while a
+        # round's pass runs, so the request is admitted the moment its document is free (_admit(ready_only)).
+        self._plans: dict[int, object] = {}
         self._forgets: list[str] = []  # forget requests for documents in use: done when they are free
         # Prompt lookup remembers recent completions: one drafter per client session, so one user's
         # completions never shape (nor, by acceptance, time) another's drafts.
@@ -345,6 +349,7 @@ class ServeEngine(LocalEngine):
                     seq.stream.push(Delta("", True, "cancelled"))
                 for _, stream in self._held:
                     stream.push(Delta("", True, "cancelled"))
+                self._plans.clear()
                 return False
             if item is _WAKE:
                 continue
@@ -353,7 +358,12 @@ class ServeEngine(LocalEngine):
             else:
                 self._held.append(item)
 
-    def _admit(self) -> None:
+    def _admit(self, ready_only: bool = False) -> None:
+        """Start held requests whose document is free (up to ``max_active``); answer cancelled ones. A held request
+        whose document is busy (its previous completion has not seen the cancel yet) gets its prompt built now.
+
+        ``ready_only``: only requests whose prompt is built already (cheap: no tokenising), for the end of a round,
+        where the ones just freed by a cancelled sequence can join the next round's pass instead of the one after."""
         busy = {s.key for s in self._active}
         for doc_id in list(self._forgets):
             if doc_id not in busy:
@@ -363,10 +373,13 @@ class ServeEngine(LocalEngine):
         for request, stream in self._held:
             key = request.document_id or ""
             if stream.cancelled:  # cancelled while waiting: answer now, without a pass
+                self._plans.pop(id(request), None)
                 with self._lock:
                     self._waiting -= 1
                 self._finish(stream, "", "cancelled", 0, {"queue_ms": 0.0})
-            elif key in busy or len(self._active) >= self.max_active:
+            elif key in busy or len(self._active) >= self.max_active or (ready_only and id(request) not in self._plans):
+                if not ready_only and key in busy and id(request) not in self._plans:
+                    self._prebuild(request)
                 keep.append((request, stream))
             else:
                 with self._lock:
@@ -378,6 +391,12 @@ class ServeEngine(LocalEngine):
                     self._active.append(seq)
         self._held = keep
         self._gauges()
+
+    def _prebuild(self, request: CompletionRequest) -> None:
+        try:
+            self._plans[id(request)] = self.prompts.build(request)
+        except Exception:  # the request's own error is raised (and answered) when it is admitted
+            pass
 
     def _round(self) -> None:
         """Drafts, then one target pass for every active sequence, then each one's next step is prepared.
@@ -414,6 +433,8 @@ class ServeEngine(LocalEngine):
             if id(seq) not in ended and not self._advance(seq, out):
                 ended.add(id(seq))
         self._active = [s for s in self._active if id(s) not in ended]
+        if ended and self._plans:  # a keystroke's new request, waiting for its cancelled predecessor: in now
+            self._admit(ready_only=True)
         self._snapshot_kv()
         self._gauges()
         self._count("sched_round_ms", (time.perf_counter() - t0) * 1e3)
@@ -592,7 +613,7 @@ class ServeEngine(LocalEngine):
         opt.validate()
         if request.reuse not in REUSE_MODES:
             raise PromptError(f"unknown reuse mode {request.reuse!r}: use {', '.join(REUSE_MODES)}")
-        plan = self.prompts.build(request)
+        plan = self._plans.pop(id(request), None) or self.prompts.build(request)
         prompt, heal, constrained = plan.ids, plan.heal, plan.constrained
         t_prompt = time.perf_counter()
         doc = self._open_document(request, plan)
@@ -624,19 +645,23 @@ class ServeEngine(LocalEngine):
             else:
                 if reuse < doc.target.length:
                     doc.target.rollback(reuse)
-                pos, logits = reuse, None
+                pos, logits, draft = reuse, None, []
                 while pos < len(prompt):  # a chunk per round: a long prompt never stalls the others' steps
                     if stream.cancelled and pos > reuse:  # typed on: keep what is computed for the next keystroke
                         doc.ids, doc.exact_len = list(prompt[:pos]), pos
                         self._finish(stream, "", "cancelled", 0, {"prompt_tokens": len(prompt)})
                         return
                     end = min(len(prompt), pos + PREFILL_CHUNK)
-                    chunk = torch.tensor(prompt[pos:end], dtype=torch.long, device=device)
-                    fwd = Forward(chunk, doc.target, pos, 1)
+                    if end == len(prompt):  # the last chunk carries the heal draft, where it stays a short pass
+                        draft = decoder.prefill_draft(len(prompt))
+                        if own is not None and end - pos + len(draft) > max(BLOCKS):
+                            draft = []  # slotted: a longer chunk runs in SlotGraphs.prefill, last logits only
+                    chunk = torch.tensor(prompt[pos:end] + draft, dtype=torch.long, device=device)
+                    fwd = Forward(chunk, doc.target, pos, 1 + len(draft))
                     yield fwd  # answered STREAM_NOW: nothing to stream yet
                     logits = yield AWAIT
                     pos = end
-                first = decoder.prefill_done(prompt, logits, fwd.best)
+                first = decoder.prefill_done(prompt, logits, fwd.best, draft)
             self._count("tokens_prefilled", prefilled)
             self._count("tokens_reused", len(prompt) - prefilled)
             self._count("tokens_shifted", shifted)

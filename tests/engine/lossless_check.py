@@ -23,13 +23,16 @@ def decode(target, cache, prompt, heal, drafter_name, model_drafter, ngram) -> S
     dec = SpeculativeDecoder(target.runtime, cache, target.stop_ids, opts, model_drafter, ngram, heal,
                              target.token_index)
     dec.trace = []
+    # Plain greedy is the reference: the healed text re-typed one constrained step at a time. The drafters
+    # also check a heal draft with the prompt's pass (SpeculativeDecoder.prefill_draft).
+    dec.heal_drafts = drafter_name != "none"
     # Draft every round (no cost-aware skipping, engine/decoding/spec_policy.py): the check needs verify
     # blocks, and whether drafting pays on this machine must not decide what is tested.
     dec.costs = None
     # The prompt's keys/values from the previous run over the same prompt stay valid.
     reuse = min(cache.length, len(prompt) - 1)
     cache.rollback(reuse)
-    dec.prefill(prompt, reuse)
+    dec.prefill_committed = len(dec.prefill(prompt, reuse))
     while not dec.done:
         dec.step()
     return dec
@@ -57,13 +60,14 @@ class Comparison:
     mismatches: list = field(default_factory=list)
     ties: int = 0
     healed: int = 0
+    heal_drafts_taken: int = 0  # runs whose prompt pass committed more than one token (a heal draft accepted)
     accepted: dict = field(default_factory=lambda: {"model": [], "ngram": [], "auto": []})
 
     def mean_accepted(self, name: str) -> float:
         return sum(self.accepted[name]) / max(1, len(self.accepted[name]))
 
     def summary(self) -> str:
-        return (f"{self.healed} healed, x 3 drafters: {len(self.mismatches)} divergences, {self.ties} near ties; "
+        return (f"{self.healed} healed ({self.heal_drafts_taken} heal drafts taken), x 3 drafters: {len(self.mismatches)} divergences, {self.ties} near ties; "
                 "mean tokens per verify step: " + ", ".join(f"{k} {self.mean_accepted(k):.2f}" for k in self.accepted))
 
 
@@ -86,6 +90,7 @@ def compare_drafters(target, draft, prompts: list[tuple[str, str]]) -> Compariso
         for name in ("model", "ngram", "auto"):
             dec = decode(target, cache, prompt, heal, name, model_drafter, ngram)
             out.accepted[name].append(dec.stats.mean_accepted)
+            out.heal_drafts_taken += dec.prefill_committed > 1
             if dec.output == plain.output:
                 continue
             i = first_difference(plain, dec)
