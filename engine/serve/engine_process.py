@@ -87,7 +87,7 @@ class ServeEngineProcess:
         """Block until close() (the daemon's main thread). If the child dies first, every open request has
         already ended with an error (EngineProcess); the daemon then stops, with that reason."""
         while not self._closed.wait(0.5):  # a timed wait: signals still reach the main thread
-            if not self._proc.alive():
+            if not self._proc.alive() and not self._closed.is_set():  # (close() may run in a signal handler here)
                 raise FimbleError(self._proc.error or "the engine process ended")
 
     def close(self) -> None:
