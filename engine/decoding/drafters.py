@@ -135,6 +135,12 @@ class NgramDrafter:
                 gate: float = 0.0, gen: torch.Generator | None = None) -> Draft:
         buf = self._context_bytes(context)
         joined = self._remembered()
+        # Every n-gram tried ends in the last token: where that token occurs nowhere before (most calls once the
+        # text is new), no n-gram does, and two scans answer instead of two per length.
+        last = buf[-4:]
+        in_context = _rfind_aligned(buf, last, len(buf) - 4) is not None
+        if last and not in_context and _rfind_aligned(joined, last, len(joined)) is None:
+            return Draft([])
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             pattern = buf[-4 * n:]
             # An occurrence must end before the last token, so that something follows it.

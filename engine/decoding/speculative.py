@@ -20,7 +20,14 @@ import torch
 from torch import Tensor
 
 from engine.decoding.drafters import Draft, ModelDrafter, NgramDrafter
-from engine.decoding.sampling import accept_draft_token, distribution, draw, greedy_ids, residual
+from engine.decoding.sampling import (
+    accept_draft_token,
+    constrained_argmax,
+    distribution,
+    draw,
+    greedy_ids,
+    residual,
+)
 from engine.decoding.spec_policy import Acceptance, VerifyCosts, choose_gamma, verify_costs
 from engine.options import DecodeOptions
 
@@ -90,6 +97,13 @@ class SpeculativeDecoder:
     # -- token choice ---------------------------------------------------------
     def _choose(self, logits: Tensor | np.ndarray) -> int:
         """The next token from one row of logits (numpy only when greedy with nothing forced: _numpy_rows)."""
+        if self.forced and self.opt.temperature <= 0 and self.trace is None:
+            allowed = self.token_index.allowed(self.forced)
+            if allowed:  # the same choice as the mask below, without masking the whole row
+                tok = constrained_argmax(logits, allowed)
+                text = self.token_index.text.get(tok, "")
+                self.forced = self.forced[len(text):] if self.forced.startswith(text) and text else ""
+                return tok
         if self.forced:
             mask = torch.full_like(logits, float("-inf"))
             allowed = self.token_index.allowed(self.forced)

@@ -20,3 +20,24 @@ def test_greedy_ids_is_torch_argmax_ties_and_nan_included():
     assert greedy_ids(rows.numpy()) == want
     half = rows.to(torch.bfloat16)  # not float32: torch's own argmax
     assert greedy_ids(half) == half.argmax(-1).tolist()
+
+
+def test_constrained_argmax_is_the_masked_rows_argmax():
+    """Healing's constrained choice (SpeculativeDecoder._choose) without masking the row: the same token as the
+    argmax of the row with everything but the allowed ids at -inf, ties to the lowest id, in any order given."""
+    from engine.decoding.sampling import constrained_argmax
+
+    gen = torch.Generator().manual_seed(1)
+    checked = 0
+    for trial in range(200):
+        row = torch.randn(500, generator=gen)
+        allowed = torch.randperm(500, generator=gen)[: 1 + trial % 40].tolist()
+        if trial % 5 == 0:  # a tie between two allowed ids: the lower one wins, as with the mask
+            row[allowed[0]] = row[allowed[-1]] = 50.0
+        mask = torch.full_like(row, float("-inf"))
+        mask[allowed] = 0.0
+        want = greedy_ids((row + mask).reshape(1, -1))[0]
+        assert constrained_argmax(row, allowed) == want
+        assert constrained_argmax(row.numpy(), allowed) == want
+        checked += want != greedy_ids(row.reshape(1, -1))[0]  # the constraint changed the choice
+    assert checked > 100
