@@ -101,7 +101,7 @@ class NgramDrafter:
         self._joined_from: tuple[bytes, ...] = ()  # the completions _joined was made of
         self._ctx: list[int] | None = None  # the list the cached bytes were made from
         self._ctx_len = 0
-        self._ctx_buf = b""
+        self._ctx_buf = bytearray()
 
     def reset(self) -> None:
         pass  # stateless between calls apart from the remembered completions
@@ -120,14 +120,14 @@ class NgramDrafter:
             self._joined = b"".join(past + _SEPARATOR for past in recent)
         return self._joined
 
-    def _context_bytes(self, context: list[int]) -> bytes:
+    def _context_bytes(self, context: list[int]) -> bytearray:
         # A decoder's ids only ever grow, so the bytes of the same list are extended, not rebuilt. (Were the list
         # edited in place, drafts would be worse, never the output: every draft is verified by the target.)
         if context is self._ctx and len(context) >= self._ctx_len:
-            if len(context) > self._ctx_len:
+            if len(context) > self._ctx_len:  # a bytearray grows in place (bytes += copied all of it each call)
                 self._ctx_buf += array("i", context[self._ctx_len :]).tobytes()
         else:
-            self._ctx_buf = array("i", context).tobytes()
+            self._ctx_buf = bytearray(array("i", context).tobytes())
         self._ctx, self._ctx_len = context, len(context)
         return self._ctx_buf
 

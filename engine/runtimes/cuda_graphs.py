@@ -495,7 +495,7 @@ class SlotGraphs:
     def prefill(self, passes: list[tuple[Tensor, KVCache, int, int]], best: list | None = None) -> list[Tensor]:
         """Eager pass of several slotted chunks (each ``fits_prefill``), padded to the longest; like ``run``."""
         slots = [self._slot[id(c)] for _, c, _, _ in passes]
-        lens = [t.shape[0] for t, _, _, _ in passes]
+        lens = [len(t) for t, _, _, _ in passes]
         block = -(-max(lens) // 16) * 16
         batch = batch_bucket(max(slots) + 1, self.streams)
         keys_len = key_bucket(max(s + block for _, _, s, _ in passes), self.slot_len + SLOT_SCRATCH)
@@ -504,7 +504,7 @@ class SlotGraphs:
         starts = [self.slot_len] * batch
         last = [0] * batch
         for slot, n, (t, _, start, _) in zip(slots, lens, passes, strict=True):
-            tokens[slot, :n] = t.cpu() if t.device.type != "cpu" else t
+            tokens[slot, :n] = torch.as_tensor(t) if isinstance(t, list) else t.cpu()
             starts[slot], last[slot] = start, n - 1
         logits = forward_batch(
             self.model,

@@ -122,9 +122,9 @@ class StepDecoder(SpeculativeDecoder):
 
     def _verify(self, draft: Draft, logits: torch.Tensor) -> list[int]:
         best = self._greedy_best()
-        if best is None or not draft.tokens:
+        if best is None:
             return super()._verify(draft, logits)
-        d, n = draft.tokens, 0
+        d, n = draft.tokens, 0  # (no draft: the one row's argmax, with no tensor indexed)
         while n < len(d) and d[n] == best[n]:
             n += 1
         return d[:n] + [best[n]]
@@ -636,7 +636,6 @@ class ServeEngine(LocalEngine):
                 self.target.token_index if constrained else None,
             )
             decoder.host_tokens = own is not None  # slotted: blocks go to the device once per round
-            device = "cpu" if own is not None else self.target.runtime.device
             if drafter is not None:
                 drafter.bind(doc.draft, doc.draft_ids)
             doc.ids = []  # the cache is about to change; valid again after prefill
@@ -656,7 +655,9 @@ class ServeEngine(LocalEngine):
                         draft = decoder.prefill_draft(len(prompt))
                         if own is not None and end - pos + len(draft) > max(BLOCKS):
                             draft = []  # slotted: a longer chunk runs in SlotGraphs.prefill, last logits only
-                    chunk = torch.tensor(prompt[pos:end] + draft, dtype=torch.long, device=device)
+                    chunk = prompt[pos:end] + draft  # slotted: host ids, staged with the round's others
+                    if own is None:
+                        chunk = torch.tensor(chunk, dtype=torch.long, device=self.target.runtime.device)
                     fwd = Forward(chunk, doc.target, pos, 1 + len(draft))
                     yield fwd  # answered STREAM_NOW: nothing to stream yet
                     logits = yield AWAIT
