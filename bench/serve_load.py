@@ -275,9 +275,8 @@ def shape_engine(shape: str, device: str, batch: bool, max_active: int, warm_gra
         file=sys.stderr,
         flush=True,
     )
-    switch_ms = os.environ.get("SERVE_LOAD_SWITCH_MS")  # experiment: the GIL switch interval of the decode loop
-    if switch_ms:
-        sys.setswitchinterval(float(switch_ms) / 1e3)
+    if os.environ.get("SERVE_LOAD_CHILD"):  # as engine/process.py --serve does
+        sys.setswitchinterval(switch_interval())
     profile = os.environ.get("SERVE_LOAD_PROFILE")  # a path: cProfile the decode loop, stats written at its end
     if profile:
         import cProfile
@@ -293,6 +292,15 @@ def shape_engine(shape: str, device: str, batch: bool, max_active: int, warm_gra
 
         engine.serve_forever = profiled
     return engine
+
+
+def switch_interval() -> float:
+    """fimble serve's GIL switch interval for its two processes (engine_process.py), or SERVE_LOAD_SWITCH_MS's
+    (an experiment: 5 is Python's default)."""
+    from engine.serve.engine_process import SWITCH_INTERVAL_S
+
+    ms = os.environ.get("SERVE_LOAD_SWITCH_MS")
+    return float(ms) / 1e3 if ms else SWITCH_INTERVAL_S
 
 
 def serve_shape(args: argparse.Namespace) -> int:
@@ -311,6 +319,7 @@ def serve_shape(args: argparse.Namespace) -> int:
         return run_daemon(build(), ServeOptions(port=0), announce=announce)
     from engine.serve.engine_process import ServeEngineProcess
 
+    sys.setswitchinterval(switch_interval())  # as fimble serve's daemon does with its engine in a child
     os.environ["SERVE_LOAD_CHILD"] = "1"  # inherited by the child: it builds the engine and serves it on stdio
     engine = ServeEngineProcess.start(command=[sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
     del os.environ["SERVE_LOAD_CHILD"]
@@ -360,6 +369,8 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
     rows = after["sched_batched_rows"] - before["sched_batched_rows"]
     round_ms = after.get("sched_round_ms", 0) - before.get("sched_round_ms", 0)
     pass_ms = after.get("sched_pass_ms", 0) - before.get("sched_pass_ms", 0)
+    overlap_ms = after.get("sched_overlap_ms", 0) - before.get("sched_overlap_ms", 0)
+    advance_ms = after.get("sched_advance_ms", 0) - before.get("sched_advance_ms", 0)
     graph_rounds = after.get("sched_graph_rounds", 0) - before.get("sched_graph_rounds", 0)
     gpu_ms = after.get("sched_gpu_ms", 0) - before.get("sched_gpu_ms", 0)
     shortened = after.get("sched_shortened", 0) - before.get("sched_shortened", 0)
@@ -381,6 +392,8 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
         "graph_rounds": graph_rounds,
         "mean_round_ms": round(round_ms / rounds, 2) if rounds else 0,
         "mean_pass_ms": round(pass_ms / rounds, 2) if rounds else 0,
+        "mean_overlap_ms": round(overlap_ms / rounds, 2) if rounds else 0,
+        "mean_advance_ms": round(advance_ms / rounds, 2) if rounds else 0,
         "mean_graph_gpu_ms": round(gpu_ms / graph_rounds, 2) if graph_rounds else 0,
         "drafts_shortened": shortened,
         "busy_share": round(round_ms / 1e3 / wall, 2) if wall else 0,
@@ -457,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['tok_per_s']:>7.1f} tok/s, first delta p50 {r['p50_first_delta_ms']:>7.1f} ms p95 "
                     f"{r['p95_first_delta_ms']:>7.1f} ms; errors {r['errors']}, rows/round "
                     f"{r['mean_rows_per_round']}, round {r['mean_round_ms']} ms (passes {r['mean_pass_ms']} ms, "
+                    f"overlapped {r['mean_overlap_ms']} ms, advancing {r['mean_advance_ms']} ms, "
                     f"graph GPU {r['mean_graph_gpu_ms']} ms, busy {r['busy_share']:.0%}), drafts cut "
                     f"{r['drafts_shortened']}, load {r['load_average']}",
                     flush=True,

@@ -149,7 +149,10 @@ def serve(args: argparse.Namespace) -> int:
             return open_engine(args.model, args.draft, device=args.device, template=args.template,
                                trust_remote_code=args.trust_remote_code, use_draft=not args.no_draft,
                                start_thread=False, kv_budget_bytes=budget)
+        from engine.serve.engine_process import SWITCH_INTERVAL_S
         from engine.serve.scheduler import open_serve_engine
+
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
 
         engine = open_serve_engine(args.model, args.draft, device=args.device, use_draft=not args.no_draft,
                                    batch=not args.no_batch, max_active=args.max_active, kv_budget_bytes=budget,

@@ -83,7 +83,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
         engine = open_ray_engine(args)
     elif engine_in_child(args):
-        from engine.serve.engine_process import ServeEngineProcess
+        from engine.serve.engine_process import SWITCH_INTERVAL_S, ServeEngineProcess
+
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
 
         engine = ServeEngineProcess.start(  # loads and captures its graphs before it answers (progress on stderr)
             args.model,

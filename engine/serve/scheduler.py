@@ -81,6 +81,8 @@ SCHED_COUNTERS = (
     "sched_graph_rounds",
     "sched_round_ms",  # wall time in rounds (drafts, passes, advancing every sequence)
     "sched_pass_ms",  # of which launching the target passes and waiting for them (not the overlapped work)
+    "sched_overlap_ms",  # of which streaming text and admitting requests while the passes run (overlap)
+    "sched_advance_ms",  # of which verifying every sequence's logits and preparing its next pass (after the wait)
     "sched_gpu_ms",  # slotted rounds: GPU time of their graph replays
     "sched_shortened",  # verify blocks cut by the round's block choice (_shorten_drafts)
 )
@@ -424,7 +426,9 @@ class ServeEngine(LocalEngine):
             self._admit()
         t3 = time.perf_counter()
         logits = self._collect(launched)
-        self._count("sched_pass_ms", (t2 - t1 + time.perf_counter() - t3) * 1e3)
+        t4 = time.perf_counter()
+        self._count("sched_pass_ms", (t2 - t1 + t4 - t3) * 1e3)
+        self._count("sched_overlap_ms", (t3 - t2) * 1e3)
         self._count("sched_rounds")
         self._count("sched_batched_rows", sum(len(c.tokens) for c in calls))
         with self._lock:
@@ -433,6 +437,7 @@ class ServeEngine(LocalEngine):
             if id(seq) not in ended and not self._advance(seq, out):
                 ended.add(id(seq))
         self._active = [s for s in self._active if id(s) not in ended]
+        self._count("sched_advance_ms", (time.perf_counter() - t4) * 1e3)
         if ended and self._plans:  # a keystroke's new request, waiting for its cancelled predecessor: in now
             self._admit(ready_only=True)
         self._snapshot_kv()
