@@ -370,6 +370,7 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
     round_ms = after.get("sched_round_ms", 0) - before.get("sched_round_ms", 0)
     pass_ms = after.get("sched_pass_ms", 0) - before.get("sched_pass_ms", 0)
     overlap_ms = after.get("sched_overlap_ms", 0) - before.get("sched_overlap_ms", 0)
+    launch_ms = after.get("sched_launch_ms", 0) - before.get("sched_launch_ms", 0)
     advance_ms = after.get("sched_advance_ms", 0) - before.get("sched_advance_ms", 0)
     graph_rounds = after.get("sched_graph_rounds", 0) - before.get("sched_graph_rounds", 0)
     gpu_ms = after.get("sched_gpu_ms", 0) - before.get("sched_gpu_ms", 0)
@@ -392,6 +393,7 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
         "graph_rounds": graph_rounds,
         "mean_round_ms": round(round_ms / rounds, 2) if rounds else 0,
         "mean_pass_ms": round(pass_ms / rounds, 2) if rounds else 0,
+        "mean_launch_ms": round(launch_ms / rounds, 2) if rounds else 0,
         "mean_overlap_ms": round(overlap_ms / rounds, 2) if rounds else 0,
         "mean_advance_ms": round(advance_ms / rounds, 2) if rounds else 0,
         "mean_graph_gpu_ms": round(gpu_ms / graph_rounds, 2) if graph_rounds else 0,
@@ -470,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['tok_per_s']:>7.1f} tok/s, first delta p50 {r['p50_first_delta_ms']:>7.1f} ms p95 "
                     f"{r['p95_first_delta_ms']:>7.1f} ms; errors {r['errors']}, rows/round "
                     f"{r['mean_rows_per_round']}, round {r['mean_round_ms']} ms (passes {r['mean_pass_ms']} ms, "
+                    f"launching {r['mean_launch_ms']} ms of it, "
                     f"overlapped {r['mean_overlap_ms']} ms, advancing {r['mean_advance_ms']} ms, "
                     f"graph GPU {r['mean_graph_gpu_ms']} ms, busy {r['busy_share']:.0%}), drafts cut "
                     f"{r['drafts_shortened']}, load {r['load_average']}",

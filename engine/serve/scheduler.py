@@ -81,6 +81,7 @@ SCHED_COUNTERS = (
     "sched_graph_rounds",
     "sched_round_ms",  # wall time in rounds (drafts, passes, advancing every sequence)
     "sched_pass_ms",  # of which launching the target passes and waiting for them (not the overlapped work)
+    "sched_launch_ms",  # of pass_ms: starting the passes (slotted: staging and the graph's launch; eager: all of it)
     "sched_overlap_ms",  # of which streaming text and admitting requests while the passes run (overlap)
     "sched_advance_ms",  # of which verifying every sequence's logits and preparing its next pass (after the wait)
     "sched_gpu_ms",  # slotted rounds: GPU time of their graph replays
@@ -428,6 +429,7 @@ class ServeEngine(LocalEngine):
         logits = self._collect(launched)
         t4 = time.perf_counter()
         self._count("sched_pass_ms", (t2 - t1 + t4 - t3) * 1e3)
+        self._count("sched_launch_ms", (t2 - t1) * 1e3)
         self._count("sched_overlap_ms", (t3 - t2) * 1e3)
         self._count("sched_rounds")
         self._count("sched_batched_rows", sum(len(c.tokens) for c in calls))
