@@ -133,7 +133,13 @@ def run_engine(engine: Any, send: Callable[[dict], None]) -> int:
         engine.close()  # stdin closed: the client is gone
 
     threading.Thread(target=reader, name="fimble-engine-reader", daemon=True).start()
-    engine.serve_forever()
+    try:
+        engine.serve_forever()
+    except Exception as exc:  # a fault of the decode loop itself (a request's own error never gets here)
+        traceback.print_exc(file=sys.stderr)  # the details stay in this process's stderr
+        send({"op": "fatal", "error": f"the engine's decode loop failed: {type(exc).__name__}"})
+        sys.stderr.flush()
+        os._exit(1)  # not a normal exit: the reader thread, blocked on stdin, would abort the interpreter's shutdown
     return 0
 
 

@@ -53,7 +53,14 @@ from engine.decoding.spec_policy import MIN_GAIN
 from engine.decoding.speculative import SpeculativeDecoder
 from engine.errors import FimbleError, PromptError
 from engine.local import _WAKE, REUSE_MODES, LocalEngine
-from engine.runtimes.cuda_graphs import BLOCKS, SLOT_SCRATCH, batch_bucket, block_bucket, key_bucket
+from engine.runtimes.cuda_graphs import (
+    BLOCKS,
+    SLOT_SCRATCH,
+    batch_bucket,
+    block_bucket,
+    key_bucket,
+    rows_tensor,
+)
 from engine.serve.batched import (
     DraftNeed,
     Forward,
@@ -96,6 +103,7 @@ SLOT_LEN = 4096  # positions per slot of the slotted (CUDA graph) rounds; longer
 # After a completion's first text, deltas go out at most this often (_TextOut.emit): ~80 a second, more than an
 # editor redraws ghost text, against one per round (400+ a second for one editor on the H200).
 STREAM_INTERVAL_S = 0.012
+HOST_MS_WEIGHT = 0.1  # the running mean's step: about the last ten rounds
 
 
 class StepDecoder(SpeculativeDecoder):
@@ -126,7 +134,7 @@ class StepDecoder(SpeculativeDecoder):
     def _verify(self, draft: Draft, logits: torch.Tensor) -> list[int]:
         best = self._greedy_best()
         if best is None:
-            return super()._verify(draft, logits)
+            return super()._verify(draft, rows_tensor(logits))
         d, n = draft.tokens, 0  # (no draft: the one row's argmax, with no tensor indexed)
         while n < len(d) and d[n] == best[n]:
             n += 1
@@ -281,6 +289,8 @@ class ServeEngine(LocalEngine):
         # Prompts built ahead for held requests whose document is busy (id(request) -> PromptPlan): built while a
         # round's pass runs, so the request is admitted the moment its document is free (_admit(ready_only)).
         self._plans: dict[int, object] = {}
+        self._host_ms = 0.0  # running mean of a graph round's wall time beyond its graph's GPU time
+        self._last_gpu_ms: float | None = None
         self._forgets: list[str] = []  # forget requests for documents in use: done when they are free
         # Prompt lookup remembers recent completions: one drafter per client session, so one user's
         # completions never shape (nor, by acceptance, time) another's drafts.
@@ -428,6 +438,8 @@ class ServeEngine(LocalEngine):
         t3 = time.perf_counter()
         logits = self._collect(launched)
         t4 = time.perf_counter()
+        gpu_ms = self._last_gpu_ms
+        self._last_gpu_ms = None
         self._count("sched_pass_ms", (t2 - t1 + t4 - t3) * 1e3)
         self._count("sched_launch_ms", (t2 - t1) * 1e3)
         self._count("sched_overlap_ms", (t3 - t2) * 1e3)
@@ -444,7 +456,10 @@ class ServeEngine(LocalEngine):
             self._admit(ready_only=True)
         self._snapshot_kv()
         self._gauges()
-        self._count("sched_round_ms", (time.perf_counter() - t0) * 1e3)
+        round_ms = (time.perf_counter() - t0) * 1e3
+        self._count("sched_round_ms", round_ms)
+        if gpu_ms is not None:  # the host's share of a graph round, for the block choice (_shorten_drafts)
+            self._host_ms += HOST_MS_WEIGHT * (max(0.0, round_ms - gpu_ms) - self._host_ms)
 
     def _launch(self, calls: list[Forward]) -> tuple:
         if self.slots is None:
@@ -504,13 +519,14 @@ class ServeEngine(LocalEngine):
     def _slotted_collect(self, calls: list[Forward], fast: list[int], graph, out: list) -> list:
         if graph is not None:
             best: list[list[int]] = []
-            got = self.slots.collect(graph, best)
+            got = self.slots.collect(graph, best, lazy=True)  # rows sliced only where read (RowSpan)
             for i, logits, row_best in zip(fast, got, best, strict=True):
                 out[i] = logits
                 calls[i].best = row_best
             gpu = self.slots.pass_ms(graph[2])
             if gpu is not None:
                 self._count("sched_gpu_ms", gpu)
+                self._last_gpu_ms = gpu
         return out
 
     def _shorten_drafts(self, calls: list[Forward]) -> None:
@@ -519,7 +535,8 @@ class ServeEngine(LocalEngine):
         A slotted round pads every pass to the longest one's bucket, and a graph of 32 sequences x 16 rows
         costs several times one of 32 x 1 (H200, 1.5B shape: ~3.3 ms against ~7). So each candidate bucket
         is scored by the tokens the round commits on average (each decoder's running acceptance of its
-        drafter) over that graph's measured GPU time; a bucket not measured yet counts as free, so it is tried
+        drafter) over that graph's measured GPU time plus the round's host time (a running mean: the host work
+        around a graph hardly depends on its block); a bucket not measured yet counts as free, so it is tried
         once and learnt. Only drafts are cut; prefill chunks and unslotted passes keep their length."""
         slots = self.slots
         fast = [c for c in calls if slots.fits(len(c.tokens), c.cache, c.start)]
@@ -541,7 +558,9 @@ class ServeEngine(LocalEngine):
                 best_rows = rows  # unmeasured: tried once (the smallest such), its time decides afterwards
                 break
             tokens = sum(curve[min(rows - 1, len(curve) - 1)] for curve in curves)
-            rate = tokens / max(cost, 1e-3)
+            # A round costs its graph plus the host work around it, which hardly depends on the block: with that
+            # counted, a longer block's extra tokens are weighed against the whole round, not the graph alone.
+            rate = tokens / max(cost + self._host_ms, 1e-3)
             if rate > best_rate * MIN_GAIN:  # a longer block must pay for itself by a margin: timings are noisy
                 best_rate, best_rows = rate, rows
         if best_rows < longest:

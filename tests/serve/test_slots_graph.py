@@ -174,3 +174,20 @@ def test_round_block_choice_cuts_drafts_that_do_not_pay(compact_target, one_thre
     assert engine.counters()["sched_shortened"] >= 6
     assert engine.warm_graphs() == 0  # nothing to capture without CUDA
     engine.close()
+
+
+def test_row_span_reads_the_rows_a_slice_would():
+    """SlotGraphs.collect(lazy=True) hands out RowSpans: the same rows as the slice, read only when asked."""
+    import pytest
+
+    from engine.runtimes.cuda_graphs import RowSpan, rows_tensor
+
+    logits = torch.arange(40.0).view(10, 4)
+    span = RowSpan(logits, 3, 6)
+    assert len(span) == 3
+    assert torch.equal(span[0], logits[3]) and torch.equal(span[-1], logits[5]) and torch.equal(span[2], logits[5])
+    assert torch.equal(rows_tensor(span), logits[3:6]) and rows_tensor(logits) is logits
+    with pytest.raises(IndexError):
+        span[3]
+    with pytest.raises(IndexError):
+        span[-4]
