@@ -9,6 +9,8 @@ Modules:
 - ``daemon``: ``EngineDaemon``, the listeners (websocket sessions, the OpenAI HTTP API) on one port.
 - ``openai_http``: ``POST /v1/completions`` (FIM ``suffix``, SSE ``stream``).
 - ``client``: ``WSEngine``, the daemon as an engine with EngineProcess's API (``fimble lsp --engine``).
+- ``engine_process``: ``ServeEngineProcess``, a ServeEngine in a child process behind the same API (the
+  CUDA default: the decode loop and the listeners each get an interpreter).
 
 Build a daemon around an engine::
 
@@ -18,6 +20,9 @@ Build a daemon around an engine::
     daemon = EngineDaemon(engine, ServeOptions(host="127.0.0.1", port=0, token=None))
     port = daemon.start()                                # listeners in a background thread
     engine.serve_forever()                               # decode loop in the main thread
+
+Or with the decode loop in a child process: ``engine = ServeEngineProcess.start(device="cuda")``, then the
+same ``EngineDaemon(engine, ...)`` and ``engine.serve_forever()`` (which waits, and raises if the child dies).
 
 Connect: ``WSEngine("ws://127.0.0.1:%d" % port, token=None)`` (submit/cancel/counters as
 EngineProcess), or an OpenAI client with ``base_url="http://127.0.0.1:%d/v1" % port``.
