@@ -93,6 +93,8 @@ SCHED_COUNTERS = (
     "sched_advance_ms",  # of which verifying every sequence's logits and preparing its next pass (after the wait)
     "sched_gpu_ms",  # slotted rounds: GPU time of their graph replays
     "sched_shortened",  # verify blocks cut by the round's block choice (_shorten_drafts)
+    "sched_prebuilt",  # prompts built while their document was busy (_admit)
+    "sched_admitted_early",  # of those, admitted in the round that freed their document (_admit(ready_only))
 )
 MAX_ACTIVE = 64  # sequences stepped together; more wait their turn
 # Prompt tokens a sequence prefills per round. A new request's prompt (often 1,000+ tokens on its
@@ -288,7 +290,7 @@ class ServeEngine(LocalEngine):
         self._held: list[tuple[CompletionRequest, CompletionStream]] = []  # submitted, not yet admitted
         # Prompts built ahead for held requests whose document is busy (id(request) -> PromptPlan): built while a
         # round's pass runs, so the request is admitted the moment its document is free (_admit(ready_only)).
-        self._plans: dict[int, object] = {}
+        self._plans: dict[int, tuple[CompletionRequest, object]] = {}
         self._host_ms = 0.0  # running mean of a graph round's wall time beyond its graph's GPU time
         self._last_gpu_ms: float | None = None
         self._forgets: list[str] = []  # forget requests for documents in use: done when they are free
@@ -386,7 +388,7 @@ class ServeEngine(LocalEngine):
         for request, stream in self._held:
             key = request.document_id or ""
             if stream.cancelled:  # cancelled while waiting: answer now, without a pass
-                self._plans.pop(id(request), None)
+                self._prebuilt(request)
                 with self._lock:
                     self._waiting -= 1
                 self._finish(stream, "", "cancelled", 0, {"queue_ms": 0.0})
@@ -400,6 +402,8 @@ class ServeEngine(LocalEngine):
                 busy.add(key)
                 seq = _Seq(request, stream, self._steps(request, stream), key)
                 self._count("sched_admitted")
+                if ready_only:
+                    self._count("sched_admitted_early")
                 if self._advance(seq, None):
                     self._active.append(seq)
         self._held = keep
@@ -407,9 +411,16 @@ class ServeEngine(LocalEngine):
 
     def _prebuild(self, request: CompletionRequest) -> None:
         try:
-            self._plans[id(request)] = self.prompts.build(request)
+            self._plans[id(request)] = (request, self.prompts.build(request))
+            self._count("sched_prebuilt")
         except Exception:  # the request's own error is raised (and answered) when it is admitted
             pass
+
+    def _prebuilt(self, request: CompletionRequest):
+        """The plan built ahead for ``request`` (removed), or None. The request is kept with it: an id alone could
+        name a later request once this one is gone."""
+        entry = self._plans.pop(id(request), None)
+        return entry[1] if entry is not None and entry[0] is request else None
 
     def _round(self) -> None:
         """Drafts, then one target pass for every active sequence, then each one's next step is prepared.
@@ -632,6 +643,7 @@ class ServeEngine(LocalEngine):
     def _steps(self, request: CompletionRequest, stream: CompletionStream) -> Generator[Forward, torch.Tensor, None]:
         """``LocalEngine._serve`` with its target passes handed to the scheduler (``yield``)."""
         t0 = time.perf_counter()
+        plan = self._prebuilt(request)
         if stream.cancelled:
             self._finish(stream, "", "cancelled", 0, {"queue_ms": 0.0})
             return
@@ -639,7 +651,7 @@ class ServeEngine(LocalEngine):
         opt.validate()
         if request.reuse not in REUSE_MODES:
             raise PromptError(f"unknown reuse mode {request.reuse!r}: use {', '.join(REUSE_MODES)}")
-        plan = self._plans.pop(id(request), None) or self.prompts.build(request)
+        plan = plan or self.prompts.build(request)
         prompt, heal, constrained = plan.ids, plan.heal, plan.constrained
         t_prompt = time.perf_counter()
         doc = self._open_document(request, plan)

@@ -244,3 +244,27 @@ def test_streamed_deltas_are_paced_but_nothing_is_lost(compact_target):
     out.emit(ids[-1:])  # the last tokens always go
     out.finish()
     assert "".join(pushed) == tok.decode(ids) == out.text
+
+
+def test_a_keystrokes_request_joins_the_round_that_frees_its_document(models, one_thread):
+    """An editor types on: the new request for a document whose completion still runs has its prompt built while
+    it waits, is admitted in the round where the cancelled one ends (not a round later), and answers exactly what
+    it answers alone."""
+    target, draft = models
+    prefix, suffix = "# " + "a long comment line\n# " * 20, ""
+    typed = CompletionRequest(prefix + "an", suffix, document_id="typing", options=DecodeOptions(max_tokens=12))
+    alone_engine = LocalEngine(target, draft, start_thread=False)
+    alone = alone_engine.complete(
+        CompletionRequest(prefix + "an", suffix, document_id="typing", options=DecodeOptions(max_tokens=12))
+    ).text
+    with Running(target, draft) as engine:
+        long = DecodeOptions(max_tokens=400, drafter="none")
+        old = engine.submit(CompletionRequest(prefix, suffix, document_id="typing", options=long))
+        assert next(iter(old)).text  # decoding
+        new = engine.submit(typed)
+        wait_for(lambda: engine.counters()["sched_prebuilt"] == 1)  # built while the document is busy
+        old.cancel()
+        text = new.collect()
+        counters = engine.counters()
+    assert counters["sched_admitted_early"] == 1
+    assert text == alone
