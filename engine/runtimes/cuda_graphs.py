@@ -589,16 +589,9 @@ class SlotGraphs:
     def launch(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]]) -> tuple:
         """Start the round's graph on the GPU and return at once; ``collect`` waits for it. Tokens are
         written through pinned host buffers (two asynchronous copies, no sync)."""
-        slots = [self._slot[id(c)] for _, c, _, _ in passes]
-        key = batch, block, keys_len = self.shape(passes)
+        slots, key = self._stage_passes(passes)
+        batch, block, keys_len = key
         rows = batch * block
-        stage = self._stage_np
-        stage[:rows] = 0
-        stage[rows : rows + batch] = self.slot_len
-        for slot, (t, _, start, _) in zip(slots, passes, strict=True):
-            at = slot * block
-            stage[at : at + len(t)] = t if isinstance(t, list) else t.tolist()
-            stage[rows + slot] = start
         if self.use_graphs:
             self.tokens[:rows].copy_(self._stage[:rows], non_blocking=True)
             self.starts[:batch].copy_(self._stage[rows : rows + batch], non_blocking=True)
@@ -622,15 +615,35 @@ class SlotGraphs:
             self._cost[key] = min(ms, self._cost.get(key, ms))
         return passes, slots, key, logits
 
+    def _stage_passes(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]]) -> tuple[list[int], tuple]:
+        """Write the passes' token ids and starts into the host staging buffer; (their slots, the graph key)."""
+        slots = [self._slot[id(c)] for _, c, _, _ in passes]
+        key = batch, block, _ = self.shape(passes)
+        rows = batch * block
+        stage = self._stage_np
+        stage[:rows] = 0
+        stage[rows : rows + batch] = self.slot_len
+        for slot, (t, _, start, _) in zip(slots, passes, strict=True):
+            at = slot * block
+            stage[at : at + len(t)] = t if isinstance(t, list) else t.tolist()
+            stage[rows + slot] = start
+        return slots, key
+
     def collect(self, launched: tuple, best: list | None = None, lazy: bool = False) -> list:
         """Wait for ``launch``'s graph (the round's one sync; the GIL is free meanwhile) and hand out the logits.
         ``lazy``: each pass's rows as a ``RowSpan`` (sliced when read), for a caller that mostly needs ``best``."""
         passes, slots, key, logits = launched
-        block = key[1]
         if self.use_graphs:
             self._ended.synchronize()
             ms = self._began.elapsed_time(self._ended)
             self._cost[key] = min(ms, self._cost.get(key, ms))
+        return self._hand_out(passes, slots, key, logits, best, lazy)
+
+    def _hand_out(
+        self, passes: list, slots: list[int], key: tuple, logits: Tensor, best: list | None, lazy: bool
+    ) -> list:
+        """Each pass's rows of a finished round (and their argmax into ``best``); the caches' lengths move on."""
+        block = key[1]
         host = self._best_host[: key[0] * block].tolist() if best is not None else None
         out = []
         for slot, (t, cache, start, num_logits) in zip(slots, passes, strict=True):
