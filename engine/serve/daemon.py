@@ -361,7 +361,10 @@ class EngineDaemon:
             session.documents.discard(key)
             self.engine.forget(key)
         elif op == "counters":
-            send({"op": "counters", "id": protocol.request_id(msg), "counters": self.counters()})
+            rid = protocol.request_id(msg)
+            # Off the loop: an engine in another process (engine_process.py, Ray) answers over a pipe, and a busy
+            # or stuck one must not freeze every session while it does.
+            asyncio.get_running_loop().run_in_executor(None, self._send_counters, rid, send)
         elif op == "ping":
             send({"op": "pong", "id": protocol.request_id(msg)})
         elif op == "close":
@@ -369,6 +372,13 @@ class EngineDaemon:
         else:
             raise ProtocolError(f"unknown op {op[:40]!r}")
         return None
+
+    def _send_counters(self, rid: int, send) -> None:
+        try:
+            send({"op": "counters", "id": rid, "counters": self.counters()})
+        except Exception:  # the engine is gone or failed: the client hears that, not silence
+            log.debug("counters failed", exc_info=True)
+            send({"op": "error", "id": rid, "error": "the engine's counters could not be read"})
 
     def submit(self, request: CompletionRequest, on_delta) -> CompletionStream:
         """Submit to the engine; ``on_delta(delta, stream)`` is called from the engine thread."""
