@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import logging
 import os
 import queue
 import signal
@@ -31,7 +32,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -41,6 +41,8 @@ import msgpack
 
 from engine.api import CompletionRequest, CompletionResult, CompletionStream, DecodeOptions, Delta
 from engine.errors import FimbleError
+
+log = logging.getLogger("fimble.engine")
 
 
 def request_from_dict(d: dict) -> CompletionRequest:
@@ -82,7 +84,7 @@ def serve_built(build: Callable[[], Any]) -> int:
         send({"op": "fatal", "error": str(exc)})
         return 1
     except Exception as exc:  # the client shows this line; the details stay in this process's stderr
-        traceback.print_exc(file=sys.stderr)
+        log.debug("engine failed to start", exc_info=True)  # a traceback only where debug logging is asked for
         send({"op": "fatal", "error": f"engine failed to start: {type(exc).__name__}"})
         return 1
     return run_engine(engine, send)
@@ -136,7 +138,7 @@ def run_engine(engine: Any, send: Callable[[dict], None]) -> int:
     try:
         engine.serve_forever()
     except Exception as exc:  # a fault of the decode loop itself (a request's own error never gets here)
-        traceback.print_exc(file=sys.stderr)  # the details stay in this process's stderr
+        log.debug("the decode loop failed", exc_info=True)  # a traceback only where debug logging is asked for
         send({"op": "fatal", "error": f"the engine's decode loop failed: {type(exc).__name__}"})
         sys.stderr.flush()
         os._exit(1)  # not a normal exit: the reader thread, blocked on stdin, would abort the interpreter's shutdown
@@ -168,6 +170,10 @@ def serve(args: argparse.Namespace) -> int:
         engine.warm_graphs(lambda line: print(line, file=sys.stderr, flush=True))
         return engine
 
+    # The parent's log level (FIMBLE_LOG, fimble serve's --log-level default), on this process's stderr.
+    level = getattr(logging, os.environ.get("FIMBLE_LOG", "WARNING").upper(), logging.WARNING)
+    logging.basicConfig(level=level if isinstance(level, int) else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return serve_built(build)
 
 
