@@ -67,7 +67,8 @@ class Comparison:
         return sum(self.accepted[name]) / max(1, len(self.accepted[name]))
 
     def summary(self) -> str:
-        return (f"{self.healed} healed ({self.heal_drafts_taken} heal drafts taken), x 3 drafters: {len(self.mismatches)} divergences, {self.ties} near ties; "
+        return (f"{self.healed} healed ({self.heal_drafts_taken} heal drafts taken), x 3 drafters: "
+                f"{len(self.mismatches)} divergences, {self.ties} near ties; "
                 "mean tokens per verify step: " + ", ".join(f"{k} {self.mean_accepted(k):.2f}" for k in self.accepted))
 
 
