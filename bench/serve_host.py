@@ -26,10 +26,7 @@ import asyncio
 import importlib.util
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -148,29 +145,11 @@ def serve(args: argparse.Namespace) -> int:
     return run_daemon(engine, ServeOptions(port=0), announce=announce)
 
 
-class SimulatedDaemon:
-    """This file as a daemon in a subprocess; its port read from the line it prints."""
-
-    def __init__(self, args: argparse.Namespace, layout: str):
-        self.log = tempfile.NamedTemporaryFile(prefix="fimble-serve-host-", suffix=".log", delete=False)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--engine-process", layout]
-        cmd += ["--graph-ms", str(args.graph_ms), "--row-ms", str(args.row_ms), "--prefill-ms", str(args.prefill_ms)]
-        env = dict(os.environ, FIMBLE_DEFAULT_MODEL="embedded")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log, env=env)
-        deadline = time.monotonic() + 300
-        while not (found := re.search(r"on ws://127\.0\.0\.1:(\d+)", Path(self.log.name).read_text(errors="replace"))):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the simulated daemon did not start: {Path(self.log.name).read_text()[-1000:]}")
-            time.sleep(0.1)
-        self.url = f"ws://127.0.0.1:{found.group(1)}"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        os.unlink(self.log.name)
+def simulated_daemon(serve_load, args: argparse.Namespace, layout: str):
+    """This file as a daemon in a subprocess (serve_load's launcher: the port read from the line it prints)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--engine-process", layout]
+    cmd += ["--graph-ms", str(args.graph_ms), "--row-ms", str(args.row_ms), "--prefill-ms", str(args.prefill_ms)]
+    return serve_load.Daemon(command=cmd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{load_start[0]:.2f}",
         flush=True,
     )
-    daemons = {layout: SimulatedDaemon(args, layout) for layout in ("on", "off")}
+    daemons = {layout: simulated_daemon(serve_load, args, layout) for layout in ("on", "off")}
     rows: list[dict] = []
     try:
         for n in levels:  # interleaved: both layouts at one level before the next

@@ -64,11 +64,16 @@ MAX_LINES = 1  # each completion's max_lines (--max-lines; 0: no limit)
 class Daemon:
     """``fimble serve --port 0`` in a subprocess; its port read from the line it prints."""
 
-    def __init__(self, *extra: str, shape: str | None = None, warm_graphs: bool = True):
+    def __init__(
+        self, *extra: str, shape: str | None = None, warm_graphs: bool = True, command: list[str] | None = None
+    ):
+        """``command``: another daemon's whole command line (bench/serve_host.py's simulated one)."""
         self.log = tempfile.NamedTemporaryFile(prefix="fimble-serve-load-", suffix=".log", delete=False)
         env = dict(os.environ)
         env.setdefault("FIMBLE_DEFAULT_MODEL", "embedded")
-        if shape:  # this file, as a daemon serving a random-weight model of that shape (serve_shape below)
+        if command:
+            cmd = command
+        elif shape:  # this file, as a daemon serving a random-weight model of that shape (serve_shape below)
             cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-shape", shape, *extra]
             if not warm_graphs:
                 cmd.append("--no-warm-graphs")

@@ -82,32 +82,23 @@ def run_serve(args: argparse.Namespace) -> int:
         from engine.ray_serve import open_ray_engine
 
         engine = open_ray_engine(args)
-    elif engine_in_child(args):
-        from engine.serve.engine_process import SWITCH_INTERVAL_S, ServeEngineProcess
-
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
-
-        engine = ServeEngineProcess.start(  # loads and captures its graphs before it answers (progress on stderr)
-            args.model,
-            args.draft,
-            device=args.device,
-            use_draft=not args.no_draft,
-            batch=not args.no_batch,
-            max_active=args.max_active,
-            kv_budget_mb=args.kv_budget_mb,
-            threads=args.threads or None,
-        )
     else:
-        engine = open_serve_engine(
-            args.model,
-            args.draft,
+        common = dict(
             device=args.device,
             use_draft=not args.no_draft,
             batch=not args.no_batch,
             max_active=args.max_active,
-            kv_budget_bytes=args.kv_budget_mb << 20 if args.kv_budget_mb else None,
             threads=args.threads or None,
         )
+        if engine_in_child(args):
+            from engine.serve.engine_process import SWITCH_INTERVAL_S, ServeEngineProcess
+
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+            # Loads and captures its graphs before it answers (progress on stderr).
+            engine = ServeEngineProcess.start(args.model, args.draft, kv_budget_mb=args.kv_budget_mb, **common)
+        else:
+            budget = args.kv_budget_mb << 20 if args.kv_budget_mb else None
+            engine = open_serve_engine(args.model, args.draft, kv_budget_bytes=budget, **common)
     announce = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if hasattr(engine, "warm_graphs"):  # CUDA: capture the batched rounds' graphs now, not on a first keystroke
         engine.warm_graphs(announce)
