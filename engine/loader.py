@@ -17,6 +17,7 @@ import torch
 from engine import fim as fim_templates
 from engine.errors import ModelLoadError
 from engine.fim import PREFIX_ONLY, FimTemplate
+from engine.runtimes import probe_cache
 from engine.runtimes.compact import SUPPORTED_MODEL_TYPES, CompactConfig, load_compact
 from engine.runtimes.weights_check import check_weights
 
@@ -76,7 +77,7 @@ class LoadedModel:
         if self._token_index is None:
             from engine.decoding.healing import TokenIndex
 
-            self._token_index = TokenIndex(self.tokenizer)
+            self._token_index = TokenIndex(self.tokenizer, cached_token_texts(self))
         return self._token_index
 
     def token_id(self, token: str) -> int | None:
@@ -85,6 +86,53 @@ class LoadedModel:
             self._vocab = self.tokenizer.get_vocab()
         tid = self._vocab.get(token)
         return None if tid is None else int(tid)
+
+
+TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                     "special_tokens_map.json", "added_tokens.json", "tokenizer.model")
+
+
+def _tokenizer_parts(model: LoadedModel) -> tuple[str, ...] | None:
+    """What a model's token texts depend on: its GGUF file (tokenizer in its metadata) or its folder's
+    tokenizer files, and the transformers version that decodes them; None where neither is known."""
+    import transformers
+
+    parts = [f"transformers={transformers.__version__}", f"vocab={len(model.tokenizer)}"]
+    gguf = getattr(model.runtime, "path", None)
+    try:
+        if gguf is not None and Path(gguf).suffix == ".gguf":
+            return (*parts, probe_cache.file_identity(gguf))
+        files = [model.folder / f for f in TOKENIZER_SOURCES if (model.folder / f).is_file()]
+        return (*parts, *(probe_cache.file_identity(f) for f in files)) if files else None
+    except OSError:
+        return None
+
+
+def cached_token_texts(model: LoadedModel) -> list[str]:
+    """Every token's text for healing, from the probe cache where a start already decoded them (about 4 s
+    for Qwen's vocabulary on a slow CPU), else decoded now and kept (engine/runtimes/probe_cache.py)."""
+    from engine.decoding.healing import token_texts
+
+    n = len(model.tokenizer)
+
+    def read(value: dict) -> list[str]:
+        texts = value["texts"]
+        if not isinstance(texts, list) or len(texts) != n or not all(isinstance(t, str) for t in texts):
+            raise ValueError("token texts")
+        return texts
+
+    parts = _tokenizer_parts(model)
+    if parts is not None:
+        texts = probe_cache.load("token-texts", parts, read, max_bytes=TOKEN_TEXTS_MAX_BYTES)
+        if texts is not None:
+            return texts
+    texts = token_texts(model.tokenizer)
+    if parts is not None:
+        probe_cache.store("token-texts", parts, {"texts": texts})
+    return texts
+
+
+TOKEN_TEXTS_MAX_BYTES = 64 * 1024 * 1024  # a 1M-token vocabulary's texts, JSON-escaped, fit
 
 
 def _read_config(folder: Path) -> dict:

@@ -20,13 +20,13 @@ MAX_NEWLINE_HEAL_CHARS = 64
 class TokenIndex:
     """Each token's text, searchable by prefix. Built once per model, lazily."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, decoded: list[str] | None = None):
+        """``decoded``: every token's text (``token_texts(tokenizer)``), where the caller kept it."""
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
         texts: list[tuple[str, int]] = []
         self.text: dict[int, str] = {}
-        # One batched call into the Rust tokenizer: decoding 100k+ tokens one by one takes seconds.
-        decoded = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=True,
-                                         clean_up_tokenization_spaces=False)
+        if decoded is None:
+            decoded = token_texts(tokenizer)
         for tid, t in enumerate(decoded):
             if tid in special:
                 continue
@@ -63,6 +63,13 @@ class TokenIndex:
         lo = bisect.bisect_left(self._sorted_texts, forced)
         hi = bisect.bisect_left(self._sorted_texts, forced + "\U0010ffff")
         return ids + self._sorted_ids[lo:hi]
+
+
+def token_texts(tokenizer) -> list[str]:
+    """Each token id's text. One batched call into the Rust tokenizer: decoding 100k+ tokens one by one
+    takes seconds (and this one call still takes about 4 s for Qwen's 151,936 on a slow CPU)."""
+    return tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=True,
+                                  clean_up_tokenization_spaces=False)
 
 
 def split_heal(prefix: str, last_token_text: str | None, newline: bool = True) -> tuple[str, str, bool]:

@@ -22,10 +22,13 @@ draft, so output stays equal to plain greedy decoding.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
+
+from engine.runtimes import probe_cache
 
 # 3 as well as the powers of two: fimble's llama.cpp build runs 3-row blocks of f32 weights in one pass over
 # them (engine/runtimes/ggml_patch.py), so a 3-row block costs well under the 2-to-4 interpolation
@@ -154,12 +157,49 @@ def verify_costs(runtime) -> VerifyCosts:
     costs = FLAT
     device = getattr(runtime, "device", None)
     if device is not None and torch.device(device).type == "cpu" and hasattr(runtime, "new_cache"):
-        try:
-            costs = measure(runtime)
-        except Exception:  # noqa: BLE001  (a runtime without scratch caches: keep drafting as before)
-            costs = FLAT
+        costs = _measured_or_cached(runtime)
     try:
         runtime._fimble_verify_costs = costs
     except AttributeError:
         pass
+    return costs
+
+
+def _measure_parts(runtime) -> tuple[str, ...] | None:
+    """The key of a runtime's verify costs on disk: what its kernels depend on (the ggml runtime's
+    ``probe_parts``), the kernel choice it settled on, and this probe's settings; None where the
+    runtime names no such identity (the torch runtimes: measured on every load)."""
+    parts = getattr(runtime, "probe_parts", None)
+    if not parts:
+        return None
+    settled = f"flash={runtime.flash_attn}:pad={runtime.pad_single}:threads={runtime.threads}"
+    return (*parts, settled, f"rows={PROBE_ROWS}:depth={PROBE_DEPTH}:repeats={PROBE_REPEATS}")
+
+
+def _read_costs(value: dict) -> VerifyCosts:
+    """Cached costs, checked: this probe's rows, finite relative costs from 1 that never fall, a
+    positive step time (probe_cache ignores the entry on any error)."""
+    rows, rel, step_s = tuple(value["rows"]), tuple(float(x) for x in value["rel"]), float(value["step_s"])
+    if rows != PROBE_ROWS or len(rel) != len(rows) or rel[0] != 1.0:
+        raise ValueError("rows")
+    if not all(math.isfinite(x) and 1.0 <= x <= 1e3 for x in rel) or list(rel) != sorted(rel):
+        raise ValueError("costs")
+    if not (math.isfinite(step_s) and 0.0 < step_s < 60.0):
+        raise ValueError("step time")
+    return VerifyCosts(rows, rel, step_s)
+
+
+def _measured_or_cached(runtime) -> VerifyCosts:
+    parts = _measure_parts(runtime)
+    if parts is not None:
+        cached = probe_cache.load("verify-costs", parts, _read_costs)
+        if cached is not None:
+            return cached
+    try:
+        costs = measure(runtime)
+    except Exception:  # noqa: BLE001  (a runtime without scratch caches: keep drafting as before)
+        return FLAT
+    if parts is not None:
+        probe_cache.store("verify-costs", parts, {"rows": list(costs.rows), "rel": list(costs.relative),
+                                                  "step_s": costs.step_s})
     return costs

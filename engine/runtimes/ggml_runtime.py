@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
+from engine.runtimes import probe_cache
 from engine.runtimes.compact import CompactConfig
 from engine.runtimes.ggml_lib import get_lib
 
@@ -77,6 +78,17 @@ PROBE_DEPTH = 200  # cached positions before the load-time batch-invariance prob
 # count: its probe runs past that depth, where the kernels differ.
 FLASH_PROBE_DEPTH = 520
 FLASH_CHOICES = ("auto", "on", "off")
+KERNEL_FIELDS = ("flash_attn", "pad_single", "batch_invariant", "threads")
+
+
+def _read_kernel_choice(value: dict) -> tuple[bool, bool, bool, int]:
+    """A cached kernel choice, checked field by field (probe_cache ignores the entry on any error)."""
+    flash, pad, invariant, threads = (value[f] for f in KERNEL_FIELDS)
+    if not all(isinstance(v, bool) for v in (flash, pad, invariant)):
+        raise TypeError("kernel flags")
+    if type(threads) is not int or not 1 <= threads <= MAX_THREADS:
+        raise ValueError("threads")
+    return flash, pad, invariant, threads
 
 
 def default_threads() -> int:
@@ -177,28 +189,47 @@ class GGMLRuntime:
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * KV_BYTES
         self.flash_first = flash_preference()
         self.flash_attn = False
-        self.flash_attn, self.pad_single, self.batch_invariant = self._probe_shapes()
-        if not self.batch_invariant and self.threads > 1:
-            # A safety net: with flash attention on and 2 threads, q8_0 blocks differed from 1-token steps
-            # here (speculative output equalled plain on 19/24 prompts); on fimble's build the probe finds
-            # flash attention off equal with 2 threads too. Where nothing is, lossless comes before speed.
-            wanted, self.threads = self.threads, 1
-            self.flash_attn, self.pad_single, self.batch_invariant = self._probe_shapes()
-            if self.batch_invariant:
-                log.warning(
-                    "fimble: %s: llama.cpp's blocks equal its 1-token steps only with 1 thread here; "
-                    "using 1 thread, not %d, so speculative output stays equal to plain decoding",
-                    path.name,
-                    wanted,
-                )
-            else:
-                self.threads = wanted
+        # Everything the probes' answers depend on (engine/runtimes/probe_cache.py): the answers are read
+        # back on the next start instead of being probed again.
+        self.probe_parts = (
+            self.lib.name,
+            probe_cache.library_identity(self.lib.source),
+            probe_cache.file_identity(path),
+            f"threads={self.threads}:flash_first={self.flash_first}",
+            f"depths={PROBE_DEPTH},{FLASH_PROBE_DEPTH}:rows={INVARIANT_ROWS}",
+        )
+        settled = probe_cache.load("ggml-kernels", self.probe_parts, _read_kernel_choice)
+        if settled is None:
+            settled = self._choose_kernels()
+            probe_cache.store("ggml-kernels", self.probe_parts, dict(zip(KERNEL_FIELDS, settled, strict=True)))
+        self.flash_attn, self.pad_single, self.batch_invariant, self.threads = settled
         if not self.batch_invariant:
             log.warning(
                 "fimble: %s: llama.cpp's logits depend on the block size here; speculative output "
                 "may differ from plain decoding at near-ties",
                 path.name,
             )
+
+    def _choose_kernels(self) -> tuple[bool, bool, bool, int]:
+        """(flash attention, pad 1-token passes, blocks equal steps, threads): probed on this build."""
+        wanted = self.threads
+        flash, pad, invariant = self._probe_shapes()
+        if not invariant and wanted > 1:
+            # A safety net: with flash attention on and 2 threads, q8_0 blocks differed from 1-token steps
+            # here (speculative output equalled plain on 19/24 prompts); on fimble's build the probe finds
+            # flash attention off equal with 2 threads too. Where nothing is, lossless comes before speed.
+            self.threads = 1
+            flash, pad, invariant = self._probe_shapes()
+            if invariant:
+                log.warning(
+                    "fimble: %s: llama.cpp's blocks equal its 1-token steps only with 1 thread here; "
+                    "using 1 thread, not %d, so speculative output stays equal to plain decoding",
+                    self.path.name,
+                    wanted,
+                )
+            else:
+                self.threads = wanted
+        return flash, pad, invariant, self.threads
 
     def __del__(self) -> None:
         if getattr(self, "model", None) is not None:
