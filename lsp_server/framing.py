@@ -20,6 +20,11 @@ _CONTENT_LENGTH = re.compile(rb"content-length:", re.IGNORECASE)
 # An HTTP request line. A web page can POST to a loopback TCP port (no CORS check happens before
 # the bytes are sent) with a body that holds LSP frames: a connection that opens like HTTP ends.
 _HTTP_REQUEST = re.compile(rb"[A-Z]{3,10} \S+ HTTP/\d")
+# A TCP connection must open with an LSP header, from its first byte: the shortest whole header
+# ("Content-Length: 1\r\n\r\n") is longer than this, so an LSP client always sends these bytes first.
+# Matching a request line instead missed one longer than the header-line limit (a long URL path).
+LSP_OPENINGS = (b"content-length:", b"content-type:")
+OPENING_BYTES = 13
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,23 @@ def _content_length(value: bytes, limits: Limits) -> int | str:
     return n
 
 
-async def read_frames(reader: asyncio.StreamReader, limits: Limits) -> AsyncIterator[bytes | FrameError]:
+async def read_opening(reader: asyncio.StreamReader) -> bytes | None:
+    """The connection's first OPENING_BYTES where they begin an LSP header (case aside), else None (a
+    browser's request, garbage, or an end before them): the caller closes such a connection before any
+    session exists for it."""
+    try:
+        head = await reader.readexactly(OPENING_BYTES)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    return head if any(o.startswith(head.lower()) for o in LSP_OPENINGS) else None
+
+
+async def read_frames(reader: asyncio.StreamReader, limits: Limits,
+                      opening: bytes = b"") -> AsyncIterator[bytes | FrameError]:
     """Yield each message body, or a FrameError for each malformed frame; return at EOF.
 
-    ``reader`` must have been made with ``limit=limits.max_header_line``.
+    ``reader`` must have been made with ``limit=limits.max_header_line``; ``opening``: bytes already
+    read off it (``read_opening``), which start the first line.
     """
     length: int | None = None
     problem: str | None = None
@@ -57,6 +75,8 @@ async def read_frames(reader: asyncio.StreamReader, limits: Limits) -> AsyncIter
     while True:
         try:
             line = await reader.readuntil(b"\n")
+            if opening:
+                line, opening = opening + line, b""
         except asyncio.IncompleteReadError:
             return  # EOF (a partial line is dropped)
         except asyncio.LimitOverrunError as exc:

@@ -33,7 +33,7 @@ from pygls.io_ import StdoutWriter
 
 from lsp_server import auth
 from lsp_server.engine_host import EngineHost
-from lsp_server.framing import FrameError, Limits, read_frames
+from lsp_server.framing import FrameError, Limits, read_frames, read_opening
 from lsp_server.protocol import PARSE_ERROR
 from lsp_server.server import FimbleServer, create_server
 from lsp_server.settings import Settings
@@ -223,6 +223,14 @@ async def _tcp_session(sessions: Sessions, opts: ListenOptions, reader: asyncio.
         writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
         writer.close()
         return
+    try:  # the first bytes decide, before a session exists (lsp_server/framing.py LSP_OPENINGS)
+        opening = await asyncio.wait_for(read_opening(reader), opts.init_timeout)
+    except TimeoutError:
+        opening = None
+    if opening is None:
+        log.debug("closing a TCP connection that did not open with an LSP header")
+        writer.transport.abort()
+        return
     ls = sessions.new()
     ended = asyncio.Event()
     ls.protocol.set_writer(_TcpWriter(writer, 2 * opts.limits.max_message))
@@ -230,7 +238,7 @@ async def _tcp_session(sessions: Sessions, opts: ListenOptions, reader: asyncio.
     deadline = _init_deadline(ls, opts, writer.transport.abort)
     authorized = opts.token is None
     try:
-        async for frame in read_frames(reader, opts.limits):
+        async for frame in read_frames(reader, opts.limits, opening):
             if isinstance(frame, FrameError):
                 bad_frame(ls, frame)
                 continue
