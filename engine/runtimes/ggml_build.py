@@ -80,6 +80,14 @@ CMAKE_FLAGS = [
     "-DLLAMA_CURL=OFF",
     "-DCMAKE_INSTALL_RPATH=$ORIGIN",
     "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+    # The x86 kernels the patch and the lossless probes were checked on: AVX2/FMA/F16C, not -march=native.
+    # A native build on an AVX-512/AMX Xeon (the CI machine of 2026-12-02) segfaulted in a q8_0 llama_decode
+    # during the load-time probe, on the unchanged engine; the AVX2 build runs there. ARM builds ignore these.
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
 ]
 
 
