@@ -88,6 +88,7 @@ class LoadedModel:
         return None if tid is None else int(tid)
 
 
+TOKEN_TEXTS_MAX_BYTES = 64 * 1024 * 1024  # a 1M-token vocabulary's texts, JSON-escaped, fit
 TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                      "special_tokens_map.json", "added_tokens.json", "tokenizer.model")
 
@@ -130,9 +131,6 @@ def cached_token_texts(model: LoadedModel) -> list[str]:
     if parts is not None:
         probe_cache.store("token-texts", parts, {"texts": texts})
     return texts
-
-
-TOKEN_TEXTS_MAX_BYTES = 64 * 1024 * 1024  # a 1M-token vocabulary's texts, JSON-escaped, fit
 
 
 def _read_config(folder: Path) -> dict:

@@ -335,10 +335,7 @@ def _blocks(t: int, num_logits: int, flash_attn: bool) -> list[tuple[int, int]]:
 
 # -- models ---------------------------------------------------------------------------------
 def cache_dir() -> Path:
-    root = os.environ.get("FIMBLE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fimble"
-    )
-    return Path(root) / "gguf"
+    return probe_cache.cache_root() / "gguf"
 
 
 def cached_gguf(folder: Path, qtype: str) -> Path:

@@ -34,11 +34,17 @@ def enabled() -> bool:
     return os.environ.get("FIMBLE_PROBE_CACHE", "on").strip().lower() not in ("off", "0", "false", "no")
 
 
-def probe_dir() -> Path:
+def cache_root() -> Path:
+    """fimble's cache folder: ``$FIMBLE_CACHE_DIR``, else ``$XDG_CACHE_HOME/fimble`` or ``~/.cache/fimble``
+    (exported GGUFs live beside the probes, engine/runtimes/ggml_runtime.py)."""
     root = os.environ.get("FIMBLE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fimble"
     )
-    return Path(root) / "probes"
+    return Path(root)
+
+
+def probe_dir() -> Path:
+    return cache_root() / "probes"
 
 
 def file_identity(path: str | os.PathLike) -> str:
