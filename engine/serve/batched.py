@@ -8,10 +8,10 @@ projections and the MLP read each weight once per step for all of them, and only
 attention, which needs each sequence's own cache, runs per sequence, exactly as
 ``Block.forward`` does it.
 
-Lossless: a row's result must not depend on the other rows. CPU fp32 GEMM (MKL) picks a
-different kernel below a few rows (measured: rows of 1-3-row matmuls differ in the last bit
-from the same rows in a 4+ row matmul; 4+ rows agree bit for bit), so every projection here
-runs on at least ``MIN_ROWS`` rows (zero rows pad a small batch). With one intra-op thread (the
+Lossless: a row's result must not depend on the other rows. CPU fp32 GEMM (MKL) picks its
+kernel by the matrix's size (measured: rows of 1-3-row matmuls differ in the last bit from the
+same rows in a 4+ row matmul; on an AVX-512 Xeon a 65-row pass differed from an 8-row one), so
+every projection here runs as GEMMs of exactly ``MIN_ROWS`` rows (zero rows pad the last). With one intra-op thread (the
 daemon's default on CPU) a sequence's logits are then the same bit for bit whether it runs alone
 or among others (tests/serve/test_batched.py). With several threads MKL splits the rows between
 them, and a thread's share of fewer than 4 rows takes the other kernel again (measured: 2 threads,
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from engine.runtimes.compact import CompactTransformer, rotate
 
-MIN_ROWS = 8  # pad matmuls to at least this many rows: one kernel for every batch size (see above)
+MIN_ROWS = 8  # CPU GEMMs run on exactly this many rows: one kernel for every batch size (see above)
 
 
 @dataclass
@@ -79,10 +79,20 @@ def run_one(runtime, call: Forward) -> Tensor:
 
 def _linear(lin: nn.Module, x: Tensor) -> Tensor:
     rows = x.shape[0]
-    if rows >= MIN_ROWS or not isinstance(lin, nn.Linear):
+    if not isinstance(lin, nn.Linear):
         return lin(x)
-    padded = torch.cat((x, x.new_zeros(MIN_ROWS - rows, x.shape[1])))
-    return lin(padded)[:rows]
+    if x.is_cuda:  # (GPU batch invariance is the fused kernels' job, not padding's)
+        if rows >= MIN_ROWS:
+            return lin(x)
+        return lin(torch.cat((x, x.new_zeros(MIN_ROWS - rows, x.shape[1]))))[:rows]
+    # CPU: every GEMM has exactly MIN_ROWS rows, so no row's bits depend on how many others share the
+    # pass. One shape per weight leaves MKL no size-dependent kernel choice (a 65-row pass and an 8-row
+    # pass differed in the last bit on an AVX-512 Xeon, though they agreed on other machines).
+    pad = -rows % MIN_ROWS
+    if pad:
+        x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+    out = torch.cat([lin(chunk) for chunk in x.split(MIN_ROWS)])
+    return out[:rows]
 
 
 @torch.inference_mode()
