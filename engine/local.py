@@ -24,7 +24,7 @@ import torch
 from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta
 from engine.caching.kv_shift import apply_moves, plan_shift
 from engine.caching.kv_store import DocumentKV, KVStore, common_prefix, default_budget_bytes
-from engine.caching.prompt_plan import PromptBuilder, PromptPlan
+from engine.caching.prompt_plan import PromptBuilder, PromptPlan, anchor_at
 from engine.decoding.detok import IncrementalDetokenizer, StopRules
 from engine.decoding.drafters import ModelDrafter, NgramDrafter
 from engine.decoding.healing import unheal
@@ -35,11 +35,15 @@ from engine.loader import LoadedModel, default_models, load_model
 
 COUNTER_NAMES = ("submitted", "completed", "cancelled", "failed", "decode_steps", "tokens_generated",
                  "tokens_prefilled", "tokens_reused", "tokens_shifted", "tokens_prewarmed", "prewarms_done",
-                 "prewarms_preempted", "prewarms_failed")
+                 "prewarms_preempted", "prewarms_failed", "anchored_prompts")
 REUSE_MODES = ("exact", "shift", "none")
 # Pre-warm prefill chunk: on a 2-core CPU 32 tokens at a 4k context take ~40 ms, the
 # longest a completion waits for a running pre-warm to yield.
 PREWARM_CHUNK = 32
+# A completion served with the anchored layout (lines typed since the anchor after the middle sentinel,
+# engine/caching/prompt_plan.py) moves its anchor to the cursor line once nothing has been submitted for
+# this long: a pre-warm of the canonical prompt, which re-evaluates the suffix while the user is idle.
+REANCHOR_IDLE_S = float(os.environ.get("FIMBLE_REANCHOR_IDLE_S", 0.75))
 _WAKE = ("wake",)  # queue item: a pre-warm was added
 
 
@@ -68,6 +72,9 @@ class LocalEngine:
         self._ids = itertools.count(1)
         self._queue: queue.Queue = queue.Queue()
         self._prewarms: OrderedDict[str, CompletionRequest] = OrderedDict()  # newest last
+        # Anchored prompts to move to the cursor line when idle: document -> (request, submits then)
+        self._reanchors: dict[str, tuple[CompletionRequest, int]] = {}
+        self._last_submit = 0.0  # time.monotonic() of the latest completion submitted
         self._submitted: dict[str, int] = {}  # completions submitted per document (a pre-warm's staleness)
         self._waiting = 0  # completions submitted and not yet started
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
@@ -94,7 +101,9 @@ class LocalEngine:
             # This request computes the document's current prompt: an older pre-warm would only undo it.
             key = request.document_id or ""
             self._prewarms.pop(key, None)
+            self._reanchors.pop(key, None)
             self._submitted[key] = self._submitted.get(key, 0) + 1
+            self._last_submit = time.monotonic()
         self._queue.put((request, stream))
         return stream
 
@@ -122,14 +131,19 @@ class LocalEngine:
         assert stream.result is not None
         return stream.result
 
-    def run_pending(self) -> None:
-        """Without a worker thread: run everything queued (completions, then pre-warms) here."""
+    def run_pending(self, idle: bool = False) -> None:
+        """Without a worker thread: run everything queued (completions, then pre-warms) here; ``idle``:
+        as if the user had stopped typing, re-anchors too."""
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
             self._handle(item)
+        if idle:
+            with self._lock:
+                self._last_submit = 0.0
+            self._take_due_reanchors()
         while self._next_prewarm() is not None:
             pass
 
@@ -162,14 +176,33 @@ class LocalEngine:
             torch.set_num_threads(self._threads)
         while True:
             try:
-                # Idle with pre-warms pending: run one, then look at the queue again.
-                item = self._queue.get(block=not self._prewarms)
+                # Idle with pre-warms pending: run one, then look at the queue again. With only re-anchors
+                # pending: wait until the user has been idle long enough for the first of them.
+                item = self._queue.get(block=not self._prewarms, timeout=self._reanchor_wait())
             except queue.Empty:
-                self._next_prewarm()
+                if self._prewarms or not self._take_due_reanchors():
+                    self._next_prewarm()
                 continue
             if item is None:
                 return
             self._handle(item)
+
+    def _reanchor_wait(self) -> float | None:
+        with self._lock:
+            if not self._reanchors:
+                return None
+            return max(0.0, self._last_submit + REANCHOR_IDLE_S - time.monotonic())
+
+    def _take_due_reanchors(self) -> bool:
+        """Move due re-anchors to the pre-warms (their own document's newer work drops them). True if any."""
+        with self._lock:
+            if not self._reanchors or time.monotonic() < self._last_submit + REANCHOR_IDLE_S:
+                return False
+            for key, (request, submitted) in self._reanchors.items():
+                if self._submitted.get(key, 0) == submitted and key not in self._prewarms:
+                    self._prewarms[key] = request
+            self._reanchors.clear()
+            return bool(self._prewarms)
 
     def _handle(self, item) -> None:
         if item is _WAKE or item is None:
@@ -177,6 +210,7 @@ class LocalEngine:
         if item[0] == "forget":
             with self._lock:
                 self._prewarms.pop(item[1], None)
+                self._reanchors.pop(item[1], None)
                 self._submitted.pop(item[1], None)
             self.store.forget(item[1])
         else:
@@ -251,9 +285,10 @@ class LocalEngine:
         if request.reuse not in REUSE_MODES:
             raise PromptError(f"unknown reuse mode {request.reuse!r}: use {', '.join(REUSE_MODES)}")
         plan = self.prompts.build(request)
+        doc = self._open_document(request, plan)
+        plan = self._anchored(request, plan, doc)
         prompt, heal, constrained = plan.ids, plan.heal, plan.constrained
         t_prompt = time.perf_counter()
-        doc = self._open_document(request, plan)
         reuse = 0
         try:
             reuse, runs, shifted = self._reuse(doc, plan, request.reuse)
@@ -273,6 +308,7 @@ class LocalEngine:
             # Keys/values of prompt + accepted output stay valid for the next request.
             doc.ids = decoder.ids[: doc.target.length]
             doc.exact_len = len(doc.ids) if runs is None or not shifted else reuse
+            self._hold(doc, request, plan)
         finally:
             if self.model_drafter is not None:
                 doc.draft_ids = self.model_drafter.ids if doc.ids else []
@@ -288,6 +324,36 @@ class LocalEngine:
                  "total_ms": (t_end - t0) * 1e3, "new_tokens": len(decoder.output), "steps": s.steps,
                  "drafted": s.drafted, "accepted": s.accepted, "mean_accepted": s.mean_accepted}
         self._finish(stream, text[:shown], reason or "stop", len(decoder.output), stats)
+
+    def _anchored(self, request: CompletionRequest, plan: PromptPlan, doc: DocumentKV) -> PromptPlan:
+        """``plan`` (canonical layout), or the anchored layout at the anchor ``doc``'s cache holds where that
+        prefills less: lines typed below the anchor then cost what keys within a line cost."""
+        anchor = anchor_at(request.prefix, request.suffix, doc.held)
+        if anchor is None or request.reuse == "none":
+            return plan
+        alt = self.prompts.build(request, anchor)
+        if alt.anchor != anchor:
+            return plan
+        limit = doc.exact_len if request.reuse == "exact" else len(doc.ids)
+        if common_prefix(doc.ids, alt.ids, min(limit, len(alt.ids) - 1)) <= \
+                common_prefix(doc.ids, plan.ids, min(limit, len(plan.ids) - 1)):
+            return plan
+        if len(alt.ids) > len(plan.ids):
+            self._open_document(request, alt)  # (room for it)
+        self._count("anchored_prompts")
+        return alt
+
+    def _hold(self, doc: DocumentKV, request: CompletionRequest, plan: PromptPlan) -> None:
+        """Remember the anchor of the prompt now in ``doc``'s cache; an anchored one moves to the cursor
+        line once the user is idle (REANCHOR_IDLE_S)."""
+        if plan.anchor is None:
+            doc.held = None
+            return
+        doc.held = (request.prefix[: plan.anchor], request.suffix)
+        if plan.head_lines > 1:  # more than the cursor's own line after the sentinel
+            key = request.document_id or ""
+            with self._lock:
+                self._reanchors[key] = (request, self._submitted.get(key, 0))
 
     def _decode(self, decoder: SpeculativeDecoder, stream: CompletionStream, first: list[int], heal: str,
                 constrained: bool) -> tuple[str, int, str | None]:
@@ -351,6 +417,8 @@ class LocalEngine:
                 self._prefill_chunks(self.draft.runtime, doc.draft, ids, common_prefix(doc.draft_ids, ids, pos),
                                      4 * PREWARM_CHUNK, lambda n: setattr(doc, "draft_ids", ids[:n]))
             done = pos == len(plan.ids)
+            if done:
+                self._hold(doc, request, plan)
         finally:
             self.store.release(doc, plan, reuse)
         self._count("prewarms_done" if done else "prewarms_preempted")

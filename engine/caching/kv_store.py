@@ -69,6 +69,8 @@ class DocumentKV:
     draft_ids: list[int] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)  # of the prompt last computed here
     segments: list[Segment] = field(default_factory=list)
+    # (prefix text before the anchor, suffix) of the prompt last computed here (prompt_plan.anchor_at)
+    held: tuple[str, str] | None = None
     last_used: int = 0
     pinned: bool = False
 

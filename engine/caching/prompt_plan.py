@@ -16,9 +16,15 @@ For prefix-first (PSM) templates the text of the cursor's line, from the line br
 goes after the middle sentinel: ``[PRE] lines before [SUF] suffix [MID] \n current line``. The
 model reads it as the start of the middle it is filling, which is how FIM training splits a file
 anyway (at any character). Without it every keystroke moves the end of the prefix, and the whole
-suffix behind it must be recomputed: 256 suffix tokens cost seconds on a 2-core CPU. With it, only
-a new line (Enter) does that; keys within a line re-evaluate the line's last tokens. A cursor at a
-line start or on indentation is healed back to the line break, so it keeps the plain layout.
+suffix behind it must be recomputed: 256 suffix tokens cost seconds on a 2-core CPU. With it, keys
+within a line re-evaluate the line's last tokens. A cursor at a line start or on indentation is healed
+back to the line break, so it keeps the plain layout.
+
+Anchored layout (``build(request, anchor=...)``): a new line would move the prefix's end too, so the
+caller may keep the head's start at an earlier line break, the *anchor* of the prompt its cache holds:
+``[PRE] lines before the anchor [SUF] suffix [MID] \n every line typed since``. Typing new lines below
+the anchor then appends to the prompt like typing within a line (engine/local.py picks the layout that
+reuses more of the cache, and moves the anchor to the cursor in the background once the user is idle).
 
 Truncation keeps the prompt stable while the user types: the suffix keeps whole
 leading pieces, and the prefix drops whole leading segments in steps of
@@ -45,6 +51,10 @@ PSM_SUFFIX_TOKENS = 256  # PSM puts the suffix after the moving cursor: keep its
 # PSM only: the cursor's line goes after the middle sentinel, so typing on a line appends to the prompt
 # instead of moving the prefix's end in front of the suffix. A longer line (minified code) stays in the prefix.
 MAX_LINE_HEAD_CHARS = 512
+# Anchored layout: at most this much text (and these many lines) after the middle sentinel. Past it the
+# prompt takes the canonical layout, which costs one recompute of the suffix.
+MAX_ANCHOR_HEAD_CHARS = 2048
+MAX_ANCHOR_HEAD_LINES = 32
 MEMO_PIECES = 65536
 
 
@@ -78,6 +88,10 @@ class PromptPlan:
     heal: str = ""
     constrained: bool = False
     truncated: int = 0  # prompt tokens dropped to fit the context
+    # Where the text after the middle sentinel starts in the request's prefix (a line break), or None where
+    # nothing follows the sentinel; ``anchor_at`` of the next request may keep it (the anchored layout).
+    anchor: int | None = None
+    head_lines: int = 0  # line breaks in the text after the middle sentinel
 
 
 @dataclass
@@ -152,7 +166,9 @@ class PromptBuilder:
             part.add(self._encode(piece)[0], starts)
         return part
 
-    def build(self, request: CompletionRequest) -> PromptPlan:
+    def build(self, request: CompletionRequest, anchor: int | None = None) -> PromptPlan:
+        """The request's prompt. ``anchor``: the offset in ``request.prefix`` of a line break where the text
+        after the middle sentinel starts (PSM only; see ``anchor_at``), instead of the cursor line's break."""
         if not request.prefix and not request.suffix:
             raise PromptError("empty prompt: both prefix and suffix are empty")
         m = self.model
@@ -168,7 +184,7 @@ class PromptBuilder:
                 prefix_text, heal, constrained = split_heal(prefix_text, last, self.newline_healing)
         head_text = ""
         if template.order == "psm" and self.line_in_middle:
-            prefix_text, head_text = split_line_head(request.prefix, prefix_text)
+            prefix_text, head_text = split_line_head(request.prefix, prefix_text, anchor)
         prefix = self._part(prefix_text, 0, lines)
         head = self._part(head_text, prefix_text.count("\n"), lines)
         if template.prefix_only:  # no FIM tokens (engine/fim.py PREFIX_ONLY): the suffix goes unused
@@ -189,7 +205,12 @@ class PromptBuilder:
                                   f"{m.max_len} with {request.options.max_tokens} new tokens")
             _keep_leading(suffix, min(suffix.size, budget // 4))
             _drop_leading(prefix, prefix.size - (budget - suffix.size), stride=max(256, budget // 8))
-        return self._assemble(prefix, suffix, head, heal, constrained, total - prefix.size - suffix.size)
+        plan = self._assemble(prefix, suffix, head, heal, constrained, total - prefix.size - suffix.size)
+        if head_text:
+            plan.anchor, plan.head_lines = len(prefix_text), head_text.count("\n")
+        elif psm and self.line_in_middle and request.prefix.startswith("\n", len(prefix_text)):
+            plan.anchor = len(prefix_text)  # the prompt stops at a line break: the next line may anchor there
+        return plan
 
     def _assemble(self, prefix: _Part, suffix: _Part, head: _Part, heal: str, constrained: bool,
                   dropped: int) -> PromptPlan:
@@ -225,15 +246,41 @@ class PromptBuilder:
         return PromptPlan(ids, pieces, segments, heal, constrained, dropped)
 
 
-def split_line_head(prefix: str, healed: str) -> tuple[str, str]:
+def split_line_head(prefix: str, healed: str, anchor: int | None = None) -> tuple[str, str]:
     """(prefix text, line head) for a PSM prompt: ``healed`` (the prefix after token healing) cut at
-    the last line break of ``prefix``, the break going to the head. No head when the cursor's line
-    is the document's first, when healing already took the line back to its break (cursor at a line
-    start or on indentation), or when the line is longer than MAX_LINE_HEAD_CHARS."""
+    the last line break of ``prefix``, or at ``anchor`` (an earlier one), the break going to the head.
+    No head when the cursor's line is the document's first, when healing already took the line back to
+    its break (cursor at a line start or on indentation), or when the line is longer than
+    MAX_LINE_HEAD_CHARS. An anchor that is no line break, or leaves too long a head, is ignored."""
     cut = prefix.rfind("\n")
+    if anchor is not None and anchor_fits(prefix, anchor) and anchor < cut:
+        if len(healed) <= anchor + 1:
+            return healed, ""
+        return healed[:anchor], healed[anchor:]
     if cut < 0 or len(healed) <= cut + 1 or len(healed) - cut > MAX_LINE_HEAD_CHARS:
         return healed, ""
     return healed[:cut], healed[cut:]
+
+
+def anchor_fits(prefix: str, anchor: int) -> bool:
+    """Whether ``anchor`` (an offset in ``prefix``) can start the text after the middle sentinel: a line
+    break, with at most MAX_ANCHOR_HEAD_CHARS and MAX_ANCHOR_HEAD_LINES after it."""
+    return (0 <= anchor < len(prefix) and prefix[anchor] == "\n"
+            and len(prefix) - anchor <= MAX_ANCHOR_HEAD_CHARS
+            and prefix.count("\n", anchor) <= MAX_ANCHOR_HEAD_LINES)
+
+
+def anchor_at(prefix: str, suffix: str, held: tuple[str, str] | None) -> int | None:
+    """The anchor a request with ``prefix`` and ``suffix`` can keep from ``held``, the (text before the
+    anchor, suffix) of the prompt a cache holds: only while the text after the cursor is unchanged and
+    everything before the anchor too (the user typed on below it). None: take the canonical layout."""
+    if held is None:
+        return None
+    before, held_suffix = held
+    anchor = len(before)
+    if suffix != held_suffix or not prefix.startswith(before) or not anchor_fits(prefix, anchor):
+        return None
+    return anchor if anchor < prefix.rfind("\n") else None  # the cursor line's own break: canonical
 
 
 def _keep_leading(part: _Part, limit: int) -> None:

@@ -1,0 +1,96 @@
+"""The anchored PSM layout: lines typed since the cache's anchor go after the middle sentinel, so a new
+line costs what a key costs (engine/caching/prompt_plan.py, engine/local.py).
+
+The embedded target's ``fimble-psm`` template stands in for PSM models such as Qwen2.5-Coder: real
+tokenizer, real runtime, real KV cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.api import CompletionRequest
+from engine.caching.prompt_plan import MAX_ANCHOR_HEAD_LINES, anchor_at, split_line_head
+from engine.local import LocalEngine
+from engine.options import DecodeOptions
+from tests.conftest import TARGET_DIR
+from tests.engine.kv_sources import stdlib_source
+
+OPTS = DecodeOptions(max_tokens=8)
+TYPED = "    total = compute(a, b)\n    if total > limit:\n        return None\n    "
+
+
+@pytest.fixture(scope="module")
+def target():
+    from engine.loader import load_model
+
+    return load_model(TARGET_DIR, template="fimble-psm")
+
+
+def engine(target) -> LocalEngine:
+    return LocalEngine(target, None, start_thread=False)
+
+
+def request(prefix: str, suffix: str, doc: str = "doc") -> CompletionRequest:
+    return CompletionRequest(prefix, suffix, options=OPTS, document_id=doc, truncate=True)
+
+
+def test_anchor_at_cases():
+    held = ("a = 1", "\nrest\n")
+    assert anchor_at("a = 1\nb = 2\nc", "\nrest\n", held) == 5  # two lines typed below the anchor
+    assert anchor_at("a = 1\nb", "\nrest\n", held) is None  # the cursor line's own break: canonical
+    assert anchor_at("a = 1\nb = 2\nc", "\nother\n", held) is None  # the text after the cursor changed
+    assert anchor_at("a = 2\nb = 2\nc", "\nrest\n", held) is None  # an edit above the anchor
+    assert anchor_at("a = 1\nb = 2\nc", "\nrest\n", None) is None
+    many = "a = 1" + "\nx" * (MAX_ANCHOR_HEAD_LINES + 1)
+    assert anchor_at(many, "\nrest\n", held) is None  # too long a head: canonical
+    assert split_line_head("a = 1\nb = 2\nc = fo", "a = 1\nb = 2\nc = ", 5) == ("a = 1", "\nb = 2\nc = ")
+    assert split_line_head("a = 1\nb = 2\n    ", "a = 1\nb = 2", 5) == ("a = 1", "\nb = 2")
+
+
+def test_new_lines_prefill_a_few_tokens_and_equal_one_computation(target):
+    text = stdlib_source(target.encode, 900)
+    cursor = text.index("\n", len(text) * 3 // 4) + 1
+    prefix, suffix = text[:cursor], text[cursor:]
+    typing = engine(target)
+    typing.complete(request(prefix + "    x", suffix))  # the anchor: the cursor's line
+    prefilled, last = [], None
+    for i in range(6, len(TYPED) + 1):
+        last = typing.complete(request(prefix + "    x" + TYPED[5:i], suffix))
+        prefilled.append(last.stats["prefilled_tokens"])
+    assert typing.counters()["anchored_prompts"] > 0
+    # without the anchor every new line re-evaluates the suffix (hundreds of tokens)
+    assert max(prefilled) <= 12, prefilled
+
+    # the same prompt computed at once (anchor first, then the final text): the same completion
+    fresh = engine(target)
+    fresh.complete(request(prefix + "    x", suffix))
+    assert fresh.complete(request(prefix + "    x" + TYPED[5:], suffix)).text == last.text
+
+
+def test_idle_moves_the_anchor_to_the_cursor_line(target):
+    text = stdlib_source(target.encode, 600)
+    cursor = text.index("\n", len(text) // 2) + 1
+    prefix, suffix = text[:cursor], text[cursor:]
+    eng = engine(target)
+    eng.complete(request(prefix + "    x", suffix))
+    eng.complete(request(prefix + "    x = 1\n    y", suffix))  # anchored: two lines after the sentinel
+    anchored = eng.counters()["anchored_prompts"]
+    assert anchored == 1
+    assert eng.counters()["prewarms_done"] == 0
+    eng.run_pending(idle=True)  # no worker thread: pending re-anchors run here, as when the user is idle
+    assert eng.counters()["prewarms_done"] == 1
+    # the cache now holds the canonical prompt: the next key needs no anchor and reuses it
+    r = eng.complete(request(prefix + "    x = 1\n    y = ", suffix))
+    assert eng.counters()["anchored_prompts"] == anchored
+    assert r.stats["prefilled_tokens"] <= 6
+
+
+def test_an_edit_above_the_anchor_takes_the_canonical_layout(target):
+    text = stdlib_source(target.encode, 600)
+    cursor = text.index("\n", len(text) // 2) + 1
+    prefix, suffix = text[:cursor], text[cursor:]
+    eng = engine(target)
+    eng.complete(request(prefix + "    x", suffix))
+    eng.complete(request("# edited\n" + prefix + "    x = 1\n    y", suffix))
+    assert eng.counters()["anchored_prompts"] == 0
