@@ -48,6 +48,10 @@ _WAKE = ("wake",)  # queue item: a pre-warm was added
 
 
 class LocalEngine:
+    # Set by the engine process (engine/process.py): called (phase, done, total) before a prompt's pass, so
+    # the host's watchdog gives a long prefill the time it needs instead of killing it as stuck.
+    progress: Callable[[str, int, int], None] | None = None
+
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, threads: int | None = None,
                  start_thread: bool = True, kv_budget_bytes: int | None = None):
         if target.template is None:
@@ -299,6 +303,8 @@ class LocalEngine:
             if self.model_drafter is not None:
                 self.model_drafter.bind(doc.draft, doc.draft_ids)
             doc.ids = []  # the cache is about to change; valid again after prefill
+            if self.progress is not None:
+                self.progress("prefill", 0, prefilled)
             first = decoder.prefill(prompt, reuse, runs)
             self._count("tokens_prefilled", prefilled)
             self._count("tokens_reused", len(prompt) - prefilled)
