@@ -329,7 +329,7 @@ _PASS_CACHE: dict[int, bool] = {}
 
 
 def _init_worker(model: str | None, threads: int, newline_heal: bool = True, template: str | None = None,
-                 line_in_middle: bool = True) -> None:
+                 line_in_middle: bool = True, anchor_lines: int = 0) -> None:
     global _ENGINE
     import torch
 
@@ -340,6 +340,7 @@ def _init_worker(model: str | None, threads: int, newline_heal: bool = True, tem
     _ENGINE = open_engine(model, use_draft=True, start_thread=False, template=template)
     _ENGINE.prompts.newline_healing = newline_heal  # engine/decoding/healing.py; off only to measure the older rule
     _ENGINE.prompts.line_in_middle = line_in_middle  # engine/caching/prompt_plan.py; off only to measure it
+    _ENGINE.prompts.anchor_lines = anchor_lines  # the anchored layout, as after typing that many lines
 
 
 def _limits() -> None:
@@ -476,15 +477,16 @@ def rescore(records: list[dict], problems: list[Problem]) -> list[dict]:
 
 
 def run_jobs(jobs: list, procs: int, model: str | None, newline_heal: bool = True,
-             template: str | None = None, line_in_middle: bool = True) -> list[dict]:
+             template: str | None = None, line_in_middle: bool = True, anchor_lines: int = 0) -> list[dict]:
     done: list[dict] = []
     t0 = time.time()
     if procs <= 1:
-        _init_worker(model, 1, newline_heal, template, line_in_middle)
+        _init_worker(model, 1, newline_heal, template, line_in_middle, anchor_lines)
         results = map(run_one, jobs)
         pool = None
     else:
-        pool = mp.get_context("spawn").Pool(procs, _init_worker, (model, 1, newline_heal, template, line_in_middle))
+        pool = mp.get_context("spawn").Pool(procs, _init_worker, (model, 1, newline_heal, template, line_in_middle,
+                                                                        anchor_lines))
         results = pool.imap_unordered(run_one, jobs, chunksize=2)
     for i, r in enumerate(results, 1):
         done.append(r)
@@ -585,6 +587,9 @@ def main() -> None:
                     help="the older healing rule: a prefix ending in a line break is not healed (to measure it)")
     ap.add_argument("--no-line-in-middle", action="store_true",
                     help="PSM models: keep the cursor's line in the prefix, as before (to measure the layout)")
+    ap.add_argument("--anchor-lines", type=int, default=0, metavar="K",
+                    help="PSM models: the anchored layout, K lines above the cursor's line after the middle "
+                         "sentinel, as after typing them (engine/caching/prompt_plan.py; to measure its cost)")
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--procs", type=int, default=min(2, os.cpu_count() or 1),
                     help="worker processes, one engine and one torch thread each")
@@ -629,7 +634,8 @@ def main() -> None:
             wanted.append((i, v, index[key]))
     print(f"quality: {len(problems)} problems, {len(variants)} variants, {len(jobs)} completions, "
           f"{args.procs} procs", file=sys.stderr, flush=True)
-    done = run_jobs(jobs, args.procs, args.model, not args.no_newline_heal, args.template, not args.no_line_in_middle)
+    done = run_jobs(jobs, args.procs, args.model, not args.no_newline_heal, args.template, not args.no_line_in_middle,
+                    args.anchor_lines)
     by_job = {r["job"]: r for r in done}
     records = [{**by_job[j], "variant": v.name, "group": v.group} for _, v, j in wanted]
     report(records, problems, sets, decisions, args.sweep, t0, args.json)

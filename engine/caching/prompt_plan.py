@@ -146,6 +146,9 @@ class PromptBuilder:
         self.newline_healing = True
         # The cursor's line after the middle sentinel (PSM only, see the module doc); off only to measure.
         self.line_in_middle = True
+        # Only to measure the anchored layout's quality (bench/quality.py --anchor-lines): every prompt
+        # anchored this many lines above the cursor's line, as if they had been typed since the anchor.
+        self.anchor_lines = 0
         self._memo: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
 
     def _encode(self, text: str) -> tuple[list[int], bytes]:
@@ -183,6 +186,8 @@ class PromptBuilder:
                 last = m.tokenizer.decode(ids[-1:], clean_up_tokenization_spaces=False)
                 prefix_text, heal, constrained = split_heal(prefix_text, last, self.newline_healing)
         head_text = ""
+        if anchor is None and self.anchor_lines:
+            anchor = _lines_up(request.prefix, self.anchor_lines)
         if template.order == "psm" and self.line_in_middle:
             prefix_text, head_text = split_line_head(request.prefix, prefix_text, anchor)
         prefix = self._part(prefix_text, 0, lines)
@@ -260,6 +265,16 @@ def split_line_head(prefix: str, healed: str, anchor: int | None = None) -> tupl
     if cut < 0 or len(healed) <= cut + 1 or len(healed) - cut > MAX_LINE_HEAD_CHARS:
         return healed, ""
     return healed[:cut], healed[cut:]
+
+
+def _lines_up(prefix: str, lines: int) -> int | None:
+    """The line break ``lines`` lines above the cursor line's own (None: the text has fewer)."""
+    cut = len(prefix)
+    for _ in range(lines + 1):
+        cut = prefix.rfind("\n", 0, cut)
+        if cut < 0:
+            return None
+    return cut
 
 
 def anchor_fits(prefix: str, anchor: int) -> bool:
