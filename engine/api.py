@@ -39,6 +39,9 @@ class CompletionRequest:
     truncate: bool = False
     # Token healing (engine/decoding/healing.py): re-type the prompt's ragged last token.
     heal: bool = True
+    # An editor's keystroke: where the document's cache would prefill too much, answer from a small prompt
+    # while the full one fills in the background (engine/caching/cold_window.py). Off: always the full prompt.
+    cold_window: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta
+from engine.caching.cold_window import COLD_BUDGET_S, COLD_KEY, cold_request
 from engine.caching.kv_shift import apply_moves, plan_shift
 from engine.caching.kv_store import DocumentKV, KVStore, common_prefix, default_budget_bytes
 from engine.caching.prompt_plan import PromptBuilder, PromptPlan, anchor_at
@@ -35,7 +36,7 @@ from engine.loader import LoadedModel, default_models, load_model
 
 COUNTER_NAMES = ("submitted", "completed", "cancelled", "failed", "decode_steps", "tokens_generated",
                  "tokens_prefilled", "tokens_reused", "tokens_shifted", "tokens_prewarmed", "prewarms_done",
-                 "prewarms_preempted", "prewarms_failed", "anchored_prompts")
+                 "prewarms_preempted", "prewarms_failed", "anchored_prompts", "cold_prompts")
 REUSE_MODES = ("exact", "shift", "none")
 # Pre-warm prefill chunk: on a 2-core CPU 32 tokens at a 4k context take ~40 ms, the
 # longest a completion waits for a running pre-warm to yield.
@@ -45,6 +46,7 @@ PREWARM_CHUNK = 32
 # this long: a pre-warm of the canonical prompt, which re-evaluates the suffix while the user is idle.
 REANCHOR_IDLE_S = float(os.environ.get("FIMBLE_REANCHOR_IDLE_S", 0.75))
 _WAKE = ("wake",)  # queue item: a pre-warm was added
+COLD_WINDOW = os.environ.get("FIMBLE_COLD_WINDOW", "on").strip().lower() not in ("off", "0", "false", "no")
 
 
 class LocalEngine:
@@ -67,10 +69,15 @@ class LocalEngine:
         self.model_drafter = ModelDrafter(draft.runtime, 0) if draft else None
         self.ngram_drafter = NgramDrafter()
         _ = target.token_index  # build it now, not on the first keystroke
+        # Prompt tokens a second: the load-time probe's, then a running mean of timed prefills (None: unknown
+        # until one is timed; the cold window waits for it).
+        self._prefill_rate: float | None = None
         if getattr(target.runtime, "cost_aware_drafting", False):
             # The verify-cost probe (engine/decoding/spec_policy.py) times ~15 passes once per runtime:
             # 5-6 s for a 0.5B model on a 2-core CPU, which the first completion used to wait for.
-            verify_costs(target.runtime)
+            costs = verify_costs(target.runtime)
+            if costs.prefill_rate > 0:
+                self._prefill_rate = costs.prefill_rate
             if draft is not None:
                 verify_costs(draft.runtime)
         self._ids = itertools.count(1)
@@ -212,11 +219,12 @@ class LocalEngine:
         if item is _WAKE or item is None:
             return
         if item[0] == "forget":
-            with self._lock:
-                self._prewarms.pop(item[1], None)
-                self._reanchors.pop(item[1], None)
-                self._submitted.pop(item[1], None)
-            self.store.forget(item[1])
+            for key in (item[1], item[1] + COLD_KEY):
+                with self._lock:
+                    self._prewarms.pop(key, None)
+                    self._reanchors.pop(key, None)
+                    self._submitted.pop(key, None)
+                self.store.forget(key)
         else:
             with self._lock:
                 self._waiting -= 1
@@ -291,6 +299,7 @@ class LocalEngine:
         plan = self.prompts.build(request)
         doc = self._open_document(request, plan)
         plan = self._anchored(request, plan, doc)
+        request, plan, doc = self._cold(request, plan, doc)
         prompt, heal, constrained = plan.ids, plan.heal, plan.constrained
         t_prompt = time.perf_counter()
         reuse = 0
@@ -310,6 +319,7 @@ class LocalEngine:
             self._count("tokens_reused", len(prompt) - prefilled)
             self._count("tokens_shifted", shifted)
             t_first = time.perf_counter()
+            self._time_prefill(prefilled, t_first - t_prompt)
             text, shown, reason = self._decode(decoder, stream, first, heal, constrained)
             # Keys/values of prompt + accepted output stay valid for the next request.
             doc.ids = decoder.ids[: doc.target.length]
@@ -331,6 +341,40 @@ class LocalEngine:
                  "drafted": s.drafted, "accepted": s.accepted, "mean_accepted": s.mean_accepted}
         self._finish(stream, text[:shown], reason or "stop", len(decoder.output), stats)
 
+    def _cost(self, doc: DocumentKV, plan: PromptPlan, mode: str) -> int:
+        """Prompt tokens ``plan`` would prefill on ``doc``'s cache (exact reuse; a shift may do better)."""
+        limit = doc.exact_len if mode == "exact" else len(doc.ids)
+        return len(plan.ids) - common_prefix(doc.ids, plan.ids, min(limit, len(plan.ids) - 1))
+
+    def _cold(self, request: CompletionRequest, plan: PromptPlan,
+              doc: DocumentKV) -> tuple[CompletionRequest, PromptPlan, DocumentKV]:
+        """The request, plan and cache to serve: the small prompt of engine/caching/cold_window.py where the
+        full one would prefill more than COLD_BUDGET_S at the measured rate and the small one costs less;
+        the full prompt then fills the document's cache in the background (a pre-warm)."""
+        if not (COLD_WINDOW and request.cold_window and self._prefill_rate) or request.reuse == "none":
+            return request, plan, doc
+        budget = self._prefill_rate * COLD_BUDGET_S
+        full_cost = self._cost(doc, plan, request.reuse)
+        cold = cold_request(request) if full_cost > budget else None
+        if cold is None:
+            return request, plan, doc
+        cold_plan = self.prompts.build(cold)
+        cold_doc = self._open_document(cold, cold_plan)
+        cold_plan = self._anchored(cold, cold_plan, cold_doc)
+        if self._cost(cold_doc, cold_plan, cold.reuse) * 2 > full_cost:
+            self.store.release(cold_doc)
+            return request, plan, doc
+        self.store.release(doc)
+        self._count("cold_prompts")
+        with self._lock:  # the full prompt, once the user leaves the engine a moment
+            self._prewarms.setdefault(request.document_id or "", request)
+        return cold, cold_plan, cold_doc
+
+    def _time_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 64 and seconds > 0:  # short passes say more about per-pass overhead than the rate
+            rate = tokens / seconds
+            self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
+
     def _anchored(self, request: CompletionRequest, plan: PromptPlan, doc: DocumentKV) -> PromptPlan:
         """``plan`` (canonical layout), or the anchored layout at the anchor ``doc``'s cache holds where that
         prefills less: lines typed below the anchor then cost what keys within a line cost."""
@@ -340,9 +384,7 @@ class LocalEngine:
         alt = self.prompts.build(request, anchor)
         if alt.anchor != anchor:
             return plan
-        limit = doc.exact_len if request.reuse == "exact" else len(doc.ids)
-        if common_prefix(doc.ids, alt.ids, min(limit, len(alt.ids) - 1)) <= \
-                common_prefix(doc.ids, plan.ids, min(limit, len(plan.ids) - 1)):
+        if self._cost(doc, alt, request.reuse) >= self._cost(doc, plan, request.reuse):
             return plan
         if len(alt.ids) > len(plan.ids):
             self._open_document(request, alt)  # (room for it)

@@ -54,7 +54,8 @@ def request_from_dict(d: dict) -> CompletionRequest:
                              options=DecodeOptions(**opts), document_id=d.get("document_id"),
                              segment_lines=None if lines is None else [int(x) for x in lines],
                              reuse=str(d.get("reuse", "exact")),
-                             truncate=bool(d.get("truncate", False)), heal=bool(d.get("heal", True)))
+                             truncate=bool(d.get("truncate", False)), heal=bool(d.get("heal", True)),
+                             cold_window=bool(d.get("cold_window", False)))
 
 
 # -- engine side ----------------------------------------------------------------------------

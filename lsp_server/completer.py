@@ -456,7 +456,7 @@ class Completer:
         return CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=plan.options,
                                  document_id=self.engine_doc_id(ctx.uri),
                                  segment_lines=plan.segment_lines, reuse=settings.reuse, truncate=True,
-                                 heal=settings.token_healing)
+                                 heal=settings.token_healing, cold_window=True)
 
     def _submit(self, engine: Any, ctx: Context, settings: Settings, t0: float, build_ms: float,
                 plan: Plan) -> Generation:

@@ -45,6 +45,9 @@ class VerifyCosts:
     rows: tuple[int, ...] = (1,)
     relative: tuple[float, ...] = (1.0,)
     step_s: float = 0.0
+    # Prompt tokens a second of the probe's first pass (PROBE_DEPTH tokens, from an empty cache); 0: unknown.
+    # The first completion at a new spot sizes its prompt with it (engine/caching/cold_window.py).
+    prefill_rate: float = 0.0
 
     def cost(self, r: int) -> float:
         if r <= self.rows[0]:
@@ -133,7 +136,9 @@ def measure(runtime) -> VerifyCosts:
     cache = runtime.new_cache(PROBE_DEPTH + max(PROBE_ROWS) + 1)
     vocab = int(getattr(runtime, "vocab", 0) or getattr(runtime.cfg, "vocab_size", 256))
     toks = [(i * 7919 + 11) % vocab for i in range(PROBE_DEPTH + max(PROBE_ROWS))]
+    t0 = time.perf_counter()
     runtime(torch.tensor(toks[:PROBE_DEPTH], dtype=torch.long, device=runtime.device), cache, 0, 1)
+    prefill_rate = PROBE_DEPTH / max(1e-6, time.perf_counter() - t0)
     best: dict[int, float] = {}
     for _ in range(PROBE_REPEATS):  # interleaved, fastest of each: a busy machine only slows passes
         for r in PROBE_ROWS:
@@ -145,7 +150,7 @@ def measure(runtime) -> VerifyCosts:
     rel = [1.0]
     for r in PROBE_ROWS[1:]:  # a longer pass is never cheaper than a shorter one
         rel.append(max(rel[-1], best[r] / one))
-    return VerifyCosts(PROBE_ROWS, tuple(rel), one)
+    return VerifyCosts(PROBE_ROWS, tuple(rel), one, prefill_rate)
 
 
 def verify_costs(runtime) -> VerifyCosts:
@@ -173,7 +178,7 @@ def _measure_parts(runtime) -> tuple[str, ...] | None:
     if not parts:
         return None
     settled = f"flash={runtime.flash_attn}:pad={runtime.pad_single}:threads={runtime.threads}"
-    return (*parts, settled, f"rows={PROBE_ROWS}:depth={PROBE_DEPTH}:repeats={PROBE_REPEATS}")
+    return (*parts, settled, f"rows={PROBE_ROWS}:depth={PROBE_DEPTH}:repeats={PROBE_REPEATS}:prefill")
 
 
 def _read_costs(value: dict) -> VerifyCosts:
@@ -186,7 +191,10 @@ def _read_costs(value: dict) -> VerifyCosts:
         raise ValueError("costs")
     if not (math.isfinite(step_s) and 0.0 < step_s < 60.0):
         raise ValueError("step time")
-    return VerifyCosts(rows, rel, step_s)
+    prefill_rate = float(value.get("prefill_rate", 0.0))  # (entries written before it was measured: unknown)
+    if not (math.isfinite(prefill_rate) and prefill_rate >= 0.0):
+        raise ValueError("prefill rate")
+    return VerifyCosts(rows, rel, step_s, prefill_rate)
 
 
 def _measured_or_cached(runtime) -> VerifyCosts:
@@ -201,5 +209,5 @@ def _measured_or_cached(runtime) -> VerifyCosts:
         return FLAT
     if parts is not None:
         probe_cache.store("verify-costs", parts, {"rows": list(costs.rows), "rel": list(costs.relative),
-                                                  "step_s": costs.step_s})
+                                                  "step_s": costs.step_s, "prefill_rate": costs.prefill_rate})
     return costs

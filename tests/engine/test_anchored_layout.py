@@ -32,7 +32,7 @@ def engine(target) -> LocalEngine:
 
 
 def request(prefix: str, suffix: str, doc: str = "doc") -> CompletionRequest:
-    return CompletionRequest(prefix, suffix, options=OPTS, document_id=doc, truncate=True)
+    return CompletionRequest(prefix, suffix, options=OPTS, document_id=doc, truncate=True, cold_window=True)
 
 
 def test_anchor_at_cases():
@@ -94,3 +94,25 @@ def test_an_edit_above_the_anchor_takes_the_canonical_layout(target):
     eng.complete(request(prefix + "    x", suffix))
     eng.complete(request("# edited\n" + prefix + "    x = 1\n    y", suffix))
     assert eng.counters()["anchored_prompts"] == 0
+
+
+def test_a_cold_spot_answers_from_a_small_prompt_while_the_full_one_fills(target):
+    from engine.caching.cold_window import COLD_KEY
+
+    text = stdlib_source(target.encode, 900)
+    cursor = text.index("\n", len(text) * 3 // 4) + 1
+    prefix, suffix = text[:cursor], text[cursor:]
+    eng = engine(target)
+    eng._prefill_rate = 20.0  # as slow as a big model on a small CPU: a budget of 10 prompt tokens
+    first = eng.complete(request(prefix + "    x", suffix))
+    assert eng.counters()["cold_prompts"] == 1
+    assert first.stats["prompt_tokens"] < 300 < len(target.encode(prefix + suffix))
+    assert eng.store.docs.get("doc" + COLD_KEY) is not None
+    eng.run_pending()  # the full prompt fills the document's own cache (a pre-warm)
+    assert eng.counters()["prewarms_done"] == 1
+    full = eng.complete(request(prefix + "    x =", suffix))
+    assert eng.counters()["cold_prompts"] == 1  # the full prompt is cached now
+    assert full.stats["prompt_tokens"] > 600 and full.stats["prefilled_tokens"] <= 6
+    eng.forget("doc")
+    eng.run_pending()
+    assert eng.store.docs.get("doc") is None and eng.store.docs.get("doc" + COLD_KEY) is None
