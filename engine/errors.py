@@ -9,6 +9,11 @@ class ModelLoadError(FimbleError):
     """The model folder is missing, corrupt, or of an architecture we cannot run."""
 
 
+class EngineLost(FimbleError):
+    """The engine process ended (killed, crashed) or hung without saying why: another start may well work,
+    unlike a start the engine itself reported failing (a bad model folder), which would fail the same way."""
+
+
 class PromptError(FimbleError):
     """The request cannot be served: empty prompt, prompt longer than the context, ..."""
 

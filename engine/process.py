@@ -10,13 +10,22 @@ Messages (each one msgpack map):
   engine -> client: {op: ready, info} | {op: fatal, error} | {op: delta, id, delta}
                     | {op: result, id, result} (sent just before the final delta) | {op: counters, id, counters}
                     | {op: pong, id} (from the engine's reader thread, whatever the decode loop does)
+                    | {op: progress, phase, done, total} (from the decode loop: "prefill" before a prompt's
+                      pass, with the tokens it will compute; the host's watchdog scales its patience with it)
 
 Supervision (lsp_server/engine_host.py watches these): ``last_heard`` is when the engine last
-sent anything, ``ping()`` asks for a sign of life, ``stalled_for()`` is how long the oldest open
-request has gone without a delta, ``abandon()`` ends every open request now (with the text it
-has), ``kill()`` ends the process. Messages to the engine go through a writer thread: a stopped
-engine (SIGSTOP) stops reading its stdin, and a blocking write would then hang the caller (the
-server's event loop) once the pipe's buffer is full.
+sent anything, ``ping()`` asks for a sign of life, ``stalled_for()`` is how long the open requests
+have gone without progress (a delta or a progress report), ``work`` is the engine's last progress
+report, ``abandon()`` ends every open request now (with the text it has), ``kill()`` ends the
+process and reaps it. Messages to the engine go through a writer thread: a stopped engine
+(SIGSTOP) stops reading its stdin, and a blocking write would then hang the caller (the server's
+event loop) once the pipe's buffer is full.
+
+Every child is reaped: by the reader thread once its output ends, and after ``kill()`` by a
+bounded wait of its own (a grandchild holding the pipe open must not leave a zombie behind).
+``end_children()`` kills and reaps every engine process still running, one still loading
+included: the server calls it on SIGTERM/SIGINT (lsp_server/transports.py). The child ignores
+SIGINT: a terminal's Ctrl-C reaches the whole process group, and its parent ends it instead.
 """
 
 from __future__ import annotations
@@ -40,9 +49,17 @@ from typing import Any
 import msgpack
 
 from engine.api import CompletionRequest, CompletionResult, CompletionStream, DecodeOptions, Delta
-from engine.errors import FimbleError
+from engine.errors import EngineLost, FimbleError
+from engine.liveness import CpuMeter
 
 log = logging.getLogger("fimble.engine")
+PROGRESS_EVERY_S = 0.5  # within one pass, a progress report at most this often (each is a message)
+STARTUP_BUSY_FACTOR = 4.0  # a start still computing at its timeout (a loaded machine) may take up to 4x as long
+STARTUP_IDLE_S = 5.0  # ... "still computing": CPU time advanced within this many seconds
+REAP_TIMEOUT_S = 10.0  # how long a killed child's bounded wait lasts (SIGKILL ends it within milliseconds)
+_children: set[subprocess.Popen] = set()  # engine processes started and not yet reaped (end_children)
+_children_lock = threading.Lock()
+_stopping = threading.Event()  # end_children ran: this process is stopping, so no new engine may start
 
 
 def request_from_dict(d: dict) -> CompletionRequest:
@@ -91,8 +108,25 @@ def serve_built(build: Callable[[], Any]) -> int:
     return run_engine(engine, send)
 
 
+def progress_reporter(send: Callable[[dict], None]) -> Callable[[str, int, int], None]:
+    """The engine's ``progress`` hook: a pass's start is always sent, its later reports at most every
+    PROGRESS_EVERY_S (called from the decode loop, so it must stay cheap)."""
+    last: list[Any] = [None, 0.0]
+
+    def report(phase: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done > 0 and phase == last[0] and now - last[1] < PROGRESS_EVERY_S:
+            return
+        last[:] = [phase, now]
+        send({"op": "progress", "phase": phase, "done": int(done), "total": int(total)})
+
+    return report
+
+
 def run_engine(engine: Any, send: Callable[[dict], None]) -> int:
     """Answer stdin's messages with ``engine`` (its decode loop in this, the main, thread) until stdin closes."""
+    if hasattr(engine, "progress"):  # a LocalEngine (engine/local.py); other engines report nothing
+        engine.progress = progress_reporter(send)
     send({"op": "ready", "info": engine.info()})
     streams: dict[int, CompletionStream] = {}
 
@@ -199,10 +233,17 @@ class EngineProcess:
         if trust_remote_code:
             cmd.append("--trust-remote-code")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self._proc = subprocess.Popen(command or cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        with _children_lock:  # (under the lock: end_children either sees this child or it never starts)
+            if _stopping.is_set():
+                raise EngineLost("the server is stopping")
+            self._proc = subprocess.Popen(command or cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            _children.add(self._proc)
         self._ids = itertools.count(1)
         self._streams: dict[int, CompletionStream] = {}
-        self._progress: dict[int, float] = {}  # request id -> when it was submitted or last got a delta
+        self._submitted: dict[int, float] = {}  # open request id -> when it was submitted
+        self._last_progress = 0.0  # when the engine last sent a delta or a progress report
+        self.work: dict = {}  # the engine's last progress report: phase, done, total
+        self._fatal = False  # the engine said why it could not start (then another start would fail the same way)
         self._pending_counters: dict[int, tuple[threading.Event, list]] = {}
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._ready = threading.Event()
@@ -215,9 +256,23 @@ class EngineProcess:
         self._reader.start()
         self._writer = threading.Thread(target=self._write, name="fimble-engine-writer", daemon=True)
         self._writer.start()
-        if not self._ready.wait(startup_timeout) or self.error:
+        if not self._wait_ready(startup_timeout) or self.error:
             self.close()
-            raise FimbleError(self.error or f"engine did not start within {startup_timeout:.0f}s")
+            if self._fatal:
+                raise FimbleError(self.error or "engine failed to start")
+            raise EngineLost(self.error or f"engine did not start within {startup_timeout:.0f}s")
+
+    def _wait_ready(self, timeout: float) -> bool:
+        """Wait for ``ready`` (or the end): up to ``timeout``, longer while the child still computes (a start
+        on a loaded machine is slow, not stuck), up to STARTUP_BUSY_FACTOR times as long."""
+        meter = CpuMeter(self.pid)
+        deadline, ceiling = self.started_at + timeout, self.started_at + timeout * STARTUP_BUSY_FACTOR
+        while not self._ready.wait(0.25):
+            now = time.monotonic()
+            meter.sample(now)
+            if now >= deadline and not (now < ceiling and meter.working(STARTUP_IDLE_S, now)):
+                return False
+        return True
 
     @property
     def pid(self) -> int:
@@ -252,7 +307,7 @@ class EngineProcess:
             for msg in unpacker:
                 self._dispatch(msg)
         # The process is gone: end every open stream rather than leave a caller waiting.
-        self.error = self.error or _exit_reason(self._proc.wait())
+        self.error = self.error or _exit_reason(_reap(self._proc))
         self._ready.set()
         self._end_streams(self.error)
         for event, _ in self._pending_counters.values():
@@ -262,7 +317,7 @@ class EngineProcess:
         """End every open request with ``error`` (each keeps the text it had)."""
         for rid, stream in list(self._streams.items()):
             if self._streams.pop(rid, None) is not None:
-                self._progress.pop(rid, None)
+                self._submitted.pop(rid, None)
                 stream.push(Delta("", True, "error", error))
 
     def _dispatch(self, msg: dict) -> None:
@@ -272,18 +327,22 @@ class EngineProcess:
             self._ready.set()
         elif op == "fatal":
             self.error = msg.get("error", "engine failed to start")
+            self._fatal = not self._ready.is_set()  # a start failure it explained (a decode-loop fault is not)
             self._ready.set()
+        elif op == "progress":
+            self.work = {k: msg.get(k) for k in ("phase", "done", "total")}
+            self._last_progress = time.monotonic()
         elif op == "result" and msg["id"] in self._streams:
             self._streams[msg["id"]].result = CompletionResult(**msg["result"])
         elif op == "delta":
             stream = self._streams.get(msg["id"])
             if stream is not None:
                 delta = Delta(**msg["delta"])
-                self._progress[msg["id"]] = time.monotonic()
+                self._last_progress = time.monotonic()
                 if delta.finished:
                     if self._streams.pop(msg["id"], None) is None:
                         return  # abandoned meanwhile: already ended
-                    self._progress.pop(msg["id"], None)
+                    self._submitted.pop(msg["id"], None)
                 stream.push(delta)
         elif op == "counters" and msg["id"] in self._pending_counters:
             event, box = self._pending_counters.pop(msg["id"])
@@ -301,7 +360,7 @@ class EngineProcess:
         if self.error:
             stream.push(Delta("", True, "error", self.error))
             return stream
-        self._progress[rid] = time.monotonic()
+        self._submitted[rid] = time.monotonic()
         self._streams[rid] = stream
         self._send({"op": "submit", "id": rid, "request": request.to_dict()})
         return stream
@@ -340,9 +399,11 @@ class EngineProcess:
             self._send({"op": "ping", "id": next(self._ids)})
 
     def stalled_for(self) -> float:
-        """Seconds the longest-waiting open request has gone without a delta (0 with none open)."""
-        oldest = min(self._progress.values(), default=None)
-        return 0.0 if oldest is None else time.monotonic() - oldest
+        """Seconds without progress while requests are open (0 with none): since the engine's last delta or
+        progress report, or since the oldest open request was submitted if that came later. The engine runs
+        requests in turn, so progress on any of them is progress for those queued behind it."""
+        oldest = min(self._submitted.values(), default=None)
+        return 0.0 if oldest is None else time.monotonic() - max(oldest, self._last_progress)
 
     def abandon(self, error: str) -> None:
         """Give up on the engine: end every open request now, with ``error``, and refuse new ones."""
@@ -351,11 +412,14 @@ class EngineProcess:
         self._end_streams(error)
 
     def kill(self) -> None:
-        """End the process now (SIGKILL also ends a stopped one); the reader thread then sees the exit."""
+        """End the process now (SIGKILL also ends a stopped one) and reap it in the background; the reader
+        thread then sees the exit."""
         try:
             self._proc.kill()
         except OSError:
             pass
+        threading.Thread(target=_reap, args=(self._proc, REAP_TIMEOUT_S), name="fimble-engine-reaper",
+                         daemon=True).start()
 
     def close(self) -> None:
         self._send({"op": "close"})
@@ -364,6 +428,35 @@ class EngineProcess:
             self._proc.wait(timeout=5)
         except (subprocess.TimeoutExpired, OSError):
             self._proc.kill()
+        _reap(self._proc, REAP_TIMEOUT_S)
+
+
+def _reap(proc: subprocess.Popen, timeout: float | None = None) -> int:
+    """Wait for ``proc`` (so no zombie is left) and forget it; its exit status (-9 if it would not end in time)."""
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("engine process %d did not end within %.0f s of being killed", proc.pid, timeout or 0)
+        return -signal.SIGKILL
+    with _children_lock:
+        _children.discard(proc)
+    return code
+
+
+def end_children(timeout: float = 5.0) -> int:
+    """Kill every engine process this process started and has not reaped, one still loading included, and reap
+    them (bounded by ``timeout`` each). For a server that stops on a signal: nothing may outlive it. How many."""
+    with _children_lock:
+        _stopping.set()
+        procs = list(_children)
+    for proc in procs:
+        try:
+            proc.kill()
+        except OSError:
+            pass
+    for proc in procs:
+        _reap(proc, timeout)
+    return len(procs)
 
 
 def _exit_reason(code: int) -> str:
@@ -378,6 +471,9 @@ def _exit_reason(code: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A terminal's Ctrl-C goes to the whole process group: the parent ends this process (kill and reap, no
+    # traceback here); stdin's end ends it too when the parent goes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ap = argparse.ArgumentParser(description="fimble engine process (msgpack over stdio)")
     ap.add_argument("--model")
     ap.add_argument("--draft")
