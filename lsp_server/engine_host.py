@@ -5,19 +5,26 @@ server never imports torch on its event loop: importing and starting happen in a
 thread, and every blocking call (counters, close) goes through ``asyncio.to_thread``.
 
 Supervision: while an engine runs, a watchdog task on the event loop looks at it every
-``WATCH_INTERVAL_S``:
+``WATCH_INTERVAL_S`` (the judgment is lsp_server/engine_watch.py's):
 - died (SIGKILL, crash): the user is told (``notice``), its open requests already ended with
   their text (engine/process.py), and a new engine starts at once;
-- stalled (SIGSTOP, a hung process): nothing heard for ``STALL_TIMEOUT_S`` though pinged:
-  its open requests end now with what they have, it is killed and restarted;
-- stuck (answers pings, but a request gets no delta for ``STEP_TIMEOUT_S``, the per-step
-  watchdog): the same.
+- stalled (SIGSTOP, a hung process): pinged, no answer for ``STALL_TIMEOUT_S``, and its process
+  does no work: its open requests end now with what they have, it is killed (and reaped) and
+  restarted;
+- stuck (answers pings, but a request gets no progress for ``STEP_TIMEOUT_S`` plus what the
+  engine said its prefill costs, and its process does no work): the same.
+Busy is not stuck: an engine whose process accumulates CPU time (a long prefill on a loaded
+machine, Python work that holds its interpreter so no pong goes out) is waited for, and each
+such wait is counted (``supervision["busy_holds"]``), up to ``BUSY_CEILING_S`` without any sign.
 A decode lost to an engine that died (not one that stalled: those answer with what they
 have) is submitted once more to the restarted engine (``SupervisedStream``), so the request
 that was waiting on it is served after the cold start instead of answering empty.
+An engine that dies while it loads (``EngineLost``) is restarted the same way; one that says why it
+cannot start (a bad model folder) is not: that would fail the same way, until the settings change.
 Restarts back off (``RESTART_BACKOFF_S``) when engines keep failing soon after starting, and
 after ``MAX_QUICK_FAILURES`` in a row the host gives up with a clear error (state "error")
 until the settings change. A request that arrives meanwhile waits for the restart (``get``).
+On SIGTERM/SIGINT the server calls ``kill_now``: the engine ends at once, reaped.
 """
 
 from __future__ import annotations
@@ -31,13 +38,17 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from lsp_server.engine_watch import Watch, WatchLimits
 from lsp_server.settings import Settings
 
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.25
+LOOP_LAG_S = 1.0  # a watchdog tick this late: the loop was blocked, the watch starts afresh (engine_watch.py)
 PING_AFTER_S = 1.0  # quiet this long: ask for a sign of life
-STALL_TIMEOUT_S = float(os.environ.get("FIMBLE_ENGINE_STALL_S", 6.0))  # quiet this long though pinged: stalled
-STEP_TIMEOUT_S = float(os.environ.get("FIMBLE_ENGINE_STEP_S", 30.0))  # a request without a delta this long: stuck
+STALL_TIMEOUT_S = float(os.environ.get("FIMBLE_ENGINE_STALL_S", 6.0))  # pinged, silent this long, idle: stalled
+STEP_TIMEOUT_S = float(os.environ.get("FIMBLE_ENGINE_STEP_S", 30.0))  # a request without progress, idle: stuck
+PREFILL_S_PER_TOKEN = float(os.environ.get("FIMBLE_ENGINE_PREFILL_S_PER_TOKEN", 0.1))  # ... plus this per token
+BUSY_CEILING_S = float(os.environ.get("FIMBLE_ENGINE_BUSY_CEILING_S", 600.0))  # computing, no sign: runaway
 QUICK_FAILURE_S = 60.0  # an engine that fails sooner than this after starting counts as a quick failure
 RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0)  # delay before restart n+1 after n quick failures in a row
 MAX_QUICK_FAILURES = len(RESTART_BACKOFF_S)
@@ -173,8 +184,9 @@ class EngineHost:
         self._settings: Settings | None = None
         self._watchdog: asyncio.Task | None = None
         self._quick_failures = 0  # engines in a row that failed soon after starting
-        self._last_ping = 0.0
-        self.supervision = {"deaths": 0, "stalls": 0, "stuck": 0, "gave_up": 0, "retried": 0}
+        self._watching: Watch | None = None
+        self.supervision = {"deaths": 0, "stalls": 0, "stuck": 0, "gave_up": 0, "retried": 0,
+                            "start_deaths": 0, "busy_holds": 0}
 
     def add_notice_listener(self, method: Callable[[str, str], None]) -> None:
         """``method`` (a bound method) hears of engine deaths, stalls, restarts and giving up."""
@@ -234,12 +246,18 @@ class EngineHost:
         self._changed()  # -> "starting"
 
     async def _launch(self, settings: Settings, delay: float = 0.0) -> None:
-        from engine.errors import FimbleError
+        from engine.errors import EngineLost, FimbleError
 
         try:
             if delay:
                 await asyncio.sleep(delay)  # backoff: engines have been failing soon after starting
-            self._engine = await _in_daemon_thread(lambda: _start(settings))
+            launched = time.monotonic()
+            try:
+                self._engine = await _in_daemon_thread(lambda: _start(settings))
+            except EngineLost as exc:  # killed or crashed while loading: restarted like any other failure
+                self.supervision["start_deaths"] += 1
+                self._restart(f"the engine stopped while starting ({exc})", launched)
+                return
             log.info("engine ready: %s", self._engine.info)
             if hasattr(self._engine, "notify"):  # a remote engine: tell the editor when its server fails / is back
                 loop = asyncio.get_running_loop()
@@ -258,45 +276,62 @@ class EngineHost:
     # -- supervision ---------------------------------------------------------------------------
     async def _watch(self) -> None:
         """Look at the running engine every WATCH_INTERVAL_S: died, stalled or stuck -> replace it."""
+        last_tick = time.monotonic()
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
+            now = time.monotonic()
+            late, last_tick = now - last_tick - WATCH_INTERVAL_S > LOOP_LAG_S, now
             engine = self._engine
             if engine is None or not hasattr(engine, "last_heard"):
                 if self.state != "starting":
                     return  # closed, or gave up: the next configure starts a new watchdog
                 continue
             try:
-                self._check(engine)
+                self._check(engine, late)
             except Exception:  # the watchdog must outlive any surprise
                 log.exception("engine watchdog failed")
 
-    def _check(self, engine: Any) -> None:
+    def _watch_of(self, engine: Any) -> Watch:
+        if self._watching is None or self._watching.engine is not engine:
+            limits = WatchLimits(stall_s=STALL_TIMEOUT_S, step_s=STEP_TIMEOUT_S,
+                                 prefill_s_per_token=PREFILL_S_PER_TOKEN, busy_ceiling_s=BUSY_CEILING_S,
+                                 ping_after_s=PING_AFTER_S)
+            self._watching = Watch(engine, limits, on_hold=self._held)
+        return self._watching
+
+    def _held(self, kind: str, seconds: float) -> None:
+        """The watchdog waits on an engine that computes though it is silent or shows no progress."""
+        self.supervision["busy_holds"] += 1
+        what = "answered no ping" if kind == "ping" else "reported no progress"
+        log.info("the engine %s for %.0f s but is computing: waiting for it", what, seconds)
+
+    def _check(self, engine: Any, late: bool = False) -> None:
         if not _alive(engine):
             self.supervision["deaths"] += 1
             self._replace(engine, f"the engine stopped ({engine.error})")
             return
-        now = time.monotonic()
-        quiet = now - engine.last_heard
-        if quiet >= STALL_TIMEOUT_S:
-            self.supervision["stalls"] += 1
-            self._replace(engine, f"the engine did not respond for {quiet:.0f} s", kill=True)
-            return
-        if engine.stalled_for() >= STEP_TIMEOUT_S:
-            self.supervision["stuck"] += 1
-            self._replace(engine, f"a completion made no progress for {STEP_TIMEOUT_S:.0f} s", kill=True)
-            return
-        if quiet >= PING_AFTER_S and now - self._last_ping >= PING_AFTER_S:
-            self._last_ping = now
-            engine.ping()
+        watch = self._watch_of(engine)
+        if late:  # this loop was blocked: nothing was pinged or seen meanwhile, so nothing can be blamed
+            watch.lost_sight()
+        verdict = watch.check()
+        if verdict is not None:
+            kind, what = verdict
+            self.supervision["stalls" if kind == "stall" else "stuck"] += 1
+            self._replace(engine, what, kill=True)
 
     def _replace(self, engine: Any, what: str, *, kill: bool = False) -> None:
         """The engine failed (``what``): end its requests, stop it, start another after the backoff, or give up."""
         if kill:
             engine.abandon(what)  # its waiting requests answer now, with the text they have
-            engine.kill()
+            engine.kill()  # (an EngineProcess also reaps it)
         self._engine = None
+        self._watching = None
+        self._restart(what, getattr(engine, "started_at", 0.0))
+
+    def _restart(self, what: str, started_at: float) -> None:
+        """An engine started at ``started_at`` failed (``what``): start another after the backoff, or give up."""
         self.restarts += 1
-        quick = time.monotonic() - getattr(engine, "started_at", 0.0) < QUICK_FAILURE_S
+        quick = time.monotonic() - started_at < QUICK_FAILURE_S
         self._quick_failures = self._quick_failures + 1 if quick else 1
         settings = self._settings
         if settings is None:
@@ -321,9 +356,13 @@ class EngineHost:
             self.supervision["deaths"] += 1
             self._replace(engine, f"the engine stopped ({engine.error})")
         self.configure(settings)
-        if self._starting is not None:
-            await asyncio.shield(self._starting)
+        await self._started()
         return self.ready_engine()
+
+    async def _started(self) -> None:
+        """Wait until no start is under way: a start that fails may schedule the next one (backoff) itself."""
+        while self._starting is not None and not self._starting.done():
+            await asyncio.shield(self._starting)
 
     async def restarted(self) -> Any | None:
         """The engine once the restart after a failure is done (no new start of its own); None if none."""
@@ -343,9 +382,7 @@ class EngineHost:
 
         Unlike ``get`` it never starts (or restarts) one: for background work such as pre-warming.
         """
-        if self.state == "starting":
-            assert self._starting is not None
-            await asyncio.shield(self._starting)
+        await self._started()
         return self.ready_engine()
 
     async def counters(self) -> dict:
@@ -353,6 +390,22 @@ class EngineHost:
         if engine is None or engine.error:
             return {}
         return await asyncio.to_thread(engine.counters)
+
+    def kill_now(self) -> None:
+        """Stop at once (SIGTERM/SIGINT): no new start, the engine killed and reaped, one still loading too."""
+        engine, self._engine = self._engine, None
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if engine is not None:
+            if hasattr(engine, "abandon"):
+                engine.abandon("the server is stopping")
+            if getattr(engine, "pid", None) is None and hasattr(engine, "kill"):
+                engine.kill()  # a remote engine: drop the connection
+        from engine.process import end_children  # no torch; it knows every engine child, loading ones included
+
+        end_children(timeout=2.0)
 
     async def close(self) -> None:
         engine, self._engine = self._engine, None
