@@ -11,6 +11,11 @@ second connection on one server took over the first one's output. Sessions share
 documents by "<session id>\\x00<uri>" (Completer.engine_doc_id), so no session reaches
 another's KV caches.
 
+SIGTERM and SIGINT end the server at once, on every transport: the engine child is killed and
+reaped first (``EngineHost.kill_now``: one still loading a model too, which used to outlive the
+server by the rest of its load), then the listener and sessions close; no traceback, exit status
+0 (SIGTERM) or 130 (SIGINT). An address that cannot be bound is one line (``FimbleError``).
+
 Frames are read by lsp_server/framing.py (stdio, TCP) and checked by
 ``FimbleProtocol.receive``: a malformed frame is answered and reading goes on.
 WebSocket messages go out as text frames (pygls sends binary frames, which browser clients
@@ -22,15 +27,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
+import signal
 import sys
 import threading
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
 from pygls.io_ import StdoutWriter
 
+from engine.errors import FimbleError
 from lsp_server import auth
 from lsp_server.engine_host import EngineHost
 from lsp_server.framing import FrameError, Limits, read_frames, read_opening
@@ -157,6 +166,7 @@ def start_stdio(ls: FimbleServer, limits: Limits) -> int:
             ended.set()
 
         ls.closer = closer
+        stopped = _on_stop_signals(ls.host, ended.set)
         stream = asyncio.StreamReader(limit=limits.max_header_line)
         try:
             await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), sys.stdin.buffer)
@@ -169,6 +179,8 @@ def start_stdio(ls: FimbleServer, limits: Limits) -> int:
         waiting.cancel()
         ls.close_session()
         await ls.host.close()
+        if stopped:
+            code = _signal_status(stopped[0])
 
     try:
         asyncio.run(main())
@@ -266,9 +278,15 @@ async def _tcp_session(sessions: Sessions, opts: ListenOptions, reader: asyncio.
 
 async def _serve_tcp(sessions: Sessions, host: str, port: int, opts: ListenOptions) -> None:
     async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _tcp_session(sessions, opts, reader, writer)
+        try:
+            await _tcp_session(sessions, opts, reader, writer)
+        except asyncio.CancelledError:  # the server stops: end quietly (on 3.11 asyncio logs a cancelled
+            writer.transport.abort()    # handler task's "exception" with a traceback)
 
-    server = await asyncio.start_server(on_connect, host, port, limit=opts.limits.max_header_line)
+    try:
+        server = await asyncio.start_server(on_connect, host, port, limit=opts.limits.max_header_line)
+    except OSError as exc:
+        raise _bind_error(host, port, exc) from None
     _announce("tcp", server.sockets, opts)
     try:
         async with server:
@@ -349,13 +367,20 @@ async def _serve_ws(sessions: Sessions, host: str, port: int, opts: ListenOption
         await _ws_session(sessions, ws, opts)
 
     # origins: None stands for "no Origin header" (editors, scripts); browsers always send one.
-    async with serve(handler, host, port, max_size=opts.limits.max_message, origins=[None, *opts.allow_origins],
-                     process_request=_ws_gate(opts, sessions), server_header=None) as server:
+    try:
+        listening = serve(handler, host, port, max_size=opts.limits.max_message, origins=[None, *opts.allow_origins],
+                          process_request=_ws_gate(opts, sessions), server_header=None)
+        server = await listening.__aenter__()
+    except OSError as exc:
+        raise _bind_error(host, port, exc) from None
+    try:
         _announce("ws", server.sockets, opts)
+        await server.serve_forever()
+    finally:
         try:
-            await server.serve_forever()
-        finally:
             await sessions.close()
+        finally:
+            await listening.__aexit__(None, None, None)
 
 
 def _announce(scheme: str, sockets: Any, opts: ListenOptions) -> None:
@@ -364,6 +389,56 @@ def _announce(scheme: str, sockets: Any, opts: ListenOptions) -> None:
         shown = f"[{host}]" if ":" in host else host
         print(f"fimble: listening on {scheme}://{shown}:{port}" + (" (token required)" if opts.token else ""),
               file=sys.stderr, flush=True)
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> FimbleError:
+    """One line for an address that cannot be listened on (taken, not this machine's, not allowed)."""
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    shown = f"[{host}]" if ":" in host else host
+    return FimbleError(f"cannot listen on {shown}:{port}: {reason}")
+
+
+def _signal_status(signum: int) -> int:
+    """The exit status after a stop signal: SIGTERM is a normal end (0); SIGINT the shell's 130."""
+    return 130 if signum == signal.SIGINT else 0
+
+
+def _on_stop_signals(host: EngineHost, stop: Callable[[], object]) -> list[int]:
+    """On SIGTERM/SIGINT: end the engine child now (killed and reaped, even mid-load), then ``stop()``.
+
+    Returns the list the signal's number is put in. Handlers run on the event loop (not inside whatever
+    it was doing), so no KeyboardInterrupt unwinds through the server's tasks with a traceback."""
+    loop = asyncio.get_running_loop()
+    got: list[int] = []
+
+    def handle(signum: int) -> None:
+        if got:
+            return  # a second signal while stopping: already on it
+        got.append(signum)
+        log.info("%s: stopping", signal.Signals(signum).name)
+        try:
+            host.kill_now()
+        finally:
+            stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, handle, sig)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            pass
+    return got
+
+
+async def _until_stopped(run: Coroutine[Any, Any, None], host: EngineHost) -> int:
+    """Run a listener until it ends or a stop signal comes; the exit status."""
+    task = asyncio.ensure_future(run)
+    stopped = _on_stop_signals(host, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        if not stopped:
+            raise
+    return _signal_status(stopped[0]) if stopped else 0
 
 
 def serve(defaults: Settings, tcp: str | None = None, ws: str | None = None, *,
@@ -375,7 +450,6 @@ def serve(defaults: Settings, tcp: str | None = None, ws: str | None = None, *,
     host, port = parse_address(tcp or ws or "")
     run = _serve_tcp if tcp else _serve_ws
     try:
-        asyncio.run(run(sessions, host, port, options))
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    return 0
+        return asyncio.run(_until_stopped(run(sessions, host, port, options), sessions.host))
+    except (KeyboardInterrupt, SystemExit):  # a signal before the handlers were in place
+        return 130
