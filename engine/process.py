@@ -256,7 +256,13 @@ class EngineProcess:
         self._reader.start()
         self._writer = threading.Thread(target=self._write, name="fimble-engine-writer", daemon=True)
         self._writer.start()
-        if not self._wait_ready(startup_timeout) or self.error:
+        try:
+            ready = self._wait_ready(startup_timeout)
+        except BaseException:  # Ctrl-C while it loads (fimble serve): the child ignores SIGINT, so end it here
+            self._proc.kill()
+            _reap(self._proc, REAP_TIMEOUT_S)
+            raise
+        if not ready or self.error:
             self.close()
             if self._fatal:
                 raise FimbleError(self.error or "engine failed to start")
