@@ -44,6 +44,7 @@ from engine.syntax.context import classify
 from lsp_server import indent
 from lsp_server.documents import Document, DocumentStore
 from lsp_server.engine_host import EngineHost
+from lsp_server.follow_up import follow_up_context, follow_up_options
 from lsp_server.generation import Generation, first_line_end
 from lsp_server.positions import advance, from_codepoints
 from lsp_server.prompt import Context, build_context, clean, typed_since
@@ -304,7 +305,7 @@ class Completer:
         if hit is not None:
             gen, offset = hit
             if gen.prefetched and offset == 0:
-                self.stats.count("prefetch_hits")  # the decode this keystroke started: model-served
+                self.stats.count("follow_up_hits" if gen.follow_up else "prefetch_hits")  # model-served
             else:
                 cached, instant = True, gen.done
                 self.stats.count("typethrough_hits" if instant else "inflight_hits")
@@ -360,6 +361,8 @@ class Completer:
             gen.waiting -= 1
             gen.waiter_tasks.discard(task)
         answer = self._finish_answer(doc, ctx, gen, offset, text, completion_id, cached, req)
+        if answer is not None:
+            self._follow_up(gen)
         if instant:
             self.stats.observe("cache_answer", (time.perf_counter() - req.t0) * 1e3)
         return answer
@@ -464,7 +467,7 @@ class Completer:
             self.active.cancel()  # one decode at a time: the newest request wins
         stream = engine.submit(self._request(ctx, plan, settings))
         gen = Generation(ctx, stream, t0, build_ms)
-        gen.shaper = plan.shaper
+        gen.shaper, gen.plan, gen.settings = plan.shaper, plan, settings
         line_before = ctx.prefix[ctx.prefix.rfind("\n") + 1:]
         if indent.applies(line_before, ctx.suffix.split("\n", 1)[0]):
             gen.indent_fit = indent.IndentFit()  # no indentation added to the editor's (lsp_server/indent.py)
@@ -512,6 +515,29 @@ class Completer:
             if gen.usable and gen.text.strip() and gen.ctx.uri in self._seq:
                 self._remember(gen)
             gen.changed()
+            self._follow_up(gen)
+
+    def _follow_up(self, gen: Generation) -> None:
+        """Tab-Tab: once ``gen`` has ended and shown text, decode in the background the completion that follows
+        accepting it (lsp_server/follow_up.py). Once per generation, only while nothing else decodes; the next
+        keystroke's request cancels it. Called when the decode ends and when an answer is shown."""
+        if gen.followed or not (gen.done and gen.usable and gen.shown) or self.active is not None:
+            return
+        gen.followed = True
+        settings, doc, engine = gen.settings, self.docs.get(gen.ctx.uri), self.host.ready_engine()
+        if doc is None or engine is None or settings is None or not settings.prefetch:
+            return
+        try:
+            ctx = follow_up_context(doc, gen, settings.prefix_chars, settings.suffix_chars)
+        except Exception:  # only an optimisation: never let it cost the session
+            log.exception("follow-up context failed")
+            return
+        if ctx is None:
+            return
+        plan = Plan(follow_up_options(gen.plan.options), None, gen.plan.segment_lines)
+        nxt = self._submit(engine, ctx, settings, time.perf_counter(), 0.0, plan)
+        nxt.prefetched = nxt.follow_up = True
+        self.stats.count("follow_ups")
 
     def _add_guarded(self, gen: Generation, text: str) -> None:
         """Add streamed text up to the guard's stop; at a stop, cancel the decode."""

@@ -42,6 +42,10 @@ class Generation:
         self.tokens = 0  # from the engine's result
         self.accounted = False  # its tokens are counted as shown / never shown
         self.prefetched = False  # started by a keystroke, before any request asked
+        self.follow_up = False  # started after a shown completion ended, at the cursor its accept leaves
+        self.followed = False  # a follow-up of this one was considered (lsp_server/completer.py)
+        self.plan: Any = None  # the completer's Plan and Settings it was submitted with
+        self.settings: Any = None
         self.t_request = t_request  # when the request that started it arrived
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None

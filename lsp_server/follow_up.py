@@ -1,0 +1,45 @@
+"""Tab-Tab: the context of the completion that follows accepting a shown one, computed before the accept.
+
+Once a decode's text has been shown and the decode has ended, the completer (lsp_server/completer.py)
+decodes in the background at the cursor the editor will have after Tab: the document as it is, with
+the shown text inserted at the cursor (replacing the closers it re-types). The accept's didChange then
+types along that decode, and the request that follows finds it by the usual lookup (same window,
+prefix and suffix), so the next suggestion shows from text already decoded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.options import DecodeOptions
+from lsp_server.documents import Document
+from lsp_server.generation import Generation
+from lsp_server.positions import advance
+from lsp_server.prompt import Context, suffix_text, typed_since
+
+# A follow-up nobody may accept costs CPU: its decode stops after this many tokens (a line or two); a
+# request after the accept that wants more starts from its text (type-through) or decodes afresh.
+FOLLOW_UP_MAX_TOKENS = 48
+
+
+def follow_up_context(doc: Document, gen: Generation, prefix_chars: int, suffix_chars: int) -> Context | None:
+    """The context after accepting ``gen``'s shown text at the cursor ``doc`` now has, or None where that
+    cannot be known exactly (the user typed off the text, the prefix window would move, nothing is left)."""
+    typed = typed_since(doc, gen.ctx)
+    if typed is None or not gen.text.startswith(typed):
+        return None
+    text = gen.text[len(typed):]
+    if not text.strip() or gen.ctx.window != doc.window:
+        return None
+    line, col = advance(*gen.ctx.cursor, typed)
+    prefix = gen.ctx.prefix + typed + text
+    replaced = gen.replace_cols or 0
+    if len(prefix) > prefix_chars or col + replaced > len(doc.line_text(line)):
+        return None
+    return Context(uri=doc.uri, version=doc.version, doc_length=doc.length + len(text) - replaced,
+                   window=gen.ctx.window, cursor=advance(line, col, text), prefix=prefix,
+                   suffix=suffix_text(doc, line, col + replaced, suffix_chars))
+
+
+def follow_up_options(options: DecodeOptions) -> DecodeOptions:
+    return replace(options, max_tokens=min(options.max_tokens, FOLLOW_UP_MAX_TOKENS))

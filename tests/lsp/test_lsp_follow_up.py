@@ -1,0 +1,83 @@
+"""Tab-Tab: once a shown completion's decode ends, the completion after its accept is decoded in the background,
+and the request after the accept is served from it (lsp_server/follow_up.py). Real server over stdio, the
+embedded model; asserted on the server's counters and texts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import pytest_lsp
+from lsp_helpers import (
+    SERVER,
+    UNFINISHED_CURSOR,
+    UNFINISHED_DOC,
+    change,
+    init_params,
+    inline,
+    items_of,
+    open_doc,
+    stats,
+)
+from pytest_lsp import LanguageClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+DOC, CURSOR = UNFINISHED_DOC, UNFINISHED_CURSOR  # every model has something to say there
+
+
+@pytest_lsp.fixture(config=SERVER, scope="module")
+async def client(lsp_client: LanguageClient):
+    await lsp_client.initialize_session(init_params("visual-studio-code", {"prefetch": True}))
+    yield
+    await lsp_client.shutdown_session()
+
+
+async def _counters(client: LanguageClient, pred, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = (await stats(client))["counters"]
+        if pred(snap):
+            return snap
+        assert time.monotonic() < deadline, f"timed out; counters: {snap}"
+        await asyncio.sleep(0.05)
+
+
+def _insert_point(line: int, col: int, text: str) -> tuple[int, int]:
+    lines = text.split("\n")
+    return (line + len(lines) - 1, (col if len(lines) == 1 else 0) + len(lines[-1]))
+
+
+async def test_the_completion_after_an_accept_is_decoded_before_it(client: LanguageClient):
+    uri = "file:///tmp/fimble-tests/follow_up/a.py"
+    open_doc(client, uri, DOC)
+    items = items_of(await inline(client, uri, *CURSOR))
+    assert items, "the embedded model answers here"
+    shown = items[0].insert_text
+    shown = shown if isinstance(shown, str) else shown.value
+    rng = items[0].range
+    end = (rng.end.line, rng.end.character) if rng is not None else CURSOR
+    # the shown decode ends, then its follow-up is submitted and ends too
+    await _counters(client, lambda c: c.get("follow_ups", 0) >= 1)
+    # Tab: the editor inserts the shown text, then asks again at the cursor after it
+    change(client, uri, 2, CURSOR, end, shown)
+    line, col = _insert_point(*CURSOR, shown)
+    before = (await stats(client))["counters"]
+    await inline(client, uri, line, col)
+    after = (await stats(client))["counters"]
+    assert after.get("follow_up_hits", 0) == before.get("follow_up_hits", 0) + 1, after
+    assert after.get("misses", 0) == before.get("misses", 0)
+
+
+async def test_typing_something_else_is_not_served_by_the_follow_up(client: LanguageClient):
+    uri = "file:///tmp/fimble-tests/follow_up/b.py"
+    open_doc(client, uri, DOC)
+    assert items_of(await inline(client, uri, *CURSOR))
+    before = await _counters(client, lambda c: c.get("follow_ups", 0) >= 2)
+    change(client, uri, 2, CURSOR, CURSOR, "#")  # not the shown text
+    await inline(client, uri, CURSOR[0], CURSOR[1] + 1)
+    after = (await stats(client))["counters"]
+    assert after.get("follow_up_hits", 0) == before.get("follow_up_hits", 0)
+    served = ("misses", "prefetch_hits")  # a decode of its own (the keystroke's prefetch, or the request's)
+    assert sum(after.get(k, 0) - before.get(k, 0) for k in served) == 1, after
