@@ -46,7 +46,6 @@ PREWARM_CHUNK = 32
 # this long: a pre-warm of the canonical prompt, which re-evaluates the suffix while the user is idle.
 REANCHOR_IDLE_S = float(os.environ.get("FIMBLE_REANCHOR_IDLE_S", 0.75))
 _WAKE = ("wake",)  # queue item: a pre-warm was added
-COLD_WINDOW = os.environ.get("FIMBLE_COLD_WINDOW", "on").strip().lower() not in ("off", "0", "false", "no")
 
 
 class LocalEngine:
@@ -72,6 +71,7 @@ class LocalEngine:
         # Prompt tokens a second: the load-time probe's, then a running mean of timed prefills (None: unknown
         # until one is timed; the cold window waits for it).
         self._prefill_rate: float | None = None
+        self.cold_window = os.environ.get("FIMBLE_COLD_WINDOW", "on").strip().lower() not in ("off", "0", "false", "no")
         if getattr(target.runtime, "cost_aware_drafting", False):
             # The verify-cost probe (engine/decoding/spec_policy.py) times ~15 passes once per runtime:
             # 5-6 s for a 0.5B model on a 2-core CPU, which the first completion used to wait for.
@@ -351,7 +351,7 @@ class LocalEngine:
         """The request, plan and cache to serve: the small prompt of engine/caching/cold_window.py where the
         full one would prefill more than COLD_BUDGET_S at the measured rate and the small one costs less;
         the full prompt then fills the document's cache in the background (a pre-warm)."""
-        if not (COLD_WINDOW and request.cold_window and self._prefill_rate) or request.reuse == "none":
+        if not (self.cold_window and request.cold_window and self._prefill_rate) or request.reuse == "none":
             return request, plan, doc
         budget = self._prefill_rate * COLD_BUDGET_S
         full_cost = self._cost(doc, plan, request.reuse)

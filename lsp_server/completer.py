@@ -525,7 +525,8 @@ class Completer:
             return
         gen.followed = True
         settings, doc, engine = gen.settings, self.docs.get(gen.ctx.uri), self.host.ready_engine()
-        if doc is None or engine is None or settings is None or not settings.prefetch:
+        # Local engines only: a remote server's or a shared daemon's decodes cost others (and maybe money).
+        if doc is None or engine is None or settings is None or not settings.prefetch or settings.engine_spec:
             return
         try:
             ctx = follow_up_context(doc, gen, settings.prefix_chars, settings.suffix_chars)

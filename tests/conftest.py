@@ -12,6 +12,10 @@ import torch
 # The suite tests engine mechanics on the small embedded models, also where the install step has
 # built fimble-smollm2 (engine/model_info.py default_target); servers started by tests inherit it.
 os.environ.setdefault("FIMBLE_DEFAULT_MODEL", "embedded")
+# The cold window (engine/caching/cold_window.py) chooses by the measured prefill rate, that is by the
+# machine's load: tests that count prefilled tokens or documents must not depend on it. Its own tests
+# turn it on for one engine, with a rate they set.
+os.environ.setdefault("FIMBLE_COLD_WINDOW", "off")
 REPO = Path(__file__).resolve().parent.parent
 TARGET_DIR = REPO / "models" / "fimble-target"
 DRAFT_DIR = REPO / "models" / "fimble-draft"

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.caching.cold_window import COLD_KEY
 from engine.caching.prompt_plan import Piece, PromptPlan, Segment
 from engine.errors import FimbleError
 
@@ -109,7 +110,9 @@ class KVStore:
         return sum(d.capacity for d in self.docs.values()) * self.bpt
 
     def summary(self) -> dict:
-        return {"kv_bytes": self.bytes_used(), "kv_budget_bytes": self.budget, "kv_documents": len(self.docs),
+        # a document's cold-window cache (engine/caching/cold_window.py) is part of that document
+        documents = sum(1 for key in self.docs if not key.endswith(COLD_KEY))
+        return {"kv_bytes": self.bytes_used(), "kv_budget_bytes": self.budget, "kv_documents": documents,
                 "kv_segments": sum(len(d.segments) for d in self.docs.values()),
                 "kv_tokens": sum(len(d.ids) for d in self.docs.values()), **self.stats}
 

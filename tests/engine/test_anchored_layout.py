@@ -103,6 +103,7 @@ def test_a_cold_spot_answers_from_a_small_prompt_while_the_full_one_fills(target
     cursor = text.index("\n", len(text) * 3 // 4) + 1
     prefix, suffix = text[:cursor], text[cursor:]
     eng = engine(target)
+    eng.cold_window = True  # (off in the test suite: tests/conftest.py)
     eng._prefill_rate = 20.0  # as slow as a big model on a small CPU: a budget of 10 prompt tokens
     first = eng.complete(request(prefix + "    x", suffix))
     assert eng.counters()["cold_prompts"] == 1
