@@ -200,9 +200,10 @@ def _full_session(env: dict[str, str], options: dict, spots: int, timeout: float
 def test_a_busy_engine_on_a_loaded_machine_is_never_restarted():
     """Limits far below what a prefill takes here (the old watchdog killed at each one): the engine's CPU
     time is what keeps it alive, so the waits are counted and the restarts are zero."""
+    # The cold window off: each request waits on its whole prompt's prefill (thousands of tokens).
     env = dict(SERVER_ENV, FIMBLE_ENGINE_STALL_S="1", FIMBLE_ENGINE_STEP_S="0.05",
-               FIMBLE_ENGINE_PREFILL_S_PER_TOKEN="0", FIMBLE_REQUEST_BUDGET_S="300")
-    engine, answers = _full_session(env, {"prefixChars": 12000, "maxTokens": 16, "maxLines": 2}, 3,
+               FIMBLE_ENGINE_PREFILL_S_PER_TOKEN="0", FIMBLE_REQUEST_BUDGET_S="300", FIMBLE_COLD_WINDOW="off")
+    engine, answers = _full_session(env, {"prefixChars": 6000, "maxTokens": 16, "maxLines": 2}, 3,
                                     READY_TIMEOUT_S)
     assert all("result" in a for a in answers), answers
     sup = engine["supervision"]
@@ -213,8 +214,10 @@ def test_a_busy_engine_on_a_loaded_machine_is_never_restarted():
 @pytest.mark.skipif(os.environ.get("FIMBLE_SLOW") != "1" or not QWEN.is_file(),
                     reason="the default model on a loaded machine takes minutes: FIMBLE_SLOW=1, model installed")
 def test_the_default_model_on_a_loaded_machine_is_never_restarted():
-    """Issue 23: cold ~1,250-token prompts of the default model under two CPU hogs, default limits."""
-    env = dict(SERVER_ENV, FIMBLE_DEFAULT_MODEL="qwen", FIMBLE_REQUEST_BUDGET_S="900")
+    """Issue 23: cold ~1,250-token prompts of the default model under two CPU hogs, default limits. The cold
+    window (engine/caching/cold_window.py) is off, so each request waits on its whole prompt's prefill (tens of
+    seconds here), the case the old watchdog killed as 'no progress for 30 s'."""
+    env = dict(SERVER_ENV, FIMBLE_DEFAULT_MODEL="qwen", FIMBLE_REQUEST_BUDGET_S="900", FIMBLE_COLD_WINDOW="off")
     for name in ("FIMBLE_MODEL", "FIMBLE_DRAFT", "FIMBLE_ENGINE_STALL_S", "FIMBLE_ENGINE_STEP_S"):
         env.pop(name, None)
     engine, answers = _full_session(env, {"maxTokens": 24, "maxLines": 2}, 3, 900.0)
