@@ -36,7 +36,8 @@ from engine.loader import LoadedModel, default_models, load_model
 
 COUNTER_NAMES = ("submitted", "completed", "cancelled", "failed", "decode_steps", "tokens_generated",
                  "tokens_prefilled", "tokens_reused", "tokens_shifted", "tokens_prewarmed", "prewarms_done",
-                 "prewarms_preempted", "prewarms_failed", "anchored_prompts", "cold_prompts")
+                 "prewarms_preempted", "prewarms_failed", "anchored_prompts", "cold_prompts",
+                 "reanchors_skipped")
 REUSE_MODES = ("exact", "shift", "none")
 # Pre-warm prefill chunk: on a 2-core CPU 32 tokens at a 4k context take ~40 ms, the
 # longest a completion waits for a running pre-warm to yield.
@@ -45,6 +46,10 @@ PREWARM_CHUNK = 32
 # engine/caching/prompt_plan.py) moves its anchor to the cursor line once nothing has been submitted for
 # this long: a pre-warm of the canonical prompt, which re-evaluates the suffix while the user is idle.
 REANCHOR_IDLE_S = float(os.environ.get("FIMBLE_REANCHOR_IDLE_S", 0.75))
+# Background work (pre-warms, re-anchors) starts only this long after the host's latest message (a
+# completion, a pre-warm, a forget); what is left waits for the next one. A user who stops typing stops
+# the engine within about a chunk of this, instead of paying seconds of prefill for a spot they left.
+BACKGROUND_S = float(os.environ.get("FIMBLE_BACKGROUND_S", 1.5))
 _WAKE = ("wake",)  # queue item: a pre-warm was added
 
 
@@ -86,6 +91,8 @@ class LocalEngine:
         # Anchored prompts to move to the cursor line when idle: document -> (request, submits then)
         self._reanchors: dict[str, tuple[CompletionRequest, int]] = {}
         self._last_submit = 0.0  # time.monotonic() of the latest completion submitted
+        self._last_message = time.monotonic()  # ... and of the host's latest completion, pre-warm or forget
+        self._reanchoring: set[str] = set()  # documents whose pending pre-warm is a re-anchor
         self._submitted: dict[str, int] = {}  # completions submitted per document (a pre-warm's staleness)
         self._waiting = 0  # completions submitted and not yet started
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
@@ -114,7 +121,7 @@ class LocalEngine:
             self._prewarms.pop(key, None)
             self._reanchors.pop(key, None)
             self._submitted[key] = self._submitted.get(key, 0) + 1
-            self._last_submit = time.monotonic()
+            self._last_submit = self._last_message = time.monotonic()
         self._queue.put((request, stream))
         return stream
 
@@ -124,10 +131,14 @@ class LocalEngine:
             key = request.document_id or ""
             self._prewarms.pop(key, None)
             self._prewarms[key] = request
+            self._reanchoring.discard(key)
+            self._last_message = time.monotonic()
         self._queue.put(_WAKE)
 
     def forget(self, document_id: str) -> None:
         """Drop a document's caches (it was closed)."""
+        with self._lock:
+            self._last_message = time.monotonic()
         self._queue.put(("forget", document_id))
 
     def complete(self, request: CompletionRequest) -> CompletionResult:
@@ -186,17 +197,28 @@ class LocalEngine:
         if self._threads:
             torch.set_num_threads(self._threads)
         while True:
+            # Idle with pre-warms pending (in the background window): run one, then look at the queue again.
+            # Else wait for a message, or until the first re-anchor is due.
+            busy = bool(self._prewarms) and self._window_left() > 0
             try:
-                # Idle with pre-warms pending: run one, then look at the queue again. With only re-anchors
-                # pending: wait until the user has been idle long enough for the first of them.
-                item = self._queue.get(block=not self._prewarms, timeout=self._reanchor_wait())
+                item = self._queue.get(block=not busy, timeout=None if busy else self._reanchor_wait())
             except queue.Empty:
-                if self._prewarms or not self._take_due_reanchors():
+                if busy:
                     self._next_prewarm()
+                else:
+                    self._take_due_reanchors()
                 continue
             if item is None:
                 return
             self._handle(item)
+
+    def _window_left(self) -> float:
+        """Seconds of background work left before the engine goes quiet (always some without a worker
+        thread: run_pending's caller asked for the work)."""
+        if self._worker is None:
+            return BACKGROUND_S
+        with self._lock:
+            return self._last_message + BACKGROUND_S - time.monotonic()
 
     def _reanchor_wait(self) -> float | None:
         with self._lock:
@@ -212,6 +234,7 @@ class LocalEngine:
             for key, (request, submitted) in self._reanchors.items():
                 if self._submitted.get(key, 0) == submitted and key not in self._prewarms:
                     self._prewarms[key] = request
+                    self._reanchoring.add(key)
             self._reanchors.clear()
             return bool(self._prewarms)
 
@@ -237,8 +260,10 @@ class LocalEngine:
                 return None
             key, request = self._prewarms.popitem(last=True)  # the most recent document first
             submitted = self._submitted.get(key, 0)
+            whole = key in self._reanchoring
+            self._reanchoring.discard(key)
         try:
-            self._prewarm(request, submitted)
+            self._prewarm(request, submitted, whole)
         except Exception:  # a pre-warm is only an optimisation: a bad one is dropped, never fatal
             self._count("prewarms_failed")
         self._snapshot_kv()
@@ -439,11 +464,13 @@ class LocalEngine:
         return text, shown, reason
 
     # -- pre-warm -----------------------------------------------------------------------
-    def _prewarm(self, request: CompletionRequest, submitted: int = 0) -> None:
+    def _prewarm(self, request: CompletionRequest, submitted: int = 0, whole: bool = False) -> None:
         """Prefill a document's prompt in small chunks; stop at once when a completion is waiting.
 
         ``submitted``: the document's completion count when this pre-warm was taken; a
         pre-empted pre-warm resumes later only if no completion for the document came since.
+        ``whole``: a re-anchor, worth starting only if it can end in the background window (half done,
+        it would have overwritten the anchored prompt the next keystroke reuses).
         """
         plan = self.prompts.build(request)
         doc = self._open_document(request, plan)
@@ -452,6 +479,9 @@ class LocalEngine:
         try:
             reuse = common_prefix(doc.ids, plan.ids, min(len(plan.ids), doc.exact_len))
             reuse = self.store.borrow(doc, plan, reuse)
+            if whole and self._prefill_rate and (len(plan.ids) - reuse) / self._prefill_rate > self._window_left():
+                self._count("reanchors_skipped")
+                return
 
             def target_holds(n: int) -> None:
                 doc.ids = plan.ids[:n]
@@ -484,7 +514,7 @@ class LocalEngine:
         is written, so when the prompt is already there, what follows it in the cache (a
         decoded answer the user may accept) stays usable. Returns how far it got.
         """
-        while pos < len(ids) and not self._completion_waiting():
+        while pos < len(ids) and not self._completion_waiting() and self._window_left() > 0:
             end = min(len(ids), pos + chunk)
             holds(pos)  # what followed ``pos`` is about to be overwritten
             cache.length = min(cache.length, pos)

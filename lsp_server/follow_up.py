@@ -19,7 +19,7 @@ from lsp_server.prompt import Context, suffix_text, typed_since
 
 # A follow-up nobody may accept costs CPU: its decode stops after this many tokens (a line or two); a
 # request after the accept that wants more starts from its text (type-through) or decodes afresh.
-FOLLOW_UP_MAX_TOKENS = 48
+FOLLOW_UP_MAX_TOKENS = 24
 
 
 def follow_up_context(doc: Document, gen: Generation, prefix_chars: int, suffix_chars: int) -> Context | None:

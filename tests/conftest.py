@@ -16,6 +16,9 @@ os.environ.setdefault("FIMBLE_DEFAULT_MODEL", "embedded")
 # machine's load: tests that count prefilled tokens or documents must not depend on it. Its own tests
 # turn it on for one engine, with a rate they set.
 os.environ.setdefault("FIMBLE_COLD_WINDOW", "off")
+# Background work stops this long after the host's last message (engine/local.py BACKGROUND_S): on a
+# loaded machine a test's pre-warm could outlast the default. Its own test sets it for one engine.
+os.environ.setdefault("FIMBLE_BACKGROUND_S", "600")
 REPO = Path(__file__).resolve().parent.parent
 TARGET_DIR = REPO / "models" / "fimble-target"
 DRAFT_DIR = REPO / "models" / "fimble-draft"

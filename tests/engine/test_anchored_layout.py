@@ -117,3 +117,26 @@ def test_a_cold_spot_answers_from_a_small_prompt_while_the_full_one_fills(target
     eng.forget("doc")
     eng.run_pending()
     assert eng.store.docs.get("doc") is None and eng.store.docs.get("doc" + COLD_KEY) is None
+
+
+def test_background_work_waits_once_the_host_goes_quiet(target, monkeypatch):
+    import time
+
+    import engine.local
+
+    text = stdlib_source(target.encode, 900)
+    eng = LocalEngine(target, None)  # with its worker thread, as in the engine process
+    try:
+        monkeypatch.setattr(engine.local, "BACKGROUND_S", 0.0)  # the window has closed
+        eng.prewarm(request(text, "", doc="quiet"))
+        time.sleep(0.5)
+        assert eng.counters()["tokens_prewarmed"] == 0  # nothing ran, nothing was dropped
+        monkeypatch.setattr(engine.local, "BACKGROUND_S", 600.0)
+        eng.prewarm(request(text, "", doc="quiet"))  # the host speaks again: the work goes on
+        for _ in range(600):
+            if eng.counters()["prewarms_done"]:
+                break
+            time.sleep(0.1)
+        assert eng.counters()["prewarms_done"] == 1
+    finally:
+        eng.close()
