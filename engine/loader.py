@@ -96,13 +96,16 @@ TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "m
 def _tokenizer_parts(model: LoadedModel) -> tuple[str, ...] | None:
     """What a model's token texts depend on: its GGUF file (tokenizer in its metadata) or its folder's
     tokenizer files, and the transformers version that decodes them; None where neither is known."""
-    import transformers
-
-    parts = [f"transformers={transformers.__version__}", f"vocab={len(model.tokenizer)}"]
     gguf = getattr(model.runtime, "path", None)
     try:
-        if gguf is not None and Path(gguf).suffix == ".gguf":
-            return (*parts, probe_cache.file_identity(gguf))
+        if gguf is not None and Path(gguf).suffix == ".gguf":  # engine/runtimes/bpe_tokenizer.py decodes
+            import tokenizers
+
+            return (f"tokenizers={tokenizers.__version__}", f"vocab={len(model.tokenizer)}",
+                    probe_cache.file_identity(gguf))
+        import transformers
+
+        parts = [f"transformers={transformers.__version__}", f"vocab={len(model.tokenizer)}"]
         files = [model.folder / f for f in TOKENIZER_SOURCES if (model.folder / f).is_file()]
         return (*parts, *(probe_cache.file_identity(f) for f in files)) if files else None
     except OSError:

@@ -58,7 +58,8 @@ def _field(reader, key: str, default=None):
 
 def _tokenizer(reader, path: Path):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+
+    from engine.runtimes.bpe_tokenizer import BPETokenizer
 
     kind = _field(reader, "tokenizer.ggml.model")
     pre = _field(reader, "tokenizer.ggml.pre", "default")
@@ -84,10 +85,7 @@ def _tokenizer(reader, path: Path):
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types, strict=False) if ty in (3, 4)])
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=tokens[eos] if eos is not None else None,
-                                 clean_up_tokenization_spaces=False)
-    hf.model_max_length = 1 << 30
-    return hf, tokens
+    return BPETokenizer(tok, int(eos) if eos is not None else None), tokens
 
 
 def _template(reader, tokens: list[str]) -> tuple[FimTemplate | None, set[int]]:

@@ -146,3 +146,45 @@ def test_fast_metadata_reader_equals_gguf_py(gguf_files, tmp_path):
     cut.write_bytes(gguf_files["f32"].read_bytes()[:5000])  # inside the vocabulary
     with pytest.raises(GGUFFormatError, match="ends early"):
         GGUFMeta(cut)
+
+
+def _hf_twin(tok):
+    """transformers' fast tokenizer over the same Rust tokenizer, as the loader built it before."""
+    from transformers import PreTrainedTokenizerFast
+
+    eos = tok.eos_token_id
+    vocab = {i: t for t, i in tok.get_vocab().items()}
+    return PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, clean_up_tokenization_spaces=False,
+                                   eos_token=vocab[eos] if eos is not None else None)
+
+
+def _gguf_paths(gguf_files) -> list:
+    from pathlib import Path
+
+    qwen = sorted(Path(DRAFT_DIR.parent / "qwen2.5-coder-0.5b").glob("*.gguf"))
+    return [gguf_files["q8_0"], *qwen[:1]]  # the default model too, where the install step fetched it
+
+
+def test_the_gguf_tokenizer_answers_as_transformers_does(gguf_files):
+    """engine/runtimes/bpe_tokenizer.py stands in for PreTrainedTokenizerFast: the same ids and texts."""
+    from engine.runtimes.gguf_loader import _tokenizer, open_meta
+
+    for path in _gguf_paths(gguf_files):
+        tok, tokens = _tokenizer(open_meta(path), path)
+        hf = _hf_twin(tok)
+        specials = sorted(tok.get_added_vocab())
+        texts = [*SPLIT_TEXTS, "".join(specials[:4]) + " typed <|fim_middle|> in a file", "", "\n\n   \t"]
+        assert len(tok) == len(hf) == len(tokens)
+        assert tok.get_vocab() == hf.get_vocab() and tok.get_added_vocab() == hf.get_added_vocab()
+        assert tok.eos_token_id == hf.eos_token_id
+        for text in texts:
+            ids = tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+            assert ids == hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+            for skip in (False, True):
+                assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(
+                    ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+        added = tok.get_added_vocab()
+        some = [[i] for i in range(0, len(tok), max(1, len(tok) // 3000))] + [[added[s]] for s in specials]
+        assert tok.batch_decode(some, skip_special_tokens=True) == hf.batch_decode(
+            some, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert set(tok.all_special_ids) >= set(hf.all_special_ids)
