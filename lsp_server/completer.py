@@ -551,6 +551,8 @@ class Completer:
             if stop is not None:
                 gen.cut = True
                 self.stats.count("guard_stops")
+                if gen.shaper.stop_reason == "suffix_overlap":  # it began re-typing the text after the cursor
+                    self.stats.count("suffix_overlap_stops")
                 gen.cancel()  # generation goes no further than a closer beyond its scope
                 full = gen.text + text
                 gen.cut_to(stop)  # (a stop inside text already added: only after a lookahead)
@@ -655,10 +657,14 @@ class Completer:
             if self.host.state == "starting":
                 budget_end = now + REQUEST_BUDGET_S  # (re)starting engine: the budget waits with us
             elif now >= budget_end and not gen.done:
-                self.stats.count("request_budget_expired")
-                rem = gen.text[offset:]  # what it has (whole lines only where fragments are not wanted);
-                return (rem if partial_ok else rem[:max(0, rem.rfind("\n"))]).rstrip()  # the decode goes on
-            left = budget_end - now
+                # What it has (whole lines where fragments are not wanted and there are some); the decode goes
+                # on. With nothing to show yet it waits on for the first text, up to two more budgets.
+                rem = gen.text[offset:]
+                lines = "" if partial_ok else rem[:max(0, rem.rfind("\n"))]
+                if rem.strip() or now >= budget_end + 2 * REQUEST_BUDGET_S:
+                    self.stats.count("request_budget_expired")
+                    return (lines if lines.strip() else rem).rstrip()
+            left = max(0.05, budget_end - now) if now < budget_end else REQUEST_BUDGET_S
             if at_end:
                 await gen.wait_change(left)
                 if gen.done:
