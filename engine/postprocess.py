@@ -20,11 +20,15 @@ API (all of it):
 - `feed(chunk) -> int | None`: add streamed text. Returns None while generation may go on, or
   the character index (into all the text fed so far) where the completion must stop: the
   first closer that would close a bracket or string the completion did not open and may not
-  close (engine.syntax.BracketGuard). Once stopped it keeps returning that index; text fed
-  after it is ignored.
-- `text` / `stopped` / `stop`: the accepted text so far, and whether / where it stopped.
-- `finish(text=None) -> ShapedCompletion`: end of generation. Runs the guard's lookahead,
-  then `validate_completion` (bracket, duplicate-line, scope-end and syntax cuts), whose
+  close (engine.syntax.BracketGuard), or the end of the text kept before a line that starts
+  re-typing the text after the cursor (engine.syntax.suffix_overlap: judged as each line
+  completes, so the index may lie inside text fed earlier). Once stopped it keeps returning
+  that index; text fed after it is ignored.
+- `text` / `stopped` / `stop` / `stop_reason`: the accepted text so far, and whether / where /
+  why ("bracket" or "suffix_overlap") it stopped.
+- `finish(text=None) -> ShapedCompletion`: end of generation. Runs the guard's lookahead, cuts
+  where the whole text starts re-typing the suffix (the same rule as `feed`, now on the last
+  line too), then `validate_completion` (bracket, duplicate-line, scope-end and syntax cuts), whose
   replace range comes from `fit_to_line_rest`: when the completion re-types the closers the
   editor auto-inserted after the cursor (or the whole rest of the line), the range covers
   them so nothing is shown twice. Python then gets one more stage (below). Pass `text` to
@@ -44,8 +48,8 @@ of whole lines that passes, or dropped.
 
 `ShapedCompletion` fields: `text` (may be ""; show nothing then), `replace_start` and
 `replace_end` (document bytes), `range` (((line, char), (line, char)) in `encoding`),
-`cut_reason` (None, "bracket", "duplicate_line", "scope_end", "syntax_error", "python_syntax"
-or "dropped"),
+`cut_reason` (None, "bracket", "suffix_overlap", "duplicate_line", "scope_end", "syntax_error",
+"python_syntax" or "dropped": the last stage that shortened the text),
 `raw` (the text before shaping) and `context` (the ContextKind value at the cursor).
 
 Costs: `feed` is a lexical scan of the new chunk (microseconds); `finish` reparses the
@@ -65,6 +69,7 @@ from engine.syntax.brackets import BracketGuard, fit_to_line_rest, seed_closable
 from engine.syntax.context import CursorContext, classify
 from engine.syntax.document import SyntaxDocument
 from engine.syntax.languages import is_indent_scoped
+from engine.syntax.suffix_overlap import SuffixOverlap, text_after
 from engine.syntax.validate import validate_completion
 
 __all__ = ["CompletionShaper", "ShapedCompletion"]
@@ -101,29 +106,50 @@ class CompletionShaper:
         frames = seed_closable(context.frames, self.cursor, len(context.closers_after.encode("utf-8")))
         self._guard = BracketGuard(self.doc.language_id, frames)
         self._raw = ""
+        self._overlap: SuffixOverlap | None = None  # built at the first line break (most answers have none)
+        self._overlap_stop: int | None = None
         self._finished: ShapedCompletion | None = None
         self._py_base: tuple[int, str, int | None] | None | bool = False  # False: not computed yet
 
     # -- streaming -------------------------------------------------------------------------------
     def feed(self, chunk: str) -> int | None:
         """Add streamed text; the char index to stop at, or None while it may go on."""
-        if self._guard.stop is not None or not chunk:
-            return self._guard.stop
+        if self.stop is not None or not chunk:
+            return self.stop
         self._raw += chunk
-        return self._guard.feed(chunk)
+        guard_stop = self._guard.feed(chunk)
+        if "\n" in chunk:  # a line is complete: has the completion started re-typing the suffix?
+            text = self._raw if guard_stop is None else self._raw[:guard_stop]
+            self._overlap_stop = self._suffix_cut(text[: text.rfind("\n") + 1])
+        return self.stop
 
     @property
     def stopped(self) -> bool:
-        return self._guard.stop is not None
+        return self.stop is not None
 
     @property
     def stop(self) -> int | None:
-        return self._guard.stop
+        stops = [s for s in (self._guard.stop, self._overlap_stop) if s is not None]
+        return min(stops) if stops else None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why streaming stopped: "bracket" (the guard), "suffix_overlap", or None (it did not)."""
+        if self.stop is None:
+            return None
+        return "suffix_overlap" if self.stop == self._overlap_stop else "bracket"
 
     @property
     def text(self) -> str:
         """The streamed text accepted so far (cut at the stop once stopped)."""
-        return self._guard.text
+        text = self._guard.text
+        return text if self._overlap_stop is None else text[: self._overlap_stop]
+
+    def _suffix_cut(self, text: str) -> int | None:
+        """Where `text` starts re-typing the text after the cursor (None: it does not)."""
+        if self._overlap is None:
+            self._overlap = SuffixOverlap(self.context.line_prefix, text_after(self.doc.bytes, self.cursor))
+        return self._overlap.cut(text)
 
     def _position(self, byte: int) -> tuple[int, int]:
         return self.doc.position_at_byte(byte, self.encoding)
@@ -138,15 +164,21 @@ class CompletionShaper:
         if self._finished is not None:
             return self._finished
         self._guard.finish()
-        guarded = self._guard.text
+        guarded, early = self._guard.text, None
         if guarded != self._raw:
-            guarded = guarded.rstrip()  # as validate_completion does after each of its cuts
+            guarded, early = guarded.rstrip(), "bracket"  # rstrip: as validate_completion does after its cuts
+        # The whole text, its last line included (feed judged complete lines only).
+        cut = self._suffix_cut(guarded) if guarded.strip() else None
+        if self._overlap_stop is not None and (cut is None or self._overlap_stop < cut):
+            cut = self._overlap_stop
+        if cut is not None and cut < len(guarded):
+            guarded, early = guarded[:cut], "suffix_overlap"
         lang = self.doc.language_id
         result = validate_completion(self.doc, self.cursor, guarded, lang, self.context)
         shown = result.text if result.text.strip() else ""
         reason = result.cut_reason.value if result.cut_reason is not None else None
-        if guarded != self._raw and reason is None:
-            reason = "bracket"  # the guard cut while streaming; validation had nothing more
+        if early is not None and reason is None:
+            reason = early  # a cut before validation; validation had nothing more
         end = result.replace_end if shown else self.cursor
         if shown and self.doc.has_tree and is_indent_scoped(lang):
             checked = self._python_cut(shown, end)
