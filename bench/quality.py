@@ -45,6 +45,11 @@ tokens per verify step and decode ms per token after the first (the prompt's pre
 out: variants of one problem share its KV cache). The shaper's Python stage enforces a rule
 like noErr's, so for Python that share is high by construction (other languages rely on the
 tree-sitter checks of validate_completion alone).
+Suffix re-typing (shown completions, any language): retype: the share that re-types the text after
+the cursor by engine.syntax.suffix_overlap's rules (the rule the shaper cuts by, so 0 for policy by
+construction; raw shows what the model does); repLn: the looser share with any line of 10+
+non-space characters equal to one of the next 10 non-blank lines (an upper bound: it also counts a
+line that legitimately recurs, e.g. `return None` in two branches).
 Exact match keeps leading whitespace (indentation is syntax in Python). The last line is the headline.
 """
 
@@ -439,7 +444,16 @@ def shape_and_score(p: Problem, text: str, shape: bool, known: dict | None = Non
         passed = known["pass"]
     else:
         passed = passes(p.runnable(shown)) if p.has_tests else None
-    return {"shown": shown, "cut": cut, "pass": passed,
+    retype = rep_line = None
+    if shown.strip():
+        from engine.syntax.suffix_overlap import repeats_a_suffix_line, suffix_overlap_cut, text_after
+
+        data = p.doc_text.encode("utf-8")
+        line_prefix = data[data.rfind(b"\n", 0, p.cursor) + 1 : p.cursor].decode("utf-8", errors="replace")
+        after = text_after(data, p.cursor)
+        retype = suffix_overlap_cut(shown, line_prefix, after) is not None
+        rep_line = repeats_a_suffix_line(shown, line_prefix, after)
+    return {"shown": shown, "cut": cut, "pass": passed, "retypes_suffix": retype, "repeats_suffix_line": rep_line,
             "exact": shown.rstrip() == p.middle.rstrip(),  # indentation counts in Python
             "edit_sim": difflib.SequenceMatcher(None, shown.strip(), p.middle.strip()).ratio(),
             "is_shown": bool(shown.strip()),
@@ -513,6 +527,10 @@ def summarize(rs: list[dict]) -> dict:
             "shown_n": len(shown), "shown_parse_ok_n": sum(1 for r in checked if r["parse_ok"]),
             "shown_parse_ok": (sum(1 for r in checked if r["parse_ok"]) / len(checked)) if checked else None,
             "shown_program_parses": (sum(1 for r in checked if r["parses"]) / len(checked)) if checked else None,
+            "shown_retypes_suffix_n": sum(1 for r in shown if r.get("retypes_suffix")),
+            "shown_retypes_suffix": sum(1 for r in shown if r.get("retypes_suffix")) / len(shown) if shown else None,
+            "shown_repeats_suffix_line": (sum(1 for r in shown if r.get("repeats_suffix_line")) / len(shown)
+                                          if shown else None),
             "mean_accepted": (sum(r["accepted"] for r in rs) + steps) / steps if steps else 0.0,
             "ms_per_token": sum(r["decode_ms"] for r in rs) / max(1, sum(r["tokens"] - 1 for r in rs if r["tokens"])),
             "mean_ms": sum(r["ms"] for r in rs) / n}
@@ -532,11 +550,12 @@ def _fmt(v) -> str:
 def print_table(title: str, rows: list[tuple[str, ...]], stats: list[dict]) -> None:
     print(f"\n{title}")
     print(f"{'':44s} {'n':>5s} {'pass@1':>6s} {'exact':>6s} {'edit':>6s} {'shown':>6s} {'noErr':>6s} "
-          f"{'parses':>6s} {'acc/st':>6s} {'ms/tok':>6s}")
+          f"{'parses':>6s} {'retype':>6s} {'repLn':>6s} {'acc/st':>6s} {'ms/tok':>6s}")
     for label, s in zip(rows, stats, strict=True):
         print(f"{' '.join(label):44s} {s['problems']:5d} {_fmt(s['pass@1']):>6s} {_fmt(s['exact_match']):>6s} "
               f"{_fmt(s['edit_sim']):>6s} {_fmt(s['shown']):>6s} {_fmt(s['shown_parse_ok']):>6s} "
-              f"{_fmt(s.get('shown_program_parses')):>6s} {s['mean_accepted']:6.2f} {s['ms_per_token']:6.1f}")
+              f"{_fmt(s.get('shown_program_parses')):>6s} {_fmt(s.get('shown_retypes_suffix')):>6s} "
+              f"{_fmt(s.get('shown_repeats_suffix_line')):>6s} {s['mean_accepted']:6.2f} {s['ms_per_token']:6.1f}")
 
 
 def choose(candidates: dict[str, dict], rows: dict[str, dict]) -> str:
