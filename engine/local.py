@@ -390,28 +390,14 @@ class LocalEngine:
         if self._cost(cold_doc, cold_plan, cold.reuse) * 2 > full_cost:
             self.store.release(cold_doc)
             return request, plan, doc
-        self.store.release(doc, plan, self._fill_step(doc, plan))
+        self.store.release(doc)
         self._count("cold_prompts")
-        with self._lock:  # the rest of the full prompt, once the user leaves the engine a moment
+        # The full prompt fills when the user leaves the engine a moment (a pre-warm). A chunk of it before
+        # each cold answer was tried: it filled a spot within ~40 keystrokes, but the chunk's time on every
+        # answer cut the pauses with text within 1 s from 66% to 38% (bench/typing.py, default model).
+        with self._lock:
             self._prewarms.setdefault(request.document_id or "", request)
         return cold, cold_plan, cold_doc
-
-    def _fill_step(self, doc: DocumentKV, plan: PromptPlan) -> int:
-        """One pre-warm chunk of the full prompt before a cold answer: while the user types, keystrokes keep
-        the engine busy and a pre-warm that only runs when it is idle would hardly move, so the full prompt
-        would never take over. Measured: 4,478 tokens pre-warmed in a 4-minute typing run, against the
-        ~1,250 each of its four spots needed."""
-        pos = common_prefix(doc.ids, plan.ids, min(doc.exact_len, len(plan.ids) - 1))
-        end = min(len(plan.ids) - 1, pos + PREWARM_CHUNK)
-        if end <= pos:
-            return pos
-        doc.ids, doc.exact_len = plan.ids[:pos], pos
-        doc.target.length = min(doc.target.length, pos)
-        runtime = self.target.runtime
-        runtime(torch.tensor(plan.ids[pos:end], dtype=torch.long, device=runtime.device), doc.target, pos, 1)
-        doc.ids, doc.exact_len = plan.ids[:end], end
-        self._count("tokens_prewarmed", end - pos)
-        return pos
 
     def _time_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= 64 and seconds > 0:  # short passes say more about per-pass overhead than the rate
