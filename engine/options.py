@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from engine.errors import PromptError
 
+# Stop strings per request, and characters per stop string. Every step checks each stop string against the
+# text so far: 100,000 of them (accepted from an editor's policy settings before this cap) made every
+# completion about 10x slower. 16 covers every policy row and client seen; OpenAI's API allows 4.
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
+
 
 @dataclass
 class DecodeOptions:
@@ -32,3 +37,5 @@ class DecodeOptions:
             raise PromptError(f"unknown drafter {self.drafter!r}: use auto, model, ngram or none")
         if self.gamma < 0 or self.max_gamma < 1:
             raise PromptError("gamma must be >= 0 and max_gamma >= 1")
+        if len(self.stop) > MAX_STOPS or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in self.stop):
+            raise PromptError(f"stop must be at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")

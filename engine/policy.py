@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from engine.options import DecodeOptions  # not engine.decoding.speculative: that pulls in torch
+from engine.options import MAX_STOP_CHARS, MAX_STOPS, DecodeOptions  # not engine.decoding.speculative: torch
 from engine.syntax.context import ContextKind, CursorContext, classify
 from engine.syntax.document import SyntaxDocument
 from engine.syntax.languages import normalize_language_id
@@ -225,7 +225,8 @@ def check_overrides(overrides: Any) -> list[str]:
             if name not in _FIELD_TYPES:
                 problems.append(f"{key}.{name}: unknown setting; known: {', '.join(_FIELD_TYPES)}")
             elif _coerce(name, value) is None:
-                problems.append(f"{key}.{name}: bad value {value!r}")
+                shown = repr(value)  # short: a list of 100,000 stop strings is one of the values refused here
+                problems.append(f"{key}.{name}: bad value {shown if len(shown) <= 80 else shown[:77] + '...'}")
     return problems
 
 
@@ -246,7 +247,12 @@ def _coerce(name: str, value: Any) -> Any:
     if kind is tuple:
         if isinstance(value, str):
             value = (value,)
-        if isinstance(value, list | tuple) and all(isinstance(s, str) and s for s in value):
+        # Capped as DecodeOptions.validate caps them: each stop string costs every decoding step a check.
+        if (
+            isinstance(value, list | tuple)
+            and len(value) <= MAX_STOPS
+            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in value)
+        ):
             return tuple(value)
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):

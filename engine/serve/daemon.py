@@ -341,8 +341,14 @@ class EngineDaemon:
             rid = protocol.request_id(msg)
             try:
                 req = protocol.parse_request(msg.get("request"), session.id)
-            except ProtocolError as exc:
-                send({"op": "delta", "id": rid, "delta": asdict(Delta("", True, "error", str(exc), "PromptError"))})
+            except Exception as exc:  # whatever went wrong, this request ends here, with the reason
+                self.counts["bad_messages"] += 1
+                if isinstance(exc, ProtocolError):
+                    reason = str(exc)
+                else:  # not foreseen: its text could hold the request's, so only its kind is told
+                    log.debug("a submit could not be read", exc_info=True)
+                    reason = f"bad request: {type(exc).__name__}"
+                send({"op": "delta", "id": rid, "delta": asdict(Delta("", True, "error", reason, "PromptError"))})
                 return None
             session.documents.add(req.document_id)
             session.streams[rid] = self.submit(

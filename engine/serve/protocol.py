@@ -28,6 +28,8 @@ from typing import Any
 import msgpack
 
 from engine.api import CompletionRequest
+from engine.errors import FimbleError
+from engine.options import MAX_STOP_CHARS, MAX_STOPS
 from engine.process import request_from_dict
 
 PROTOCOL_VERSION = 1
@@ -38,7 +40,6 @@ MAX_ID = 2**53  # request ids: plain integers a JSON client can also represent
 REFUSED_CLOSE_CODE = 1008  # policy violation: refused handshake
 # Upper bounds of the numeric decode options (the lower ones are DecodeOptions.validate's).
 OPTION_MAX = {"max_tokens": 4096, "temperature": 10.0, "gamma": 64, "max_gamma": 64, "max_lines": 1000}
-MAX_STOPS, MAX_STOP_CHARS = 16, 256
 
 
 class ProtocolError(ValueError):
@@ -114,7 +115,7 @@ def parse_request(data: Any, session: str) -> CompletionRequest:
     try:
         req = request_from_dict(data)
         req.options.validate()
-    except (TypeError, ValueError, KeyError) as exc:  # PromptError is a ValueError too
+    except (TypeError, ValueError, KeyError, FimbleError) as exc:  # validate() raises PromptError (a FimbleError)
         raise ProtocolError(f"bad request: {_short(exc)}") from None
     req.document_id = document_key(session, data.get("document_id"))
     return req
