@@ -61,6 +61,7 @@ from engine.runtimes.cuda_graphs import (
     key_bucket,
     rows_tensor,
 )
+from engine.serve import prompt_bound
 from engine.serve.batched import (
     DraftNeed,
     Forward,
@@ -95,6 +96,7 @@ SCHED_COUNTERS = (
     "sched_shortened",  # verify blocks cut by the round's block choice (_shorten_drafts)
     "sched_prebuilt",  # prompts built while their document was busy (_admit)
     "sched_admitted_early",  # of those, admitted in the round that freed their document (_admit(ready_only))
+    "sched_refused_unfit",  # prompts refused as too long for the context before being tokenised whole
 )
 MAX_ACTIVE = 64  # sequences stepped together; more wait their turn
 # Prompt tokens a sequence prefills per round. A new request's prompt (often 1,000+ tokens on its
@@ -297,6 +299,7 @@ class ServeEngine(LocalEngine):
         # Prompt lookup remembers recent completions: one drafter per client session, so one user's
         # completions never shape (nor, by acceptance, time) another's drafts.
         self._ngrams: OrderedDict[str, NgramDrafter] = OrderedDict()
+        self._unfit = prompt_bound.UnfitCheck(target, self.prompts)  # refuses before tokenising a whole prompt
 
     @staticmethod
     def _attention(runtime) -> str:
@@ -409,8 +412,16 @@ class ServeEngine(LocalEngine):
         self._held = keep
         self._gauges()
 
+    def _refuse_unfit(self, request: CompletionRequest) -> None:
+        """PromptError if the prompt cannot fit the context, found cheaply (engine/serve/prompt_bound.py)."""
+        reason = self._unfit.reason(request)
+        if reason is not None:
+            self._count("sched_refused_unfit")
+            raise PromptError(reason)
+
     def _prebuild(self, request: CompletionRequest) -> None:
         try:
+            self._refuse_unfit(request)
             self._plans[id(request)] = (request, self.prompts.build(request))
             self._count("sched_prebuilt")
         except Exception:  # the request's own error is raised (and answered) when it is admitted
@@ -651,7 +662,9 @@ class ServeEngine(LocalEngine):
         opt.validate()
         if request.reuse not in REUSE_MODES:
             raise PromptError(f"unknown reuse mode {request.reuse!r}: use {', '.join(REUSE_MODES)}")
-        plan = plan or self.prompts.build(request)
+        if plan is None:
+            self._refuse_unfit(request)
+            plan = self.prompts.build(request)
         prompt, heal, constrained = plan.ids, plan.heal, plan.constrained
         t_prompt = time.perf_counter()
         doc = self._open_document(request, plan)

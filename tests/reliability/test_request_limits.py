@@ -1,17 +1,23 @@
-"""Limits on what one request may ask for (issue 29): stop strings.
+"""Limits on what one request may ask for (issue 29): stop strings, prompts that cannot fit.
 
 100,000 stop strings in an editor's ``policy`` setting were accepted and made every completion about 10x
-slower; DecodeOptions.validate, the policy's own check and the settings merge now refuse them.
+slower; DecodeOptions.validate, the policy's own check and the settings merge now refuse them. The prompt
+bound (engine/serve/prompt_bound.py) must never exceed what the prompt builder counts, or fimble serve would
+refuse prompts that fit.
 """
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from engine.api import DecodeOptions
+from engine.api import CompletionRequest, DecodeOptions
+from engine.caching.prompt_plan import PromptBuilder
 from engine.errors import PromptError
 from engine.options import MAX_STOP_CHARS, MAX_STOPS
 from engine.policy import check_overrides
+from engine.serve import prompt_bound
 from lsp_server.settings import Settings
 
 MANY_STOPS = ["x"] * 100_000
@@ -32,3 +38,50 @@ def test_policy_overrides_refuse_100000_stop_strings():
     assert after.policy == before.policy
     assert len(problems) == 1 and problems[0].startswith("policy: ") and "stop" in problems[0]
     assert not check_overrides({"comment": {"stop": ["\n\n"] * MAX_STOPS}})
+
+
+@pytest.fixture(scope="module")
+def builder(embedded_target):
+    return PromptBuilder(embedded_target)
+
+
+def _counted(builder: PromptBuilder, request: CompletionRequest) -> int:
+    """The tokens of the prefix and the cursor's line that the builder checks against the context."""
+    seen = {}
+    assemble = builder._assemble
+
+    def spy(prefix, suffix, head, *rest):
+        seen["tokens"] = prefix.size + head.size
+        return assemble(prefix, suffix, head, *rest)
+
+    builder._assemble = spy
+    try:
+        builder.build(request)
+    finally:
+        del builder._assemble
+    return seen["tokens"]
+
+
+def test_the_prompt_bound_never_exceeds_what_the_builder_counts(builder, embedded_target, monkeypatch):
+    monkeypatch.setattr(embedded_target, "max_len", 10**9)  # nothing refused: every prompt is counted
+    span = prompt_bound.token_span(embedded_target.tokenizer)
+    assert span.max_bytes and not span.nfc  # a byte-level BPE: the spelling bound applies
+    rng = random.Random(7)
+    line = "    value = compute(item, other)  # a comment\n"
+    texts = [
+        "import os\n\n" + "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(2000)),
+        "x = [" + "1, " * 20_000 + "]\n" + line * 200,  # a line longer than LONG_PIECE_CHARS
+        "a = 1 \n" * 5000,  # no cut point: every line ends in a space
+        "é\u0301" * 20_000 + "\nq\n" * 500,
+        "def g():\n" + line * 3000 + " " * 5000 + "\n\n\n    ",
+    ]
+    encode = lambda text: builder._encode(text)[0]  # noqa: E731
+    for text in texts:
+        for _ in range(6):
+            prefix = text[: rng.randint(1, len(text))] + rng.choice(["", " ", "    ", "\n", "\n    ", "\n\n\n", "pri"])
+            request = CompletionRequest(prefix, "\nrest()\n", options=DecodeOptions(max_tokens=16), document_id="d")
+            assert prompt_bound.prefix_tokens_at_least(prefix, encode, 10**9, span) <= _counted(builder, request)
+    # And it is close enough to refuse early: most of a long prompt is counted.
+    long_prompt = texts[0]
+    request = CompletionRequest(long_prompt, "", options=DecodeOptions(max_tokens=16), document_id="d")
+    assert prompt_bound.prefix_tokens_at_least(long_prompt, encode, 10**9, span) > 0.9 * _counted(builder, request)
