@@ -5,8 +5,9 @@ One port answers two kinds of request:
   engine/serve/protocol.py (engine/process.py's msgpack messages after a version handshake);
 - ``POST /v1/completions`` (and ``GET /v1/models``): engine/serve/openai_http.py.
 websockets' own HTTP parser accepts no request body, so the port is a small asyncio front
-(``_front``) that reads the request head and either answers HTTP itself or relays the bytes of
-a websocket upgrade to the websockets server listening on a private unix socket.
+(``_front``) that parses requests with h11 (engine/serve/http11.py) and either answers them
+itself or, when a connection's first request is a websocket upgrade, relays its bytes to the
+websockets server listening on a private unix socket.
 
 Threads: the engine's decode loop runs in the main thread (``serve_forever``: on CPU torch is
 about 2x slower elsewhere), the asyncio loop with every connection in a background thread.
@@ -42,18 +43,17 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import h11
 from websockets.asyncio.server import ServerConnection, unix_serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Response
 
 from engine.api import CompletionRequest, CompletionStream, Delta
-from engine.serve import protocol
+from engine.serve import http11, openai_http, protocol
 from engine.serve.protocol import ProtocolError
 
 log = logging.getLogger("fimble.serve")
-HEAD_LIMIT = 16 << 10  # bytes of an HTTP request head
-HEAD_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = 10.0
 OUTBOX_LIMIT = 10_000  # messages queued for a client that does not read: then it is dropped
 DAEMON_COUNTERS = (
@@ -152,7 +152,7 @@ class EngineDaemon:
             server_header=None,
             logger=logging.getLogger("fimble.serve.ws"),
         )
-        front = await asyncio.start_server(self._front, self.options.host, self.options.port, limit=HEAD_LIMIT)
+        front = await asyncio.start_server(self._front, self.options.host, self.options.port)
         self.port = front.sockets[0].getsockname()[1]
         self._started.set()
         try:
@@ -167,18 +167,33 @@ class EngineDaemon:
 
     # -- the shared port -------------------------------------------------------------------------
     async def _front(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        from engine.serve import openai_http
-
+        """A connection to the shared port: HTTP requests in order (engine/serve/http11.py), unless the first one
+        is a websocket upgrade, whose bytes then go to the websockets server."""
+        conn = http11.HTTPConnection(reader, writer, self.options.max_message)
+        first = True
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-            writer.close()
-            return
-        try:
-            if openai_http.is_websocket_upgrade(head):
-                await self._relay(head, reader, writer)
-            else:
-                await openai_http.handle(self, head, reader, writer)
+            while True:
+                try:
+                    head = await conn.next_request(http11.HEAD_TIMEOUT_S if first else http11.IDLE_TIMEOUT_S)
+                except h11.RemoteProtocolError as exc:  # not HTTP: its 4xx, then the connection closes
+                    self.counts["http_requests"] += 1
+                    self.counts["http_errors"] += 1
+                    await conn.reply_error(http11.protocol_error(exc))
+                    await conn.linger()
+                    return
+                except TimeoutError:  # idle (or a head that never ends): close quietly
+                    return
+                if head is None:
+                    return
+                if first and http11.is_upgrade(head):
+                    await self._relay(bytes(conn.raw or b""), reader, writer)
+                    return
+                first = False
+                conn.begin(head)
+                await openai_http.handle(self, conn, head)
+                if not conn.next_cycle():
+                    await conn.linger()
+                    return
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         except asyncio.CancelledError:  # shutting down: end quietly (asyncio would log a cancelled callback task)

@@ -5,10 +5,11 @@ one), ``suffix`` (fill-in-the-middle: the engine lays out its FIM template), ``m
 (default 16, at most 4096), ``temperature`` (0-2; 0 is greedy), ``top_p``, ``stop`` (a string or
 up to 4), ``stream`` (server-sent events: ``data: {chunk}`` lines, then ``data: [DONE]``),
 ``seed``; ``n`` and ``best_of`` may only be 1, ``echo`` only false, ``logprobs`` only null.
-Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``) without
-tracebacks or prompt text. The bearer token (``Authorization: Bearer``, what OpenAI clients send
-as their API key) is required whenever the server has one. One request per connection
-(``Connection: close``); a client that disconnects mid-stream cancels its completion.
+Every bad request gets a 4xx with an OpenAI-shaped JSON error (``{"error": {"message", "type",
+"param", "code"}}``) without tracebacks or prompt text. The bearer token (``Authorization: Bearer``,
+what OpenAI clients send as their API key) is required whenever the server has one. Connections are
+HTTP/1.1 (engine/serve/http11.py: keep-alive, pipelining, chunked bodies); bodies are JSON read with
+limits (engine/serve/json_body.py). A client that disconnects mid-completion cancels it.
 """
 
 from __future__ import annotations
@@ -20,134 +21,73 @@ import secrets
 import time
 from typing import Any
 
-from websockets.datastructures import Headers
+import h11
 
 from engine.api import CompletionRequest, DecodeOptions, Delta
-from engine.serve.protocol import OPTION_MAX
+from engine.options import MAX_STOP_CHARS
+from engine.serve import json_body
+from engine.serve.http11 import HTTPConnection, HTTPError, headers_of, is_upgrade
+from engine.serve.protocol import MAX_PROMPT_CHARS, OPTION_MAX
 
-MAX_PROMPT_CHARS = 4_000_000
+MAX_HTTP_STOPS = 4  # OpenAI's own limit
 FINISH = {"stop": "stop", "eos": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 
 
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-
-
-def _parse_head(head: bytes) -> tuple[str, str, Headers]:
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise HTTPError(400, "malformed HTTP request line")
-    headers = Headers()
-    for line in lines[1:]:
-        if not line:
-            continue
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise HTTPError(400, "malformed HTTP header")
-        headers[name.strip()] = value.strip()
-    return parts[0], parts[1], headers
-
-
-def is_websocket_upgrade(head: bytes) -> bool:
-    try:
-        method, _, headers = _parse_head(head)
-    except HTTPError:
-        return False
-    return method == "GET" and headers.get("Upgrade", "").lower() == "websocket"
-
-
-async def handle(daemon: Any, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Answer one HTTP request on the daemon's port."""
+async def handle(daemon: Any, conn: HTTPConnection, head: h11.Request) -> None:
+    """Answer one HTTP request (errors included) on ``conn``, a connection of the daemon's port."""
     daemon.counts["http_requests"] += 1
     try:
-        method, target, headers = _parse_head(head)
-        path = target.split("?", 1)[0]
+        method = head.method.decode("ascii", "replace")
+        path = head.target.decode("latin-1").split("?", 1)[0]
+        headers = headers_of(head)
         refused = daemon.authorized(headers)
-        if refused is not None:
+        if refused is not None:  # answered before the body is read, so the connection ends with it
             code, reason = refused.split(" ", 1)
             kind = {"401": "authentication_error", "400": "invalid_request_error"}.get(code, "permission_error")
-            raise HTTPError(int(code), reason, kind)
+            raise HTTPError(int(code), reason, kind, close=True)
+        if is_upgrade(head):
+            raise HTTPError(400, "a websocket upgrade must be a connection's first request", close=True)
+        body = await conn.read_body()  # on every route: the next request starts where this body ends
         if path in ("/v1/models", "/models") and method == "GET":
             name = daemon.options.model_name
-            _reply(
-                writer,
-                200,
-                {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "fimble"}]},
-            )
+            data = [{"id": name, "object": "model", "created": 0, "owned_by": "fimble"}]
+            await conn.reply(200, {"object": "list", "data": data})
             return
         if path not in ("/v1/completions", "/completions"):
-            raise HTTPError(404, f"no route for {method} {path[:100]}", "not_found_error")
+            raise HTTPError(404, f"no route for {method[:10]} {path[:100]}", "not_found_error")
         if method != "POST":
-            raise HTTPError(405, "use POST for /v1/completions")
-        body = await _read_body(headers, reader, daemon.options.max_message)
-        request, stream_mode, _model = _completion_request(body)
-        await _complete(daemon, request, stream_mode, daemon.options.model_name, reader, writer)
+            raise HTTPError(405, "use POST for /v1/completions", headers=(("Allow", "POST"),))
+        request, stream_mode, _model = _completion_request(_json_object(body))
+        await _complete(daemon, request, stream_mode, daemon.options.model_name, conn)
     except HTTPError as exc:
         daemon.counts["http_errors"] += 1
-        _reply(
-            writer, exc.status, {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": None}}
-        )
-        await writer.drain()
-        await _discard_unread(reader)
-        return
-    await writer.drain()
+        if conn.can_reply():
+            await conn.reply_error(exc)
+        # else a stream had begun: the answer is cut short and the connection closes (conn.next_cycle)
 
 
-async def _discard_unread(reader: asyncio.StreamReader, most: int = 16 << 20, seconds: float = 2.0) -> None:
-    """A lingering close: read and drop what the client is still sending after an early error reply.
-
-    A refused request (413, 401, ...) is answered before its body is read. Closing at once would reset
-    the connection while the client is still writing, and the client would see a broken pipe instead of
-    the answer. So the body is drained, bounded in bytes and time, then the connection closes.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while most > 0:
-        left = deadline - loop.time()
-        if left <= 0:
-            return
-        try:
-            chunk = await asyncio.wait_for(reader.read(min(most, 1 << 16)), left)
-        except (TimeoutError, ConnectionError):
-            return
-        if not chunk:
-            return
-        most -= len(chunk)
-
-
-async def _read_body(headers: Headers, reader: asyncio.StreamReader, limit: int) -> dict:
-    if "Transfer-Encoding" in headers:
-        raise HTTPError(411, "send the body with a Content-Length")
+def _json_object(body: bytes) -> dict:
     try:
-        length = int(headers.get("Content-Length", ""))
-    except ValueError:
-        raise HTTPError(411, "a Content-Length header is required") from None
-    if not 0 <= length <= limit:  # --max-message-mb, as for websocket messages
-        raise HTTPError(413, f"the body must be at most {limit} bytes")
-    data = await asyncio.wait_for(reader.readexactly(length), 60)
-    try:
-        body = json.loads(data)
-    except (UnicodeDecodeError, ValueError):
-        raise HTTPError(400, "the body is not valid JSON") from None
-    if not isinstance(body, dict):
+        value = json_body.loads(body)
+    except json_body.JSONLimitError as exc:
+        raise HTTPError(400, str(exc)) from None
+    if not isinstance(value, dict):
         raise HTTPError(400, "the body must be a JSON object")
-    return body
+    return value
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float, integer: bool = False) -> Any:
     value = body.get(name, default)
     if value is None:
         value = default
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or (integer and value != int(value))
-    ):
-        raise HTTPError(400, f"'{name}' must be {'an integer' if integer else 'a number'}", param=name)
+    kind = "an integer" if integer else "a number"
+    try:  # json_body bounds number literals; an OverflowError here would otherwise close the connection
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise HTTPError(400, f"'{name}' must be {kind}", param=name)
+        if integer and value != int(value):
+            raise HTTPError(400, f"'{name}' must be {kind}", param=name)
+    except OverflowError:
+        raise HTTPError(400, f"'{name}' must be from {low} to {high}", param=name) from None
     if not low <= value <= high:
         raise HTTPError(400, f"'{name}' must be from {low} to {high}", param=name)
     return int(value) if integer else float(value)
@@ -170,8 +110,18 @@ def _completion_request(body: dict) -> tuple[CompletionRequest, bool, str | None
     stop = body.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in stop):
-        raise HTTPError(400, "'stop' must be a string or up to 4 strings", param="stop")
+    if (
+        not isinstance(stop, list)
+        or len(stop) > MAX_HTTP_STOPS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
+    ):
+        raise HTTPError(400, f"'stop' must be a string or up to {MAX_HTTP_STOPS} strings", param="stop")
+    for name, text in (("prompt", prompt), ("suffix", suffix), *(("stop", s) for s in stop)):
+        if not text.isascii():
+            try:  # JSON may escape a lone surrogate ("\ud800"), which no tokenizer or msgpack would take
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise HTTPError(400, f"'{name}' holds an unpaired surrogate", param=name) from None
     for name in ("n", "best_of"):
         if body.get(name, 1) not in (1, None):
             raise HTTPError(400, f"only '{name}': 1 is supported", param=name)
@@ -197,14 +147,7 @@ def _completion_request(body: dict) -> tuple[CompletionRequest, bool, str | None
     return CompletionRequest(prefix=prompt, suffix=suffix, options=options, document_id=doc), stream, model
 
 
-async def _complete(
-    daemon: Any,
-    request: CompletionRequest,
-    streaming: bool,
-    model: str,
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-) -> None:
+async def _complete(daemon: Any, request: CompletionRequest, streaming: bool, model: str, conn: HTTPConnection) -> None:
     loop = asyncio.get_running_loop()
     deltas: asyncio.Queue[Delta] = asyncio.Queue()
     stream = daemon.submit(request, lambda d, _s: loop.call_soon_threadsafe(deltas.put_nowait, d))
@@ -219,39 +162,37 @@ async def _complete(
             "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
         }
 
-    gone = asyncio.ensure_future(reader.read(1))  # EOF: the client left (it sends nothing more)
+    gone = asyncio.ensure_future(conn.watch_close())  # the client left: its completion stops
+    ended = False
     try:
         if streaming:
-            writer.write(
-                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-                b"Connection: close\r\n\r\n"
-            )
+            await conn.start_stream("text/event-stream")
         text = []
         while True:
             get = asyncio.ensure_future(deltas.get())
             done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
             if get not in done:
                 get.cancel()
-                stream.cancel()  # the client went away: stop decoding at the next step
+                stream.cancel()  # stop decoding at the next step
                 return
             delta = get.result()
+            ended = delta.finished
             if delta.finish_reason == "error":
                 kind = "invalid_request_error" if delta.error_type == "PromptError" else "server_error"
                 message = (delta.error or "completion failed")[:300]
                 if streaming:
-                    _event(writer, {"error": {"message": message, "type": kind, "param": None, "code": None}})
+                    await _event(conn, {"error": {"message": message, "type": kind, "param": None, "code": None}})
                     break
                 raise HTTPError(400 if kind == "invalid_request_error" else 500, message, kind)
             text.append(delta.text)
             if streaming and (delta.text or delta.finished):
-                _event(
-                    writer, body(delta.text, FINISH.get(delta.finish_reason or "", "stop") if delta.finished else None)
-                )
-                await writer.drain()
+                finish = FINISH.get(delta.finish_reason or "", "stop") if delta.finished else None
+                await _event(conn, body(delta.text, finish))
             if delta.finished:
                 break
         if streaming:
-            writer.write(b"data: [DONE]\n\n")
+            await conn.send_data(b"data: [DONE]\n\n")
+            await conn.end_stream()
             return
         result = stream.result
         reply = body("".join(text), FINISH.get(result.finish_reason if result else "stop", "stop"))
@@ -262,31 +203,13 @@ async def _complete(
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
         }
-        _reply(writer, 200, reply)
+        await conn.reply(200, reply)
     finally:
         gone.cancel()
+        if not ended:
+            stream.cancel()  # the answer failed (the client vanished mid-write): the engine stops too
         daemon.engine.forget(request.document_id)
 
 
-def _event(writer: asyncio.StreamWriter, payload: dict) -> None:
-    writer.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-
-def _reply(writer: asyncio.StreamWriter, status: int, payload: dict) -> None:
-    data = json.dumps(payload).encode()
-    reason = {
-        200: "OK",
-        400: "Bad Request",
-        401: "Unauthorized",
-        403: "Forbidden",
-        404: "Not Found",
-        405: "Method Not Allowed",
-        411: "Length Required",
-        413: "Payload Too Large",
-        500: "Internal Server Error",
-    }.get(status, "Error")
-    writer.write(
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
-        f"Connection: close\r\n\r\n".encode()
-        + data
-    )
+async def _event(conn: HTTPConnection, payload: dict) -> None:
+    await conn.send_data(b"data: " + json.dumps(payload).encode() + b"\n\n")

@@ -1,13 +1,14 @@
-"""Limits on what one request may ask for (issue 29): stop strings, prompts that cannot fit.
+"""Limits on what one request may ask for (issue 29): stop strings, JSON bodies, prompts that cannot fit.
 
 100,000 stop strings in an editor's ``policy`` setting were accepted and made every completion about 10x
-slower; DecodeOptions.validate, the policy's own check and the settings merge now refuse them. The prompt
-bound (engine/serve/prompt_bound.py) must never exceed what the prompt builder counts, or fimble serve would
-refuse prompts that fit.
+slower; DecodeOptions.validate, the policy's own check and the settings merge now refuse them. JSON bodies are
+read with limits (engine/serve/json_body.py). The prompt bound (engine/serve/prompt_bound.py) must never
+exceed what the prompt builder counts, or fimble serve would refuse prompts that fit.
 """
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -17,7 +18,7 @@ from engine.caching.prompt_plan import PromptBuilder
 from engine.errors import PromptError
 from engine.options import MAX_STOP_CHARS, MAX_STOPS
 from engine.policy import check_overrides
-from engine.serve import prompt_bound
+from engine.serve import json_body, prompt_bound
 from lsp_server.settings import Settings
 
 MANY_STOPS = ["x"] * 100_000
@@ -38,6 +39,40 @@ def test_policy_overrides_refuse_100000_stop_strings():
     assert after.policy == before.policy
     assert len(problems) == 1 and problems[0].startswith("policy: ") and "stop" in problems[0]
     assert not check_overrides({"comment": {"stop": ["\n\n"] * MAX_STOPS}})
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "JSON body"),
+        (b'{"a": ' + b"[" * 17 + b"]" * 17 + b"}", "nested deeper"),
+        (b"[" + b"{}," * 30_000 + b"{}]", "outside its strings"),  # 90 KB of dicts: hundreds of MB at 16 MiB
+        (b"[" + b'"a",' * 5000 + b'"a"]', "strings"),
+        (b'{"n": 1' + b"0" * 400 + b"}", "longer than"),
+        (b'{"n": 1e400}', "out of range"),
+        (b'{"n": NaN}', "NaN"),
+        (b'{"n": -Infinity}', "Infinity"),
+        (b'{"p": "\xff"}', "UTF-8"),
+        (b'{"p": "unterminated', "not valid JSON"),
+    ],
+)
+def test_json_bodies_over_a_limit_are_refused(body, message):
+    with pytest.raises(json_body.JSONLimitError, match=message):
+        json_body.loads(body)
+
+
+def test_json_bodies_within_the_limits_parse_as_json_does():
+    body = {
+        "prompt": 'def f():\n    return "a\\"b" + \'[{\' ' * 2000,  # brackets and escapes in strings do not count
+        "suffix": "\\" * 7 + '"',
+        "stop": ["\n\n", "]"],
+        "max_tokens": 16,
+        "temperature": 0.25,
+        "seed": 2**63 - 1,
+        "nested": [[[[{"a": [1, -2.5e-3, None, True]}]]]],
+    }
+    data = json.dumps(body).encode()
+    assert json_body.loads(data) == json.loads(data)
 
 
 @pytest.fixture(scope="module")
