@@ -10,6 +10,7 @@ waiting, the worker pre-warms documents the host named (``prewarm``), a chunk at
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import queue
@@ -377,11 +378,8 @@ class LocalEngine:
         """The request, plan and cache to serve: the small prompt of engine/caching/cold_window.py where the
         full one would prefill more than COLD_BUDGET_S at the measured rate and the small one costs less;
         the full prompt then fills the document's cache in the background (a pre-warm)."""
-        if not (self.cold_window and request.cold_window and self._prefill_rate) or request.reuse == "none":
-            return request, plan, doc
-        budget = self._prefill_rate * COLD_BUDGET_S
         full_cost = self._cost(doc, plan, request.reuse)
-        cold = cold_request(request) if full_cost > budget else None
+        cold = self._cold_request(request, full_cost)
         if cold is None:
             return request, plan, doc
         cold_plan = self.prompts.build(cold)
@@ -398,6 +396,12 @@ class LocalEngine:
         with self._lock:
             self._prewarms.setdefault(request.document_id or "", request)
         return cold, cold_plan, cold_doc
+
+    def _cold_request(self, request: CompletionRequest, full_cost: int) -> CompletionRequest | None:
+        """The cold window's request where the full prompt would prefill ``full_cost`` tokens, over budget."""
+        if not (self.cold_window and request.cold_window and self._prefill_rate) or request.reuse == "none":
+            return None
+        return cold_request(request) if full_cost > self._prefill_rate * COLD_BUDGET_S else None
 
     def _time_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= 64 and seconds > 0:  # short passes say more about per-pass overhead than the rate
@@ -486,6 +490,9 @@ class LocalEngine:
             if whole and self._prefill_rate and (len(plan.ids) - reuse) / self._prefill_rate > self._window_left():
                 self._count("reanchors_skipped")
                 return
+            cold = self._cold_request(request, len(plan.ids) - reuse) if not whole else None
+            if cold is not None:  # the small prompt first: the next keystroke there answers from it
+                self._prewarm(dataclasses.replace(cold, cold_window=False))
 
             def target_holds(n: int) -> None:
                 doc.ids = plan.ids[:n]

@@ -110,7 +110,7 @@ def test_a_cold_spot_answers_from_a_small_prompt_while_the_full_one_fills(target
     assert first.stats["prompt_tokens"] < 300 < len(target.encode(prefix + suffix))
     assert eng.store.docs.get("doc" + COLD_KEY) is not None
     eng.run_pending()  # the full prompt fills the document's own cache (a pre-warm)
-    assert eng.counters()["prewarms_done"] == 1
+    assert eng.counters()["prewarms_done"] >= 1
     full = eng.complete(request(prefix + "    x =", suffix))
     assert eng.counters()["cold_prompts"] == 1  # the full prompt is cached now
     assert full.stats["prompt_tokens"] > 600 and full.stats["prefilled_tokens"] <= 6
@@ -140,3 +140,19 @@ def test_background_work_waits_once_the_host_goes_quiet(target, monkeypatch):
         assert eng.counters()["prewarms_done"] == 1
     finally:
         eng.close()
+
+
+def test_a_prewarm_at_a_cold_spot_fills_the_small_prompt_first(target):
+    from engine.caching.cold_window import COLD_KEY
+
+    text = stdlib_source(target.encode, 900)
+    cursor = text.index("\n", len(text) * 3 // 4) + 1
+    prefix, suffix = text[:cursor], text[cursor:]
+    eng = engine(target)
+    eng.cold_window, eng._prefill_rate = True, 20.0  # (see the test above)
+    eng.prewarm(request(prefix + "    x", suffix))  # the editor's cursor rests there (fimble/cursor)
+    eng.run_pending()
+    assert eng.counters()["prewarms_done"] == 2  # the small prompt, then the full one
+    assert eng.store.docs.get("doc" + COLD_KEY) is not None and eng.store.docs.get("doc") is not None
+    r = eng.complete(request(prefix + "    x =", suffix))
+    assert eng.counters()["cold_prompts"] == 0 and r.stats["prefilled_tokens"] <= 6
