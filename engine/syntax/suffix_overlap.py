@@ -20,7 +20,9 @@ The rules (constants below; tests/syntax/test_syntax_suffix_overlap.py):
   line continues the cursor's line (its re-typing of the line's rest is fit_to_line_rest's job: it
   becomes a replace range). Blank completion lines are skipped, as blank suffix lines are.
 - Two lines match when equal (EXACT) or, both at least NEAR_MIN_CHARS long, when difflib's ratio
-  is at least NEAR_RATIO (NEAR): the model's re-types drift a little (a name, a default).
+  is at least NEAR_RATIO (NEAR): the model's re-types drift a little (a name, a default). On
+  shorter lines a char or two is another statement (HumanEval/64: `return vowels` above
+  `return n_vowels`), so they must be equal.
 - A run: completion lines matching consecutive suffix texts, from some suffix text j on. The
   completion is cut at the start of the first line that begins a run that is re-typing:
   1. two or more lines with at least RUN_MIN_CHARS in all and an EXACT one among them (or three
@@ -56,7 +58,7 @@ __all__ = ["SuffixOverlap", "Overlap", "repeats_a_suffix_line", "suffix_overlap_
 
 WINDOW = 10  # suffix texts compared: a re-type further down is no longer "what follows"
 NEAR_RATIO = 0.9  # difflib ratio for a near re-type (Continue: Levenshtein distance < 10% of the line)
-NEAR_MIN_CHARS = 10  # shorter lines only match exactly: `x = 1` vs `x = 2` is not a re-type
+NEAR_MIN_CHARS = 20  # shorter lines only match exactly: `return vowels` vs `return n_vowels` is no re-type
 LINE_MIN_CHARS = 10  # one line of this many non-space chars cuts alone (`return None`: yes; `return x`: no)
 RUN_MIN_CHARS = 8  # a run of short lines must add up to this much: `else:` + `pass` yes, `});` + `}` no
 TEXT_AFTER_MAX_BYTES = 16_384  # text_after reads at most this much of the document

@@ -66,6 +66,9 @@ def test_near_repeat_of_the_next_line() -> None:
     assert cut_at(code, "if float(b) == float(a): return None") == ""
     # Not near: a different statement that shares a few words.
     assert cut_at(code, "if a is None: raise ValueError(a)") is None
+    # Short lines must be equal: a char or two makes another statement (HumanEval/64).
+    code = "def f(s):\n    n_vowels = count(s)\n    <|>\n    return n_vowels\n"
+    assert cut_at(code, "return vowels") is None
 
 
 def test_indentation_and_spacing_do_not_matter() -> None:
