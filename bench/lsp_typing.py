@@ -71,6 +71,19 @@ def _lsp_latency() -> Any:
     return mod
 
 
+def _suffix_overlap() -> Any:
+    """engine/syntax/suffix_overlap.py, by path (no torch, no tree-sitter): the shaper's re-typing rule."""
+    name = "fimble_bench_suffix_overlap"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "engine" / "syntax" / "suffix_overlap.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # (its dataclass looks its module up)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 _lat = _lsp_latency()
 RpcClient = _lat.RpcClient
 utf16_len = _lat.utf16_len
@@ -392,6 +405,10 @@ class Pause:
     after_tab_key_ms: float | None = None
     after_tab_cached: bool | None = None
     cpu_pct: float | None = None  # server tree CPU, % of one core, in [last key + 2 s, + 3 s]
+    # The shown text re-types the document after the cursor (engine/syntax/suffix_overlap.py's cut rule), and
+    # the looser measure: a 10+ char line of it equals one of the next 10 non-blank lines. None: nothing shown.
+    retypes_suffix: bool | None = None
+    repeats_suffix_line: bool | None = None
     stream: list = field(default_factory=list)  # the request's deltas and answer: [ms after the key, kind, chars, end]
 
 
@@ -464,6 +481,12 @@ async def type_file(s: Session, doc: Doc, trace: Trace, server_pid: int, t_typin
         if a.t_vscode is not None:  # Tab only for what the extension shows (a delta before the answer isn't)
             shown = a.current
             pause.text_chars = len(shown)
+            if shown.strip():
+                ov = _suffix_overlap()
+                line_prefix = doc.text[doc.text.rfind("\n", 0, doc.cursor) + 1:doc.cursor]
+                after = ov.text_after(doc.text.encode("utf-8"), len(doc.text[:doc.cursor].encode("utf-8")))
+                pause.retypes_suffix = ov.suffix_overlap_cut(shown, line_prefix, after) is not None
+                pause.repeats_suffix_line = ov.repeats_a_suffix_line(shown, line_prefix, after)
             matched = bool(shown.strip()) and typed.startswith(shown, p) and a.replace_end in (None, doc.position(
                 doc.cursor))
             forced = False
@@ -716,6 +739,10 @@ def summarize(out: dict) -> dict:
         # text came (a delta) but the extension never showed it: the final text was cut to nothing, or late
         "pauses_text_not_shown": sum(p.text_ms is not None and p.vscode_ms is None for p in both),
         "pauses_served_from_cache": sum(bool(p.cached) for p in both),
+        # of the pauses whose text the extension showed: those re-typing the text after the cursor
+        "pauses_shown": sum(p.retypes_suffix is not None for p in both),
+        "shown_retyping_suffix": sum(bool(p.retypes_suffix) for p in both),
+        "shown_repeating_suffix_line": sum(bool(p.repeats_suffix_line) for p in both),
         "after_tab_request": spread(tab_req, (AFTER_TAB_TARGET_MS, 300.0)),
         "after_tab_key": spread(tab_key, (AFTER_TAB_TARGET_MS, 300.0)),
         "accepts_matched": sum(p.accept == "matched" for p in tabs),
@@ -785,6 +812,9 @@ def print_report(out: dict, s: dict, args: argparse.Namespace, commit: str) -> N
           f"answered empty: the model ended or validation cut it all; the rest unanswered when the person typed on); "
           f"with a delta's text the extension never showed (cut to nothing, or answered late): "
           f"{s['pauses_text_not_shown']}; first text from the type-through cache: {s['pauses_served_from_cache']}")
+    print(f"shown text re-typing what follows the cursor: {s['shown_retyping_suffix']} of {s['pauses_shown']} "
+          f"pauses with shown text (the shaper's rule, engine/syntax/suffix_overlap.py); with a 10+ char line equal "
+          f"to one of the next 10 lines: {s['shown_repeating_suffix_line']}")
     print(f"Tab: {s['accepts_matched']} accepted (the file goes on so), {s['accepts_undone']} accepted then undone; "
           f"the next completion's first delta said cached: {s['after_tab_cached']}")
     cw, ready = out.get("cold_wait_s"), out.get("engine_ready_s")
