@@ -42,6 +42,9 @@ class CompletionRequest:
     # An editor's keystroke: where the document's cache would prefill too much, answer from a small prompt
     # while the full one fills in the background (engine/caching/cold_window.py). Off: always the full prompt.
     cold_window: bool = False
+    # A decode nobody asked for yet (Tab-Tab's follow-up): it does not count as the user's activity, so it
+    # does not keep the engine's background work going (engine/local.py BACKGROUND_S).
+    background: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -123,7 +123,8 @@ class LocalEngine:
             self._prewarms.pop(key, None)
             self._reanchors.pop(key, None)
             self._submitted[key] = self._submitted.get(key, 0) + 1
-            self._last_submit = self._last_message = time.monotonic()
+            if not request.background:
+                self._last_submit = self._last_message = time.monotonic()
         self._queue.put((request, stream))
         return stream
 

@@ -72,7 +72,8 @@ def request_from_dict(d: dict) -> CompletionRequest:
                              segment_lines=None if lines is None else [int(x) for x in lines],
                              reuse=str(d.get("reuse", "exact")),
                              truncate=bool(d.get("truncate", False)), heal=bool(d.get("heal", True)),
-                             cold_window=bool(d.get("cold_window", False)))
+                             cold_window=bool(d.get("cold_window", False)),
+                             background=bool(d.get("background", False)))
 
 
 # -- engine side ----------------------------------------------------------------------------

@@ -67,6 +67,8 @@ POLICY_MAX_LINE = 4000
 # decode goes on for type-through). Time while the engine (re)starts does not count: a request
 # after an engine crash is served once the new engine is up (lsp_server/engine_host.py).
 REQUEST_BUDGET_S = float(os.environ.get("FIMBLE_REQUEST_BUDGET_S", 20.0))
+# Tab-Tab's follow-up decode (lsp_server/follow_up.py) starts only this soon after the document's last edit.
+FOLLOW_UP_WITHIN_S = float(os.environ.get("FIMBLE_FOLLOW_UP_WITHIN_S", 1.5))
 
 
 @dataclass
@@ -452,20 +454,20 @@ class Completer:
             self.stats.count("segment_lines_errors")
             return None
 
-    def _request(self, ctx: Context, plan: Plan, settings: Settings) -> Any:
-        """The engine request for ``ctx``: one code path for completions, prefetches and pre-warms."""
+    def _request(self, ctx: Context, plan: Plan, settings: Settings, background: bool = False) -> Any:
+        """The engine request for ``ctx``: one code path for completions, prefetches, follow-ups and pre-warms."""
         from engine.api import CompletionRequest  # loaded by the engine host already
 
         return CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=plan.options,
                                  document_id=self.engine_doc_id(ctx.uri),
                                  segment_lines=plan.segment_lines, reuse=settings.reuse, truncate=True,
-                                 heal=settings.token_healing, cold_window=True)
+                                 heal=settings.token_healing, cold_window=True, background=background)
 
     def _submit(self, engine: Any, ctx: Context, settings: Settings, t0: float, build_ms: float,
-                plan: Plan) -> Generation:
+                plan: Plan, background: bool = False) -> Generation:
         if self.active is not None:
             self.active.cancel()  # one decode at a time: the newest request wins
-        stream = engine.submit(self._request(ctx, plan, settings))
+        stream = engine.submit(self._request(ctx, plan, settings, background))
         gen = Generation(ctx, stream, t0, build_ms)
         gen.shaper, gen.plan, gen.settings = plan.shaper, plan, settings
         line_before = ctx.prefix[ctx.prefix.rfind("\n") + 1:]
@@ -533,10 +535,13 @@ class Completer:
         except Exception:  # only an optimisation: never let it cost the session
             log.exception("follow-up context failed")
             return
-        if ctx is None:
+        # Only soon after the user's last key: a user who stopped typing stops the engine (it has shown them
+        # what they asked for; Tab after a long read decodes afresh).
+        last = max(self._last_edit.get(gen.ctx.uri, 0.0), gen.t_request)  # the user's last key or request
+        if ctx is None or time.perf_counter() - last > FOLLOW_UP_WITHIN_S:
             return
         plan = Plan(follow_up_options(gen.plan.options), None, gen.plan.segment_lines)
-        nxt = self._submit(engine, ctx, settings, time.perf_counter(), 0.0, plan)
+        nxt = self._submit(engine, ctx, settings, time.perf_counter(), 0.0, plan, background=True)
         nxt.prefetched = nxt.follow_up = True
         self.stats.count("follow_ups")
 

@@ -19,6 +19,7 @@ os.environ.setdefault("FIMBLE_COLD_WINDOW", "off")
 # Background work stops this long after the host's last message (engine/local.py BACKGROUND_S): on a
 # loaded machine a test's pre-warm could outlast the default. Its own test sets it for one engine.
 os.environ.setdefault("FIMBLE_BACKGROUND_S", "600")
+os.environ.setdefault("FIMBLE_FOLLOW_UP_WITHIN_S", "600")  # (Tab-Tab's follow-ups: the same reason)
 REPO = Path(__file__).resolve().parent.parent
 TARGET_DIR = REPO / "models" / "fimble-target"
 DRAFT_DIR = REPO / "models" / "fimble-draft"

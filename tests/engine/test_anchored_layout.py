@@ -156,3 +156,14 @@ def test_a_prewarm_at_a_cold_spot_fills_the_small_prompt_first(target):
     assert eng.store.docs.get("doc" + COLD_KEY) is not None and eng.store.docs.get("doc") is not None
     r = eng.complete(request(prefix + "    x =", suffix))
     assert eng.counters()["cold_prompts"] == 0 and r.stats["prefilled_tokens"] <= 6
+
+
+def test_a_background_request_is_not_the_users_activity(target):
+    import dataclasses
+
+    eng = engine(target)
+    before = eng._last_message
+    eng.complete(dataclasses.replace(request("def f(x):\n    return ", "\n"), background=True))
+    assert eng._last_message == before  # a follow-up keeps no background work going
+    eng.complete(request("def f(x):\n    return ", "\n"))
+    assert eng._last_message > before
