@@ -391,13 +391,18 @@ class EngineHost:
             return {}
         return await asyncio.to_thread(engine.counters)
 
-    def kill_now(self) -> None:
-        """Stop at once (SIGTERM/SIGINT): no new start, the engine killed and reaped, one still loading too."""
+    def _detach(self) -> Any:
+        """Stop starting and watching; the engine that was running (None if none), no longer the host's."""
         engine, self._engine = self._engine, None
         if self._starting is not None and not self._starting.done():
             self._starting.cancel()
         if self._watchdog is not None:
             self._watchdog.cancel()
+        return engine
+
+    def kill_now(self) -> None:
+        """Stop at once (SIGTERM/SIGINT): no new start, the engine killed and reaped, one still loading too."""
+        engine = self._detach()
         if engine is not None:
             if hasattr(engine, "abandon"):
                 engine.abandon("the server is stopping")
@@ -408,10 +413,6 @@ class EngineHost:
         end_children(timeout=2.0)
 
     async def close(self) -> None:
-        engine, self._engine = self._engine, None
-        if self._starting is not None and not self._starting.done():
-            self._starting.cancel()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        engine = self._detach()
         if engine is not None:
             await asyncio.to_thread(engine.close)
