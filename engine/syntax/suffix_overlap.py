@@ -195,9 +195,9 @@ def repeats_a_suffix_line(completion: str, line_prefix: str, after_cursor: str) 
     """A looser measure for benches, not a cut rule: does any whole line of `completion` of at least
     LINE_MIN_CHARS non-space chars equal one of the next WINDOW non-blank lines after the cursor's line?
 
-    It counts a single line anywhere in the window, which the cut rules leave alone when it is
-    shorter than LONG_MIN_CHARS (`return None` in a branch, with another `return None` below), so
-    it bounds the re-typing rate from above.
+    It counts a single line anywhere in the window, at any indentation, which the cut rules leave
+    alone in another branch or block (`return None` in an `if`, with another `return None` below),
+    so it bounds the re-typing rate from above.
     """
     ov = SuffixOverlap(line_prefix, after_cursor)
     below = set(ov.texts[1:] if ov.has_rest else ov.texts)
