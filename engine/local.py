@@ -95,6 +95,7 @@ class LocalEngine:
         self._last_submit = 0.0  # time.monotonic() of the latest completion submitted
         self._last_message = time.monotonic()  # ... and of the host's latest completion, pre-warm or forget
         self._reanchoring: set[str] = set()  # documents whose pending pre-warm is a re-anchor
+        self._looping = False  # the request loop runs (a worker thread, or serve_forever in the engine process)
         self._submitted: dict[str, int] = {}  # completions submitted per document (a pre-warm's staleness)
         self._waiting = 0  # completions submitted and not yet started
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
@@ -197,6 +198,7 @@ class LocalEngine:
             self._counters[name] += n
 
     def _run(self) -> None:
+        self._looping = True
         if self._threads:
             torch.set_num_threads(self._threads)
         while True:
@@ -216,9 +218,9 @@ class LocalEngine:
             self._handle(item)
 
     def _window_left(self) -> float:
-        """Seconds of background work left before the engine goes quiet (always some without a worker
-        thread: run_pending's caller asked for the work)."""
-        if self._worker is None:
+        """Seconds of background work left before the engine goes quiet (always some outside the request
+        loop: run_pending's caller asked for the work)."""
+        if not self._looping:
             return BACKGROUND_S
         with self._lock:
             return self._last_message + BACKGROUND_S - time.monotonic()

@@ -120,14 +120,17 @@ def test_a_cold_spot_answers_from_a_small_prompt_while_the_full_one_fills(target
 
 
 def test_background_work_waits_once_the_host_goes_quiet(target, monkeypatch):
+    import threading
     import time
 
     import engine.local
 
     text = stdlib_source(target.encode, 900)
-    eng = LocalEngine(target, None)  # with its worker thread, as in the engine process
+    eng = LocalEngine(target, None, start_thread=False)  # its request loop as the engine process runs it
+    loop = threading.Thread(target=eng.serve_forever, daemon=True)
+    loop.start()
     try:
-        monkeypatch.setattr(engine.local, "BACKGROUND_S", 0.0)  # the window has closed
+        monkeypatch.setattr(engine.local, "BACKGROUND_S", 1e-6)  # the window closes right after each message
         eng.prewarm(request(text, "", doc="quiet"))
         time.sleep(0.5)
         assert eng.counters()["tokens_prewarmed"] == 0  # nothing ran, nothing was dropped
