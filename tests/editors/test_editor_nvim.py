@@ -546,6 +546,39 @@ def test_suggestion_ending_in_a_line_break_draws_no_phantom_line(editor, tmp_pat
         _normal_mode(editor)
 
 
+def test_final_text_replaces_the_streamed_one_even_when_shorter(editor, tmp_path):
+    """The `done` delta's text is the suggestion (what is drawn and what Tab inserts), also when validation
+    cut it shorter than the text streamed so far; nothing after it grows the suggestion again."""
+    editor.open_demo(tmp_path, "final.py")
+    editor.start_typing_at_line7("for")
+    sug = editor.wait_stream_done()
+    full = editor.wait_ghost()
+    assert full == sug["text"], (full, sug)
+    cut = full[:max(1, len(full) // 2)].rstrip("\n") or full[:1]
+    inject = """
+        local f = require('fimble')
+        local id = f.debug().client_id
+        local c = vim.lsp.get_client_by_id(id)
+        local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+        local text, done, req_id, pos = ...
+        local params = { requestId = req_id, uri = vim.uri_from_bufnr(0), version = 0, position = pos,
+                         text = text, done = done, finishReason = done and 'stop' or vim.NIL }
+        c.handlers['fimble/completionDelta'](nil, params, { client_id = id, method = 'fimble/completionDelta' })
+    """
+    req_id = editor.debug()["request_id"]
+    pos = {"line": sug["row"], "character": sug["col"]}
+    editor.lua(inject, cut, True, req_id, pos)  # the decode's final word, shorter than what streamed
+    wait_until(lambda: editor.ghost() and editor.ghost()[1] == cut, "the shorter final text to be drawn",
+               show=editor.state)
+    editor.lua(inject, full + "\nx = 1", False, req_id, pos)  # a late, longer delta changes nothing
+    assert editor.ghost()[1] == cut and editor.debug()["suggestion"]["text"] == cut
+    row, col = editor.cursor()
+    line0 = editor.line()
+    editor.nv.input("<Tab>")
+    wait_until(lambda: editor.line(row) == line0 + cut, "Tab to insert the final text", show=editor.state)
+    _normal_mode(editor)
+
+
 def test_no_request_on_insert_enter_only_after_an_edit(editor, tmp_path):
     editor.open_demo(tmp_path, "enter.py")
     before = editor.debug()["counters"]["requests"]
@@ -576,6 +609,21 @@ def test_log_shows_each_event_once(editor, tmp_path):
     cancels = [line.split(" ", 1)[1] for line in out if " cancel request " in f" {line}"]
     assert len(cancels) == len(set(cancels)), cancels  # each request cancelled (and logged) once
     assert d["counters"]["cancelled"] <= d["counters"]["requests"], d["counters"]
+
+
+def test_restart_starts_a_new_server_and_suggestions_come_back(editor, tmp_path):
+    # (After the tests that read the log: request ids start again with the new server.)
+    editor.open_demo(tmp_path, "restart.py")
+    old = editor.debug()["client_id"]
+    editor.nv.command("FimbleRestart")
+    wait_until(lambda: editor.debug().get("client_id") not in (None, old) and editor.debug().get("attached"),
+               "a new server attached to the buffer", show=editor.state)
+    stopped = "local c = vim.lsp.get_client_by_id(...) return c == nil or require('fimble.compat').is_stopped(c)"
+    assert editor.lua(stopped, old), "the old server is stopped"
+    editor.start_typing_at_line7("for")
+    text = editor.wait_ghost()
+    assert text and editor.debug()["client_id"] != old
+    _normal_mode(editor)
 
 
 def test_status_loading_then_latency_and_user_languages(nvim_bin, tmp_path):

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Real VS Code end to end: code-server 4.100.3 (VS Code 1.100.3) from npm, Debian's chromium driven by
-# playwright-core over CDP, the built fimble .vsix, the real `fimble lsp` and the embedded model.
+# playwright-core over CDP, the built fimble .vsix and the real `fimble lsp`, once with each model:
+# the default one (no model set: Qwen2.5-Coder-0.5B once `training.fetch_qwen` installed it; multi-line
+# completions) and the small embedded one (one-line completions).
 #
-#   tests/editors/vscode_e2e.sh            install (cached), build the .vsix, run the driver
+#   tests/editors/vscode_e2e.sh            install (cached), build the .vsix, run the driver per model
 #   tests/editors/vscode_e2e.sh install    only the install (for a warm cache)
+#   FIMBLE_E2E_MODELS=default tests/editors/vscode_e2e.sh    one model only (default, embedded)
 #
-# Too slow for CI's budget (a cold install is ~10 minutes on 2 cores, a run 3-6 minutes): it runs from
-# here, and its latest output is committed as docs/e2e/vscode-latest.txt (with a screenshot,
-# docs/screenshots/vscode-ghost-text.png). See tests/editors/README.
+# Too slow for CI's budget (a cold install is ~10 minutes on 2 cores, a run 4-8 minutes per model): it
+# runs from here, and its latest output is committed as docs/e2e/vscode-latest.txt (default model, with
+# a screenshot, docs/screenshots/vscode-ghost-text.png) and docs/e2e/vscode-latest-embedded.txt.
+# See tests/editors/README.
 #
 # The install uses only npm and apt (nothing else is reachable here): code-server's postinstall downloads
 # ripgrep from GitHub, so it is installed with --ignore-scripts and the postinstall's steps are done by
@@ -114,14 +118,22 @@ main() {
   if [ "${1:-}" = "install" ]; then
     return 0
   fi
-  local vsix
+  local vsix model name shot status rc=0
   vsix="$(build_vsix)"
   mkdir -p "$OUT"
-  log "running the driver (output: $OUT/vscode-latest.txt)"
-  NODE_PATH="$DRIVER_DIR/node_modules" FIMBLE_CODE_SERVER="$CS/out/node/entry.js" FIMBLE_VSIX="$vsix" \
-    FIMBLE_REPO="$REPO" FIMBLE_E2E_OUT="$OUT" \
-    node "$REPO/tests/editors/vscode_e2e_driver.js" "$@" 2>&1 | tee "$OUT/vscode-latest.txt"
-  return "${PIPESTATUS[0]}"
+  for model in ${FIMBLE_E2E_MODELS:-default embedded}; do
+    case "$model" in
+      default) name=vscode-latest shot="$REPO/docs/screenshots/vscode-ghost-text.png" ;;
+      embedded) name=vscode-latest-embedded shot="" ;;
+      *) log "unknown model '$model' in FIMBLE_E2E_MODELS (default, embedded)"; return 2 ;;
+    esac
+    log "running the driver with the $model model (output: $OUT/$name.txt)"
+    NODE_PATH="$DRIVER_DIR/node_modules" FIMBLE_CODE_SERVER="$CS/out/node/entry.js" FIMBLE_VSIX="$vsix" \
+      FIMBLE_REPO="$REPO" FIMBLE_E2E_OUT="$OUT" FIMBLE_E2E_MODEL="$model" FIMBLE_E2E_NAME="$name" FIMBLE_E2E_SHOT="$shot" \
+      node "$REPO/tests/editors/vscode_e2e_driver.js" "$@" 2>&1 | tee "$OUT/$name.txt" && status=0 || status="${PIPESTATUS[0]}"
+    [ "$status" -eq 0 ] || rc=1
+  done
+  return "$rc"
 }
 
 main "$@"

@@ -1,11 +1,15 @@
 #!/usr/bin/env node
 // Real VS Code (code-server 4.100.3 = VS Code 1.100.3) with the built fimble .vsix, the real `fimble lsp`
-// (through lsp_tap.js, which logs what the server sent) and the embedded model, driven in Debian's
-// chromium by playwright-core over CDP. Run by tests/editors/vscode_e2e.sh, which installs everything.
+// (through lsp_tap.js, which logs what the server sent) and a real model, driven in Debian's chromium by
+// playwright-core over CDP. Run by tests/editors/vscode_e2e.sh, which installs everything.
+// FIMBLE_E2E_MODEL: `default` (no model set: the server's default, Qwen2.5-Coder-0.5B once installed,
+// whose completions are often several lines) or `embedded` (FIMBLE_DEFAULT_MODEL=embedded: the small
+// embedded model, one-line completions).
 //
 // With auto-closing brackets and auto-indent on, it types real keystrokes into real Python files and,
 // for each of 20 scripted completions, checks:
-//   - the ghost text VS Code shows at the end equals the server's final text (its `done` delta);
+//   - the ghost text VS Code shows at the end equals the server's final text (its `done` delta), every
+//     line of it (the first inline, the others in the view zone under the cursor's line);
 //   - accepting (Tab, next word, next line) leaves the document as the server's text says (Tab: exactly
 //     text before + final text over its range + text after; word / line: a prefix of it);
 //   - no doubled bracket on the accepted line, and no indentation added to the editor's auto-indent;
@@ -25,8 +29,22 @@ const REPO = process.env.FIMBLE_REPO;
 const CODE_SERVER = process.env.FIMBLE_CODE_SERVER;
 const VSIX = process.env.FIMBLE_VSIX;
 const OUT = process.env.FIMBLE_E2E_OUT;
-const SHOT = path.join(REPO, 'docs', 'screenshots', 'vscode-ghost-text.png');
+// Where the chosen screenshot goes (the script sets it for the default model's run); none if unset.
+const SHOT = process.env.FIMBLE_E2E_SHOT ? path.resolve(process.env.FIMBLE_E2E_SHOT) : '';
 const WANT = Number(process.env.FIMBLE_E2E_COMPLETIONS || 20);
+const MODEL = process.env.FIMBLE_E2E_MODEL || 'default';
+if (!['default', 'embedded'].includes(MODEL)) throw new Error(`FIMBLE_E2E_MODEL=${MODEL}: not default or embedded`);
+// Waits are for texts, never timed checks: generous, for the default model on a loaded 2-core machine.
+const FINAL_WAIT_MS = Number(process.env.FIMBLE_E2E_FINAL_WAIT_MS || 120000);
+const GHOST_WAIT_MS = 30000;
+// Output name: $FIMBLE_E2E_OUT/<name>.json (the script tees the text to <name>.txt).
+const NAME = process.env.FIMBLE_E2E_NAME || 'vscode-latest';
+// Completions tried after the restart until one has a suggestion (a spot may have none).
+const RESTART_SCENARIOS = [
+  { keys: 'def double(x):\n', accept: 'tab' },
+  { keys: 'def triple(x):\n    return ', accept: 'tab' },
+  { keys: 'def halve(x):\n', accept: 'tab' },
+];
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 const t0 = Date.now();
@@ -184,7 +202,7 @@ async function main() {
   const settings = {
     'fimble.server.command': process.execPath,
     'fimble.server.args': [path.join(REPO, 'tests', 'editors', 'lsp_tap.js'), fimbleBin, 'lsp'],
-    'fimble.server.env': { FIMBLE_TAP_LOG: tapLog },
+    'fimble.server.env': MODEL === 'embedded' ? { FIMBLE_TAP_LOG: tapLog, FIMBLE_DEFAULT_MODEL: 'embedded' } : { FIMBLE_TAP_LOG: tapLog },
     'editor.autoClosingBrackets': 'always',
     'editor.autoClosingQuotes': 'always',
     'editor.autoIndent': 'full',
@@ -231,6 +249,10 @@ async function main() {
   };
   process.on('exit', cleanup);
   const results = [];
+  const loads = [os.loadavg()[0]];
+  const loadTimer = setInterval(() => loads.push(os.loadavg()[0]), 5000);
+  const loadAtStart = os.loadavg();
+  let modelName = '?';
   let restartOk = false;
   let sawLoading = false;
   let statusSeenCount = 0;
@@ -254,10 +276,19 @@ async function main() {
     await ctx.addInitScript(() => {
       window.__fimble = { lastKey: 0, events: [], status: [], suggestWidget: 0 };
       document.addEventListener('keydown', () => (window.__fimble.lastKey = performance.now()), true);
-      const ghost = () => {
-        const parts = [...document.querySelectorAll('.monaco-editor.focused .ghost-text-decoration, .monaco-editor.focused .ghost-text-decoration-preview, .monaco-editor.focused .ghost-text .view-line')];
-        return parts.map((e) => e.textContent).join('\u0001');
+      // The ghost text VS Code 1.100 shows in the focused editor (its ghostTextView.ts): the first line
+      // inline (`.ghost-text-decoration` spans, `-preview` for a suggest-widget preview), each further
+      // line in a view zone (`.suggest-preview-text .view-line`) whose ghost part is in `.ghost-text`
+      // spans; the last such line ends with the rest of the cursor's line, in plain spans, not counted.
+      window.__fimbleGhost = () => {
+        const ed = document.querySelector('.monaco-editor.focused');
+        if (!ed) return null;
+        const inline = [...ed.querySelectorAll('.ghost-text-decoration, .ghost-text-decoration-preview')].map((e) => e.textContent).join('');
+        const more = [...ed.querySelectorAll('.suggest-preview-text .view-line')]
+          .map((line) => [...line.querySelectorAll('.ghost-text')].map((e) => e.textContent).join(''));
+        return [inline, ...more].join('\n').replace(/\u00a0/g, ' ');
       };
+      const ghost = () => window.__fimbleGhost() || '';
       let last = '';
       new MutationObserver(() => {
         const st = [...document.querySelectorAll('.statusbar-item')].map((e) => e.textContent || '').find((t) => /fimble/.test(t));
@@ -277,13 +308,7 @@ async function main() {
     say('workbench up');
     const tap = new Tap(tapLog);
     const statusText = () => page.evaluate(() => [...document.querySelectorAll('.statusbar-item')].map((e) => e.textContent || '').find((t) => /fimble/.test(t)) || '');
-    const ghostNow = () => page.evaluate(() => {
-      const ed = document.querySelector('.monaco-editor.focused');
-      if (!ed) return null;
-      const inline = [...ed.querySelectorAll('.ghost-text-decoration, .ghost-text-decoration-preview')].map((e) => e.textContent).join('');
-      const lines = [...ed.querySelectorAll('.ghost-text .view-line')].map((e) => e.textContent);
-      return (inline + (lines.length ? '\n' + lines.join('\n') : '')).replace(/\u00a0/g, ' ');
-    });
+    const ghostNow = () => page.evaluate(() => window.__fimbleGhost());
     const command = async (name) => {
       await page.keyboard.press('F1');
       await page.waitForSelector('.quick-input-widget input', { state: 'visible' });
@@ -315,6 +340,7 @@ async function main() {
     };
 
     let best;
+    let bestMulti;
     let done = 0;
     let index = 0;
     const runScenario = async (sc, label) => {
@@ -340,11 +366,11 @@ async function main() {
         const version = tap.latestVersion(uri);
         fin = tap.finalFor(uri, version);
         if (fin) break;
-        if (!triggered && Date.now() - tKeys > 20000) {
+        if (!triggered && Date.now() - tKeys > FINAL_WAIT_MS / 2) {
           triggered = true;
           await page.keyboard.press('Alt+Backslash'); // ask explicitly once
         }
-        if (Date.now() - tKeys > 45000) break;
+        if (Date.now() - tKeys > FINAL_WAIT_MS) break;
         await sleep(150);
       }
       const r = { label, name, keys: sc.keys, accept: sc.accept, note: sc.note || '' };
@@ -367,7 +393,7 @@ async function main() {
         ghost = await waitFor(async () => {
           const g = await ghostNow();
           return g !== null && want.has(normalise(g)) ? g : undefined;
-        }, 'the ghost text to equal the final text', 8000, 100);
+        }, 'the ghost text to equal the final text', GHOST_WAIT_MS, 100);
       } catch {
         ghost = await ghostNow();
       }
@@ -385,6 +411,10 @@ async function main() {
         await page.screenshot({ path: shot });
         const score = (replaced.trim() ? 5000 : 0) + ghost.split('\n').length * 1000 + Math.min(ghost.length, 70) - (ghost.length > 70 ? 3000 : 0);
         if (!best || score > best.score) best = { shot, score, name };
+        // And one of a suggestion of several lines (the most lines, then a length that fits).
+        const lines = ghost.split('\n').length;
+        const multiScore = lines * 1000 + Math.min(ghost.length, 200) - (ghost.split('\n').some((l) => l.length > 90) ? 3000 : 0);
+        if (lines > 1 && (!bestMulti || multiScore > bestMulti.score)) bestMulti = { shot, score: multiScore, name };
       }
       // Accept.
       const cursorLineBefore = docText.slice(docText.lastIndexOf('\n', at - 1) + 1, at);
@@ -397,14 +427,25 @@ async function main() {
       await sleep(600);
       const after = fs.readFileSync(file, 'utf8');
       const expectFull = docText.slice(0, at) + serverText + docText.slice(end);
-      if (sc.accept === 'tab') r.docOk = after === expectFull;
-      else {
+      const rest = docText.slice(end);
+      if (sc.accept === 'tab') {
+        r.docOk = after === expectFull;
+        // What Tab inserted, read from the document alone, against the ghost text that was shown.
+        const inserted = after.startsWith(docText.slice(0, at)) && after.endsWith(rest) && after.length - rest.length >= at
+          ? after.slice(at, after.length - rest.length) : null;
+        r.inserted = inserted;
+        r.insertedEqualsShown = inserted !== null && ghost !== null && ghostCandidates(inserted, replaced).has(normalise(ghost));
+      } else {
         // A partial accept inserts a prefix P of the text; the closers it would replace stay (P + rest)
         // or are replaced when P re-types them (P + rest after the range).
         const okWith = (rest) => after.endsWith(rest) && after.length - rest.length >= at && after.slice(0, at) === docText.slice(0, at)
           && (() => { const p = after.slice(at, after.length - rest.length); return p.length > 0 && serverText.startsWith(p); })();
         r.docOk = okWith(docText.slice(at)) || okWith(docText.slice(end));
+        // P is a prefix of the final text, which is what was shown: P is a prefix of what was shown.
+        r.insertedEqualsShown = r.docOk && r.ghostEqualsFinal;
       }
+      r.ghostLines = ghost === null ? 0 : ghost.split('\n').length;
+      r.finalLines = serverText.replace(/\n+$/, '').split('\n').length;
       // Checks on the accepted line(s): no doubled closer, no indentation added to the editor's auto-indent.
       const lineStart = docText.lastIndexOf('\n', at - 1) + 1;
       const acceptedLine = after.slice(lineStart).split('\n')[0];
@@ -412,8 +453,9 @@ async function main() {
       r.doubledBracket = unmatchedClosers(acceptedLine) > 0;
       const onBlankIndent = /^[ \t]*$/.test(cursorLineBefore);
       r.addedIndent = onBlankIndent && /^[ \t]/.test(serverText);
-      r.outcome = r.ghostEqualsFinal && r.docOk && !r.doubledBracket && !r.addedIndent ? 'ok' : 'FAIL';
-      say(`${label} ${name} [${sc.accept}] ${r.outcome}: ghost==final ${r.ghostEqualsFinal}, doc ${r.docOk}, doubled ${r.doubledBracket}, ` +
+      r.outcome = r.ghostEqualsFinal && r.docOk && r.insertedEqualsShown && !r.doubledBracket && !r.addedIndent ? 'ok' : 'FAIL';
+      say(`${label} ${name} [${sc.accept}] ${r.outcome}: ${r.finalLines} line(s); ghost==final ${r.ghostEqualsFinal}, ` +
+        `${sc.accept === 'tab' ? 'inserted==ghost' : 'inserted a prefix of ghost'} ${r.insertedEqualsShown}, doc ${r.docOk}, doubled ${r.doubledBracket}, ` +
         `added indent ${r.addedIndent}, latency ${r.latencyMs} ms; line: ${JSON.stringify(acceptedLine)}`);
       if (r.outcome !== 'ok') say(`   server final ${JSON.stringify(serverText)} (replaces ${JSON.stringify(replaced)}); ghost ${JSON.stringify(ghost)}`);
       done++;
@@ -427,6 +469,9 @@ async function main() {
     const ready = () => tap.read().some((e) => e.method === 'fimble/status' && e.params && e.params.state === 'ready');
     await waitFor(async () => ready() && /fimble/.test(await statusText()) && !/loading|starting/.test(await statusText()), 'fimble ready in the status bar', 180000, 250);
     say(`status bar when ready: ${JSON.stringify(await statusText())}`);
+    const readyStatus = tap.read().find((e) => e.method === 'fimble/status' && e.params && e.params.state === 'ready');
+    modelName = readyStatus.params.model || '?';
+    say(`model: ${modelName} (FIMBLE_E2E_MODEL=${MODEL})`);
     const statusSeen = await page.evaluate(() => window.__fimble.status);
     say(`status bar texts so far: ${JSON.stringify(statusSeen)}`);
     sawLoading = statusSeen.some((t) => /loading model/.test(t));
@@ -451,15 +496,24 @@ async function main() {
     const fromRestart = afterRestart.slice(Math.max(0, afterRestart.findIndex((t) => /starting|stopped/.test(t))));
     say(`status bar texts during the restart: ${JSON.stringify(fromRestart.slice(0, 6))}`);
     restartLoading = fromRestart.some((t) => /loading model/.test(t));
-    const again = await runScenario({ keys: 'def double(x):\n', accept: 'tab' }, 'restart');
-    restartOk = again.outcome === 'ok';
-    results.push(again);
+    for (const sc of RESTART_SCENARIOS) {
+      const again = await runScenario(sc, 'restart');
+      results.push(again);
+      if (again.outcome === 'no suggestion') continue;
+      restartOk = again.outcome === 'ok'; // the first completion after the restart decides
+      break;
+    }
     suggestWidget = await page.evaluate(() => window.__fimble.suggestWidget);
     const chosen = best;
-    if (chosen) {
+    if (chosen && SHOT) {
       fs.mkdirSync(path.dirname(SHOT), { recursive: true });
       fs.copyFileSync(chosen.shot, SHOT);
       say(`screenshot: ${chosen.name} -> ${path.relative(REPO, SHOT)}`);
+    }
+    if (bestMulti && SHOT) {
+      const multiShot = SHOT.replace(/\.png$/, '-multiline.png');
+      fs.copyFileSync(bestMulti.shot, multiShot);
+      say(`screenshot of a suggestion of several lines: ${bestMulti.name} -> ${path.relative(REPO, multiShot)}`);
     }
   } catch (err) {
     try {
@@ -469,27 +523,40 @@ async function main() {
     } catch {}
     throw err;
   } finally {
+    clearInterval(loadTimer);
     const ok = results.filter((r) => r.label !== 'restart' && r.outcome === 'ok').length;
     const counted = results.filter((r) => r.label !== 'restart' && r.outcome !== 'no suggestion');
+    const multi = counted.filter((r) => r.finalLines > 1);
+    const restarted = results.filter((r) => r.label === 'restart' && r.outcome !== 'no suggestion');
     const sorted = [...latencies].sort((a, b) => a - b);
     const pct = (p) => (sorted.length ? sorted[Math.min(sorted.length - 1, Math.floor(p * sorted.length))] : null);
     console.log('\n== summary ==');
-    console.log(`completions: ${counted.length} (no suggestion at ${results.filter((r) => r.outcome === 'no suggestion').length} spots)`);
-    console.log(`ghost text == server's final text: ${counted.filter((r) => r.ghostEqualsFinal).length}/${counted.length}`);
+    console.log(`model: ${modelName} (FIMBLE_E2E_MODEL=${MODEL})`);
+    console.log(`completions: ${counted.length} (no suggestion at ${results.filter((r) => r.label !== 'restart' && r.outcome === 'no suggestion').length} spots); ` +
+      `final text of 2+ lines: ${multi.length}/${counted.length}`);
+    console.log(`ghost text == server's final text: ${counted.filter((r) => r.ghostEqualsFinal).length}/${counted.length} ` +
+      `(2+ lines: ${multi.filter((r) => r.ghostEqualsFinal).length}/${multi.length})`);
+    console.log(`accepted text == ghost text shown (Tab: what it inserted; next word / line: a prefix of it): ` +
+      `${counted.filter((r) => r.insertedEqualsShown).length}/${counted.length}`);
     console.log(`document after accept as the server's text says: ${counted.filter((r) => r.docOk).length}/${counted.length}`);
     console.log(`doubled brackets: ${counted.filter((r) => r.doubledBracket).length}/${counted.length}`);
     console.log(`added indentation: ${counted.filter((r) => r.addedIndent).length}/${counted.length}`);
-    console.log(`restart recovery: ${restartOk ? 'ok' : 'FAILED'}`);
+    const rs = restarted[0];
+    console.log(`restart recovery: ${restartOk ? 'ok' : 'FAILED'}` + (rs ? ` (first completion after the restart: ${rs.finalLines} line(s), ghost==final ${rs.ghostEqualsFinal}, ` +
+      `inserted==ghost ${rs.insertedEqualsShown}, doc ${rs.docOk}; spots tried ${results.filter((r) => r.label === 'restart').length})` : ' (no completion after the restart)'));
     console.log(`status bar showed "loading model" before ready: at start ${sawLoading}, after the restart ${restartLoading}`);
     console.log(`keystroke-to-ghost-text latency (ms, n=${sorted.length}): median ${pct(0.5)}, p90 ${pct(0.9)}, min ${sorted[0]}, max ${sorted[sorted.length - 1]}`);
     try {
       console.log(`suggest widget shown while typing the scenarios: ${suggestWidget} times (word-based suggestions are off for Python)`);
     } catch {}
-    console.log(`load average: ${os.loadavg().map((x) => x.toFixed(2)).join(' ')}; cores: ${os.cpus().length}`);
-    console.log(`screenshot: ${fs.existsSync(SHOT) ? path.relative(REPO, SHOT) : 'none'}`);
+    const la = (v) => v.map((x) => x.toFixed(2)).join(' ');
+    const mean = loads.reduce((a, b) => a + b, 0) / loads.length;
+    console.log(`load average: at start ${la(loadAtStart)}, at end ${la(os.loadavg())}; 1-minute load sampled every 5 s: ` +
+      `mean ${mean.toFixed(2)}, min ${Math.min(...loads).toFixed(2)}, max ${Math.max(...loads).toFixed(2)}; cores: ${os.cpus().length}`);
+    console.log(`screenshot: ${SHOT && fs.existsSync(SHOT) ? path.relative(REPO, SHOT) : 'none'}`);
     const pass = counted.length >= WANT && ok === counted.length && restartOk && sawLoading;
     console.log(`RESULT: ${pass ? 'PASS' : 'FAIL'} (${ok}/${counted.length} completions ok)`);
-    fs.writeFileSync(path.join(OUT, 'vscode-latest.json'), JSON.stringify({ results, latencies }, null, 1));
+    fs.writeFileSync(path.join(OUT, `${NAME}.json`), JSON.stringify({ model: modelName, results, latencies, loads }, null, 1));
     cleanup();
     process.exitCode = pass ? 0 : 1;
   }

@@ -15,6 +15,11 @@
 -- text before it). It is shown only while the buffer between the anchor and the cursor equals the start
 -- of the suggestion (the user typed along it); anything else hides it at once, so a stale suggestion
 -- is never shown or inserted.
+--
+-- What is shown is what <Tab> inserts: both are the suggestion's text. While the model streams, the text
+-- only grows (an early answer shorter than the stream so far changes nothing); once the decode has
+-- ended, the server's final text (the `done` delta, PROTOCOL.md) replaces it, also when validation cut
+-- it shorter, and no later answer changes it. (A trailing line break is inserted but not drawn.)
 local compat = require("fimble.compat")
 
 local M = {}
@@ -248,9 +253,16 @@ function M.dismiss()
   clear_marks()
 end
 
--- New text for a request (from its answer or a delta): it becomes the suggestion if it grows.
-local function update_text(req, text)
-  if type(text) ~= "string" or #text <= #req.text then
+-- New text for a request (from its answer or a delta): it becomes the suggestion if it grows, or if it
+-- is the decode's final text (`final`: the server's last word, which may be shorter).
+local function update_text(req, text, final)
+  if type(text) == "string" and final and text ~= req.text then
+    req.text = text
+    S.sugg = req
+    render()
+    return
+  end
+  if type(text) ~= "string" or #text <= #req.text or req.final then
     if S.sugg ~= req and req.text ~= "" then
       S.sugg = req
       render()
@@ -307,20 +319,32 @@ local function on_response(req, err, result)
   update_text(req, text)
 end
 
-local function on_delta(_, params)
+-- A `done` delta whose decode ended (not cut short by an edit, a newer request or a cancel: those
+-- repeat the text already sent) carries the final text.
+local decode_ends = { stop = true, eos = true, length = true, context = true, error = true }
+
+local function on_delta(_, params, ctx)
   S.counters.deltas = S.counters.deltas + 1
   local req = S.req
   if type(params) ~= "table" or not req or params.requestId ~= req.id then
     return -- another request's stream: never shown
   end
+  if type(ctx) == "table" and ctx.client_id and ctx.client_id ~= S.client_id then
+    return -- a server being stopped (a restart): request ids are per server
+  end
   if not req.command and params.completionId then
     req.command = { title = "Accept completion", command = "fimble.acceptCompletion", arguments = { params.completionId } }
   end
+  local final = false
   if params.done then
     req.done = true
     req.finish = params.finishReason
+    final = decode_ends[params.finishReason] == true and type(params.text) == "string"
   end
-  update_text(req, params.text)
+  update_text(req, params.text, final)
+  if final then
+    req.final = true
+  end
 end
 
 --- Ask the server for a suggestion at the cursor (the typing autocmds call this after the debounce).
@@ -544,9 +568,12 @@ local function parse_languages(value)
 end
 
 -- fimble/status (PROTOCOL.md): the engine's state, the model's languages and the first latency.
-local function on_status(_, params)
+local function on_status(_, params, ctx)
   if type(params) ~= "table" then
     return
+  end
+  if type(ctx) == "table" and ctx.client_id and ctx.client_id ~= S.client_id then
+    return -- a server being stopped (a restart)
   end
   local old = S.status
   S.status = params
@@ -602,9 +629,12 @@ local function client_config()
         schedule_request()
       end
     end,
-    on_exit = function(code, signal)
+    on_exit = function(code, signal, client_id)
       log("server exited: code %s, signal %s", tostring(code), tostring(signal))
       vim.schedule(function()
+        if client_id ~= nil and S.client_id ~= nil and client_id ~= S.client_id then
+          return -- the server a restart stopped: its successor runs
+        end
         M.dismiss()
         S.client_id = nil
         S.status = nil
@@ -830,6 +860,39 @@ function M.statusline()
   return st.state == "ready" and "fimble ready" or "fimble"
 end
 
+--- Stop the server and start a new one (:FimbleRestart): the buffers are attached to it again once it has
+--- said which languages it serves. The old server gets the LSP shutdown; past `timeout_ms` (10 s) it is killed.
+function M.restart(timeout_ms)
+  local old = client()
+  M.dismiss()
+  S.client_id, S.status, S.languages_known, S.exit_reason, S.start_error = nil, nil, false, nil, nil
+  S.last_latency_ms = nil
+  S.cursor_sent = nil
+  log("restarting the server")
+  local function start()
+    attach_all()
+    redraw_status()
+  end
+  if not old then
+    return start()
+  end
+  vim.lsp.stop_client(old.id)
+  local waited = 0
+  local timer = compat.uv.new_timer()
+  timer:start(50, 50, vim.schedule_wrap(function()
+    waited = waited + 50
+    if not compat.is_stopped(old) and waited < (timeout_ms or 10000) then
+      return
+    end
+    timer:stop()
+    timer:close()
+    if not compat.is_stopped(old) then
+      vim.lsp.stop_client(old.id, true)
+    end
+    start()
+  end))
+end
+
 function M.toggle(on)
   if on == nil then
     on = not S.enabled
@@ -919,6 +982,9 @@ function M.setup(opts)
       print(line)
     end
   end, { desc = "fimble: server state, latency and counters" })
+  vim.api.nvim_create_user_command("FimbleRestart", function()
+    M.restart()
+  end, { desc = "fimble: restart the server" })
   vim.api.nvim_create_user_command("FimbleToggle", function()
     print("fimble " .. (M.toggle() and "enabled" or "disabled"))
   end, { desc = "fimble: turn suggestions on or off" })
