@@ -78,7 +78,8 @@ class Daemon:
             if not warm_graphs:
                 cmd.append("--no-warm-graphs")
         else:
-            cmd = [sys.executable, "-m", "lsp_server", "serve", "--port", "0", *extra]
+            # --no-token: the benchmark's own loopback daemon (a token is required by default, lsp_server/auth.py)
+            cmd = [sys.executable, "-m", "lsp_server", "serve", "--port", "0", "--no-token", *extra]
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,

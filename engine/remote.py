@@ -45,6 +45,7 @@ from engine.api import CompletionRequest, CompletionResult, CompletionStream, De
 from engine.decoding.detok import StopRules
 from engine.errors import FimbleError
 from engine.fim import TEMPLATES, FimTemplate, template_by_name
+from lsp_server.auth import is_loopback, port_token
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class RemoteEngine:
         self._host, self._port = parts.hostname or "", parts.port or (443 if self._https else 80)
         self._path = parts.path or ("/v1" if spec.kind == "openai" else "")
         self._token = read_token(spec.token_file) if spec.token_file else None
+        self._local = self._token is None and is_loopback(self._host)  # then look for a local daemon's token file
         self._ssl = ssl.create_default_context() if self._https else None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -285,8 +287,11 @@ class RemoteEngine:
             "Accept": "text/event-stream" if stream else "application/json",
             "User-Agent": "fimble/0.1",
         }
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
+        token = self._token
+        if token is None and self._local:  # a `fimble serve` on this machine: the token it left for its port,
+            token = port_token(self._port)  # read each time (a restarted daemon has a new one)
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         return headers
 
     def describe(self, what: str) -> str:

@@ -45,6 +45,38 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="allow plain http to an engine that is not on loopback (code and token travel unencrypted)")
 
 
+def _add_token_args(p: argparse.ArgumentParser, what: str) -> None:
+    """The listener's token flags (lsp_server/auth.py): a token is required by default, on loopback too."""
+    p.add_argument("--token-file", metavar="PATH",
+                   help="clients must present the token on this file's first line (default: a new random token, "
+                        "printed to stderr and left in a file only you can read, named on stderr)")
+    p.add_argument("--no-token", action="store_true",
+                   help=f"no token, for local tooling; loopback only. Then every program and every user of this "
+                        f"machine can connect to {what} and read what its clients send (web pages still cannot: "
+                        "a WebSocket needs an allowed Origin, TCP an LSP header first)")
+    p.add_argument("--require-token", action="store_true", help="(the default now; kept for older scripts)")
+
+
+def token_choice(args: argparse.Namespace, host: str, loopback: bool) -> tuple[str | None, bool]:
+    """The listener's token (None with --no-token) and whether it was generated (the listener prints it once it
+    listens, as Jupyter does). Checks the token flags against each other and the address; a user error is one
+    line."""
+    from lsp_server import auth
+
+    if args.no_token:
+        if not loopback:
+            raise FimbleError(f"--no-token is for loopback addresses only: on {host} other machines could "
+                              "connect without one")
+        if args.token_file or args.require_token:
+            raise FimbleError("--no-token contradicts --token-file and --require-token")
+        print("fimble: WARNING: no token (--no-token): every program and user of this machine can connect",
+              file=sys.stderr, flush=True)
+        return None, False
+    if args.token_file:
+        return auth.read_token(args.token_file), False
+    return auth.new_token(), True
+
+
 def _remote_spec(args: argparse.Namespace):
     """The --engine flags as an engine.remote.RemoteSpec (None: the local model), checked now."""
     given = [f for f in ("remote_model", "remote_template", "engine_token_file") if getattr(args, f)]
@@ -82,10 +114,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="listen on TCP, one session per connection (host defaults to 127.0.0.1)")
     lsp.add_argument("--ws", metavar="HOST:PORT", help="listen for WebSocket clients (text frames), one session each")
     lsp.add_argument("--allow-remote", action="store_true",
-                     help="allow --tcp/--ws on an address that is not loopback (a token is then required)")
-    lsp.add_argument("--require-token", action="store_true", help="require the token on loopback too")
-    lsp.add_argument("--token-file", metavar="PATH",
-                     help="read the token from this file (default: a new one, printed to stderr)")
+                     help="allow --tcp/--ws on an address that is not loopback (other machines can then connect)")
+    _add_token_args(lsp, "--tcp/--ws")
     lsp.add_argument("--allow-origin", metavar="ORIGIN", action="append", default=[],
                      help="a browser Origin (e.g. http://localhost:3000) allowed to open a WS session; repeatable")
     lsp.add_argument("--max-message-mb", type=int, default=64, help="largest JSON-RPC message accepted (MiB)")
@@ -116,10 +146,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8765, help="port (0: any free one, printed at start)")
     srv.add_argument("--allow-remote", action="store_true",
-                     help="allow a --host that is not loopback (a token is then required)")
-    srv.add_argument("--token-file", metavar="PATH",
-                     help="clients must present this token (default off loopback: a new one, printed to stderr)")
-    srv.add_argument("--require-token", action="store_true", help="require a token on loopback too")
+                     help="allow a --host that is not loopback (other machines can then connect)")
+    _add_token_args(srv, "the daemon")
     srv.add_argument("--allow-origin", metavar="ORIGIN", action="append", default=[],
                      help="a browser Origin allowed to connect; repeatable (default: none)")
     srv.add_argument("--max-message-mb", type=int, default=16, help="largest message accepted (MiB, 1-1024)")
@@ -222,20 +250,17 @@ def run_lsp(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise FimbleError(str(exc)) from None
         loopback = auth.is_loopback(host)
-        if not loopback and not args.allow_remote:
+        if not loopback and not args.allow_remote and not args.no_token:
             raise FimbleError(f"{host} is not a loopback address: other machines could connect. "
                               "Pass --allow-remote to mean it (a token is then required)")
-        token = None
-        if not loopback or args.require_token or args.token_file:
-            token = auth.read_token(args.token_file) if args.token_file else auth.new_token()
-            if not args.token_file:  # as Jupyter does: the user copies it from here
-                print(f"fimble: token: {token}", file=sys.stderr, flush=True)
+        token, generated = token_choice(args, host, loopback)
         if not loopback:
             print(f"fimble: WARNING: serving on {host}, which other machines can reach. Every client must "
                   "present the token (PROTOCOL.md, Security); traffic is not encrypted.", file=sys.stderr, flush=True)
-        options = dataclasses.replace(options, token=token, loopback=loopback)
-    elif args.allow_remote or args.require_token or args.token_file or args.allow_origin:
-        raise FimbleError("--allow-remote, --require-token, --token-file and --allow-origin need --tcp or --ws")
+        options = dataclasses.replace(options, token=token, show_token=generated, loopback=loopback)
+    elif args.allow_remote or args.require_token or args.token_file or args.no_token or args.allow_origin:
+        raise FimbleError("--allow-remote, --require-token, --token-file, --no-token and --allow-origin "
+                          "need --tcp or --ws")
     defaults = dataclasses.replace(Settings(), model=args.model, draft=args.draft, no_draft=args.no_draft,
                                    device=args.device, engine_spec=_remote_spec(args))
     return serve(defaults, tcp=args.tcp, ws=args.ws, options=options)

@@ -32,9 +32,10 @@ import secrets
 import signal
 import sys
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 from pygls.io_ import StdoutWriter
@@ -69,7 +70,8 @@ def parse_address(text: str) -> tuple[str, int]:
 @dataclass(frozen=True)
 class ListenOptions:
     limits: Limits = Limits()
-    token: str | None = None  # every connection must present it (always set off loopback)
+    token: str | None = None  # every connection must present it (the CLI sets one unless --no-token)
+    show_token: bool = False  # print the token once listening (a generated one; never one read from a file)
     allow_origins: tuple[str, ...] = ()  # browser origins a WS handshake may come from
     loopback: bool = True  # bound to loopback: WS handshakes must also name a loopback Host
     debug: bool = False
@@ -227,6 +229,26 @@ def _tcp_token_ok(payload: bytes, token: str) -> tuple[bool, Any]:
     return data.get("method") == "initialize" and auth.token_matches(token, given), msg_id
 
 
+async def _tcp_admit(frames: AsyncIterator[bytes | FrameError], opts: ListenOptions,
+                     writer: asyncio.StreamWriter) -> bytes | None:
+    """Token mode: the connection's first message if it is an ``initialize`` carrying the token. Anything else is
+    answered UNAUTHORIZED (nothing at all if no message came in time) and the connection closed: None."""
+    try:
+        first = await asyncio.wait_for(anext(frames), opts.init_timeout)
+    except (TimeoutError, StopAsyncIteration, OSError):
+        writer.transport.abort()
+        return None
+    ok, msg_id = (False, None) if isinstance(first, FrameError) else _tcp_token_ok(first, opts.token or "")
+    if ok and isinstance(first, bytes):
+        return first
+    body = json.dumps({"jsonrpc": "2.0", "id": msg_id, "error": {
+        "code": UNAUTHORIZED, "message": "Unauthorized: initialize with initializationOptions.token set to the "
+                                         "server's token"}}).encode()
+    writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    writer.close()  # after the error is written
+    return None
+
+
 async def _tcp_session(sessions: Sessions, opts: ListenOptions, reader: asyncio.StreamReader,
                        writer: asyncio.StreamWriter) -> None:
     if sessions.full:
@@ -243,23 +265,24 @@ async def _tcp_session(sessions: Sessions, opts: ListenOptions, reader: asyncio.
         log.debug("closing a TCP connection that did not open with an LSP header")
         writer.transport.abort()
         return
+    frames = read_frames(reader, opts.limits, opening)
+    first: bytes | None = None
+    if opts.token is not None:  # checked before a session exists: a client without the token never holds one
+        first = await _tcp_admit(frames, opts, writer)
+        if first is None:
+            return
     ls = sessions.new()
     ended = asyncio.Event()
     ls.protocol.set_writer(_TcpWriter(writer, 2 * opts.limits.max_message))
     ls.closer = lambda _code: ended.set()
     deadline = _init_deadline(ls, opts, writer.transport.abort)
-    authorized = opts.token is None
     try:
-        async for frame in read_frames(reader, opts.limits, opening):
+        if first is not None:  # the initialize that carried the token
+            ls.protocol.receive(first)
+        async for frame in frames:
             if isinstance(frame, FrameError):
                 bad_frame(ls, frame)
                 continue
-            if not authorized:
-                authorized, msg_id = _tcp_token_ok(frame, opts.token or "")
-                if not authorized:  # nothing but an initialize with the token gets through
-                    ls.protocol.send_error(msg_id, UNAUTHORIZED, "Unauthorized: initialize with "
-                                           "initializationOptions.token set to the server's token")
-                    break
             ls.protocol.receive(frame)
             if ended.is_set():
                 break
@@ -287,11 +310,12 @@ async def _serve_tcp(sessions: Sessions, host: str, port: int, opts: ListenOptio
         server = await asyncio.start_server(on_connect, host, port, limit=opts.limits.max_header_line)
     except OSError as exc:
         raise _bind_error(host, port, exc) from None
-    _announce("tcp", server.sockets, opts)
+    published = _announce("tcp", server.sockets, opts)
     try:
         async with server:
             await server.serve_forever()
     finally:
+        _withdraw(published, opts)
         await sessions.close()
 
 
@@ -373,22 +397,47 @@ async def _serve_ws(sessions: Sessions, host: str, port: int, opts: ListenOption
         server = await listening.__aenter__()
     except OSError as exc:
         raise _bind_error(host, port, exc) from None
+    published: list[Path] = []
     try:
-        _announce("ws", server.sockets, opts)
+        published = _announce("ws", server.sockets, opts)
         await server.serve_forever()
     finally:
+        _withdraw(published, opts)
         try:
             await sessions.close()
         finally:
             await listening.__aexit__(None, None, None)
 
 
-def _announce(scheme: str, sockets: Any, opts: ListenOptions) -> None:
+def _announce(scheme: str, sockets: Any, opts: ListenOptions) -> list[Path]:
+    """Say where the server listens; with a token, leave it in this user's token file for each port (the files
+    written: ``_withdraw`` removes them at exit)."""
+    # The token lines come first: a caller that waits for "listening on" finds the token and its file there already.
+    if opts.token is not None and opts.show_token:
+        print(f"fimble: token: {opts.token}", file=sys.stderr, flush=True)  # as Jupyter does: copied from here
+    published: list[Path] = []
+    for port in dict.fromkeys(sock.getsockname()[1] for sock in sockets):
+        if opts.token is None:
+            break
+        try:
+            published.append(auth.publish_token(port, opts.token))
+        except OSError as exc:  # the listener still works: clients pass the token themselves
+            print(f"fimble: could not write the token file ({exc.strerror or exc}): clients need the token",
+                  file=sys.stderr, flush=True)
+            continue
+        print(f"fimble: token file: {published[-1]} (only you can read it; removed at exit)",
+              file=sys.stderr, flush=True)
     for sock in sockets:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(f"fimble: listening on {scheme}://{shown}:{port}" + (" (token required)" if opts.token else ""),
               file=sys.stderr, flush=True)
+    return published
+
+
+def _withdraw(published: list[Path], opts: ListenOptions) -> None:
+    for path in published:
+        auth.withdraw_token(path, opts.token or "")
 
 
 def _bind_error(host: str, port: int, exc: OSError) -> FimbleError:

@@ -22,6 +22,7 @@ def serve_options(args: argparse.Namespace):
     """The listener options from the command line (token rules as `fimble lsp --tcp/--ws`)."""
     from engine.serve.daemon import ServeOptions
     from lsp_server import auth
+    from lsp_server.cli import token_choice
 
     _check_range("port", args.port, 0, 65535)
     _check_range("max-message-mb", args.max_message_mb, 1, 1024)
@@ -32,16 +33,12 @@ def serve_options(args: argparse.Namespace):
     if not args.model_name or len(args.model_name) > 200:
         raise FimbleError("--model-name must be 1-200 characters")
     loopback = auth.is_loopback(args.host)
-    if not loopback and not args.allow_remote:
+    if not loopback and not args.allow_remote and not args.no_token:
         raise FimbleError(
             f"{args.host} is not a loopback address: other machines could connect. "
             "Pass --allow-remote to mean it (a token is then required)"
         )
-    token = None
-    if not loopback or args.require_token or args.token_file:
-        token = auth.read_token(args.token_file) if args.token_file else auth.new_token()
-        if not args.token_file:
-            print(f"fimble: token: {token}", file=sys.stderr, flush=True)
+    token, generated = token_choice(args, args.host, loopback)  # required by default, on loopback too
     if not loopback:
         print(
             f"fimble: WARNING: serving on {args.host}, which other machines can reach. Every client must "
@@ -53,6 +50,7 @@ def serve_options(args: argparse.Namespace):
         host=args.host,
         port=args.port,
         token=token,
+        show_token=generated,
         loopback=loopback,
         allow_origins=tuple(args.allow_origin),
         max_message=args.max_message_mb << 20,

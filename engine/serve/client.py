@@ -103,7 +103,8 @@ class WSEngine:
                 ).__enter__()
             except InvalidStatus as exc:  # the daemon answered and said no: retrying will not help
                 status = exc.response.status_code
-                what = "a valid token (--engine-token-file)" if status == 401 else f"HTTP {status}"
+                what = ("a valid token (--engine-token-file; on this machine, read from its token file by "
+                        "default)") if status == 401 else f"HTTP {status}"
                 raise FimbleError(f"the engine at {self.url} refused the connection: it needs {what}") from None
             except InvalidURI:
                 raise FimbleError(f"--engine {self.url!r}: not a websocket URL") from None
@@ -244,8 +245,22 @@ class ServeSpec:
     timeout_s: float = 60.0
 
     def open(self) -> WSEngine:
-        token = read_token(self.token_file) if self.token_file else None
+        # Without a token file, the one a daemon on this machine left for its port (lsp_server/auth.py), read at
+        # every (re)connect: a restarted daemon has a new token.
+        token = read_token(self.token_file) if self.token_file else local_token(self.url)
         return WSEngine(self.url, token, startup_timeout=self.timeout_s)
+
+
+def local_token(url: str) -> str | None:
+    """The token a listener on this machine left for the URL's port; None if it is not on loopback or left none."""
+    from lsp_server.auth import find_token
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme in ("https", "wss") else 80)
+    except ValueError:
+        return None
+    return find_token(parts.hostname or "", port)
 
 
 def serve_spec(url: str, token_file: str | None, timeout_s: float, allow_plain: bool) -> ServeSpec:

@@ -13,8 +13,9 @@ Threads: the engine's decode loop runs in the main thread (``serve_forever``: on
 about 2x slower elsewhere), the asyncio loop with every connection in a background thread.
 Deltas cross from the engine thread to the loop with ``call_soon_threadsafe``.
 
-Security: loopback by default; any other address needs a token (the CLI enforces
-``--allow-remote``); the token is checked in constant time on the HTTP upgrade and on every
+Security: loopback by default (another address needs ``--allow-remote``); the CLI sets a token
+unless ``--no-token`` (loopback only), and ``run_daemon`` leaves it in this user's token file for
+the port (lsp_server/auth.py); it is checked in constant time on the HTTP upgrade and on every
 HTTP request; browser Origins are refused unless allowed; a loopback bind also refuses a
 non-loopback Host header (DNS rebinding). Replies and logs carry no document text and no
 tracebacks.
@@ -75,7 +76,8 @@ DAEMON_COUNTERS = (
 class ServeOptions:
     host: str = "127.0.0.1"
     port: int = protocol.DEFAULT_PORT
-    token: str | None = None  # required from every client when set (always set off loopback)
+    token: str | None = None  # required from every client when set (the CLI sets one unless --no-token)
+    show_token: bool = False  # run_daemon prints the token (a generated one; never one read from a file)
     loopback: bool = True  # the bind address is loopback: Host headers must be too
     allow_origins: tuple[str, ...] = ()
     max_message: int = protocol.DEFAULT_MAX_MESSAGE
@@ -451,12 +453,19 @@ def coalesce_deltas(messages: list[dict]) -> list[dict]:
 
 def run_daemon(engine: Any, options: ServeOptions, announce=print) -> int:
     """Serve until SIGINT/SIGTERM: listeners in a thread, the decode loop in this (main) thread."""
+    from lsp_server import auth
+
     daemon = EngineDaemon(engine, options)
     port = daemon.start()
     host = options.host if ":" not in options.host else f"[{options.host}]"
+    # The token first: a caller that waits for the "serving" line finds the token and its file there already.
+    if options.token is not None and options.show_token:
+        announce(f"fimble: token: {options.token}")
+    published = publish_token(port, options.token, announce)
     announce(
         f"fimble: serving {engine.info().get('model')} on ws://{host}:{port} "
         f"(OpenAI API: http://{host}:{port}/v1/completions)"
+        + (" (token required)" if options.token else "")
     )
 
     def stop(_signum: int, _frame: Any) -> None:
@@ -468,4 +477,22 @@ def run_daemon(engine: Any, options: ServeOptions, announce=print) -> int:
         engine.serve_forever()
     finally:
         daemon.stop()
+        if published is not None and options.token is not None:
+            auth.withdraw_token(published, options.token)
     return 0
+
+
+def publish_token(port: int, token: str | None, announce=print):
+    """Leave ``token`` where this user's clients on this machine find it (lsp_server/auth.py), saying where in
+    one line; None when there is no token or the file cannot be written (then said too)."""
+    from lsp_server import auth
+
+    if token is None:
+        return None
+    try:
+        path = auth.publish_token(port, token)
+    except OSError as exc:  # the listener still works: clients pass the token themselves
+        announce(f"fimble: could not write the token file ({exc.strerror or exc}): clients need --engine-token-file")
+        return None
+    announce(f"fimble: token file: {path} (only you can read it; removed at exit)")
+    return path

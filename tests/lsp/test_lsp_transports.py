@@ -8,12 +8,14 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from lsp_helpers import SERVER_CMD, SERVER_ENV
 
+TOKEN = "transports-test-token-0123456789"  # every listener requires one (lsp_server/auth.py): given in a file
 INIT = {"processId": None, "rootUri": None, "capabilities": {"general": {"positionEncodings": ["utf-32", "utf-16"]}},
-        "initializationOptions": {"preload": False}}
+        "initializationOptions": {"preload": False, "token": TOKEN}}
 
 
 def _free_port() -> int:
@@ -22,9 +24,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(flag: str, port: int) -> subprocess.Popen:
-    return subprocess.Popen(SERVER_CMD + [flag, f"127.0.0.1:{port}"], env=SERVER_ENV, stdin=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+def _spawn(flag: str, port: int, tmp_path: Path) -> subprocess.Popen:
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    return subprocess.Popen(SERVER_CMD + [flag, f"127.0.0.1:{port}", "--token-file", str(tmp_path / "token")],
+                            env=SERVER_ENV, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _msg(i: int | None, method: str, params: object) -> dict:
@@ -64,9 +67,9 @@ class TcpClient:
                 return msg
 
 
-async def test_tcp_initialize_bad_params_and_exit():
+async def test_tcp_initialize_bad_params_and_exit(tmp_path):
     port = _free_port()
-    proc = _spawn("--tcp", port)
+    proc = _spawn("--tcp", port, tmp_path)
     try:
         c = await TcpClient.connect(port)
         c.send(_msg(1, "initialize", INIT))
@@ -99,16 +102,16 @@ async def test_tcp_initialize_bad_params_and_exit():
         proc.wait()
 
 
-async def test_websocket_uses_text_frames():
+async def test_websocket_uses_text_frames(tmp_path):
     from websockets.asyncio.client import connect
 
     port = _free_port()
-    proc = _spawn("--ws", port)
+    proc = _spawn("--ws", port, tmp_path)
     try:
         deadline = time.perf_counter() + 20
         while True:
             try:
-                ws = await connect(f"ws://127.0.0.1:{port}")
+                ws = await connect(f"ws://127.0.0.1:{port}", additional_headers={"Authorization": f"Bearer {TOKEN}"})
                 break
             except OSError:
                 assert time.perf_counter() < deadline

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -54,12 +55,18 @@ def did_open(uri: str, text: str, language: str = "python") -> dict:
 
 
 class Listener:
-    """``fimble lsp --tcp/--ws 127.0.0.1:0 ...``: its port read from the line it prints; stderr kept in a file."""
+    """``fimble lsp --tcp/--ws 127.0.0.1:0 ...``: its port read from the line it prints; stderr kept in a file.
 
-    def __init__(self, flag: str, *extra: str, host: str = "127.0.0.1"):
+    ``no_token=True`` (the default here) passes ``--no-token``: most of these tests are about sessions, frames and
+    supervision, where the token (required by default) would only be noise; the tests of who may connect pass
+    ``no_token=False``. Token files go to a folder of the listener's own (``runtime_dir``)."""
+
+    def __init__(self, flag: str, *extra: str, host: str = "127.0.0.1", no_token: bool = True):
         self.log = tempfile.NamedTemporaryFile(prefix="fimble-rel-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(SERVER_CMD + [flag, f"{host}:0", *extra], env=server_env(),
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log)
+        self.runtime_dir = tempfile.mkdtemp(prefix="fimble-rel-run-")
+        env = dict(server_env(), FIMBLE_RUNTIME_DIR=self.runtime_dir)
+        self.proc = subprocess.Popen(SERVER_CMD + [flag, f"{host}:0", *extra, *(["--no-token"] if no_token else [])],
+                                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log)
         self.port = self._wait_port()
 
     def stderr(self) -> str:
@@ -82,6 +89,13 @@ class Listener:
                 return line.split(": ", 2)[2].strip()
         raise AssertionError("no token printed")
 
+    def token_file(self) -> Path:
+        """The token file the listener said it wrote."""
+        for line in self.stderr().splitlines():
+            if line.startswith("fimble: token file: "):
+                return Path(line.split(": ", 2)[2].split(" (")[0])
+        raise AssertionError("no token file named")
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -90,6 +104,7 @@ class Listener:
         self.proc.wait()
         self.log.close()
         os.unlink(self.log.name)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)  # killed: its token file is left behind
 
 
 class FrameReader:

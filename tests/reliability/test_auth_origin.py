@@ -18,6 +18,7 @@ SECRET = "password = 'do not log me 7f3a'\n"
 
 @pytest.fixture
 def ws_server():
+    # --no-token (Listener's default): Origin and Host are checked without a token too
     server = Listener("--ws", "--allow-origin", "http://localhost:3000")
     yield server
     server.close()
@@ -46,7 +47,7 @@ async def test_evil_origin_and_rebound_host_are_refused(ws_server):
 async def test_websocket_token(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token-for-tests-0123456789\n")
-    server = Listener("--ws", "--token-file", str(token_file))
+    server = Listener("--ws", "--token-file", str(token_file), no_token=False)
     try:
         assert await _refused(server.port) == 401
         assert await _refused(server.port, additional_headers={"Authorization": "Bearer wrong"}) == 401
@@ -62,7 +63,7 @@ async def test_websocket_token(tmp_path):
 
 
 async def test_tcp_token_in_initialize():
-    server = Listener("--tcp", "--require-token")
+    server = Listener("--tcp", no_token=False)  # a token is required by default, on loopback too
     try:
         token = server.token()  # generated and printed, as Jupyter does
         for options in ({}, {"token": "wrong"}, {"token": token[:-1]}):
@@ -76,7 +77,9 @@ async def test_tcp_token_in_initialize():
         assert (await c.response(1))["error"]["code"] == -32001
         c = await TcpClient.connect(server.port)
         assert "capabilities" in (await c.initialize({"token": token}))["result"]
-        assert "latency_ms" in (await c.call("fimble/stats"))["result"]
+        stats = (await c.call("fimble/stats"))["result"]
+        assert "latency_ms" in stats
+        assert stats["server"]["sessionsOpened"] == 1  # the refused ones never had a session
         await c.close()
     finally:
         server.close()
@@ -90,7 +93,7 @@ def test_non_loopback_bind_needs_allow_remote(flag):
 
 
 def test_allow_remote_warns_and_requires_a_token():
-    server = Listener("--tcp", "--allow-remote", host="0.0.0.0")
+    server = Listener("--tcp", "--allow-remote", host="0.0.0.0", no_token=False)
     try:
         err = server.stderr()
         assert "WARNING" in err and "other machines" in err and "(token required)" in err

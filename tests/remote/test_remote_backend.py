@@ -316,7 +316,7 @@ def _start(cmd: list[str], ready: str, log: Path, env: dict | None = None) -> tu
     return proc, found[0]
 
 
-def test_fimble_serves_own_openai_endpoint(tmp_path, serve_expected):
+def test_fimble_serves_own_openai_endpoint(tmp_path, serve_expected, monkeypatch):
     token = tmp_path / "token"
     token.write_text("fimble-remote-test-token-0123456789\n")
     cmd = [
@@ -336,7 +336,9 @@ def test_fimble_serves_own_openai_endpoint(tmp_path, serve_expected):
         "--draft",
         str(DRAFT_DIR),
     ]
-    proc, m = _start(cmd, r"on ws://127\.0\.0\.1:(\d+)", tmp_path / "serve.log")
+    # The daemon leaves its token in a folder of this test's (not the user's), which this process does not read yet.
+    env = dict(os.environ, FIMBLE_RUNTIME_DIR=str(tmp_path / "run"))
+    proc, m = _start(cmd, r"on ws://127\.0\.0\.1:(\d+)", tmp_path / "serve.log", env=env)
     try:
         url = f"http://127.0.0.1:{m.group(1)}/v1"
         engine = RemoteEngine(RemoteSpec("openai", url, token_file=str(token)))
@@ -353,10 +355,14 @@ def test_fimble_serves_own_openai_endpoint(tmp_path, serve_expected):
             engine.submit(CompletionRequest(*REAL_PROMPTS[0], DecodeOptions(max_tokens=24))).collect()
             == serve_expected[0]
         )
-        # a wrong token is a one-line error naming the status
+        # no token (none given, none in this process's token folder) is a one-line error naming the status
         bad = RemoteEngine(RemoteSpec("openai", url, model="fimble"))
         with pytest.raises(FimbleError, match=r"HTTP 401 .*check --engine-token-file"):
             bad.submit(_request()).collect()
+        # without --engine-token-file, a client on this machine reads the daemon's token file for that port
+        monkeypatch.setenv("FIMBLE_RUNTIME_DIR", str(tmp_path / "run"))
+        assert bad.submit(CompletionRequest(*REAL_PROMPTS[0], DecodeOptions(max_tokens=24))).collect() \
+            == serve_expected[0]
     finally:
         proc.terminate()
         proc.wait(30)

@@ -18,17 +18,28 @@ START_TIMEOUT_S = 120.0  # a loaded 2-core machine: wide, the tests assert outco
 
 
 class ServeProcess:
-    """``fimble serve --port 0 --require-token --token-file F``; the port read from the line it prints."""
+    """``fimble serve --port 0 --require-token --token-file F``; the port read from the line it prints.
 
-    def __init__(self, *extra: str, port: int = 0, token_file: str | None = None):
+    ``token="default"``: no token flag, so the daemon makes its own token (read back from its stderr);
+    ``token="none"``: ``--no-token``. Its token files go to ``runtime_dir`` (a folder of its own unless given)."""
+
+    def __init__(self, *extra: str, port: int = 0, token_file: str | None = None, token: str = "file",
+                 runtime_dir: str | None = None):
         self.dir = tempfile.mkdtemp(prefix="fimble-serve-test-")
+        self.runtime_dir = runtime_dir or os.path.join(self.dir, "run")
         self.token_file = token_file or os.path.join(self.dir, "token")
-        if token_file is None:
-            Path(self.token_file).write_text("test-token-" + os.urandom(12).hex() + "\n")
-        self.token = Path(self.token_file).read_text().strip()
+        if token == "file":
+            if token_file is None:
+                Path(self.token_file).write_text("test-token-" + os.urandom(12).hex() + "\n")
+            self.token: str | None = Path(self.token_file).read_text().strip()
+            token_args = ["--require-token", "--token-file", self.token_file]  # --require-token: old scripts' flag
+        else:
+            self.token = None
+            token_args = ["--no-token"] if token == "none" else []
         self.log_path = os.path.join(self.dir, "stderr.log")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, FIMBLE_DEFAULT_MODEL=os.environ.get("FIMBLE_DEFAULT_MODEL", "embedded"))
+        env = dict(os.environ, FIMBLE_DEFAULT_MODEL=os.environ.get("FIMBLE_DEFAULT_MODEL", "embedded"),
+                   FIMBLE_RUNTIME_DIR=self.runtime_dir)
         self.proc = subprocess.Popen(
             [
                 *SERVE_CMD,
@@ -36,9 +47,7 @@ class ServeProcess:
                 str(port),
                 "--threads",
                 "1",
-                "--require-token",
-                "--token-file",
-                self.token_file,
+                *token_args,
                 *extra,
             ],
             stdin=subprocess.DEVNULL,
@@ -48,6 +57,8 @@ class ServeProcess:
         )
         self.port = self._wait_port()
         self.url = f"ws://127.0.0.1:{self.port}"
+        if token == "default":
+            self.token = re.search(r"^fimble: token: (\S+)$", self.stderr(), re.M).group(1)  # type: ignore[union-attr]
 
     def stderr(self) -> str:
         return Path(self.log_path).read_text(errors="replace")
