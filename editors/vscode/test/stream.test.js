@@ -204,6 +204,28 @@ test('a final text shorter than the shown one (validation cut it) replaces it', 
   assert.equal(final[0].insertText, 'x = 1\n');
 });
 
+test('an empty final text (validation cut all of it) takes the streamed ghost text away', async () => {
+  const { host, doc, s, delta, editor } = setup();
+  await s.provide(doc, editor.position, serverAnswer("path, 'rb') as f:"));
+  s.onDelta(delta('', { done: true, finishReason: 'stop' }));
+  assert.equal(host.retriggers, 1);
+  const final = await s.provide(doc, editor.position, () => assert.fail('answered locally'), undefined, true);
+  assert.deepEqual(final, [], 'nothing is shown, so Tab inserts nothing of it');
+});
+
+// A suggestion of several lines (the default model's docstring, then the body): an early answer with the
+// first line, then the stream's lines; what VS Code is given at the end is the whole final text.
+test('a multi-line final text after a first-line answer is given whole', async () => {
+  const { host, doc, s, delta, editor } = setup();
+  const first = await s.provide(doc, editor.position, serverAnswer('"""The area."""'));
+  assert.equal(first[0].insertText, '"""The area."""');
+  s.onDelta(delta('"""The area."""\n    return'));
+  s.onDelta(delta('"""The area."""\n    return 3.14 * r ** 2', { done: true, finishReason: 'stop' }));
+  assert.equal(host.retriggers, 1, 'one re-trigger pending at a time');
+  const final = await s.provide(doc, editor.position, () => assert.fail('answered locally'), undefined, true);
+  assert.equal(final[0].insertText, '"""The area."""\n    return 3.14 * r ** 2');
+});
+
 // Issue 13, VS Code 2: the server's range covers the auto-paired closer its text re-types; items built by
 // the extension kept only the cursor, so `math.sqrt(|)` + `1.0) / 2.0` gave `math.sqrt(1.0) / 2.0)`.
 test('items keep the range past auto-paired closers, from the answer and from deltas', async () => {
