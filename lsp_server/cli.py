@@ -118,7 +118,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_token_args(lsp, "--tcp/--ws")
     lsp.add_argument("--allow-origin", metavar="ORIGIN", action="append", default=[],
                      help="a browser Origin (e.g. http://localhost:3000) allowed to open a WS session; repeatable")
-    lsp.add_argument("--max-message-mb", type=int, default=64, help="largest JSON-RPC message accepted (MiB)")
+    lsp.add_argument("--max-message-mb", type=int, default=16,
+                     help="largest JSON-RPC message accepted (MiB, default 16)")
     lsp.add_argument("--max-sessions", type=int, default=64, help="connections served at once (--tcp/--ws)")
     lsp.add_argument("--init-timeout", type=float, default=60.0,
                      help="seconds a --tcp/--ws connection may stay open without sending initialize")

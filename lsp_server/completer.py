@@ -216,6 +216,17 @@ class Completer:
             return
         self.schedule_prewarm(doc, cursor, settings, exact=True)
 
+    def hold(self, uri: str) -> None:
+        """A change to ``uri`` is being applied in slices (lsp_server/pacing.py): stop what reads it."""
+        pending = self._prewarms.pop(uri, None)
+        if pending is not None:
+            pending.cancel()
+        self.streamer.end_document(uri, "stale")
+        gen = self.active
+        if gen is not None and not gen.done and gen.ctx.uri == uri:
+            gen.cancel()
+            self.stats.count("cancelled_by_edit")
+
     def schedule_prewarm(self, doc: Document, cursor: tuple[int, int] | None, settings: Settings, *,
                          delay_ms: int | None = None, exact: bool = False) -> None:
         """Pre-warm ``doc``'s KV cache for a completion at ``cursor`` (None: the document's end).
@@ -267,7 +278,7 @@ class Completer:
     def _prewarm(self, engine: Any, uri: str, cursor: tuple[int, int], settings: Settings,
                  exact: bool = False) -> None:
         doc = self.docs.get(uri)
-        if doc is None:
+        if doc is None or doc.changing:
             return
         if exact:
             skip = self._warm_at.get(uri) != (doc.version, cursor)  # a decode elsewhere since: the user is there

@@ -33,12 +33,16 @@ import logging
 import re
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from engine.syntax.document import SyntaxDocument  # no torch: tree-sitter only
 from lsp_server.positions import UTF16, PositionError, from_codepoints, to_codepoints
 from lsp_server.segments import block_start_rows
 
 _BREAK = re.compile(r"(\r\n|\r|\n)")
+_OTHER_BREAKS = re.compile("[\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+T = TypeVar("T")
+SPLIT_CHUNK_CHARS = 1 << 20
 SYNTAX_MAX_CHARS = 1_000_000
 # A document over the limit is parsed again only once it is this short: a document edited
 # around the limit must not pay a full parse per keystroke.
@@ -62,12 +66,67 @@ def syntax_text(text: str) -> str:
     return _BARE_CR.sub("\n", text) if "\r" in text else text
 
 
+def syntax_text_steps(text: str) -> Generator[None, None, str]:
+    """``syntax_text`` in pieces of about ``SPLIT_CHUNK_CHARS`` (cut after a ``\n``, so a
+    ``\r\n`` stays whole), yielding between them."""
+    if len(text) <= SPLIT_CHUNK_CHARS:
+        return syntax_text(text)
+    pieces, pos = [], 0
+    while pos < len(text):
+        cut = text.find("\n", pos + SPLIT_CHUNK_CHARS)
+        end = len(text) if cut < 0 else cut + 1
+        pieces.append(syntax_text(text[pos:end]))
+        pos = end
+        yield
+    return "".join(pieces)
+
+
 def split_lines(text: str) -> list[str]:
     """Lines with their terminators; the last line has none (and may be empty)."""
+    return run_steps(split_lines_steps(text))
+
+
+def split_lines_steps(text: str) -> Generator[None, None, list[str]]:
+    """``split_lines`` in pieces of about ``SPLIT_CHUNK_CHARS``, yielding between them (a 10 MB
+    text is about 0.15 s of splitting: the event loop must answer other sessions meanwhile).
+    Pieces end just after a ``\n``, so a ``\r\n`` is never cut in two."""
+    lines: list[str] = []
+    pos, n = 0, len(text)
+    while n - pos > SPLIT_CHUNK_CHARS:
+        cut = text.find("\n", pos + SPLIT_CHUNK_CHARS)
+        if cut < 0:
+            break
+        piece = _split_piece(text[pos:cut + 1])
+        piece.pop()  # the empty line after its last break: the next piece starts there
+        lines.extend(piece)
+        pos = cut + 1
+        yield
+    if not lines:
+        return _split_piece(text)
+    lines.extend(_split_piece(text[pos:]))
+    return lines
+
+
+def _split_piece(text: str) -> list[str]:
+    """Lines of ``text`` with terminators; the last is unterminated (maybe empty)."""
+    if not _OTHER_BREAKS.search(text):  # str.splitlines also breaks on these; LSP does not
+        lines = text.splitlines(keepends=True)
+        if not lines or lines[-1].endswith(("\n", "\r")):
+            lines.append("")
+        return lines
     parts = _BREAK.split(text)
     lines = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
     lines.append(parts[-1])
     return lines
+
+
+def run_steps(steps: Generator[None, None, T]) -> T:
+    """Run a generator of steps to its end at once; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 @dataclass
@@ -104,26 +163,56 @@ class Document:
     _blocks: tuple[tuple, list[int]] | None = field(init=False, default=None, repr=False)  # block_rows' cache
     _job: _ParseJob | None = field(init=False, default=None, repr=False)  # a sliced whole parse under way
     _anchor: tuple[int, int] = field(init=False, default=(0, 0), repr=False)  # a (line, start byte) in syntax
+    _batch: bool = field(init=False, default=False, repr=False)  # edits reach the lines only (see begin_batch)
 
     def __post_init__(self) -> None:
         self.set_text(self.text)
         self.text = ""  # the lines are the truth; don't keep a second copy
 
     def set_text(self, text: str) -> None:
-        self.lines = split_lines(text)
+        run_steps(self.set_text_steps(text))
+
+    def set_text_steps(self, text: str) -> Generator[None, None, None]:
+        """``set_text`` in steps (a generator yielding between pieces of work): see lsp_server/pacing.py."""
+        self.lines = yield from split_lines_steps(text)
         self.length = len(text)
-        self._long_lines = _count_long(self.lines)
+        self._long_lines = yield from _count_long_steps(self.lines)
         self.window = None
-        self._sync_all(text)
+        if not self._batch:
+            yield from self._sync_all_steps(text)
+
+    @property
+    def changing(self) -> bool:
+        """A change is being applied in steps: the lines and the syntax copy may disagree until it ends."""
+        return self._batch
+
+    def begin_batch(self) -> None:
+        """Until ``end_batch``, edits change the lines only; the syntax copy is rebuilt once at the end.
+
+        Why: an incremental reparse costs 2-4 ms an edit, so one ``didChange`` holding 20,000 edits
+        cost the server over a minute; the lines alone cost microseconds an edit."""
+        self.cancel_parse()
+        self._batch = True
+
+    def end_batch(self) -> None:
+        run_steps(self.end_batch_steps())
+
+    def end_batch_steps(self) -> Generator[None, None, None]:
+        if self._batch:
+            self._batch = False
+            yield from self._sync_all_steps(self.source)
 
     def _sync_all(self, text: str) -> None:
+        run_steps(self._sync_all_steps(text))
+
+    def _sync_all_steps(self, text: str) -> Generator[None, None, None]:
         self._edits += 1
         self._anchor = (0, 0)
         self.cancel_parse()
         lang = self.language_id if self._parse_allowed(SYNTAX_MAX_CHARS) else ""
         self._syntax_lang = lang
         target = SyntaxDocument(lang or "plaintext", "")
-        text = syntax_text(text)
+        text = yield from syntax_text_steps(text)
         loop = _running_loop()
         if target.has_tree and len(text) > SLICED_PARSE_CHARS and loop is not None:
             self.syntax = SyntaxDocument("plaintext", text)  # plain text until the parse is done
@@ -279,11 +368,19 @@ class Document:
     # -- editing -----------------------------------------------------------------------------
     def apply_edit(self, start: tuple[int, int], end: tuple[int, int], text: str) -> None:
         """Replace the code-point range [start, end) with ``text``."""
+        run_steps(self.apply_edit_steps(start, end, text))
+
+    def apply_edit_steps(self, start: tuple[int, int], end: tuple[int, int],
+                         text: str) -> Generator[None, None, None]:
+        """``apply_edit`` in steps (it yields while splitting a large inserted text)."""
         if end < start:
             start, end = end, start
         l0, c0 = start
         l1, c1 = end
-        b0, b1 = self.byte_offset(l0, c0), self.byte_offset(l1, c1)
+        # A large insertion re-syncs the syntax copy as a whole (a sliced parse) instead of an
+        # incremental reparse of one segment grown by megabytes, which took seconds on the loop.
+        resync = self._batch or len(text) > SLICED_PARSE_CHARS
+        b0, b1 = (0, 0) if resync else (self.byte_offset(l0, c0), self.byte_offset(l1, c1))
         # A "\r" is a lone one (a "\n" in ``syntax``) or not by the char after it, so the syntax
         # edit also rewrites a "\r" just before the range, and reads the char just after it.
         cr_before = c0 == 0 and l0 > 0 and self.lines[l0 - 1].endswith("\r")
@@ -300,14 +397,20 @@ class Document:
                 and self.lines[last + 1].startswith("\n"):
             last += 1
             tail += self.lines[last]
-        new_lines = split_lines(head + text + tail)
+        new_lines = yield from split_lines_steps(head + text + tail)
         if last + 1 < len(self.lines):
             new_lines.pop()  # the empty piece after the region's final line break: the next line starts there
-        self._long_lines += _count_long(new_lines) - _count_long(self.lines[first:last + 1])
+        added = yield from _count_long_steps(new_lines)
+        self._long_lines += added - _count_long(self.lines[first:last + 1])
         self.lines[first:last + 1] = new_lines
         self.length += len(text) - removed
         self._move_window(first, l1, len(new_lines) - (last - first + 1))
         self._edits += 1
+        if resync:
+            self._anchor = (0, 0)
+            if not self._batch:
+                yield from self._sync_all_steps(self.source)
+            return
         new = "\r" + text if cr_before else text
         edit = (b0 - cr_before, b1, syntax_text(new + after)[:len(new)])
         if self._anchor[1] > edit[0]:
@@ -336,7 +439,18 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 
 def _count_long(lines: list[str]) -> int:
+    if not lines or max(map(len, lines)) <= SYNTAX_MAX_LINE:  # (all in C: the usual answer, fast)
+        return 0
     return sum(len(line) > SYNTAX_MAX_LINE for line in lines)
+
+
+def _count_long_steps(lines: list[str], step: int = 1 << 17) -> Generator[None, None, int]:
+    n = 0
+    for i in range(0, len(lines), step):
+        n += _count_long(lines[i:i + step])
+        if i + step < len(lines):
+            yield
+    return n
 
 
 class DocumentStore:
@@ -346,7 +460,15 @@ class DocumentStore:
         self._docs: dict[str, Document] = {}
 
     def open(self, uri: str, text: str, version: int, language_id: str) -> Document:
-        doc = Document(uri, text, version, language_id)
+        return run_steps(self.open_steps(uri, text, version, language_id))
+
+    def open_steps(self, uri: str, text: str, version: int, language_id: str) -> Generator[None, None, Document]:
+        """``open`` in steps; the document is in the store once it is whole."""
+        doc = Document(uri, "", version, language_id)
+        yield from doc.set_text_steps(text)
+        old = self._docs.pop(uri, None)
+        if old is not None:
+            old.cancel_parse()
         self._docs[uri] = doc
         return doc
 
@@ -369,4 +491,4 @@ class DocumentStore:
         return iter(self._docs.values())
 
 
-__all__ = ["Document", "DocumentStore", "PositionError", "split_lines", "strip_eol", "utf8_safe"]
+__all__ = ["Document", "DocumentStore", "PositionError", "run_steps", "split_lines", "strip_eol", "utf8_safe"]

@@ -14,7 +14,8 @@ import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-DEFAULT_MAX_MESSAGE = 64 << 20  # a 10 MB file, JSON-escaped, in one didOpen fits
+DEFAULT_MAX_MESSAGE = 16 << 20  # a large source file, JSON-escaped, in one didOpen fits
+MAX_SKIP = 1 << 30  # the body of a frame over the limit is skipped unread up to this size
 DEFAULT_MAX_HEADER_LINE = 64 << 10
 _CONTENT_LENGTH = re.compile(rb"content-length:", re.IGNORECASE)
 # An HTTP request line. A web page can POST to a loopback TCP port (no CORS check happens before
@@ -70,6 +71,7 @@ async def read_frames(reader: asyncio.StreamReader, limits: Limits,
     """
     length: int | None = None
     problem: str | None = None
+    oversized = 0  # the body of a frame over the limit: skipped unread, so the next frame is found
     in_long_line = False  # the next line read is the tail of one over the limit
     first = True
     while True:
@@ -98,6 +100,8 @@ async def read_frames(reader: asyncio.StreamReader, limits: Limits,
             if problem is None and length is None:
                 problem = "no Content-Length header"
             if problem is not None:
+                if oversized and not await _skip(reader, oversized):
+                    return
                 yield FrameError(problem)
             else:
                 assert length is not None
@@ -106,14 +110,14 @@ async def read_frames(reader: asyncio.StreamReader, limits: Limits,
                 except asyncio.IncompleteReadError:
                     return
                 yield body
-            length, problem = None, None
+            length, problem, oversized = None, None, 0
             continue
         match = _CONTENT_LENGTH.search(line)
         if match is not None and match.start() > 0:
             # A header glued to the tail of a body whose Content-Length was too small (that
             # body was already answered as unparseable): a new frame starts here.
             line = line[match.start():]
-            length, problem = None, None
+            length, problem, oversized = None, None, 0
         name, sep, value = line.partition(b":")
         if not sep:
             problem = problem or "malformed header line"
@@ -123,6 +127,18 @@ async def read_frames(reader: asyncio.StreamReader, limits: Limits,
                 problem = problem or "duplicate Content-Length header"
             elif isinstance(got, str):
                 problem = problem or got
+                if got.startswith("message of") and problem == got and int(value.strip()) <= MAX_SKIP:
+                    oversized = int(value.strip())  # (a larger claim is not believed: resync by headers)
             else:
                 length = got
         # Other headers (Content-Type) are accepted and ignored.
+
+
+async def _skip(reader: asyncio.StreamReader, n: int, chunk: int = 1 << 16) -> bool:
+    """Read and drop ``n`` bytes in small pieces (an oversized body is never held whole); False at EOF."""
+    while n > 0:
+        got = await reader.read(min(n, chunk))
+        if not got:
+            return False
+        n -= len(got)
+    return True

@@ -7,7 +7,8 @@
    all: pygls raised while decoding and the client waited forever. It now gets
    InvalidParams.
 3. Text synchronisation goes to our own document store (lsp_server/documents.py), not to
-   pygls' workspace copy, which re-splits the whole document on every edit.
+   pygls' workspace copy, which re-splits the whole document on every edit. ``didChange`` is
+   read as plain JSON by the server (lsp_server/change_params.py), not structured by pygls.
 
 It also takes every frame's raw payload (``receive``): bad UTF-8, bad JSON, batches,
 requests before ``initialize`` or after ``shutdown`` each get their JSON-RPC error instead
@@ -151,6 +152,11 @@ class FimbleProtocol(LanguageServerProtocol):
             if method == types.INITIALIZE and self.phase != "new":
                 self.send_error(data["id"], INVALID_REQUEST, "Invalid Request: already initialized")
                 return
+        if method == types.TEXT_DOCUMENT_DID_CHANGE:  # read as plain JSON (lsp_server/change_params.py)
+            self._server.receive_change(params)
+            if is_request:  # a client bug; answered as pygls answered it
+                self._send_response(data["id"], None)
+            return
         if "method" in data and "params" not in data:
             data = {**data, "params": None}  # JSON-RPC lets params be omitted; pygls' generic types need it
         try:
@@ -210,11 +216,6 @@ class FimbleProtocol(LanguageServerProtocol):
     @lsp_method(types.TEXT_DOCUMENT_DID_OPEN)
     def lsp_text_document__did_open(self, params: types.DidOpenTextDocumentParams):
         if (handler := self.fm.features.get(types.TEXT_DOCUMENT_DID_OPEN)) is not None:
-            yield handler, (params,), None
-
-    @lsp_method(types.TEXT_DOCUMENT_DID_CHANGE)
-    def lsp_text_document__did_change(self, params: types.DidChangeTextDocumentParams):
-        if (handler := self.fm.features.get(types.TEXT_DOCUMENT_DID_CHANGE)) is not None:
             yield handler, (params,), None
 
     @lsp_method(types.TEXT_DOCUMENT_DID_CLOSE)

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 from lsprotocol import types
@@ -19,9 +19,11 @@ from pygls.exceptions import FeatureRequestError, JsonRpcInvalidParams
 from pygls.lsp.server import LanguageServer
 
 from engine.model_info import read_model_info  # no torch
+from lsp_server.change_params import count_edits, parse_change_steps
 from lsp_server.completer import Answer, Completer, RequestInfo
-from lsp_server.documents import Document, DocumentStore, PositionError
+from lsp_server.documents import Document, DocumentStore, PositionError, run_steps
 from lsp_server.engine_host import EngineHost
+from lsp_server.pacing import HEAVY_CHARS, HEAVY_EDITS, MAX_DOCUMENT_CHARS, Pacer, run_in_slices
 from lsp_server.positions import ENCODINGS, UTF16, advance
 from lsp_server.protocol import FimbleProtocol, plain
 from lsp_server.settings import MODEL_UNUSABLE, Settings, usable_model_folder
@@ -58,6 +60,7 @@ class FimbleServer(LanguageServer):
         self.peers: Callable[[], dict] | None = None  # set by the transport: every session's tables
         self._reported_internal: set[str] = set()
         self.stats = Stats()
+        self.pacer = Pacer(lambda: self.protocol._request_futures)  # lsp_server/pacing.py
         self.telemetry = Telemetry(self.stats)
         self.completer = Completer(self.docs, self.host, self.stats, self.telemetry, self.protocol.notify)
         self.completer.engine_ns = session_id
@@ -238,9 +241,73 @@ class FimbleServer(LanguageServer):
         if self.closer is not None:
             self.closer(code)
 
+    # -- text sync ---------------------------------------------------------------------------
+    def receive_change(self, params: Any) -> None:
+        """``textDocument/didChange`` as plain JSON (lsp_server/change_params.py says why).
+
+        A change of many edits or much text runs in slices before this session's next message
+        (lsp_server/pacing.py); a small one (typing) at once."""
+        edits, chars = count_edits(params)
+        if edits <= HEAVY_EDITS and chars <= HEAVY_CHARS:
+            run_steps(self._change_steps(params, heavy=False))
+        else:
+            self.pacer.defer(run_in_slices(self._change_steps(params, heavy=True)))
+
+    def _change_steps(self, params: Any, heavy: bool) -> Generator[None, None, None]:
+        change = yield from parse_change_steps(params)
+        if change is None:
+            log.warning("dropped a textDocument/didChange message whose params do not fit the LSP types")
+            return
+        doc = self.docs.get(change.uri)
+        if doc is None:
+            self.stats.count("changes_unknown_document")
+            if self.stats.counters["changes_unknown_document"] <= 3:  # a flood must not fill the log
+                log.warning("didChange for a document that is not open (logged 3 times a session)")
+            return
+        if heavy:
+            self.completer.hold(doc.uri)
+            if len(change.edits) > HEAVY_EDITS:
+                doc.begin_batch()
+        enc = self.encoding
+        cursor = None  # where the cursor is after one plain insertion (typing)
+        presumed = None  # the end of the last change's text: where the user presumably is (None: the end)
+        try:
+            for span, text in change.edits:
+                if span is None:
+                    yield from doc.set_text_steps(text)
+                    presumed = None
+                    continue
+                start = doc.to_cp(span[0], span[1], enc, lenient=True)
+                end = doc.to_cp(span[2], span[3], enc, lenient=True)
+                yield from doc.apply_edit_steps(start, end, text)
+                presumed = advance(*min(start, end), text)
+                if len(change.edits) == 1 and start == end and text:
+                    cursor = presumed
+                yield
+            yield from doc.end_batch_steps()
+        finally:
+            doc.end_batch()  # (after an error or a cancel: the syntax copy must not stay behind)
+        doc.version = change.version
+        if doc.length > MAX_DOCUMENT_CHARS:
+            self.docs.close(doc.uri)
+            self.completer.document_closed(doc.uri)
+            self.document_too_large(doc.uri)
+            return
+        self.completer.document_changed(doc, cursor, self.settings)
+        self.completer.schedule_prewarm(doc, presumed, self.settings)
+
+    def document_too_large(self, uri: str) -> None:
+        """A document over MAX_DOCUMENT_CHARS is not kept: say so once a session, count every one."""
+        self.stats.count("documents_too_large")
+        if self.stats.counters["documents_too_large"] == 1:
+            self.window_show_message(types.ShowMessageParams(
+                types.MessageType.Info, f"fimble: no completions in documents over {MAX_DOCUMENT_CHARS:,} characters"))
+        log.info("a document over %d characters is not kept", MAX_DOCUMENT_CHARS)
+
     def close_session(self) -> None:
         """Forget everything of this session: its documents here and in the engine, its decodes."""
         self.protocol.phase = "shutdown"
+        self.pacer.close()
         for uri in self.docs.uris():
             self.docs.close(uri)
             self.completer.document_closed(uri)
@@ -278,6 +345,7 @@ def _register(ls: FimbleServer) -> None:
     @ls.feature(types.INITIALIZE)
     def initialize(ls: FimbleServer, params: types.InitializeParams) -> None:
         ls.apply_settings(params.initialization_options)
+        ls.completer.context.set_workspace(params)  # the folders imports may be read from (lsp_server/context/)
         experimental = params.capabilities.experimental
         if isinstance(experimental, dict) and (experimental.get("fimble") or {}).get("completionDelta"):
             ls.settings = ls.settings.merged({"streaming": True})
@@ -306,36 +374,22 @@ def _register(ls: FimbleServer) -> None:
     @ls.feature(types.TEXT_DOCUMENT_DID_OPEN)
     def did_open(ls: FimbleServer, params: types.DidOpenTextDocumentParams) -> None:
         td = params.text_document
-        doc = ls.docs.open(td.uri, td.text, td.version, td.language_id)
+        if len(td.text) > MAX_DOCUMENT_CHARS:
+            ls.document_too_large(td.uri)
+            return
+        if len(td.text) <= HEAVY_CHARS:
+            opened(ls, ls.docs.open(td.uri, td.text, td.version, td.language_id))
+        else:  # in slices, before this session's next message (lsp_server/pacing.py)
+            ls.pacer.defer(_open_in_slices(ls, td))
+
+    async def _open_in_slices(ls: FimbleServer, td: types.TextDocumentItem) -> None:
+        opened(ls, await run_in_slices(ls.docs.open_steps(td.uri, td.text, td.version, td.language_id)))
+
+    def opened(ls: FimbleServer, doc: Document) -> None:
         # No cursor is known yet. Pre-warm as for one at the end of the document: a file
         # opened to be worked on is most often appended to, and its prefix (nearly all of
         # the prompt) is then what the first completion reuses.
         ls.completer.schedule_prewarm(doc, None, ls.settings, delay_ms=0)
-
-    @ls.feature(types.TEXT_DOCUMENT_DID_CHANGE)
-    def did_change(ls: FimbleServer, params: types.DidChangeTextDocumentParams) -> None:
-        doc = ls.docs.get(params.text_document.uri)
-        if doc is None:
-            log.warning("didChange for a document that is not open: %s", params.text_document.uri)
-            return
-        enc = ls.encoding
-        cursor = None  # where the cursor is after one plain insertion (typing)
-        presumed = None  # the end of the last change's text: where the user presumably is (None: the end)
-        for change in params.content_changes:
-            rng = getattr(change, "range", None)
-            if rng is None:
-                doc.set_text(change.text)
-                presumed = None
-                continue
-            start = doc.to_cp(rng.start.line, rng.start.character, enc, lenient=True)
-            end = doc.to_cp(rng.end.line, rng.end.character, enc, lenient=True)
-            doc.apply_edit(start, end, change.text)
-            presumed = advance(*min(start, end), change.text)
-            if len(params.content_changes) == 1 and start == end and change.text:
-                cursor = presumed
-        doc.version = params.text_document.version
-        ls.completer.document_changed(doc, cursor, ls.settings)
-        ls.completer.schedule_prewarm(doc, presumed, ls.settings)
 
     @ls.feature(CURSOR_METHOD)
     def cursor_moved(ls: FimbleServer, params: Any) -> None:
@@ -424,6 +478,7 @@ def _register(ls: FimbleServer) -> None:
                             "prewarm": ls.settings.prewarm, "prewarmDelayMs": ls.settings.prewarm_delay_ms,
                             "languages": None if (langs := ls.settings.effective_languages) is None else list(langs)}
         snap["lastPolicy"] = ls.completer.last_policy
+        snap["pacing"] = {"deferred": ls.pacer.deferred, "paused": ls.pacer.paused}  # lsp_server/pacing.py
         if ls.peers is not None:  # all sessions of this listener: counts only, nothing of their content
             snap["server"] = ls.peers()
         return snap
@@ -437,5 +492,13 @@ def _register(ls: FimbleServer) -> None:
         return {"uri": doc.uri, "version": doc.version, "text": doc.source, "lines": len(doc.lines),
                 "length": doc.length}
 
+    def debug_context(ls: FimbleServer, params: Any) -> list[dict]:
+        """Each document's cross-file context ring: where its chunks come from (lsp_server/context/)."""
+        params = plain(params)
+        uri = params.get("uri") if isinstance(params, dict) else None
+        return ls.completer.context.debug_state(uri if isinstance(uri, str) else None)
+
     if ls.debug:  # it reads out document text: only with `fimble lsp --debug`
         ls.feature("fimble/debug/document")(debug_document)
+        ls.feature("fimble/debug/context")(debug_context)
+        ls.completer.context.debug = True  # the log names the chunks each ring holds

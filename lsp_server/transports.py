@@ -149,6 +149,7 @@ async def _read_loop(ls: FimbleServer, reader: asyncio.StreamReader, limits: Lim
             bad_frame(ls, frame)
         else:
             ls.protocol.receive(frame)
+        await ls.pacer.settle()  # lsp_server/pacing.py
         if ended.is_set():
             return
 
@@ -279,11 +280,13 @@ async def _tcp_session(sessions: Sessions, opts: ListenOptions, reader: asyncio.
     try:
         if first is not None:  # the initialize that carried the token
             ls.protocol.receive(first)
+            await ls.pacer.settle()
         async for frame in frames:
             if isinstance(frame, FrameError):
                 bad_frame(ls, frame)
-                continue
-            ls.protocol.receive(frame)
+            else:
+                ls.protocol.receive(frame)
+            await ls.pacer.settle()  # the other sessions' frames between this one's (lsp_server/pacing.py)
             if ended.is_set():
                 break
     except OSError:  # a reset: the session ends the same way
@@ -364,6 +367,7 @@ async def _ws_session(sessions: Sessions, ws: Any, opts: ListenOptions) -> None:
             except ConnectionClosed:
                 break
             ls.protocol.receive(data)
+            await ls.pacer.settle()  # the other sessions' frames between this one's (lsp_server/pacing.py)
     finally:
         deadline.cancel()
         sessions.end(ls)
