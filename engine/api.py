@@ -45,6 +45,9 @@ class CompletionRequest:
     # A decode nobody asked for yet (Tab-Tab's follow-up): it does not count as the user's activity, so it
     # does not keep the engine's background work going (engine/local.py BACKGROUND_S).
     background: bool = False
+    # Other files' chunks to put before this file's prompt (engine/caching/context_prompt.py has the wire
+    # form: {"repo", "path", "comment", "budget", "chunks": [{"path", "text"}]}). None: the file alone.
+    context: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -38,7 +38,7 @@ from engine.loader import LoadedModel, default_models, load_model
 COUNTER_NAMES = ("submitted", "completed", "cancelled", "failed", "decode_steps", "tokens_generated",
                  "tokens_prefilled", "tokens_reused", "tokens_shifted", "tokens_prewarmed", "prewarms_done",
                  "prewarms_preempted", "prewarms_failed", "anchored_prompts", "cold_prompts",
-                 "reanchors_skipped")
+                 "reanchors_skipped", "context_prompts", "context_tokens")
 REUSE_MODES = ("exact", "shift", "none")
 # Pre-warm prefill chunk: on a 2-core CPU 32 tokens at a 4k context take ~40 ms, the
 # longest a completion waits for a running pre-warm to yield.
@@ -331,6 +331,9 @@ class LocalEngine:
         plan = self._anchored(request, plan, doc)
         request, plan, doc = self._cold(request, plan, doc)
         prompt, heal, constrained = plan.ids, plan.heal, plan.constrained
+        if plan.context_chunks:  # cross-file context at the prompt's head (engine/caching/context_prompt.py)
+            self._count("context_prompts")
+            self._count("context_tokens", plan.context_tokens)
         t_prompt = time.perf_counter()
         reuse = 0
         try:
@@ -368,7 +371,8 @@ class LocalEngine:
                  "prefilled_tokens": prefilled, "shifted_tokens": shifted, "truncated_tokens": plan.truncated,
                  "prompt_ms": (t_prompt - t0) * 1e3, "first_token_ms": (t_first - t0) * 1e3,
                  "total_ms": (t_end - t0) * 1e3, "new_tokens": len(decoder.output), "steps": s.steps,
-                 "drafted": s.drafted, "accepted": s.accepted, "mean_accepted": s.mean_accepted}
+                 "drafted": s.drafted, "accepted": s.accepted, "mean_accepted": s.mean_accepted,
+                 "context_tokens": plan.context_tokens, "context_chunks": plan.context_chunks}
         self._finish(stream, text[:shown], reason or "stop", len(decoder.output), stats)
 
     def _cost(self, doc: DocumentKV, plan: PromptPlan, mode: str) -> int:

@@ -49,6 +49,7 @@ from typing import Any
 import msgpack
 
 from engine.api import CompletionRequest, CompletionResult, CompletionStream, DecodeOptions, Delta
+from engine.caching.context_prompt import context_from_wire
 from engine.errors import EngineLost, FimbleError
 from engine.liveness import CpuMeter
 
@@ -73,7 +74,14 @@ def request_from_dict(d: dict) -> CompletionRequest:
                              reuse=str(d.get("reuse", "exact")),
                              truncate=bool(d.get("truncate", False)), heal=bool(d.get("heal", True)),
                              cold_window=bool(d.get("cold_window", False)),
-                             background=bool(d.get("background", False)))
+                             background=bool(d.get("background", False)),
+                             context=_context(d.get("context")))
+
+
+def _context(data: Any) -> dict | None:
+    """The request's cross-file context, checked and bounded here (a ValueError is a bad request)."""
+    context_from_wire(data)
+    return data
 
 
 # -- engine side ----------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from engine.postprocess import CompletionShaper
 from engine.syntax.brackets import fit_to_line_rest
 from engine.syntax.context import classify
 from lsp_server import indent
+from lsp_server.context import CrossFileContext
 from lsp_server.documents import Document, DocumentStore
 from lsp_server.engine_host import EngineHost
 from lsp_server.follow_up import follow_up_context, follow_up_options
@@ -69,6 +70,7 @@ POLICY_MAX_LINE = 4000
 REQUEST_BUDGET_S = float(os.environ.get("FIMBLE_REQUEST_BUDGET_S", 20.0))
 # Tab-Tab's follow-up decode (lsp_server/follow_up.py) starts only this soon after the document's last edit.
 FOLLOW_UP_WITHIN_S = float(os.environ.get("FIMBLE_FOLLOW_UP_WITHIN_S", 1.5))
+CONTEXT_WAIT_S = 0.05  # a pre-warm due while the cross-file context is refreshed looks again this much later
 
 
 @dataclass
@@ -139,6 +141,10 @@ class Completer:
         self._warm_at: dict[str, tuple[int, tuple[int, int]]] = {}
         self.last_policy: dict | None = None  # the latest decode's decision, for fimble/stats
         self.engine_ns = ""  # the session's id where sessions share the engine (FimbleServer)
+        # Other files' chunks before the prompt (lsp_server/context/): a ring per document, refreshed off the
+        # keystroke path; a ring that changed is pre-warmed.
+        self.context = CrossFileContext(docs, stats, on_change=lambda doc, cursor, settings: self.schedule_prewarm(
+            doc, cursor, settings, delay_ms=0, exact=cursor is not None))
 
     def engine_doc_id(self, uri: str) -> str:
         """The document's key in the engine: its URI, under the session's namespace when shared."""
@@ -149,7 +155,7 @@ class Completer:
         return {"recent_docs": len(self.recent), "recent_generations": sum(len(d) for d in self.recent.values()),
                 "subscriptions": len(self.streamer), "pumps": len(self._pumps), "request_seq": len(self._seq),
                 "last_edit": len(self._last_edit), "prewarms_pending": len(self._prewarms),
-                "warm_at": len(self._warm_at),
+                "warm_at": len(self._warm_at), **self.context.tables(),
                 "active": 0 if self.active is None else 1}
 
     # -- document events ---------------------------------------------------------------------
@@ -190,6 +196,7 @@ class Completer:
 
     def document_closed(self, uri: str) -> None:
         self.streamer.end_document(uri, "closed")
+        self.context.closed(uri)
         pending = self._prewarms.pop(uri, None)
         if pending is not None:
             pending.cancel()
@@ -242,6 +249,7 @@ class Completer:
         even if a decode at this version (at another cursor) already filled the cache. Otherwise
         the cursor is a guess, and such a decode's prompt is the better one to keep.
         """
+        self.context.touch(doc, cursor, settings)  # (a document event: cross-file context, off this path)
         pending = self._prewarms.pop(doc.uri, None)
         if pending is not None:
             pending.cancel()
@@ -257,6 +265,10 @@ class Completer:
 
     def _prewarm_due(self, uri: str, cursor: tuple[int, int], settings: Settings, exact: bool) -> None:
         self._prewarms.pop(uri, None)
+        if self.context.pending:  # its ring may change the prompt's head: pre-warm the prompt it leads to
+            self._prewarms[uri] = asyncio.get_running_loop().call_later(
+                CONTEXT_WAIT_S, self._prewarm_due, uri, cursor, settings, exact)
+            return
         engine = self.host.ready_engine()
         if engine is not None:
             self._prewarm(engine, uri, cursor, settings, exact)
@@ -472,7 +484,8 @@ class Completer:
         return CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=plan.options,
                                  document_id=self.engine_doc_id(ctx.uri),
                                  segment_lines=plan.segment_lines, reuse=settings.reuse, truncate=True,
-                                 heal=settings.token_healing, cold_window=True, background=background)
+                                 heal=settings.token_healing, cold_window=True, background=background,
+                                 context=self.context.for_request(ctx.uri, self.docs.get(ctx.uri), settings))
 
     def _submit(self, engine: Any, ctx: Context, settings: Settings, t0: float, build_ms: float,
                 plan: Plan, background: bool = False) -> Generation:

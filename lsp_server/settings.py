@@ -26,14 +26,17 @@ _WIRE = {  # wire name -> attribute
     "engineThreads": "engine_threads", "prefetch": "prefetch", "tokenHealing": "token_healing",
     "policy": "policy", "kvCacheMB": "kv_cache_mb", "kvShiftReuse": "kv_shift_reuse", "prewarm": "prewarm",
     "prewarmDelayMs": "prewarm_delay_ms", "languages": "languages",
+    "crossFileContext": "cross_file_context", "crossFileSources": "cross_file_sources",
+    "crossFileBudget": "cross_file_budget",
 }
+CROSS_FILE_SOURCES = ("openFiles", "imports", "recentEdits")  # lsp_server/context/service.py
 _CHOICES = {"drafter": ("auto", "model", "ngram", "none"), "answer_at": ("line", "end")}
 # Integer settings: (lowest, highest). Why bounds at all: 10**400 ms overflowed float
 # conversions in every request, and a debounce of 10**12 ms left requests unanswered.
 _RANGES = {
     "max_lines": (0, 1000), "max_tokens": (0, 4096), "debounce_ms": (0, 2_000), "early_answer_ms": (0, 10_000),
     "prefix_chars": (0, 1_000_000), "suffix_chars": (0, 1_000_000), "engine_threads": (0, 1024),
-    "kv_cache_mb": (0, 1 << 20), "prewarm_delay_ms": (0, 60_000),
+    "kv_cache_mb": (0, 1 << 20), "prewarm_delay_ms": (0, 60_000), "cross_file_budget": (0, 4096),
 }
 # Upper bounds of the policy override fields that engine/policy.py checks only from below.
 _POLICY_MAX = {"temperature": 10.0, "gamma": 64, "max_gamma": 64, "max_tokens": 4096, "max_lines": 1000}
@@ -97,6 +100,12 @@ class Settings:
     # didOpen and once edits settle for prewarmDelayMs, so the next completion prefills little.
     prewarm: bool = True
     prewarm_delay_ms: int = 300
+    # Other files' code before the file's own prompt (lsp_server/context/): chunks of open documents of the
+    # same language, definitions of imported names (open, or on disk inside the workspace folders), recent
+    # edits. At most ``cross_file_budget`` tokens; never sent to a remote engine or a shared daemon.
+    cross_file_context: bool = True
+    cross_file_sources: tuple[str, ...] = CROSS_FILE_SOURCES
+    cross_file_budget: int = 512
     # A non-local engine chosen on the command line (--engine): an engine.remote.RemoteSpec, or the
     # shared daemon's spec. Not a wire key: a client never picks the server the code is sent to.
     engine_spec: Any = None
@@ -154,6 +163,13 @@ class Settings:
                     changes["languages"] = None if value is None else tuple(dict.fromkeys(value))
                 else:
                     problems.append("languages: expected a list of language ids or null; keeping the previous value")
+                continue
+            if attr == "cross_file_sources":  # a list of source names
+                if isinstance(value, list) and len(value) <= 16 and all(v in CROSS_FILE_SOURCES for v in value):
+                    changes[attr] = tuple(dict.fromkeys(value))
+                else:
+                    problems.append(f"crossFileSources: expected a list of {', '.join(CROSS_FILE_SOURCES)}; "
+                                    "keeping the previous value")
                 continue
             if attr == "policy":  # replaces the previous overrides whole; null or {} clears them
                 bad = _policy_over_max(value) or check_overrides(value)  # first: 10**400 overflows float()

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.api import CompletionRequest
+from engine.caching.context_prompt import Context, RepoFormat, context_from_wire, header_texts, repo_format
 from engine.decoding.healing import split_heal
 from engine.errors import PromptError
 
@@ -92,6 +93,8 @@ class PromptPlan:
     # nothing follows the sentinel; ``anchor_at`` of the next request may keep it (the anchored layout).
     anchor: int | None = None
     head_lines: int = 0  # line breaks in the text after the middle sentinel
+    context_tokens: int = 0  # cross-file context at the head (engine/caching/context_prompt.py)
+    context_chunks: int = 0
 
 
 @dataclass
@@ -150,6 +153,15 @@ class PromptBuilder:
         # anchored this many lines above the cursor's line, as if they had been typed since the anchor.
         self.anchor_lines = 0
         self._memo: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
+        self._repo_format: RepoFormat | None = None
+        # The last context's pieces: the same chunks come with every keystroke (the ring changes rarely).
+        self._context_memo: tuple[Context, _Part, int] | None = None
+
+    @property
+    def repo_format(self) -> RepoFormat:
+        if self._repo_format is None:
+            self._repo_format = repo_format(lambda tok: self.model.token_id(tok) is not None)
+        return self._repo_format
 
     def _encode(self, text: str) -> tuple[list[int], bytes]:
         hit = self._memo.get(text)
@@ -203,6 +215,10 @@ class PromptBuilder:
         if psm and suffix.size > self.psm_suffix_tokens:
             _keep_leading(suffix, self.psm_suffix_tokens)
         budget = m.max_len - request.options.max_tokens - 8 - head.size
+        context, chunks = self._context_part(request.context)
+        if context.size > budget // 4:  # a small model's window: the file's own text comes first
+            context, chunks = _Part(), 0
+        budget -= context.size
         total = prefix.size + suffix.size
         if total > budget:
             if not request.truncate:
@@ -210,19 +226,58 @@ class PromptBuilder:
                                   f"{m.max_len} with {request.options.max_tokens} new tokens")
             _keep_leading(suffix, min(suffix.size, budget // 4))
             _drop_leading(prefix, prefix.size - (budget - suffix.size), stride=max(256, budget // 8))
-        plan = self._assemble(prefix, suffix, head, heal, constrained, total - prefix.size - suffix.size)
+        plan = self._assemble(prefix, suffix, head, heal, constrained, total - prefix.size - suffix.size, context)
+        plan.context_tokens, plan.context_chunks = context.size, chunks
         if head_text:
             plan.anchor, plan.head_lines = len(prefix_text), head_text.count("\n")
         elif psm and self.line_in_middle and request.prefix.startswith("\n", len(prefix_text)):
             plan.anchor = len(prefix_text)  # the prompt stops at a line break: the next line may anchor there
         return plan
 
+    def _context_part(self, data) -> tuple[_Part, int]:
+        """The cross-file context's pieces (each chunk starts a segment) and how many chunks fit its budget."""
+        try:
+            ctx = context_from_wire(data)
+        except ValueError as exc:
+            raise PromptError(str(exc)) from None
+        if ctx is None or not ctx.chunks or ctx.budget <= 0:
+            return _Part(), 0
+        memo = self._context_memo
+        if memo is not None and memo[0] == ctx:
+            return _Part(list(memo[1].tokens), list(memo[1].starts)), memo[2]
+        fmt = self.repo_format
+        groups: list[list[list[int]]] = []  # per header_texts entry: its pieces' tokens
+        for token, header, body in header_texts(fmt, ctx):
+            group = [[self.model.token_id(token)]] if token is not None else []
+            groups.append(group + [self._encode(p)[0] for p in LINE_CUT.split(header + body) if p])
+        part, used, chunks = _Part(), 0, 0
+        trailer = groups[-1] if fmt.file_token is not None else []
+        trailer_size = sum(len(t) for t in trailer)
+        body_groups = groups[:-1] if fmt.file_token is not None else groups
+        if fmt.repo_token is not None:  # the repository's name joins the first chunk's segment
+            body_groups = [body_groups[0] + body_groups[1], *body_groups[2:]]
+        for group in body_groups:
+            size = sum(len(t) for t in group)
+            if used + size + trailer_size > ctx.budget:
+                break  # the first that does not fit ends it: what was taken stays put when the ring appends
+            for i, toks in enumerate(group):
+                part.add(toks, i == 0)
+            used += size
+            chunks += 1
+        if chunks:
+            for i, toks in enumerate(trailer):
+                part.add(toks, i == 0)
+        self._context_memo = (ctx, _Part(list(part.tokens), list(part.starts)), chunks)
+        return part, chunks
+
     def _assemble(self, prefix: _Part, suffix: _Part, head: _Part, heal: str, constrained: bool,
-                  dropped: int) -> PromptPlan:
+                  dropped: int, context: _Part | None = None) -> PromptPlan:
         m = self.model
         order: list[tuple[list[int], bool]] = []  # (piece tokens, starts a segment)
         if getattr(m.tokenizer, "add_bos_token", False) and m.tokenizer.bos_token_id is not None:
             order.append(([m.tokenizer.bos_token_id], True))
+        if context is not None:  # other files first: the prompt's stable, leading segments
+            order.extend(zip(context.tokens, context.starts, strict=True))
         for text, special in m.template.pieces("\0P", "\0S"):
             if special:
                 order.append(([m.token_id(text)], True))
