@@ -78,7 +78,7 @@ class Daemon:
             if not warm_graphs:
                 cmd.append("--no-warm-graphs")
         else:
-            # --no-token: the benchmark's own loopback daemon (a token is required by default, lsp_server/auth.py)
+            # --no-token: the benchmark's own loopback daemon (a token is required by default, engine/auth.py)
             cmd = [sys.executable, "-m", "lsp_server", "serve", "--port", "0", "--no-token", *extra]
         self.proc = subprocess.Popen(
             cmd,

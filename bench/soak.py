@@ -167,7 +167,7 @@ def rss_mib(pid: int) -> float:
 
 
 async def start_tcp(env: dict) -> tuple[asyncio.subprocess.Process, int]:
-    # --no-token: a local benchmark's own listener (a token is required by default, lsp_server/auth.py)
+    # --no-token: a local benchmark's own listener (a token is required by default, engine/auth.py)
     proc = await asyncio.create_subprocess_exec(*SERVER_CMD, "--tcp", "127.0.0.1:0", "--no-token", env=env,
                                                 stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     assert proc.stderr is not None

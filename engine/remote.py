@@ -42,10 +42,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta
+from engine.auth import is_loopback, port_token
 from engine.decoding.detok import StopRules
 from engine.errors import FimbleError
 from engine.fim import TEMPLATES, FimTemplate, template_by_name
-from lsp_server.auth import is_loopback, port_token
 
 log = logging.getLogger(__name__)
 

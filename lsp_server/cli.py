@@ -46,7 +46,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_token_args(p: argparse.ArgumentParser, what: str) -> None:
-    """The listener's token flags (lsp_server/auth.py): a token is required by default, on loopback too."""
+    """The listener's token flags (engine/auth.py): a token is required by default, on loopback too."""
     p.add_argument("--token-file", metavar="PATH",
                    help="clients must present the token on this file's first line (default: a new random token, "
                         "printed to stderr and left in a file only you can read, named on stderr)")
@@ -55,26 +55,6 @@ def _add_token_args(p: argparse.ArgumentParser, what: str) -> None:
                         f"machine can connect to {what} and read what its clients send (web pages still cannot: "
                         "a WebSocket needs an allowed Origin, TCP an LSP header first)")
     p.add_argument("--require-token", action="store_true", help="(the default now; kept for older scripts)")
-
-
-def token_choice(args: argparse.Namespace, host: str, loopback: bool) -> tuple[str | None, bool]:
-    """The listener's token (None with --no-token) and whether it was generated (the listener prints it once it
-    listens, as Jupyter does). Checks the token flags against each other and the address; a user error is one
-    line."""
-    from lsp_server import auth
-
-    if args.no_token:
-        if not loopback:
-            raise FimbleError(f"--no-token is for loopback addresses only: on {host} other machines could "
-                              "connect without one")
-        if args.token_file or args.require_token:
-            raise FimbleError("--no-token contradicts --token-file and --require-token")
-        print("fimble: WARNING: no token (--no-token): every program and user of this machine can connect",
-              file=sys.stderr, flush=True)
-        return None, False
-    if args.token_file:
-        return auth.read_token(args.token_file), False
-    return auth.new_token(), True
 
 
 def _remote_spec(args: argparse.Namespace):
@@ -218,7 +198,8 @@ def _quiet_pygls(record: logging.LogRecord) -> bool:
 
 
 def run_lsp(args: argparse.Namespace) -> int:
-    from lsp_server import auth
+    from engine import auth
+    from engine.auth import token_choice
     from lsp_server.framing import Limits
     from lsp_server.settings import Settings
     from lsp_server.transports import ListenOptions, parse_address, serve

@@ -19,7 +19,7 @@ server by the rest of its load), then the listener and sessions close; no traceb
 Frames are read by lsp_server/framing.py (stdio, TCP) and checked by
 ``FimbleProtocol.receive``: a malformed frame is answered and reading goes on.
 WebSocket messages go out as text frames (pygls sends binary frames, which browser clients
-such as Monaco and vscode-ws-jsonrpc drop). Who may connect: lsp_server/auth.py.
+such as Monaco and vscode-ws-jsonrpc drop). Who may connect: engine/auth.py.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any
 
 from pygls.io_ import StdoutWriter
 
+from engine import auth
 from engine.errors import FimbleError
-from lsp_server import auth
 from lsp_server.engine_host import EngineHost
 from lsp_server.framing import FrameError, Limits, read_frames, read_opening
 from lsp_server.protocol import PARSE_ERROR

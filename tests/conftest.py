@@ -21,7 +21,7 @@ os.environ.setdefault("FIMBLE_COLD_WINDOW", "off")
 # loaded machine a test's pre-warm could outlast the default. Its own test sets it for one engine.
 os.environ.setdefault("FIMBLE_BACKGROUND_S", "600")
 os.environ.setdefault("FIMBLE_FOLLOW_UP_WITHIN_S", "600")  # (Tab-Tab's follow-ups: the same reason)
-# Listeners leave their tokens in a per-user folder (lsp_server/auth.py runtime_dir): the suite's go to one of
+# Listeners leave their tokens in a per-user folder (engine/auth.py runtime_dir): the suite's go to one of
 # its own, never the user's, and a test's client never picks up a token of the user's own servers.
 os.environ.setdefault("FIMBLE_RUNTIME_DIR", tempfile.mkdtemp(prefix="fimble-test-run-"))
 REPO = Path(__file__).resolve().parent.parent

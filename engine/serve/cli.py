@@ -20,9 +20,9 @@ def _check_range(name: str, value: int, low: int, high: int) -> None:
 
 def serve_options(args: argparse.Namespace):
     """The listener options from the command line (token rules as `fimble lsp --tcp/--ws`)."""
+    from engine import auth
+    from engine.auth import token_choice
     from engine.serve.daemon import ServeOptions
-    from lsp_server import auth
-    from lsp_server.cli import token_choice
 
     _check_range("port", args.port, 0, 65535)
     _check_range("max-message-mb", args.max_message_mb, 1, 1024)

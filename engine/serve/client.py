@@ -245,7 +245,7 @@ class ServeSpec:
     timeout_s: float = 60.0
 
     def open(self) -> WSEngine:
-        # Without a token file, the one a daemon on this machine left for its port (lsp_server/auth.py), read at
+        # Without a token file, the one a daemon on this machine left for its port (engine/auth.py), read at
         # every (re)connect: a restarted daemon has a new token.
         token = read_token(self.token_file) if self.token_file else local_token(self.url)
         return WSEngine(self.url, token, startup_timeout=self.timeout_s)
@@ -253,7 +253,7 @@ class ServeSpec:
 
 def local_token(url: str) -> str | None:
     """The token a listener on this machine left for the URL's port; None if it is not on loopback or left none."""
-    from lsp_server.auth import find_token
+    from engine.auth import find_token
 
     try:
         parts = urlsplit(url)
@@ -265,7 +265,7 @@ def local_token(url: str) -> str | None:
 
 def serve_spec(url: str, token_file: str | None, timeout_s: float, allow_plain: bool) -> ServeSpec:
     """Check ``--engine ws://...`` and its token file now (a user error before any connection)."""
-    from lsp_server.auth import is_loopback
+    from engine.auth import is_loopback
 
     check_url(url)
     host = urlsplit(url).hostname or ""
@@ -282,7 +282,7 @@ def serve_spec(url: str, token_file: str | None, timeout_s: float, allow_plain: 
 
 
 def read_token(path: str) -> str:
-    from lsp_server.auth import read_token as read
+    from engine.auth import read_token as read
 
     try:
         return read(path)

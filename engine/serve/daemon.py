@@ -15,7 +15,7 @@ Deltas cross from the engine thread to the loop with ``call_soon_threadsafe``.
 
 Security: loopback by default (another address needs ``--allow-remote``); the CLI sets a token
 unless ``--no-token`` (loopback only), and ``run_daemon`` leaves it in this user's token file for
-the port (lsp_server/auth.py); it is checked in constant time on the HTTP upgrade and on every
+the port (engine/auth.py); it is checked in constant time on the HTTP upgrade and on every
 HTTP request; browser Origins are refused unless allowed; a loopback bind also refuses a
 non-loopback Host header (DNS rebinding). Replies and logs carry no document text and no
 tracebacks.
@@ -225,7 +225,7 @@ class EngineDaemon:
 
     def authorized(self, headers: Any) -> str | None:
         """None if a request with these headers may proceed, else (status, reason) as 'CODE reason'."""
-        from lsp_server import auth
+        from engine import auth
 
         for name in ("Origin", "Host", "Authorization"):  # one each at most: which one would count is ambiguous
             if len(headers.get_all(name)) > 1:
@@ -453,7 +453,7 @@ def coalesce_deltas(messages: list[dict]) -> list[dict]:
 
 def run_daemon(engine: Any, options: ServeOptions, announce=print) -> int:
     """Serve until SIGINT/SIGTERM: listeners in a thread, the decode loop in this (main) thread."""
-    from lsp_server import auth
+    from engine import auth
 
     daemon = EngineDaemon(engine, options)
     port = daemon.start()
@@ -483,9 +483,9 @@ def run_daemon(engine: Any, options: ServeOptions, announce=print) -> int:
 
 
 def publish_token(port: int, token: str | None, announce=print):
-    """Leave ``token`` where this user's clients on this machine find it (lsp_server/auth.py), saying where in
+    """Leave ``token`` where this user's clients on this machine find it (engine/auth.py), saying where in
     one line; None when there is no token or the file cannot be written (then said too)."""
-    from lsp_server import auth
+    from engine import auth
 
     if token is None:
         return None

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from lsp_helpers import SERVER_CMD, SERVER_ENV
 
-TOKEN = "transports-test-token-0123456789"  # every listener requires one (lsp_server/auth.py): given in a file
+TOKEN = "transports-test-token-0123456789"  # every listener requires one (engine/auth.py): given in a file
 INIT = {"processId": None, "rootUri": None, "capabilities": {"general": {"positionEncodings": ["utf-32", "utf-16"]}},
         "initializationOptions": {"preload": False, "token": TOKEN}}
 

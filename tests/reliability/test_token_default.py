@@ -21,7 +21,7 @@ import pytest
 from rel_helpers import INIT, SERVER_CMD, Listener, TcpClient, WsClient, frame, msg, server_env
 from websockets.exceptions import InvalidMessage, InvalidStatus
 
-from lsp_server import auth
+from engine import auth
 
 EVIL = "http://evil.example"
 
