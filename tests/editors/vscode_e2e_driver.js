@@ -231,7 +231,8 @@ async function main() {
   fs.writeFileSync(path.join(userData, 'User', 'settings.json'), JSON.stringify(settings, null, 2));
   // Every file exists before VS Code starts (Quick Open lists them at once).
   const scenarioFile = (i) => path.join(ws, `s${String(i).padStart(2, '0')}.py`);
-  for (let i = 1; i <= SCENARIOS.length + 1; i++) fs.writeFileSync(scenarioFile(i), context.replace(/\n*$/, '\n\n\n'));
+  const initialText = context.replace(/\n*$/, '\n\n\n'); // each scenario's file before it (never saved before)
+  for (let i = 1; i <= SCENARIOS.length + RESTART_SCENARIOS.length; i++) fs.writeFileSync(scenarioFile(i), initialText);
   fs.writeFileSync(path.join(ws, 'warmup.py'), context);
 
   say(`code-server: ${CODE_SERVER}`);
@@ -457,7 +458,15 @@ async function main() {
       await sleep(300);
       await page.keyboard.press('Escape');
       await page.keyboard.press('Control+S');
-      await sleep(600);
+      // Read the file once the save has landed: the tab is clean and the file holds the typed text (on a
+      // loaded machine a fixed wait read the file from before the save).
+      try {
+        await waitFor(async () => fs.readFileSync(file, 'utf8') !== initialText
+          && (await page.evaluate(() => !!document.querySelector('.tab.active') && !document.querySelector('.tab.active.dirty'))),
+        `${name} to be saved`, 20000, 100);
+      } catch {
+        say(`   ${name}: not saved within 20 s; reading it as it is`);
+      }
       const after = fs.readFileSync(file, 'utf8');
       const expectFull = docText.slice(0, at) + serverText + docText.slice(end);
       const rest = docText.slice(end);
