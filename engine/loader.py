@@ -241,6 +241,28 @@ RUNTIMES = ("auto", "compact", "ggml")
 _fallback_logged = False
 
 
+def check_device(device: str | torch.device) -> None:
+    """A device this machine has, or a one-line ModelLoadError: torch's own failure for ``cuda:99`` (or any
+    CUDA device in a CPU build) is an AssertionError, and for ``mps`` where there is none a page of text."""
+    name = str(device)
+    kind, _, index = name.partition(":")
+    if kind == "cpu" and not index:
+        return
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ModelLoadError(f"device {name} is not available: this machine has no CUDA device torch can use")
+        if index and (not index.isdigit() or int(index) >= count):
+            raise ModelLoadError(f"device {name} is not available: this machine has {count} CUDA "
+                                 f"device{'s' if count > 1 else ''}")
+        return
+    if kind == "mps" and not index:
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise ModelLoadError("device mps is not available on this machine")
+        return
+    raise ModelLoadError(f"unknown device {name[:40]!r}: use cpu, cuda, cuda:N or mps")
+
+
 def _requested_runtime(runtime: str | None) -> str:
     return (runtime or os.environ.get("FIMBLE_RUNTIME", "").strip() or "auto").lower()
 
@@ -293,6 +315,7 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
         raise ModelLoadError("int8 weights need the compact runtime on the CPU")
     requested = _requested_runtime(runtime)
     use_ggml = runtime_choice(runtime, device, backend) == "ggml"
+    check_device(device)
     folder = Path(folder).expanduser()
     if folder.suffix.lower() == ".gguf" and folder.is_file():
         return _load_gguf_model(folder, device=device, dtype=dtype, template=template, quant=quant, ggml=use_ggml)

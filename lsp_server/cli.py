@@ -187,11 +187,13 @@ def main(argv: list[str] | None = None) -> int:
 # -- lsp -------------------------------------------------------------------------------------
 def _quiet_pygls(record: logging.LogRecord) -> bool:
     """Without --debug, pygls' records lose their arguments (messages, params: document text) and
-    INFO/DEBUG ones are dropped (pygls logs every message sent at INFO)."""
+    INFO/DEBUG ones are dropped (pygls logs every message sent at INFO), as are its deserialisation errors."""
     if not record.name.startswith("pygls"):
         return True
     if record.levelno < logging.WARNING or record.getMessage().startswith("Cancel notification for unknown"):
         return False
+    if str(record.msg).startswith("Unable to deserialize message"):  # fimble's protocol logs its own line for
+        return False  # these, counted (lsp_server/protocol.py log_dropped): 2 lines each made a flood fill the log
     if record.args:
         record.msg, record.args = f"{record.msg} [arguments withheld: run with --debug]", None
     return True

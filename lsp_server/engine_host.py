@@ -25,6 +25,13 @@ Restarts back off (``RESTART_BACKOFF_S``) when engines keep failing soon after s
 after ``MAX_QUICK_FAILURES`` in a row the host gives up with a clear error (state "error")
 until the settings change. A request that arrives meanwhile waits for the restart (``get``).
 On SIGTERM/SIGINT the server calls ``kill_now``: the engine ends at once, reaped.
+
+A change of model settings (model, draft, device, ...) while an engine serves never leaves the user
+without one: the new engine loads beside the working one (``_replacement``), which keeps serving, and
+takes its place only once it is loaded and its weights checked (its ``ready``). A new engine that
+fails (a corrupt or truncated weights file, NaN weights, config or tokenizer files that are not what
+they claim, a device this machine lacks) is one notice, level "rejected", which the session shows,
+and is not tried again until the settings change (``running_settings`` still say what serves).
 """
 
 from __future__ import annotations
@@ -69,6 +76,14 @@ def _start(settings: Settings) -> Any:
 
     return EngineProcess(settings.model, settings.draft, device=settings.device, no_draft=settings.no_draft,
                          kv_budget_mb=settings.kv_cache_mb)
+
+
+def _set_threads(settings: Settings) -> None:
+    """The engine child inherits our environment: this is how its torch thread count is set."""
+    if settings.engine_threads > 0:
+        os.environ["OMP_NUM_THREADS"] = str(settings.engine_threads)
+    else:
+        os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
@@ -184,6 +199,10 @@ class EngineHost:
         self._settings: Settings | None = None
         self._watchdog: asyncio.Task | None = None
         self._quick_failures = 0  # engines in a row that failed soon after starting
+        # A new engine loading beside the working one (its settings' key), and the last one that failed to.
+        self._replacement: asyncio.Task | None = None
+        self._replacement_key: tuple | None = None
+        self._rejected_key: tuple | None = None
         self._watching: Watch | None = None
         self.supervision = {"deaths": 0, "stalls": 0, "stuck": 0, "gave_up": 0, "retried": 0,
                             "start_deaths": 0, "busy_holds": 0}
@@ -192,8 +211,11 @@ class EngineHost:
         """``method`` (a bound method) hears of engine deaths, stalls, restarts and giving up."""
         self._notice_listeners.append(weakref.WeakMethod(method))
 
-    def notice(self, level: str, message: str) -> None:
-        log.log(logging.ERROR if level == "error" else logging.WARNING, "%s", message)
+    def notice(self, level: str, message: str, *, logged: bool = False) -> None:
+        """Tell every session (``level``: "error", "warning", "info", or "rejected": new model settings did not
+        load beside the working engine, ``message`` being the reason); logged here unless ``logged``."""
+        if not logged:
+            log.log(logging.WARNING if level == "warning" else logging.ERROR, "%s", message)
         alive = []
         for ref in self._notice_listeners:
             fn = ref()
@@ -217,33 +239,95 @@ class EngineHost:
     def state(self) -> str:
         if self._starting is not None and not self._starting.done():
             return "starting"
+        if self._engine is None and self._replacement_key is not None:  # the engine died; its replacement loads
+            return "starting"
         if self._engine is not None and not self._engine.error:
             return "ready"
         return "error" if self.error else "stopped"
 
+    @property
+    def running_settings(self) -> Settings | None:
+        """The settings of the engine that runs (or starts, or last failed): not those of a replacement."""
+        return self._settings
+
     def info(self) -> dict:
         return {"state": self.state, "error": self.error, "restarts": self.restarts, "supervision": self.supervision,
-                "pid": getattr(self._engine, "pid", None), "info": getattr(self._engine, "info", None) or {}}
+                "pid": getattr(self._engine, "pid", None), "info": getattr(self._engine, "info", None) or {},
+                "replacing": self._replacement_key is not None}
 
     def configure(self, settings: Settings) -> None:
-        """Start (or restart) the engine if the model settings differ from the running one."""
-        if settings.engine_key() == self._key and self.state != "stopped":
+        """Start (or restart) the engine if the model settings differ from the running one.
+
+        While an engine serves, a new one loads beside it and replaces it once ready (``_replace_with``)."""
+        key = settings.engine_key()
+        if key != self._rejected_key:
+            self._rejected_key = None  # other settings: the user may have fixed the cause; the same again are tried
+        if key == self._key and self.state != "stopped":
+            self._replacement_key = None  # back to the running settings: a replacement loading is not wanted
             return  # same model: keep it (or its start error: retrying would fail the same way)
-        if settings.engine_key() != self._key:
-            self._quick_failures = 0  # new settings: the user may have fixed the cause
-        self._key = settings.engine_key()
+        if key in (self._rejected_key, self._replacement_key):
+            return  # failed to load beside the working engine (the user was told), or loading now
+        if self._serving():
+            self._replacement_key = key
+            self._replacement = asyncio.create_task(self._replace_with(settings))
+            self._changed()
+            return
+        self._replacement_key = None
+        self._quick_failures = 0  # new settings: the user may have fixed the cause
+        self._key = key
         self._settings = settings
         old, self._engine = self._engine, None
         self.error = None
         if old is not None:
             asyncio.get_running_loop().run_in_executor(None, old.close)
-        # The child inherits our environment: this is how its torch thread count is set.
-        if settings.engine_threads > 0:
-            os.environ["OMP_NUM_THREADS"] = str(settings.engine_threads)
-        else:
-            os.environ.pop("OMP_NUM_THREADS", None)
+        _set_threads(settings)
         self._starting = asyncio.create_task(self._launch(settings))
         self._changed()  # -> "starting"
+
+    def _serving(self) -> bool:
+        """An engine is up and answering (not starting, not failed): a settings change must not take it away."""
+        engine = self._engine
+        return self.state == "ready" and engine is not None and _alive(engine) and self._key is not None
+
+    async def _replace_with(self, settings: Settings) -> None:
+        """Load an engine for ``settings`` while the working one serves; swap them once it is ready, or keep
+        the working one and say why not (one notice, level "rejected")."""
+        from engine.errors import FimbleError
+
+        key = settings.engine_key()
+        _set_threads(settings)
+        engine, reason = None, None
+        try:
+            engine = await _in_daemon_thread(lambda: _start(settings))
+        except FimbleError as exc:  # the engine's own one-line reason (a bad folder, a missing device, lost)
+            reason = str(exc)
+        except Exception as exc:  # an engine that cannot start must not take the server down
+            log.exception("the new engine failed to start")
+            reason = f"the engine failed to start: {type(exc).__name__}"
+        finally:
+            _set_threads(self._settings or settings)  # a restart of the working engine keeps its own
+        if self._replacement_key != key:  # not wanted any more (the settings changed again, the host closed)
+            if engine is not None:
+                asyncio.get_running_loop().run_in_executor(None, engine.close)
+            return
+        self._replacement_key = None
+        if engine is None:
+            self._rejected_key = key
+            log.error("the new model settings did not load (%s); the engine that was running goes on serving", reason)
+            self.notice("rejected", str(reason), logged=True)  # the message: the reason alone (the session words it)
+            if self._engine is None and (self._starting is None or self._starting.done()):
+                self._restart("the engine stopped while the new one loaded", 0.0)  # died meanwhile: it restarts
+            self._changed()
+            return
+        old = self._engine  # (a restart of it still loading closes itself: _launch sees the new key)
+        self._engine, self._key, self._settings = engine, key, settings
+        self._watching, self._quick_failures, self.error = None, 0, None
+        log.info("engine ready (replacing the previous one): %s", engine.info)
+        if old is not None:
+            asyncio.get_running_loop().run_in_executor(None, old.close)
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.create_task(self._watch())
+        self._changed()
 
     async def _launch(self, settings: Settings, delay: float = 0.0) -> None:
         from engine.errors import EngineLost, FimbleError
@@ -253,11 +337,15 @@ class EngineHost:
                 await asyncio.sleep(delay)  # backoff: engines have been failing soon after starting
             launched = time.monotonic()
             try:
-                self._engine = await _in_daemon_thread(lambda: _start(settings))
+                engine = await _in_daemon_thread(lambda: _start(settings))
             except EngineLost as exc:  # killed or crashed while loading: restarted like any other failure
                 self.supervision["start_deaths"] += 1
                 self._restart(f"the engine stopped while starting ({exc})", launched)
                 return
+            if settings.engine_key() != self._key:  # the settings changed while it loaded: another start runs
+                asyncio.get_running_loop().run_in_executor(None, engine.close)
+                return
+            self._engine = engine
             log.info("engine ready: %s", self._engine.info)
             if hasattr(self._engine, "notify"):  # a remote engine: tell the editor when its server fails / is back
                 loop = asyncio.get_running_loop()
@@ -331,6 +419,10 @@ class EngineHost:
     def _restart(self, what: str, started_at: float) -> None:
         """An engine started at ``started_at`` failed (``what``): start another after the backoff, or give up."""
         self.restarts += 1
+        if self._replacement_key is not None:  # a new engine is loading: it takes over (or, failing, this restarts)
+            log.warning("%s; the engine loading for the new settings takes over", what)
+            self._starting = None
+            return
         quick = time.monotonic() - started_at < QUICK_FAILURE_S
         self._quick_failures = self._quick_failures + 1 if quick else 1
         settings = self._settings
@@ -360,9 +452,15 @@ class EngineHost:
         return self.ready_engine()
 
     async def _started(self) -> None:
-        """Wait until no start is under way: a start that fails may schedule the next one (backoff) itself."""
-        while self._starting is not None and not self._starting.done():
-            await asyncio.shield(self._starting)
+        """Wait until no start is under way: a start that fails may schedule the next one (backoff) itself.
+        A replacement loading counts only where no engine is left to serve meanwhile."""
+        while True:
+            if self._starting is not None and not self._starting.done():
+                await asyncio.shield(self._starting)
+            elif self._engine is None and self._replacement is not None and not self._replacement.done():
+                await asyncio.shield(self._replacement)
+            else:
+                return
 
     async def restarted(self) -> Any | None:
         """The engine once the restart after a failure is done (no new start of its own); None if none."""
@@ -394,6 +492,7 @@ class EngineHost:
     def _detach(self) -> Any:
         """Stop starting and watching; the engine that was running (None if none), no longer the host's."""
         engine, self._engine = self._engine, None
+        self._replacement_key = None  # a replacement that finishes loading closes itself
         if self._starting is not None and not self._starting.done():
             self._starting.cancel()
         if self._watchdog is not None:

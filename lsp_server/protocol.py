@@ -14,6 +14,10 @@ It also takes every frame's raw payload (``receive``): bad UTF-8, bad JSON, batc
 requests before ``initialize`` or after ``shutdown`` each get their JSON-RPC error instead
 of silence, a string field sent as null or a number is refused rather than coerced to
 "None", and error responses never carry a traceback.
+
+Messages dropped as invalid (a notification has no response to carry an error) are counted
+(``fimble/stats`` counter ``dropped_messages``) and logged by kind at most a few times a session
+(``log_dropped``): 2,000 invalid ``didChange`` notifications wrote 6,000 log lines.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
 SERVER_NOT_INITIALIZED = -32002
 INTERNAL_ERROR_MESSAGE = "Internal error (details are in the server log)"
+LOGGED_PER_KIND = 3  # dropped messages of one kind logged in full per session; then at 10, 100, 1000, ...
 
 
 def plain(value: Any) -> Any:
@@ -91,6 +96,21 @@ class FimbleProtocol(LanguageServerProtocol):
         # cattrs turns null or 5 into "None" / "5" where LSP wants a string: refuse instead.
         self._converter.register_structure_hook(str, _strict_str)
         self.phase = "new"  # "new" -> "running" (initialize received) -> "shutdown"
+        self._dropped: dict[str, int] = {}
+
+    def log_dropped(self, kind: str, what: str) -> None:
+        """A message dropped as invalid (``kind``: a short, fixed name; ``what``: a fixed text, never the
+        message's content): counted, and logged the first LOGGED_PER_KIND times in this session, then once
+        at every power of ten, so that a flood cannot fill the log."""
+        n = self._dropped[kind] = self._dropped.get(kind, 0) + 1
+        stats = getattr(self._server, "stats", None)
+        if stats is not None:
+            stats.count("dropped_messages")
+        if n <= LOGGED_PER_KIND:
+            log.warning("%s%s", what, " (further ones are counted in fimble/stats, and logged at 10, 100, 1000, ...)"
+                        if n == LOGGED_PER_KIND else "")
+        elif n >= 10 and str(n).rstrip("0") == "1":
+            log.warning("%s: %d in this session", what, n)
 
     # -- frames in -----------------------------------------------------------------------------
     def receive(self, payload: bytes | str) -> None:
@@ -135,7 +155,7 @@ class FimbleProtocol(LanguageServerProtocol):
             if is_request:
                 self.send_error(data["id"], INVALID_REQUEST, "Invalid Request: bad method or params")
             else:
-                log.warning("dropped a notification with a bad method or params")
+                self.log_dropped("bad-method", "dropped a notification with a bad method or params")
             return
         else:
             if method == types.EXIT:
@@ -162,7 +182,9 @@ class FimbleProtocol(LanguageServerProtocol):
         try:
             message = self.structure_message(data)
         except JsonRpcException:  # requests were answered by structure_message
-            log.warning("dropped a %s message whose params do not fit the LSP types", str(method or "response")[:80])
+            # (by name only where the server has the method: the kinds must stay few, whatever a client sends)
+            name = method if method in self.fm.features else ("response" if method is None else "unknown method")
+            self.log_dropped(f"params:{name}", f"dropped a {name} message whose params do not fit the LSP types")
             return
         if isinstance(message, _Answered):
             return  # (an initialize with bad params leaves the session uninitialized)

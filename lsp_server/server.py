@@ -113,13 +113,13 @@ class FimbleServer(LanguageServer):
         line, char = (pos.get("line"), pos.get("character")) if isinstance(pos, dict) else (None, None)
         if not isinstance(uri, str) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                                                for v in (line, char)):
-            log.warning("%s: bad params ignored: %r", CURSOR_METHOD, params)
+            self.protocol.log_dropped("cursor", f"{CURSOR_METHOD}: bad params ignored")
             self.stats.count("cursor_invalid")
             return None
         try:
             return self.cursor(uri, types.Position(line=line, character=char))
-        except (JsonRpcInvalidParams, ValueError) as exc:  # a notification has no response to carry the error
-            log.warning("%s: %s", CURSOR_METHOD, exc)
+        except (JsonRpcInvalidParams, ValueError):  # a notification has no response to carry the error
+            self.protocol.log_dropped("cursor-position", f"{CURSOR_METHOD}: an invalid position ignored")
             self.stats.count("cursor_invalid")
             return None
 
@@ -212,11 +212,33 @@ class FimbleServer(LanguageServer):
 
     def engine_notice(self, level: str, message: str) -> None:
         """The engine host's supervision news, shown as it happens (lsp_server/engine_host.py)."""
-        kinds = {"error": types.MessageType.Error, "warning": types.MessageType.Warning}
+        kinds = {"error": types.MessageType.Error, "warning": types.MessageType.Warning,
+                 "rejected": types.MessageType.Error}
         kind = kinds.get(level, types.MessageType.Info)
+        if level == "rejected":
+            message = self._rejected_settings(message)
         if level == "error":
             self._reported_error = self.host.error  # report_engine_error: already told
         self.window_show_message(types.ShowMessageParams(kind, message))
+
+    def _rejected_settings(self, reason: str) -> str:
+        """New model settings did not load beside the working engine, which serves on: the message to show.
+
+        The status and the languages served stay the running model's. The reason is shown where it names no
+        path of the client's choosing (a device); a folder the client chose gets MODEL_UNUSABLE, as in
+        _checked_engine_settings (the details are in the log)."""
+        running = self.host.running_settings
+        if running is not None and running.engine_spec is None:
+            info = read_model_info(running.model or self.defaults.model)
+            self.model_name = info.name
+            self.settings = dataclasses.replace(self.settings, model_languages=info.languages)
+            self.publish_status()
+        chosen = (self.settings.model or None) != (self.defaults.model or None) or \
+            (self.settings.draft or None) != (self.defaults.draft or None)
+        if chosen and not reason.startswith(("device ", "unknown device")):
+            reason = MODEL_UNUSABLE
+        return f"fimble: the new model settings did not load ({reason.splitlines()[0][:300]}); " \
+               f"keeping the model that was running ({self.model_name})"
 
     def report_engine_error(self) -> None:
         """Tell the user once per distinct engine error (every keystroke would be noise)."""
@@ -256,13 +278,13 @@ class FimbleServer(LanguageServer):
     def _change_steps(self, params: Any, heavy: bool) -> Generator[None, None, None]:
         change = yield from parse_change_steps(params)
         if change is None:
-            log.warning("dropped a textDocument/didChange message whose params do not fit the LSP types")
+            self.protocol.log_dropped("didChange", "dropped a textDocument/didChange message whose params do not "
+                                                   "fit the LSP types")
             return
         doc = self.docs.get(change.uri)
         if doc is None:
             self.stats.count("changes_unknown_document")
-            if self.stats.counters["changes_unknown_document"] <= 3:  # a flood must not fill the log
-                log.warning("didChange for a document that is not open (logged 3 times a session)")
+            self.protocol.log_dropped("didChange-unknown", "dropped a didChange for a document that is not open")
             return
         if heavy:
             self.completer.hold(doc.uri)
