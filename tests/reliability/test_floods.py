@@ -10,8 +10,9 @@ message naming it, and the previous one stays.
 from __future__ import annotations
 
 import collections
+import json
 
-from rel_helpers import StdioServer, did_open, msg
+from rel_helpers import StdioServer, did_open, frame, msg
 
 URI = "file:///flood/a.py"
 FLOOD = 2000
@@ -81,5 +82,24 @@ async def test_100000_stop_strings_in_policy_are_refused_with_one_message():
                    {"settings": {"fimble": {"policy": {"*": {"stop": ["\n\n", "#"]}}}}}))
         settings = (await s.call("fimble/stats"))["result"]["settings"]
         assert settings["policy"] == {"*": {"stop": ["\n\n", "#"]}}
+    finally:
+        await s.stop()
+
+
+async def test_the_request_after_a_body_over_the_limit_is_answered():
+    """Before: after a body over the (then 64 MiB) limit, the next well-formed request on that connection was
+    never answered. The body is skipped unread (lsp_server/framing.py) and the stream resyncs on the next frame;
+    here over stdio with a 1 MiB limit (over TCP: test_fair_sessions.py, at the default 16 MiB)."""
+    s = await StdioServer.start("--max-message-mb", "1")
+    try:
+        await s.initialize()
+        big = json.dumps(did_open("file:///flood/big.py", "z = 1\n" * 400_000)).encode()  # 2.4 MB
+        s.send_raw(frame(big) + frame(msg(41, "fimble/stats")))
+        reply = await s.response(41)
+        assert reply["result"]["tables"]["documents"] == 0  # the oversized open was not taken
+        errors = [m for m in s.seen if isinstance(m, dict) and m.get("error", {}).get("code") == -32700]
+        assert len(errors) == 1 and "over the limit" in errors[0]["error"]["message"], errors
+        s.send(did_open(URI, "x = 1\n"))
+        assert (await s.call("fimble/stats"))["result"]["tables"]["documents"] == 1  # and it serves on
     finally:
         await s.stop()

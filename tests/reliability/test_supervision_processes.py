@@ -74,6 +74,19 @@ def test_a_taken_port_is_one_line_and_exit_status_2(flag):
     assert done.stderr.splitlines() == [f"fimble: cannot listen on 127.0.0.1:{port}: Address already in use"]
 
 
+def test_a_taken_port_is_one_line_and_exit_status_2_for_fimble_serve():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "lsp_server", "serve", "--port", str(port)], env=server_env(),
+                              capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fimble: cannot listen on 127.0.0.1:{port}: "), lines
+    assert "in use" in lines[0]
+
+
 # -- stop signals ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_ends_the_server_and_its_loading_engine_at_once_without_a_traceback(sig, status):
@@ -225,3 +238,31 @@ def test_the_default_model_on_a_loaded_machine_is_never_restarted():
     assert "qwen" in str(engine["info"]).lower(), engine["info"]
     sup = engine["supervision"]
     assert engine["restarts"] == 0 and sup["stalls"] == sup["stuck"] == sup["deaths"] == 0, engine
+
+
+# -- a blocked event loop ------------------------------------------------------------------------------
+def test_a_server_loop_frozen_past_the_stall_limit_keeps_its_idle_healthy_engine():
+    """Issue 29: a loop block over the stall limit (6 s) made the watchdog kill the shared, idle, healthy engine.
+    Here the whole server is frozen (SIGSTOP) for four stall limits, twice: no ping goes out meanwhile, and the
+    engine, idle, uses no CPU. The watchdog's late tick starts its clocks afresh: the same engine serves on."""
+    server = RawServer(env=dict(SERVER_ENV, FIMBLE_ENGINE_STALL_S="1"))
+    try:
+        server.initialize()
+        pid = _ready_pid(server)
+        server.open(URI, TEXT)
+        assert "result" in server.wait(server.inline(URI, *CURSOR), READY_TIMEOUT_S)
+        for _ in range(2):
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                time.sleep(4.0)  # the block itself: four stall limits with no ping and no answer read
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            assert "result" in server.wait(server.inline(URI, *CURSOR), READY_TIMEOUT_S)
+        time.sleep(2.0)  # two more stall limits after the last block, the engine idle
+        engine = _engine(server)
+        sup = engine["supervision"]
+        assert engine["pid"] == pid and engine["restarts"] == 0, engine
+        assert sup["stalls"] == sup["stuck"] == sup["deaths"] == 0, engine
+        assert read_proc(pid) is not None and read_proc(pid).state != "Z"
+    finally:
+        server.close()
