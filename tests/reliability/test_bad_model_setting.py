@@ -13,6 +13,7 @@ completion as before; and at the end a good model folder does replace the engine
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import time
@@ -23,9 +24,12 @@ import torch
 from conftest import build_tiny_model
 from reliability_tools_stalls import SERVER_ENV, RawServer
 from safetensors.torch import load_file, save_file
+from test_busy_supervision import _Healthy, _Notices, _settle
 
+import lsp_server.engine_host as engine_host
 from engine.errors import ModelLoadError
 from engine.loader import check_device
+from lsp_server.settings import Settings
 
 URI = "file:///bad-model/w.py"
 TEXT = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return f.\n"
@@ -145,3 +149,87 @@ def test_bad_model_settings_are_one_message_and_the_working_engine_serves_on(fol
     os.unlink(log.name)
     assert "root:x:" not in text  # a system file's content never reaches the log
     assert "Traceback" not in text
+
+
+# -- the host's rule, on fake engines (no model): load beside, swap once ready, or keep the working one --------
+def _starts(monkeypatch, outcomes: dict) -> list:
+    """``_start`` by the settings' model: an engine, or the error it raises; the engines made, in order."""
+    made: list = []
+
+    def start(settings: Settings):
+        outcome = outcomes[settings.model]
+        if isinstance(outcome, Exception):
+            raise outcome
+        made.append(_Healthy())
+        return made[-1]
+
+    monkeypatch.setattr(engine_host, "_start", start)
+    return made
+
+
+async def test_the_host_keeps_the_working_engine_when_new_settings_fail(monkeypatch):
+    made = _starts(monkeypatch, {None: "ok", "/bad": ModelLoadError("/bad/model.safetensors is corrupt"),
+                                 "/good": "ok"})
+    host, notices = engine_host.EngineHost(), _Notices()
+    host.add_notice_listener(notices.hear)
+    working = await host.get(Settings())
+    assert working is not None and len(made) == 1
+    bad = Settings(model="/bad")
+    assert await host.get(bad) is not None  # a request meanwhile: the working engine answers it
+    await _settle(host, lambda: notices.items)
+    assert notices.items == [("rejected", "/bad/model.safetensors is corrupt")]
+    assert host.state == "ready" and host.running_settings == Settings() and not made[0].closed
+    assert (await host.get(bad))._engine is made[0]  # the same settings are not tried again
+    assert len(notices.items) == 1 and not host.info()["replacing"]
+    good = Settings(model="/good")
+    host.configure(good)
+    await _settle(host, lambda: host.running_settings == good)
+    assert host.running_settings == good and (await host.get(good))._engine is made[1]
+    await _settle(host, lambda: made[0].closed)
+    assert made[0].closed and host.restarts == 0 and len(notices.items) == 1
+    await host.close()
+
+
+async def test_an_engine_that_dies_while_its_replacement_loads_is_replaced_by_it(monkeypatch):
+    made = _starts(monkeypatch, {None: "ok", "/slow": "ok"})
+    gate = asyncio.Event()
+
+    async def slow(fn):  # the new engine's start waits for the gate
+        await gate.wait()
+        return fn()
+
+    host = engine_host.EngineHost()
+    await host.get(Settings())
+    monkeypatch.setattr(engine_host, "_in_daemon_thread", lambda fn: asyncio.ensure_future(slow(fn)))
+    host.configure(Settings(model="/slow"))
+    assert host.info()["replacing"] and host.state == "ready"
+    made[0].error = "killed"  # the working engine dies
+    waiting = asyncio.ensure_future(host.get(Settings(model="/slow")))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert host.state == "starting" and not waiting.done()  # the request waits for the replacement
+    gate.set()
+    got = await waiting
+    assert got is not None and got._engine is made[1] and len(made) == 2
+    assert host.running_settings == Settings(model="/slow") and host.state == "ready"
+    await host.close()
+
+
+async def test_a_replacement_no_longer_wanted_closes_itself(monkeypatch):
+    made = _starts(monkeypatch, {None: "ok", "/slow": "ok"})
+    gate = asyncio.Event()
+
+    async def slow(fn):
+        await gate.wait()
+        return fn()
+
+    host = engine_host.EngineHost()
+    await host.get(Settings())
+    monkeypatch.setattr(engine_host, "_in_daemon_thread", lambda fn: asyncio.ensure_future(slow(fn)))
+    host.configure(Settings(model="/slow"))
+    host.configure(Settings())  # the user went back before it was ready
+    assert not host.info()["replacing"]
+    gate.set()
+    await _settle(host, lambda: len(made) == 2 and made[1].closed)
+    assert made[1].closed and not made[0].closed and host.running_settings == Settings()
+    await host.close()
