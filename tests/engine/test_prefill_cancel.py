@@ -1,0 +1,59 @@
+"""A cancelled completion stops its prefill between passes, and the next request reuses what it filled
+(engine/local.py COMPLETION_PREFILL_CHUNK): a user who types on does not wait for a stale prompt.
+
+Real tokenizer, real runtime and KV cache (the embedded target). Cancellation is made deterministic:
+the runtime's first prompt pass cancels the request, as a keystroke arriving during it would.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.api import CompletionRequest
+from engine.local import COMPLETION_PREFILL_CHUNK, LocalEngine
+from engine.options import DecodeOptions
+from tests.conftest import TARGET_DIR
+from tests.engine.kv_sources import stdlib_source
+
+OPTS = DecodeOptions(max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def target():
+    from engine.loader import load_model
+
+    return load_model(TARGET_DIR)
+
+
+def request(text: str) -> CompletionRequest:
+    return CompletionRequest(text, "", options=OPTS, document_id="doc", truncate=True)
+
+
+def test_a_cancelled_prefill_stops_and_its_prefix_serves_the_next_request(target):
+    text = stdlib_source(target.encode, 700)
+    eng = LocalEngine(target, None, start_thread=False)
+    stream = eng.submit(request(text))
+    runtime = eng.target.runtime
+    passes = []
+    original = type(runtime).__call__
+
+    def one_pass_then_cancel(self, tokens, cache, start=None, num_logits=1):
+        passes.append(len(tokens))
+        stream.cancel()  # the user typed on during this pass
+        return original(self, tokens, cache, start, num_logits)
+
+    type(runtime).__call__ = one_pass_then_cancel
+    try:
+        eng.run_pending()
+    finally:
+        type(runtime).__call__ = original
+    stream.collect()
+    assert stream.result is not None and stream.result.finish_reason == "cancelled"
+    assert passes == [COMPLETION_PREFILL_CHUNK]  # one pass, not the whole prompt
+    assert eng.counters()["tokens_prefilled"] == COMPLETION_PREFILL_CHUNK
+
+    resumed = eng.complete(request(text))
+    assert resumed.stats["reused_tokens"] == COMPLETION_PREFILL_CHUNK  # what the cancelled one filled
+    fresh = LocalEngine(target, None, start_thread=False).complete(request(text))
+    assert fresh.stats["reused_tokens"] == 0
+    assert resumed.text == fresh.text and resumed.finish_reason == fresh.finish_reason
