@@ -170,3 +170,17 @@ def test_a_background_request_is_not_the_users_activity(target):
     assert eng._last_message == before  # a follow-up keeps no background work going
     eng.complete(request("def f(x):\n    return ", "\n"))
     assert eng._last_message > before
+
+
+def test_the_cold_prompt_carries_no_cross_file_context(target):
+    """Up to 512 context tokens before the file made the small prompt cost what the full one costs."""
+    from engine.caching.cold_window import cold_request
+
+    text = stdlib_source(target.encode, 900)
+    cursor = text.index("\n", len(text) * 3 // 4) + 1
+    context = {"repo": "r", "path": "a.py", "comment": "#", "budget": 512,
+               "chunks": [{"path": "b.py", "text": "def helper(a, b):\n    return a + b\n" * 20}]}
+    full = CompletionRequest(text[:cursor], text[cursor:], options=OPTS, document_id="doc", truncate=True,
+                             cold_window=True, context=context)
+    cold = cold_request(full)
+    assert cold is not None and cold.context is None and full.context == context
