@@ -7,7 +7,9 @@ the shared loop from the pinger. Attacks (one session, each after the previous o
 
 - one ``didChange`` with 20,000 small edits;
 - a 50 MB ``didOpen``; one change inserting 5 MB; one inserting 10 MB;
-- 5,000 ``fimble/stats`` requests in one write.
+- 5,000 ``fimble/stats`` requests in one write;
+- and larger variants (issue 29 audit): one ``didChange`` of 160,000 edits (16 MB), one notification of
+  14 MB of empty JSON arrays, and a ``didOpen`` of 84,000 characters whose parse is slow (error recovery).
 
 The peer is the same pinger while the attacker sends one ordinary keystroke change (the idle
 floor, interleaved before each attack); the ratio is attack / ordinary. Target: worst wait
@@ -183,6 +185,20 @@ def attacks(quick: bool) -> dict[str, Any]:
     out["didChange inserting 10 MB" if not quick else "didChange inserting 1 MB"] = insert(
         10_000_000 if not quick else 1_000_000)
     out[f"{stats_n:,} fimble/stats in one write"] = stats_burst
+
+    async def huge_change(a: Attacker, v: int) -> None:  # under the 16 MiB limit: refused by its JSON structure
+        await a.send_many([change_msg("file:///w/base.py", v, [(1, 0, "x")] * 160_000)])
+
+    async def arrays(a: Attacker, v: int) -> None:
+        await a.send_many([{"jsonrpc": "2.0", "method": "fimble/x", "params": {"a": [[]] * 3_500_000}}])
+
+    async def slow_parse(a: Attacker, v: int) -> None:  # under SLICED_PARSE_CHARS, 0.2-0.7 s of parse here
+        await a.send_many([open_msg(f"file:///w/slow{v}.py", '"""aaaaaaaaaa\n' * 6_000)])
+
+    if not quick:
+        out["didChange, 160,000 edits (16 MB)"] = huge_change
+        out["14 MB of empty JSON arrays"] = arrays
+    out["didOpen, 84 KB of slow-to-parse text"] = slow_parse
     return out
 
 

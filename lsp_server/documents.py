@@ -20,10 +20,12 @@ edits; one that shrinks back below ``SYNTAX_RESUME_CHARS`` is parsed again. Why:
 takes about a second per megabyte, on the event loop. Likewise a document with a line longer
 than ``SYNTAX_MAX_LINE`` (minified code, data) is plain text until no such line is left: an
 edit inside a long line re-parses all of it (1-2 s a keystroke in a 900 KB line).
-A whole parse of more than ``SLICED_PARSE_CHARS`` characters (open, full replacement, back under
-the limits) runs in slices of ``PARSE_SLICE_S`` on the event loop, between other messages
-(``SyntaxDocument.build_in_slices``); meanwhile the syntax copy is plain text, edits made
-meanwhile are replayed onto the new trees, incrementally, when the parse is done.
+A whole parse (open, full replacement, back under the limits) of more than ``SYNC_PARSE_CHARS``
+characters runs in slices of ``PARSE_SLICE_S`` on the event loop, between other messages
+(``SyntaxDocument.build_in_slices``): one of more than ``SLICED_PARSE_CHARS`` from its first slice,
+a shorter one after a first slice run at once (most finish within it: size does not bound a parse's
+time, error recovery does not); meanwhile the syntax copy is plain text, edits made meanwhile are
+replayed onto the new trees, incrementally, when the parse is done.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ SYNTAX_MAX_CHARS = 1_000_000
 SYNTAX_RESUME_CHARS = SYNTAX_MAX_CHARS * 9 // 10
 SYNTAX_MAX_LINE = 50_000  # characters; about 70 ms of reparse per keystroke inside such a line
 SLICED_PARSE_CHARS = 100_000  # a whole parse of more runs in slices (about 100 ms of parse per 100 KB)
+SYNC_PARSE_CHARS = 16_000  # ... of at most this many at once; between the two, its first slice at once
 PARSE_SLICE_S = 0.03
 log = logging.getLogger(__name__)
 _BARE_CR = re.compile("\r(?!\n)")
@@ -200,7 +203,8 @@ class Document:
     def end_batch_steps(self) -> Generator[None, None, None]:
         if self._batch:
             self._batch = False
-            yield from self._sync_all_steps(self.source)
+            source = yield from self.source_steps()
+            yield from self._sync_all_steps(source)
 
     def _sync_all(self, text: str) -> None:
         run_steps(self._sync_all_steps(text))
@@ -214,9 +218,20 @@ class Document:
         target = SyntaxDocument(lang or "plaintext", "")
         text = yield from syntax_text_steps(text)
         loop = _running_loop()
-        if target.has_tree and len(text) > SLICED_PARSE_CHARS and loop is not None:
+        if target.has_tree and loop is not None and len(text) > SYNC_PARSE_CHARS:
+            steps = SyntaxDocument.build_in_slices(lang, text, PARSE_SLICE_S)
+            if len(text) <= SLICED_PARSE_CHARS:
+                # Its first slice now: most documents are parsed within it. The parse time of a text is not
+                # bounded by its size (error recovery: 99,000 characters of broken Python took 0.4 s on the
+                # loop, a document left broken by a change of 20,000 edits 0.2 s), so the rest runs in slices.
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    self.syntax = done.value
+                    self.full_parses += 1
+                    return
             self.syntax = SyntaxDocument("plaintext", text)  # plain text until the parse is done
-            self._job = _ParseJob(SyntaxDocument.build_in_slices(lang, text, PARSE_SLICE_S), loop)
+            self._job = _ParseJob(steps, loop)
             self._job.handle = loop.call_soon(self._parse_slice)
             return
         target.set_text(text)
@@ -323,6 +338,16 @@ class Document:
     def source(self) -> str:
         return "".join(self.lines)
 
+    def source_steps(self, step: int = 1 << 16) -> Generator[None, None, str]:
+        """``source`` in steps of ``step`` lines (joining 10 MB of lines at once held the loop 0.1 s)."""
+        if len(self.lines) <= step:
+            return self.source
+        pieces = []
+        for i in range(0, len(self.lines), step):
+            pieces.append("".join(self.lines[i:i + step]))
+            yield
+        return "".join(pieces)
+
     # -- positions ---------------------------------------------------------------------------
     def line_text(self, line: int) -> str:
         return strip_eol(self.lines[line])
@@ -409,7 +434,8 @@ class Document:
         if resync:
             self._anchor = (0, 0)
             if not self._batch:
-                yield from self._sync_all_steps(self.source)
+                source = yield from self.source_steps()
+                yield from self._sync_all_steps(source)
             return
         new = "\r" + text if cr_before else text
         edit = (b0 - cr_before, b1, syntax_text(new + after)[:len(new)])

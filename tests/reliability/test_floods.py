@@ -1,4 +1,4 @@
-"""Floods of invalid messages and oversized settings through a real ``fimble lsp`` (issue 29, minor findings).
+"""Floods of invalid messages, oversized settings and messages whose parse would stall the shared loop (issue 29).
 
 Before: 2,000 invalid ``didChange`` notifications wrote 6,000 log lines (a warning per message, and pygls'
 two-line deserialisation error for params that do not fit the LSP types); and 100,000 stop strings in the
@@ -9,10 +9,14 @@ message naming it, and the previous one stays.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 
-from rel_helpers import StdioServer, did_open, frame, msg
+from rel_helpers import Listener, StdioServer, TcpClient, did_open, frame, msg
+
+from lsp_server.documents import Document
+from lsp_server.protocol import structure_problem
 
 URI = "file:///flood/a.py"
 FLOOD = 2000
@@ -103,3 +107,64 @@ async def test_the_request_after_a_body_over_the_limit_is_answered():
         assert (await s.call("fimble/stats"))["result"]["tables"]["documents"] == 1  # and it serves on
     finally:
         await s.stop()
+
+
+# -- messages whose parse alone would hold the shared loop -------------------------------------------------
+def _edits(n: int, line: int = 1) -> dict:
+    e = {"range": {"start": {"line": line, "character": 0}, "end": {"line": line, "character": 0}}, "text": "x"}
+    return msg(None, "textDocument/didChange", {"textDocument": {"uri": URI, "version": 2}, "contentChanges": [e] * n})
+
+
+def test_the_json_structure_bound_keeps_what_editors_send_and_refuses_floods():
+    """lsp_server/protocol.py structure_problem: counts, no parse. A change of 20,000 edits (the fair-sessions
+    attack, which is handled) and a large document's text pass; 160,000 edits and 14 MB of arrays do not."""
+    ok = [_edits(20_000), did_open(URI, 'x = [1, "2", {3: 4}]  # \\" \\\\\n' * 400_000),
+          msg(None, "fimble/x", {"a": ["ab"] * 200_000})]
+    for m in ok:
+        assert structure_problem(json.dumps(m)) is None
+    refused = {"JSON strings": _edits(160_000), "outside its strings": msg(None, "fimble/x", {"a": [[]] * 3_500_000}),
+               "objects and arrays": msg(None, "fimble/x", {"s": ["ab"] * 5000, "a": [[]] * 300_000}),
+               "values": msg(None, "fimble/x", {"s": ["ab"] * 5000, "a": [1] * 300_000})}
+    for reason, m in refused.items():
+        problem = structure_problem(json.dumps(m))
+        assert problem is not None and reason in problem, (reason, problem)
+
+
+async def test_messages_whose_parse_would_stall_the_loop_are_refused_and_the_session_goes_on():
+    """Before (bench/session_fairness.py): a didChange of 160,000 edits (16 MB, under the size limit) held the
+    shared loop 2.3-3.3 s in json.loads and then took 190 s of slices; 14 MB of empty arrays held it 7-9 s."""
+    server = Listener("--tcp")
+    try:
+        a = await TcpClient.connect(server.port)
+        await a.initialize()
+        other = await TcpClient.connect(server.port)
+        await other.initialize()
+        a.send(did_open(URI, "x = 1\n" * 100))
+        for m in (_edits(160_000), msg(None, "fimble/x", {"a": [[]] * 3_500_000})):
+            a.send(m)
+            reply = await a.call("fimble/stats")
+            assert "result" in reply
+        errors = [m for m in a.seen if isinstance(m, dict) and m.get("error", {}).get("code") == -32600]
+        assert len(errors) == 2 and all(e["id"] is None for e in errors), errors
+        assert "160" not in json.dumps(errors) and "JSON strings" in errors[0]["error"]["message"]
+        counters = (await a.call("fimble/stats"))["result"]["counters"]
+        assert counters["dropped_messages"] == 2
+        a.send(_edits(20))  # an ordinary change still applies
+        assert (await a.call("fimble/stats"))["result"]["tables"]["documents"] == 1
+        assert "result" in await other.call("fimble/stats")
+        assert server.alive()
+    finally:
+        server.close()
+
+
+async def test_a_slow_parse_under_the_size_gate_runs_in_slices_and_equals_a_whole_parse():
+    """84,000 characters whose parse is slow (tree-sitter's error recovery: 0.3-0.7 s here) were parsed on the
+    loop in one piece, being under SLICED_PARSE_CHARS; now after a first slice the rest runs in slices."""
+    text = '"""aaaaaaaaaa\n' * 6_000
+    doc = Document("file:///flood/slow.py", text, 1, "python")
+    assert doc.parsing and not doc.syntax.has_tree  # plain text until the parse is done
+    while doc.parsing:
+        await asyncio.sleep(0)
+    whole = await asyncio.to_thread(Document, "file:///flood/whole.py", text, 1, "python")  # no loop: at once
+    assert doc.syntax.has_tree and doc.syntax.segment_ranges() == whole.syntax.segment_ranges()
+    assert [str(t.root_node) for t in doc.syntax.trees()] == [str(t.root_node) for t in whole.syntax.trees()]
