@@ -44,7 +44,7 @@ def estimate_tokens(text: str) -> int:
     return int(len(text) / CHARS_PER_TOKEN) + HEADER_TOKENS
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class Chunk:
     uri: str
     label: str  # the path shown in the prompt

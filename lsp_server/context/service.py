@@ -3,8 +3,8 @@
 Never on the keystroke path. A keystroke's request reads the document's ring as it is
 (``for_request``: a dict built when the ring last changed). The work happens in one background task
 per session, started REFRESH_DELAY_S after the latest document event (``touch``: didOpen, didChange,
-fimble/cursor) and run in slices of at most SLICE_S on the event loop, so other messages are
-answered between slices:
+fimble/cursor) and run in slices of at most SLICE_S on the event loop, with a PAUSE_S pause after each, so
+other messages are answered between slices:
 1. index the open documents of the focused one's language: chunks of CHUNK_LINES lines with their
    identifier sets (each document once per version; at most MAX_TAB_DOCS documents, MAX_INDEX_CHARS each);
 2. read the focused document's imports from its tree-sitter trees, find the modules among the open
@@ -53,21 +53,40 @@ from lsp_server.stats import Stats
 log = logging.getLogger(__name__)
 REFRESH_DELAY_S = 0.25  # after the latest document event: a burst of events is one refresh
 SLICE_S = 0.004  # the longest the work runs on the event loop before it lets other messages in
+# ... and for how long it then steps aside: a request's handling takes several loop turns (read, parse, its task,
+# each await), and a bare sleep(0) gave it one turn per slice (a request waited 3-5 slices behind the work).
+PAUSE_S = 0.002
 MAX_TAB_DOCS = 16  # open documents indexed (the most recently touched)
 MAX_INDEX_CHARS = 256 * 1024  # of each: a 1 MB file's first quarter
 IMPORT_TREES = 4  # the first parse segments of a document (SyntaxDocument: ~150 lines each) hold its imports
+MAX_CANDIDATES = 64  # ranked candidates a refresh hands the ring
 MAX_DEF_FILES = 64  # parsed definition files kept
 DISK_TTL_S = 10.0  # a module looked up on disk is looked up again after this long (it may have changed)
 MAX_DISK_LOOKUPS = 256
 JUMP_LINES = 32  # a cursor move this far is a new place: refresh the ring (llama.vim: 32)
 CURSOR_LINES_BEFORE, CURSOR_LINES_AFTER = 40, 10
-TAB_THRESHOLD = 0.1  # an open document's chunk below this Jaccard is no context
+# An open document's chunk below this Jaccard is no context: unrelated modules of the same package scored
+# 0.10-0.22 against the cursor's text in bench/crossfile.py's cases (and the defining module's chunks no more).
+TAB_THRESHOLD = 0.2
 RECENT_BONUS = 0.05
 RECENT_EDITS = 16
 EDIT_LINES = 12  # a recent edit's chunk: this many lines either side of it
 _PARSE_LANGS = {".py": "python", ".js": "javascript", ".mjs": "javascript", ".cjs": "javascript",
                 ".jsx": "javascriptreact", ".ts": "typescript", ".tsx": "typescriptreact"}
 _COMMENTS = {"python": "#", "js": "//"}
+
+
+class _Slice:
+    """When the current slice of work on the event loop began (wall clock, and this thread's CPU time)."""
+
+    def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+
+    def over(self) -> bool:
+        return time.perf_counter() - self.wall >= SLICE_S
 
 
 @dataclass
@@ -228,13 +247,19 @@ class CrossFileContext:
             log.exception("cross-file context failed")
             self.stats.count("context_errors")
 
-    async def _yield(self, started: list[float]) -> None:
+    async def _yield(self, started: _Slice, force: bool = False) -> None:
         """Let other messages in once this slice has run SLICE_S."""
-        now = time.perf_counter()
-        if now - started[0] >= SLICE_S:
+        if force or started.over():
+            self._slice_done(started)
             self.stats.count("context_yields")
-            await asyncio.sleep(0)
-            started[0] = time.perf_counter()
+            await asyncio.sleep(PAUSE_S)
+            started.restart()
+
+    def _slice_done(self, started: _Slice) -> None:
+        """The longest slice yet, in CPU microseconds of this thread (a busy machine's waits do not count)."""
+        us = int((time.thread_time() - started.cpu) * 1e6)
+        if us > self.stats.counters["context_slice_max_us"]:
+            self.stats.counters["context_slice_max_us"] = us
 
     async def _refresh(self) -> None:
         focus, settings = self._focus, self._settings
@@ -246,7 +271,14 @@ class CrossFileContext:
         if doc is None or fam is None or getattr(doc, "changing", False):
             return
         self.stats.count("context_refreshes")
-        started = [time.perf_counter()]
+        started = _Slice()
+        try:
+            await self._refresh_doc(doc, fam, focus, settings, started)
+        finally:
+            self._slice_done(started)
+
+    async def _refresh_doc(self, doc: Document, fam: str, focus: tuple, settings: Any, started: _Slice) -> None:
+        uri, cursor = focus
         sources = set(settings.cross_file_sources)
         line = min(cursor[0], len(doc.lines) - 1) if cursor is not None else len(doc.lines) - 1
         tabs = await self._index_tabs(fam, uri, started) if "openFiles" in sources else []
@@ -282,6 +314,7 @@ class CrossFileContext:
         ranked.sort(key=lambda sc: -sc[0])
         if self._focus != focus or self.docs.get(uri) is not doc:
             return
+        del ranked[MAX_CANDIDATES:]  # (a ring holds a few chunks: the rest cannot make it in)
         changed = state.ring.update(ranked, cursor_ids, settings.cross_file_budget)
         scores = {id(c): s for s, c in ranked}
         state.scores = {id(c): scores.get(id(c), state.scores.get(id(c), 0.0)) for c in state.ring.items}
@@ -299,7 +332,7 @@ class CrossFileContext:
                 self._quiet = False
 
     # -- sources -------------------------------------------------------------------------------------
-    async def _index_tabs(self, fam: str, focus: str, started: list[float]) -> list[_Indexed]:
+    async def _index_tabs(self, fam: str, focus: str, started: _Slice) -> list[_Indexed]:
         """The indexed open documents of ``fam`` other than ``focus``, most recently touched first."""
         order = [u for u in reversed(self._recent) if u != focus]
         order += [d.uri for d in self.docs if d.uri != focus and d.uri not in self._recent]
@@ -321,7 +354,7 @@ class CrossFileContext:
             del self._index[uri]
         return out
 
-    async def _index_doc(self, doc: Document, key: tuple, started: list[float]) -> _Indexed | None:
+    async def _index_doc(self, doc: Document, key: tuple, started: _Slice) -> _Indexed | None:
         lines, total, stop = doc.lines, 0, 0
         while stop < len(lines) and total < MAX_INDEX_CHARS:
             total += len(lines[stop])
@@ -335,7 +368,7 @@ class CrossFileContext:
                 break
             first, end, text = span
             chunks.append(Chunk(doc.uri, label, first, end, text, "tab", identifiers(text)))
-            if time.perf_counter() - started[0] >= SLICE_S:
+            if started.over():
                 await self._yield(started)
                 if self.docs.get(doc.uri) is not doc or (doc.version, doc.length) != key \
                         or getattr(doc, "changing", False):
@@ -360,7 +393,7 @@ class CrossFileContext:
         return out
 
     async def _import_chunks(self, doc: Document, fam: str, line: int,
-                             started: list[float]) -> list[tuple[Chunk, bool]]:
+                             started: _Slice) -> list[tuple[Chunk, bool]]:
         """Definitions of the names ``doc`` imports, each with whether it is used near the cursor."""
         syntax = doc.syntax
         if not syntax.has_tree:
@@ -417,7 +450,7 @@ class CrossFileContext:
         return out
 
     async def _module(self, fam: str, module: str, doc_path: str | None, by_path: dict[str, Document],
-                      started: list[float]) -> tuple[str, str, dict[str, Definition], str | None, list[str]] | None:
+                      started: _Slice) -> tuple[str, str, dict[str, Definition], str | None, list[str]] | None:
         """(uri, label, definitions, default export, lines) of the module: an open document, else a file
         inside the workspace folders; None where neither has it."""
         candidates = module_candidates(fam, module, doc_path, self.roots)
@@ -437,7 +470,9 @@ class CrossFileContext:
         if hit_disk is not None and time.monotonic() - hit_disk[0] < DISK_TTL_S:
             found = hit_disk[1]  # each refresh after a typing pause would read the same files again
         else:
+            self._slice_done(started)
             found = await asyncio.to_thread(_read_first, self.roots, list(wanted))
+            started.restart()
             self._disk[wanted] = (time.monotonic(), found)
             while len(self._disk) > MAX_DISK_LOOKUPS:
                 self._disk.pop(next(iter(self._disk)))
@@ -459,8 +494,7 @@ class CrossFileContext:
                 except StopIteration as done:
                     syntax = done.value
                     break
-                started[0] = 0.0
-                await self._yield(started)
+                await self._yield(started, force=True)
             hit = (*extract_definitions(fam, syntax.trees()), text.splitlines(True))
             self._remember(key, hit)
         uri = "file://" + path
