@@ -217,8 +217,10 @@ class FimbleProtocol(LanguageServerProtocol):
     async def _receive_large(self, payload: str, pacer: Any) -> None:
         if self._structure_ok(await run_in_slices(structure_steps(payload))):
             self._receive_text(payload)
-            inner, pacer.pending = pacer.pending, None  # a heavy change it deferred: done before the next frame
-            if inner is not None:
+            # A heavy change it deferred (pacer.pending) is done before the next frame: settle awaits this task
+            # or, where this task ran before settle looked, the deferred work itself. Left in place for that.
+            inner = pacer.pending
+            if inner is not None and inner is not asyncio.current_task():
                 await inner
 
     def _structure_ok(self, problem: str | None) -> bool:

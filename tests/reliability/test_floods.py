@@ -168,3 +168,25 @@ async def test_a_slow_parse_under_the_size_gate_runs_in_slices_and_equals_a_whol
     whole = await asyncio.to_thread(Document, "file:///flood/whole.py", text, 1, "python")  # no loop: at once
     assert doc.syntax.has_tree and doc.syntax.segment_ranges() == whole.syntax.segment_ranges()
     assert [str(t.root_node) for t in doc.syntax.trees()] == [str(t.root_node) for t in whole.syntax.trees()]
+
+
+async def test_the_frame_after_a_large_message_sees_all_of_its_work():
+    """A large message is checked in slices before it is handled (protocol.py ``_receive_large``); the heavy change
+    it then defers must still be done before the session's next frame is handled (a first cut let the next
+    request read the document half-changed)."""
+    server = Listener("--tcp", "--debug")
+    try:
+        a = await TcpClient.connect(server.port)
+        await a.initialize()
+        base = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(1000))
+        a.send(did_open(URI, base))
+        edits = [{"range": {"start": {"line": i % 1000, "character": 0}, "end": {"line": i % 1000, "character": 0}},
+                  "text": "x"} for i in range(20_000)]
+        for version in (2, 3):
+            a.send_raw(frame(msg(None, "textDocument/didChange", {"textDocument": {"uri": URI, "version": version},
+                                                                 "contentChanges": edits}))
+                       + frame(msg(f"read-{version}", "fimble/debug/document", {"uri": URI})))
+            got = (await a.response(f"read-{version}"))["result"]
+            assert got["version"] == version and got["text"].startswith("x" * (20 * (version - 1)) + "def f0(x):")
+    finally:
+        server.close()
