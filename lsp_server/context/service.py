@@ -114,7 +114,9 @@ class CrossFileContext:
         self.roots: list[str] = []
         self._states: dict[str, _DocState] = {}
         self._index: dict[str, _Indexed] = {}
-        self._defs: OrderedDict[tuple, tuple[dict[str, Definition], str | None, list[str]]] = OrderedDict()
+        # Parsed modules: (definitions, default export, lines); an open document's lines are its own (not kept here:
+        # read when its key, which has its version, is current), a disk file's are kept (at most 256 KB each).
+        self._defs: OrderedDict[tuple, tuple[dict[str, Definition], str | None, list[str] | None]] = OrderedDict()
         self._disk: dict[tuple[str, ...], tuple[float, tuple[str, str] | None]] = {}  # candidates -> (when, found)
         self._recent: OrderedDict[str, None] = OrderedDict()  # documents by last touch, newest last
         self._seen: dict[str, int] = {}  # uri -> version at its last touch (an edit since: a recent edit)
@@ -175,6 +177,8 @@ class CrossFileContext:
         self._seen.pop(uri, None)
         if self._focus is not None and self._focus[0] == uri:
             self._focus = None
+        if not len(self.docs):  # the session closed its last document (or ended): no work left to do
+            self.close()
 
     def for_request(self, uri: str, doc: Document | None, settings: Any) -> dict | None:
         """The request's ``context`` (engine/caching/context_prompt.py): the document's ring as it is."""
@@ -460,9 +464,9 @@ class CrossFileContext:
                 key = ("open", d.uri, d.version, d.length)
                 hit = self._defs.get(key)
                 if hit is None:
-                    hit = (*extract_definitions(fam, d.syntax.trees()), list(d.lines))
+                    hit = (*extract_definitions(fam, d.syntax.trees()), None)
                     self._remember(key, hit)
-                return d.uri, self._label(d.uri)[1], hit[0], hit[1], hit[2]
+                return d.uri, self._label(d.uri)[1], hit[0], hit[1], list(d.lines)  # (a snapshot: awaits follow)
         if not self.roots:
             return None
         wanted = tuple(p for p in candidates if p not in by_path)
