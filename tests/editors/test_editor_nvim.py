@@ -177,16 +177,31 @@ class Editor:
                           "the suggestion's stream to finish")
 
     def assert_consistent(self) -> None:
-        """Whatever is shown sits at the cursor and continues its suggestion from the typed text."""
-        g = self.ghost()
-        if g is None:
+        """Whatever is shown sits at the cursor and continues its suggestion from the typed text.
+
+        The extmark, the suggestion, the cursor and the lines are read in one call: between two calls a
+        delta may arrive (the final text may be shorter than the one streamed, and replaces it)."""
+        snap = self.lua("""
+            local f = require('fimble')
+            local marks = vim.api.nvim_buf_get_extmarks(0, f.ns, 0, -1, { details = true })
+            local pos = vim.api.nvim_win_get_cursor(0)
+            return { marks = marks, sug = f.debug().suggestion or vim.NIL, row = pos[1] - 1, col = pos[2],
+                     lines = vim.api.nvim_buf_get_lines(0, 0, -1, false) }
+        """)
+        marks = snap["marks"]
+        if not marks:
             return
-        (row, col), text = g
-        assert (row, col) == self.cursor()
-        sug = self.debug()["suggestion"]
-        assert sug is not None
-        typed = "\n".join(self.nv.current.buffer[sug["row"]:row + 1])
-        typed = typed[sug["col"]:len(typed) - len(self.line(row)) + col]
+        assert len(marks) == 1, marks
+        _, row, col, details = marks[0]
+        first = "".join(t for t, hl in details.get("virt_text", []) if hl == "FimbleGhostText")
+        rest = ["".join(t for t, hl in vl if hl == "FimbleGhostText") for vl in details.get("virt_lines", [])]
+        text = "\n".join([first, *rest])
+        assert (row, col) == (snap["row"], snap["col"])
+        sug = snap["sug"]
+        assert isinstance(sug, dict), sug
+        lines = snap["lines"]
+        typed = "\n".join(lines[sug["row"]:row + 1])
+        typed = typed[sug["col"]:len(typed) - len(lines[row]) + col]
         assert sug["text"].startswith(typed + text), (typed, text, sug["text"])
 
 
@@ -355,16 +370,13 @@ def test_tab_falls_through_dismiss_and_partial_accept(editor, tmp_path):
     editor.nv.input("<Left>")
     wait_until(lambda: editor.ghost() is None, "the ghost text to go on cursor movement")
     editor.nv.input("<Right>")
-    editor.type("i")
-    editor.wait_stream_done()
-    full = editor.wait_ghost()
+    full = _type_until_ghost(editor, "in rang")
     editor.nv.input("<Esc>")
     wait_until(lambda: editor.ghost() is None, "the ghost text to go on Esc")
     # Partial accept: the next word, then the rest of the line; the remainder stays shown.
     editor.nv.input("a")
     wait_until(lambda: editor.nv.api.get_mode()["mode"] == "i", "insert mode")
-    editor.type("n")
-    full = editor.wait_ghost()
+    full = _type_until_ghost(editor, "e(len")
     row, col = editor.cursor()
     line1 = editor.line()
     first_line = full.split("\n")[0]
@@ -440,6 +452,25 @@ def test_resting_cursor_reaches_the_server(editor, tmp_path):
     wait_until(lambda: editor.cursor()[0] == 5, "the cursor on line 6")
     assert editor.lua("return require('fimble').notify_cursor()") is False
     editor.lua("require('fimble').toggle(true)")
+
+
+def _type_until_ghost(editor: Editor, chars: str) -> str:
+    """Type ``chars`` one at a time until ghost text shows; return it. A decode's final text can be
+    empty (validation cut all of it: the server withdrew what streamed), and then nothing is shown."""
+    for ch in chars:
+        editor.type(ch)
+
+        def settled():
+            g = editor.ghost()
+            if g and g[0] == editor.cursor() and g[1]:
+                return "ghost"
+            sug = editor.debug().get("suggestion")
+            here = sug is not None and (sug["row"], sug["col"]) == editor.cursor()
+            return "empty" if here and sug["done"] and not sug["text"].strip() else None
+
+        if wait_until(settled, "ghost text or an empty final text", show=editor.state) == "ghost":
+            return editor.wait_ghost()
+    raise AssertionError(f"no ghost text after typing {chars!r}: every final text was empty")
 
 
 def _normal_mode(editor: Editor) -> None:
