@@ -21,8 +21,12 @@
 
 The last line is the headline.
 
-Graph attention: each shape is timed with torch's sdpa, plain matmuls and, where Triton runs, the fused
-Triton kernels (engine/runtimes/gpu_kernels.py); the fastest is used for the rest of the run.
+Graph kernels: each shape is timed with torch's sdpa, plain matmuls and, where Triton runs, the fused Triton
+attention with cuBLAS projections at the pass's row count ("fused", before issue 27), the same on fixed 16-row passes
+("invariant-cublas", the CUDA default: batch-invariant) and Triton projections ("invariant"; engine/runtimes/
+gpu_kernels.py); the default is used for the rest of the run where it runs, else the fastest. The eager figures are
+the model's own forward, on the default kernels too (FIMBLE_CUDA_INVARIANT=0: torch's ops). bench/gpu_invariant.py
+compares the kernel sets alternately.
 
 Running it on the device tool: the tracked tree is ~92 MB, over the tool's 64 MiB per-call transfer;
 models/fimble-smollm2/adapter.safetensors (19.6 MB) and bench/reports (8 MB), neither needed there, are the
@@ -60,6 +64,7 @@ from engine.runtimes.cuda_graphs import (  # noqa: E402
     GraphRuntime,
     batched_forward,
     capture,
+    default_attention,
     eager_runtime,
     key_bucket,
 )
@@ -97,7 +102,7 @@ SHAPES = {
 DEV = "cuda"
 DTYPE = torch.bfloat16
 # graph attentions compared per shape (cuda_graphs.forward_batch); "fused" = the Triton kernels, where Triton runs
-ATTENTIONS = ("sdpa", "matmul") + (("fused",) if gpu_kernels.available() else ())
+ATTENTIONS = ("sdpa", "matmul") + (("fused", "invariant-cublas", "invariant") if gpu_kernels.available() else ())
 
 
 def sync() -> None:
@@ -205,6 +210,8 @@ def step_table(
         )
         row[f"graph_gpu_step_ms_{attention}"] = gpu_ms(runtime)
     best = min(ATTENTIONS, key=lambda a: row[f"graph_step_ms_{a}"] + row[f"graph_verify8_ms_{a}"])
+    if default_attention() in ATTENTIONS:  # what ships, not the fastest
+        best = default_attention()
     row["attention"] = best
     for key in ("graph_step_ms", "graph_verify8_ms", "graph_gpu_step_ms"):
         row[key] = row[f"{key}_{best}"]
@@ -590,12 +597,13 @@ def main() -> None:
     )
     print(
         "floor = weight bytes read per step / measured copy bandwidth; step = call + argmax read back; "
-        "graph GPU = back-to-back replays; att = the fastest graph attention (sdpa | matmul | fused), used below"
+        "graph GPU = back-to-back replays; att = the graph kernels used below (the default where it runs, else the "
+        "fastest)"
     )
     print(
         f"{'shape':16s} {'weights GB':>10s} {'eager step':>10s} {'eager ver8':>10s} {'graph step':>10s} "
         f"{'graph ver8':>10s} {'graph GPU':>9s} {'floor':>7s} {'step/floor':>10s} {'GPU/floor':>9s} att   "
-        f"{'sdpa step':>9s} {'mm step':>9s} {'fused step':>10s}"
+        f"{'sdpa step':>9s} {'mm step':>9s} {'fused step':>10s} {'inv16 step':>10s} {'triton step':>11s}"
     )
     for r in steps:
         print(
@@ -603,7 +611,9 @@ def main() -> None:
             f"{r['graph_step_ms']:8.3f}ms {r['graph_verify8_ms']:8.3f}ms {r['graph_gpu_step_ms']:7.3f}ms "
             f"{r['floor_ms']:5.3f}ms {r['graph_step_over_floor']:10.2f} {r['graph_gpu_over_floor']:9.2f} "
             f"{r['attention']:6s}{r['graph_step_ms_sdpa']:7.3f}ms {r['graph_step_ms_matmul']:7.3f}ms "
-            f"{r.get('graph_step_ms_fused', float('nan')):8.3f}ms"
+            f"{r.get('graph_step_ms_fused', float('nan')):8.3f}ms "
+            f"{r.get('graph_step_ms_invariant-cublas', float('nan')):8.3f}ms "
+            f"{r.get('graph_step_ms_invariant', float('nan')):9.3f}ms"
         )
     print(
         f"\nembedded pair, {n_prompts} FIM prompts (~{info['prompt_tokens_mean']:.0f} tokens), {n_tokens} new tokens "

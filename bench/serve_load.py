@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-active", type=int, default=64, help="--shape: the daemon's max active sequences")
     ap.add_argument(
         "--attention",
-        choices=("default", "fused", "sdpa", "matmul"),
+        choices=("default", "invariant-cublas", "invariant", "fused", "sdpa", "matmul"),
         default="default",
         help="--shape: the graphs' attention (default: GraphRuntime's, the Triton kernels where Triton runs, else "
         "sdpa; on 2026-12-01 matmul was slower than sdpa in 32-slot rounds of the 1.5B shape: 6.5 ms against 5.4)",

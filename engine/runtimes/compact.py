@@ -169,6 +169,13 @@ class CompactTransformer(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._rope_len = 0
+        # Batch-invariant kernels (engine/runtimes/gpu_kernels.py, issue 27): every pass runs through
+        # cuda_graphs.invariant_forward, so a row's logits are the same bits in a 1-token step, a verify block or a
+        # graph replay. A kernel set's name ("invariant-cublas": cuBLAS projections on fixed 16-row passes;
+        # "invariant": Triton projections) or True (the default set) turns them on, False off; None (default)
+        # decides at the first CUDA pass (gpu_kernels.invariant_default: on where Triton runs, unless
+        # FIMBLE_CUDA_INVARIANT=0). A CPU pass uses them only when set (tests).
+        self.invariant: str | bool | None = None
 
     @property
     def device(self) -> torch.device:
@@ -208,6 +215,10 @@ class CompactTransformer(nn.Module):
             raise ValueError(f"position {start} leaves a gap after cache length {cache.length}")
         if end > cache.max_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache's {cache.max_len}")
+        if self._use_invariant(tokens):
+            from engine.runtimes.cuda_graphs import invariant_forward
+
+            return invariant_forward(self, tokens, cache, start, num_logits)
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         mask = None
         if t > 1 and start > 0:
@@ -219,6 +230,15 @@ class CompactTransformer(nn.Module):
         cache.length = end
         num_logits = min(num_logits, t)
         return self.lm_head(self.norm(x[t - num_logits:])).float()
+
+    def _use_invariant(self, tokens: Tensor) -> bool:
+        if self.invariant is None:
+            if not tokens.is_cuda:
+                return False
+            from engine.runtimes.gpu_kernels import invariant_default
+
+            self.invariant = invariant_default()
+        return bool(self.invariant)
 
     @torch.inference_mode()
     def forward_at(self, tokens: Tensor, positions: list[int], cache: KVCache) -> Tensor:

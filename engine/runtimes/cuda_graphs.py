@@ -6,7 +6,8 @@ captured graph for every pass of up to ``max(BLOCKS)`` tokens (a 1-token step, a
 draft step); longer passes (prefills) run eagerly. A graph bakes in its tensors' addresses and
 shapes, so:
 
-- the block is padded to a bucket size (1, 2, 4, 8, 16); padding rows write keys/values past the
+- the block is padded to a bucket size (1, 2, 4, 8, 16; always 16 with the default "invariant-cublas" kernels, so
+  every pass meets one cuBLAS shape: batch invariance, gpu_kernels.py); padding rows write keys/values past the
   sequence's end, which no real query attends to and the next pass overwrites;
 - the start position lives in a device tensor, written before each replay;
 - attention runs over a static key length (a power-of-two bucket of the cache, 256 at least), masked
@@ -39,6 +40,15 @@ MIN_KEYS = 256  # smallest attended key length; doubling buckets above it
 
 def block_bucket(t: int) -> int | None:
     return next((b for b in BLOCKS if b >= t), None)
+
+
+def _min_block(block: int | None, attention: str) -> int | None:
+    """``block``, raised to the cuBLAS kernel set's row multiple (engine/runtimes/gpu_kernels.py CUBLAS_ROWS)."""
+    if block is None or attention != "invariant-cublas":
+        return block
+    from engine.runtimes.gpu_kernels import CUBLAS_ROWS
+
+    return max(block, min(CUBLAS_ROWS, max(BLOCKS)))
 
 
 def key_bucket(end: int, max_len: int) -> int:
@@ -121,6 +131,8 @@ def forward_batch(
     s, t = tokens.shape
     dev = tokens.device
     positions = starts[:, None] + torch.arange(t, device=dev)[None, :]  # [S, T]
+    if attention in ("invariant", "invariant-cublas"):
+        return _forward_invariant(model, keys, values, tokens, positions, keys_len, last, attention)
     if attention == "fused":
         return _forward_fused(model, keys, values, tokens, positions, keys_len, last)
     cos, sin = _rope_tables(model, positions)  # [S, T, 1, hd]
@@ -195,11 +207,133 @@ def _forward_fused(
     return model.lm_head(model.norm(x)).float()
 
 
+def invariant_layers(
+    model: CompactTransformer,
+    keys: Tensor,
+    values: Tensor,
+    x: Tensor,
+    positions: Tensor,
+    keys_len: int,
+    seqs: int,
+    kernels: str = "invariant",
+) -> Tensor:
+    """The decoder layers in batch-invariant kernels (engine/runtimes/gpu_kernels.py): ``x`` [S*T, hidden], the
+    rows of S sequences of T tokens each at ``positions`` [S*T]; ``keys``/``values`` [layers, S, kv_heads, max_len,
+    head_dim]. Returns the last layer's hidden states (before the final norm). Every reduction runs in an order
+    fixed by the weights' shapes and the key positions, so a row's bits depend on its own tokens and cache only:
+    not on T, S, ``keys_len`` (any length covering the rows' positions) or a graph capture.
+
+    ``kernels``: "invariant", the projections in ``gpu_kernels.linear`` (invariant for any row count by
+    construction); or "invariant-cublas", torch's projections and norms on a whole multiple of
+    ``gpu_kernels.CUBLAS_ROWS`` rows (zero rows pad the pass; their keys/values are never written): a pass of 1-16
+    tokens meets one cuBLAS shape per weight, so it is invariant by construction too, while a batched round's rows
+    are the same bits only where cuBLAS keeps its kernel at the round's row count (tests/gpu checks both)."""
+    from engine.runtimes import gpu_kernels as gk
+
+    cfg = model.cfg
+    heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
+    triton_gemms = kernels == "invariant"
+    if not triton_gemms:
+        rows = x.shape[0]
+        pad = -rows % gk.CUBLAS_ROWS
+        if pad:  # every product on a multiple of CUBLAS_ROWS rows; the padding rows' keys/values are never written
+            x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+    scratch = None
+    for i, layer in enumerate(model.layers):
+        if triton_gemms:
+            norm = layer.attn_norm
+            qkv = gk.linear(x, layer.qkv.weight, bias=layer.qkv.bias, norm=norm.weight, eps=norm.eps)
+        else:
+            qkv = layer.qkv(layer.attn_norm(x))
+            if pad:
+                qkv = qkv[:rows]
+        q = gk.rope_store(qkv, keys[i], values[i], model.rope_cos, model.rope_sin, positions, seqs, heads, kv_heads)
+        if scratch is None:  # one buffer of partial sums for every layer's attention
+            scratch = gk.attention_scratch(q, keys_len, seqs, kv_heads, cfg.head_dim)
+        attn = gk.attention(q, keys[i], values[i], positions, keys_len, seqs, kv_heads, scratch, ordered=True)
+        if triton_gemms:
+            x = gk.linear(attn, layer.o_proj.weight, residual=x)
+            gate_up = gk.linear(x, layer.gate_up.weight, norm=layer.mlp_norm.weight, eps=layer.mlp_norm.eps)
+            x = gk.linear(gate_up, layer.down.weight, residual=x, gated=True)
+        else:
+            if pad:
+                attn = torch.cat((attn, attn.new_zeros(pad, attn.shape[1])))
+            x = torch.addmm(x, attn, layer.o_proj.weight.t())
+            gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
+            x = torch.addmm(x, F.silu(gate) * up, layer.down.weight.t())
+    return x[:rows] if not triton_gemms and pad else x
+
+
+def invariant_logits(model: CompactTransformer, x: Tensor, kernels: str = "invariant") -> Tensor:
+    """The final norm and the LM head: with Triton projections one kernel, float32 logits straight from its
+    accumulators; with cuBLAS ones torch's norm and product, then float32."""
+    from engine.runtimes import gpu_kernels as gk
+
+    if kernels != "invariant":
+        rows = x.shape[0]
+        pad = -rows % gk.CUBLAS_ROWS
+        if pad:
+            x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+        return model.lm_head(model.norm(x))[:rows].float()
+    return gk.linear(x, model.lm_head.weight, norm=model.norm.weight, eps=model.norm.eps, out_dtype=torch.float32)
+
+
+def _forward_invariant(
+    model: CompactTransformer,
+    keys: Tensor,
+    values: Tensor,
+    tokens: Tensor,
+    positions: Tensor,
+    keys_len: int,
+    last: Tensor | None,
+    kernels: str = "invariant",
+) -> Tensor:
+    """``forward_batch`` in batch-invariant kernels (``invariant_layers``): a row's logits are the same bits in any
+    block or batch, replayed or not, and equal ``invariant_forward``'s (the eager path's) for the same row."""
+    s, t = tokens.shape
+    x = model.embed(tokens).view(s * t, -1)
+    x = invariant_layers(model, keys, values, x, positions.reshape(-1), keys_len, s, kernels)
+    if last is not None:
+        x = x.view(s, t, -1)[torch.arange(s, device=x.device), last]
+    return invariant_logits(model, x, kernels)
+
+
+INVARIANT_CHUNK = 512  # rows per eager invariant pass: bounds attention's split scratch on a long prompt
+
+
+def invariant_forward(model: CompactTransformer, tokens: Tensor, cache: KVCache, start: int, num_logits: int) -> Tensor:
+    """``CompactTransformer.forward`` in batch-invariant kernels (its CUDA default): any number of tokens, attention
+    over exactly the positions written (the cuBLAS set pads the products with zero rows, not the pass with tokens).
+    Float32 logits of the last ``num_logits`` tokens.
+
+    A long prompt runs in chunks of ``INVARIANT_CHUNK`` tokens, which changes no bit: a row's result depends on its
+    own token and the keys/values at its positions and before, which the earlier chunks wrote as one pass would."""
+    from engine.runtimes import gpu_kernels as gk
+
+    kernels = model.invariant if model.invariant in gk.INVARIANT_SETS else gk.DEFAULT_INVARIANT
+    t = tokens.shape[0]
+    n = min(num_logits, t)
+    keys, values = cache.keys.unsqueeze(1), cache.values.unsqueeze(1)
+    wanted = []
+    for lo in range(0, t, INVARIANT_CHUNK):
+        hi = min(t, lo + INVARIANT_CHUNK)
+        positions = torch.arange(start + lo, start + hi, device=tokens.device)
+        x = invariant_layers(model, keys, values, model.embed(tokens[lo:hi]), positions, start + hi, 1, kernels)
+        if hi > t - n:
+            wanted.append(x[max(lo, t - n) - lo :])
+    cache.length = start + t
+    return invariant_logits(model, wanted[0] if len(wanted) == 1 else torch.cat(wanted), kernels)
+
+
 def default_attention() -> str:
-    """The graph path's attention: Triton's fused kernels where they run (CUDA with Triton), else sdpa."""
+    """The graph path's kernels where Triton runs on CUDA: batch-invariant, "invariant-cublas" by default (cuBLAS on
+    fixed 16-row passes) or "invariant" (FIMBLE_CUDA_INVARIANT=triton: Triton projections); FIMBLE_CUDA_INVARIANT=0:
+    "fused" (Triton attention, cuBLAS at the pass's own row count). Elsewhere torch's sdpa."""
     from engine.runtimes import gpu_kernels
 
-    return "fused" if gpu_kernels.available() else "sdpa"
+    if not gpu_kernels.available():
+        return "sdpa"
+    return gpu_kernels.invariant_default() or "fused"
 
 
 def static_forward(
@@ -249,7 +383,8 @@ class GraphRuntime:
         self, model: CompactTransformer, max_caches: int = 4, attention: str | None = None, compile: bool = False
     ):
         self.model = model
-        self.attention = attention or default_attention()  # "fused", "sdpa" or "matmul" (forward_batch)
+        # "invariant-cublas", "invariant", "fused", "sdpa" or "matmul" (forward_batch)
+        self.attention = attention or default_attention()
         # torch.compile fuses the elementwise work between the matmuls (one compile per captured shape:
         # minutes, so opt-in; bench/gpu.py --compile measures it).
         self.fn = torch.compile(forward_batch, dynamic=False) if compile else forward_batch
@@ -277,6 +412,9 @@ class GraphRuntime:
     def parameters(self):
         return self.model.parameters()
 
+    def _block(self, t: int) -> int | None:
+        return _min_block(block_bucket(t), self.attention)
+
     def _graph(self, cache: KVCache, block: int, keys_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         entry = self._graphs.get(id(cache))
         if entry is None or entry[0] is not cache:
@@ -298,7 +436,7 @@ class GraphRuntime:
     def __call__(self, tokens: Tensor, cache: KVCache, start: int | None = None, num_logits: int = 1) -> Tensor:
         start = cache.length if start is None else start
         t = tokens.shape[0]
-        block = block_bucket(t)
+        block = self._block(t)
         if block is None or start > cache.length or start + block > cache.max_len:
             return self.model(tokens, cache, start, num_logits)  # prefill, or too near the cache's end
         self.inp.tokens[:t].copy_(tokens, non_blocking=True)
@@ -433,14 +571,14 @@ class SlotGraphs:
     On a CPU (tests) the same forward runs without graphs.
     """
 
-    def __init__(self, model: CompactTransformer, streams: int, slot_len: int, attention: str = "sdpa"):
+    def __init__(self, model: CompactTransformer, streams: int, slot_len: int, attention: str | None = None):
         import heapq
 
         self._heap = heapq
         self.model = model
         self.streams, self.slot_len = streams, slot_len
         self.cache = BatchedCache(model, streams, slot_len + SLOT_SCRATCH)
-        self.attention = attention
+        self.attention = attention or default_attention()  # the GraphRuntime's kernels (the scheduler passes them)
         self.use_graphs = model.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         dev = model.device
@@ -576,6 +714,9 @@ class SlotGraphs:
 
     def shape(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]]) -> tuple[int, int, int]:
         """The graph key (batch, block, key length) these passes would replay."""
+        # Blocks stay as they are: with cuBLAS projections a round's rows match the same rows alone only where cuBLAS
+        # keeps its kernel at the round's row count (padding each slot to 16 rows would not change that), and 32
+        # streams' 1-token steps would multiply 512 rows instead of 32. invariant_layers pads to 16-row multiples.
         block = block_bucket(max(len(t) for t, _, _, _ in passes))
         batch = batch_bucket(max(self._slot[id(c)] for _, c, _, _ in passes) + 1, self.streams)
         keys_len = key_bucket(max(s + block for _, _, s, _ in passes), self.slot_len + SLOT_SCRATCH)
@@ -685,6 +826,9 @@ __all__ = [
     "forward_batch",
     "block_bucket",
     "default_attention",
+    "invariant_forward",
+    "invariant_layers",
+    "invariant_logits",
     "eager_runtime",
     "capture",
     "key_bucket",

@@ -1,4 +1,4 @@
-"""Triton kernels for the CUDA path's static forward (engine/runtimes/cuda_graphs.py ``attention="fused"``).
+"""Triton kernels for the CUDA path (engine/runtimes/cuda_graphs.py: "fused", "invariant-cublas", "invariant").
 
 A decode step of a small model is a few hundred tiny kernels (bench/reports/gpu-profile-h200-*.txt: 548
 for the 0.5B shape, ~23 a layer, median 1.6 us each), so the step costs several times its weights' read
@@ -18,12 +18,41 @@ Every query row is computed on its own with the same tile shapes whatever the bl
 (``BLOCK_M`` rows of one kv head, the split layout fixed by key position), so a row's attention does not
 depend on which rows share its pass. Splits past a row's position do no work and add exact zeros.
 
+Batch invariance (issue 27): a row's logits must be the same bits in a 1-token step, a verify block and a batched
+round, eagerly or replayed from a graph, so that greedy speculative output equals plain output exactly. Two kernel
+sets give it (cuda_graphs ``invariant_layers``; ``invariant_default`` picks one):
+
+- "invariant-cublas", the CUDA default: the projections stay cuBLAS's, but every single-sequence pass runs on
+  exactly ``CUBLAS_ROWS`` (16) rows (graph blocks are raised to 16, eager passes padded with zero rows), so each
+  weight meets one cuBLAS shape, hence one kernel and one reduction order; norms and the MLP gate are per row.
+  On the H200 this costs 3-5% of a graph step (cuBLAS prices 16 rows like 1). A batched round multiplies 16 x b
+  rows, and cuBLAS may pick another kernel for another b (bench/reports/gpu-invariant-h200-2026-12-03.txt: the
+  down projections from 256 rows, 7B's from 32), so batched rounds equal their sequences alone only where it
+  does not; they did in every batch the GPU tests formed.
+- "invariant" (FIMBLE_CUDA_INVARIANT=triton): ``linear`` below for every projection, one program per 16-row by
+  ``BN``-column output tile, the whole K extent in ``BK`` slabs, fp32 accumulators, no split-K; ``BN``/``BK``/warps/
+  stages come from the weight's shape alone (``linear_config``), the row count is not specialised, so one compiled
+  kernel serves every M and a row's bits never depend on the rows beside it, batched rounds included. Fused into
+  it: the RMSNorm before a projection (the row's sum of squares accumulates in the same slab loop; the norm weight
+  scales the activation as it is loaded, 1/rms scales the accumulator at the end), the residual add and bias in
+  the epilogue (rounded once), the MLP's ``silu(gate) * up`` as the down projection's prologue, and float32
+  logits straight from the LM head's accumulators. Today it costs 2.4-3.3x the graph step: the plain kernel is at
+  or under cuBLAS's time on four of the 0.5B shape's five weights and takes 1.6x on the down projection (few column
+  tiles, no split-K); the rest of the gap lies in the fused variants (the norm and gate prologues, not yet timed
+  apart). A fixed, shape-chosen split-K with an ordered reduction would keep it invariant and fill the GPU.
+
+Both sets run ``attention`` with ``ordered=True``: the split combine sums the splits one by one in split order, so
+trailing splits that hold no visible key (a longer key bucket) add exact zeros whatever their number, and the
+combine no longer depends on the key bucket's size (eager passes attend over exactly their positions, graphs over
+a power-of-two bucket).
+
 Triton is imported lazily: CPU machines (CI) never load it, and ``available()`` says whether it is there.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import Tensor
@@ -32,6 +61,30 @@ BLOCK_M = 16  # query rows of one kv head per program (tl.dot needs 16)
 BLOCK_N = 64  # keys per inner iteration
 SPLIT_KEYS = 256  # keys per split: the split layout depends on positions only, never on the batch
 MIN_SPLITS_TILE = 64  # the combine kernel's split tile: one compiled variant up to 16,384 keys
+
+
+INVARIANT_SETS = ("invariant-cublas", "invariant")  # the default first (see invariant_default)
+DEFAULT_INVARIANT = "invariant-cublas"
+# "invariant-cublas": every projection runs on a whole multiple of this many rows (zero rows pad it; graph blocks are
+# raised to it), so a pass of 1-16 tokens meets exactly one cuBLAS shape per weight (FIMBLE_CUDA_INVARIANT_ROWS).
+CUBLAS_ROWS = max(1, int(os.environ.get("FIMBLE_CUDA_INVARIANT_ROWS", "16") or 16))
+
+
+def invariant_default() -> str | bool:
+    """The batch-invariant kernel set CUDA passes use by default (where Triton runs), or False.
+
+    ``FIMBLE_CUDA_INVARIANT``: unset or 1 = "invariant-cublas" (cuBLAS's projections on fixed 16-row passes, Triton
+    attention combined in order: a 1-token step, a verify block, eager or graph, the same bits; a batched serve round
+    only where cuBLAS keeps its kernel at the round's row count); ``triton`` = "invariant" (every projection in
+    ``linear``: invariant for any row count by construction, batched rounds included; 2.4-3.3x the step time on the
+    H200 today, bench/reports/gpu-invariant-h200-2026-12-03.txt); 0 = off ("fused": a row's bits depend on its pass's
+    shape)."""
+    if not available():
+        return False
+    value = os.environ.get("FIMBLE_CUDA_INVARIANT", "1").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return False
+    return {"cublas": "invariant-cublas", "triton": "invariant"}.get(value, DEFAULT_INVARIANT)
 
 
 @functools.cache
@@ -169,7 +222,107 @@ def _kernels():
             head = h * G + r % G
             tl.store(out + (s * T + t) * out_stride + head * HD + d, res.to(out.dtype.element_ty))
 
-    return rope_store_kernel, attention_split_kernel, attention_combine_kernel
+    @triton.jit(do_not_specialize=["T", "SPLITS"])
+    def attention_combine_ordered_kernel(
+        out, part_acc, part_ml, T, out_stride, SPLITS,
+        KV: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr,
+    ):  # fmt: skip
+        # As attention_combine_kernel, but the splits are summed one at a time in split order: a split with no
+        # visible key has weight exactly 0 and adds exact zeros, so the result does not depend on how many such
+        # splits follow (the key bucket), and one live split gives acc / l exactly as the one-split path does.
+        pid = tl.program_id(0)
+        row = tl.program_id(1)
+        blocks = tl.cdiv(G * T, BM)
+        mb = pid % blocks
+        h = (pid // blocks) % KV
+        s = pid // (blocks * KV)
+        r = mb * BM + row
+        if r < G * T:
+            d = tl.arange(0, HD)
+            base = pid * SPLITS * BM + row
+            top = tl.load(part_ml + base * 2)
+            sp = 1
+            while sp < SPLITS:  # while loops: Triton's interpreter cannot range() over an argument
+                top = tl.maximum(top, tl.load(part_ml + (base + sp * BM) * 2))
+                sp += 1
+            total = 0.0
+            acc = tl.zeros((HD,), tl.float32)
+            sp = 0
+            while sp < SPLITS:
+                slot = base + sp * BM
+                w = tl.exp(tl.load(part_ml + slot * 2) - top)
+                total += tl.load(part_ml + slot * 2 + 1) * w
+                acc += tl.load(part_acc + slot * HD + d) * w
+                sp += 1
+            res = acc / tl.where(total > 0, total, 1.0)
+            t = r // G
+            head = h * G + r % G
+            tl.store(out + (s * T + t) * out_stride + head * HD + d, res.to(out.dtype.element_ty))
+
+    # M (the row count) is not specialised: one compiled kernel for every pass size, so a row's arithmetic is the
+    # same whatever rows share its pass (Triton would otherwise compile M == 1 apart).
+    @triton.jit(do_not_specialize=["M"])
+    def linear_kernel(
+        x, w, out, bias, res, nw,
+        M, N, x_stride, res_stride, out_stride, eps,
+        K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # K is a weight's own size (a constant): the slab loop has a fixed trip count, and Triton's interpreter can
+        # range() over it
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BM)
+        pid_m = pid % tiles_m  # row tiles of one column strip run side by side: the strip's weights are read once
+        pid_n = pid // tiles_m
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        rmask = rows < M
+        cmask = cols < N
+        kk = tl.arange(0, BK)
+        xrow = x + rows[:, None].to(tl.int64) * x_stride
+        wrow = w + cols[:, None].to(tl.int64) * K
+        acc = tl.zeros((BM, BN), tl.float32)
+        ss = tl.zeros((BM, BK), tl.float32)  # squares summed per column slot, reduced once after the loop
+        for k0 in range(0, K, BK):
+            k = k0 + kk
+            if K % BK == 0:
+                amask = rmask[:, None]
+                bmask = cmask[:, None]
+            else:
+                amask = rmask[:, None] & (k[None, :] < K)
+                bmask = cmask[:, None] & (k[None, :] < K)
+            if GATED:  # x holds [gate | up] (K columns each): the activation is silu(gate) * up, rounded once
+                g = tl.load(xrow + k[None, :], mask=amask, other=0.0).to(tl.float32)
+                u = tl.load(xrow + K + k[None, :], mask=amask, other=0.0).to(tl.float32)
+                a = (g * tl.sigmoid(g) * u).to(w.dtype.element_ty)
+            else:
+                a = tl.load(xrow + k[None, :], mask=amask, other=0.0)
+                if NORM:  # RMSNorm: sum of squares here, the norm weight on the activation, 1/rms at the end
+                    af = a.to(tl.float32)
+                    ss += af * af
+                    g = tl.load(nw + k, mask=k < K, other=0.0).to(tl.float32)
+                    a = (af * g[None, :]).to(w.dtype.element_ty)
+            b = tl.load(wrow + k[None, :], mask=bmask, other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        if NORM:
+            acc = acc * tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        omask = rmask[:, None] & cmask[None, :]
+        if HAS_RES:
+            r = tl.load(res + rows[:, None].to(tl.int64) * res_stride + cols[None, :], mask=omask, other=0.0)
+            acc += r.to(tl.float32)
+        tl.store(
+            out + rows[:, None].to(tl.int64) * out_stride + cols[None, :], acc.to(out.dtype.element_ty), mask=omask
+        )
+
+    return (
+        rope_store_kernel,
+        attention_split_kernel,
+        attention_combine_kernel,
+        attention_combine_ordered_kernel,
+        linear_kernel,
+    )
 
 
 def _pow2(n: int) -> int:
@@ -199,13 +352,14 @@ def rope_store(
 
 def attention(
     q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, keys_len: int, seqs: int, kv_heads: int,
-    scratch: tuple[Tensor, Tensor] | None = None,
+    scratch: tuple[Tensor, Tensor] | None = None, ordered: bool = False,
 ) -> Tensor:  # fmt: skip
     """Attention of ``q`` [S*T, heads * hd] over ``keys``/``values`` [S, kv_heads, max_len, hd], first
     ``keys_len`` positions, masked by ``positions`` [S*T]. Returns [S*T, heads * hd] in q's dtype.
 
-    ``scratch``: ``attention_scratch``'s buffers, made once for all layers of a pass."""
-    _, split_kernel, combine_kernel = _kernels()
+    ``scratch``: ``attention_scratch``'s buffers, made once for all layers of a pass. ``ordered``: combine the
+    splits in split order (batch-invariant mode: a row's bits do not depend on ``keys_len``)."""
+    _, split_kernel, combine_kernel, ordered_kernel, _ = _kernels()
     rows, width = q.shape
     hd = keys.shape[-1]
     group = width // hd // kv_heads
@@ -224,7 +378,11 @@ def attention(
         hd**-0.5, splits,
         KV=kv_heads, G=group, HD=hd, BM=BLOCK_M, BN=BLOCK_N, SPLIT=SPLIT_KEYS,
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and ordered:
+        ordered_kernel[(programs, BLOCK_M)](
+            out, part_acc, part_ml, t, out.stride(0), splits, KV=kv_heads, G=group, HD=hd, BM=BLOCK_M,
+        )  # fmt: skip
+    elif splits > 1:
         combine_kernel[(programs, BLOCK_M)](
             out, part_acc, part_ml, t, out.stride(0), splits,
             KV=kv_heads, G=group, HD=hd, BM=BLOCK_M, SP=max(MIN_SPLITS_TILE, _pow2(splits)),
@@ -245,4 +403,71 @@ def attention_scratch(q: Tensor, keys_len: int, seqs: int, kv_heads: int, hd: in
     )
 
 
-__all__ = ["BLOCK_M", "SPLIT_KEYS", "attention", "attention_scratch", "available", "rope_store"]
+LINEAR_ROWS = 16  # rows of one output tile (tl.dot needs 16): the only tile size a pass's row count meets
+
+
+def linear_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages) of ``linear`` for a weight of ``n`` outputs by ``k`` inputs: a function of the weight's
+    shape alone, never of the row count, so a row's reduction order is the same in every pass (batch invariance).
+
+    Decode passes are 1-16 rows: reading the weight is the cost, so a narrow-output weight gets narrow column tiles
+    (more programs streaming it at once) and wide slabs of K (more bytes in flight per program)."""
+    bn = 16 if n <= 4096 else 32 if n <= 65536 else 64
+    bk = 128 if k <= 1024 else 256
+    return bn, bk, 4, 4
+
+
+def linear(
+    x: Tensor, weight: Tensor, *, bias: Tensor | None = None, residual: Tensor | None = None,
+    norm: Tensor | None = None, eps: float = 0.0, gated: bool = False, out_dtype: torch.dtype | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> Tensor:  # fmt: skip
+    """``x @ weight.T`` (+ ``bias``) (+ ``residual``), batch-invariant: row i of the result has the same bits
+    whatever the other rows are and however many there are.
+
+    ``x`` [M, K] (rows contiguous); ``weight`` [N, K] contiguous (an nn.Linear's). ``norm``: an RMSNorm weight [K]
+    applied to ``x`` first (eps ``eps``). ``gated``: ``x`` is [M, 2K], gate then up, and the product's input is
+    ``silu(gate) * up``. ``out_dtype``: the result's dtype (x's by default; float32 for logits, which then skip a
+    rounding to bf16). ``config``: (BN, BK, warps, stages), ``linear_config``'s by default (benchmarks only)."""
+    kernel = _kernels()[4]
+    m = x.shape[0]
+    n, k = weight.shape
+    if x.stride(-1) != 1 or weight.stride(-1) != 1 or weight.stride(0) != k:
+        raise ValueError("linear needs rows with unit stride and a contiguous weight")
+    if x.shape[1] != (2 * k if gated else k):
+        raise ValueError(f"linear: x has {x.shape[1]} columns for a weight of {k} inputs{' (gated)' if gated else ''}")
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return out
+    bn, bk, warps, stages = config or linear_config(n, k)
+    grid = (triton_cdiv(m, LINEAR_ROWS) * triton_cdiv(n, bn),)
+    kernel[grid](
+        x, weight, out,
+        bias if bias is not None else weight, residual if residual is not None else out,
+        norm if norm is not None else weight,
+        m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), float(eps),
+        K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm is not None, GATED=gated,
+        BM=LINEAR_ROWS, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+        # float32 weights: true fp32 products (a dot's default there is tf32, ~1e-3); bf16/fp16 ignore it
+        PRECISION="ieee" if weight.dtype == torch.float32 else None,
+    )  # fmt: skip
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = [
+    "BLOCK_M",
+    "LINEAR_ROWS",
+    "SPLIT_KEYS",
+    "attention",
+    "attention_scratch",
+    "available",
+    "INVARIANT_SETS",
+    "invariant_default",
+    "linear",
+    "linear_config",
+    "rope_store",
+]

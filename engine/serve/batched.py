@@ -17,6 +17,9 @@ or among others (tests/serve/test_batched.py). With several threads MKL splits t
 them, and a thread's share of fewer than 4 rows takes the other kernel again (measured: 2 threads,
 a 9-row pass, one row differs), so batched results may then differ from solo ones in the last bit,
 which changes a greedy token only at a fp32 tie, as a verify block against a 1-token step does.
+On CUDA the model's batch-invariant kernels (engine/runtimes/gpu_kernels.py ``linear``, its default) fix every
+reduction's order by the weight's shape, whatever the row count: no padding is needed there, and batched rows
+are bit-identical to the same rows alone (``_batched_invariant``).
 int8 weights (engine/runtimes/quant.py) are batch-invariant by construction and are not padded.
 They are not bit-identical to ``CompactTransformer.forward`` on one row (that takes the
 1-row kernel): like a verify block against a 1-token step, they may differ at a fp32 tie.
@@ -110,6 +113,8 @@ def batched_forward(model: CompactTransformer, calls: list[Forward]) -> list[Ten
             raise ValueError(f"sequence of {end} tokens exceeds the cache's {c.cache.max_len}")
         spans.append((pos, pos + t))
         pos += t
+    if hasattr(model, "_use_invariant") and model._use_invariant(model.embed.weight):  # CUDA's default
+        return _batched_invariant(model, calls, spans)
     x = model.embed(torch.cat([c.tokens for c in calls]))
     ropes, masks = [], []
     for c, (a, b) in zip(calls, spans, strict=True):
@@ -164,6 +169,57 @@ def batched_forward(model: CompactTransformer, calls: list[Forward]) -> list[Ten
         c.cache.length = c.start + b - a
     wanted = [(b - min(c.num_logits, b - a), b) for c, (a, b) in zip(calls, spans, strict=True)]
     logits = _linear(model.lm_head, model.norm(torch.cat([x[a:b] for a, b in wanted]))).float()
+    out, pos = [], 0
+    for a, b in wanted:
+        out.append(logits[pos : pos + b - a])
+        pos += b - a
+    return out
+
+
+def _batched_invariant(model: CompactTransformer, calls: list[Forward], spans: list[tuple[int, int]]) -> list[Tensor]:
+    """``batched_forward`` in the batch-invariant CUDA kernels (engine/runtimes/gpu_kernels.py): the projections of
+    every call's rows in one kernel each, attention per call over its own cache. A row's logits are the same bits as
+    the model's own forward (``cuda_graphs.invariant_forward``) gives it alone, so batched equals unbatched exactly."""
+    from engine.runtimes import gpu_kernels as gk
+    from engine.runtimes.cuda_graphs import invariant_logits
+
+    kernels = model.invariant if model.invariant in gk.INVARIANT_SETS else gk.DEFAULT_INVARIANT
+    triton_gemms = kernels == "invariant"
+    cfg = model.cfg
+    heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
+    dev = model.embed.weight.device
+    tokens = [c.tokens if isinstance(c.tokens, Tensor) else torch.tensor(c.tokens, dtype=torch.long) for c in calls]
+    x = model.embed(torch.cat([t.to(dev) for t in tokens]))
+    rows = x.shape[0]
+    pad = 0 if triton_gemms else -rows % gk.CUBLAS_ROWS  # cuBLAS products on whole multiples of CUBLAS_ROWS rows
+    if pad:
+        x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+    positions = [torch.arange(c.start, c.start + b - a, device=dev) for c, (a, b) in zip(calls, spans, strict=True)]
+    for li, layer in enumerate(model.layers):
+        if triton_gemms:
+            norm = layer.attn_norm
+            qkv = gk.linear(x, layer.qkv.weight, bias=layer.qkv.bias, norm=norm.weight, eps=norm.eps)
+        else:
+            qkv = layer.qkv(layer.attn_norm(x))
+        outs = []
+        for c, (a, b), pos in zip(calls, spans, positions, strict=True):
+            keys, values = c.cache.keys[li].unsqueeze(0), c.cache.values[li].unsqueeze(0)
+            q = gk.rope_store(qkv[a:b], keys, values, model.rope_cos, model.rope_sin, pos, 1, heads, kv_heads)
+            outs.append(gk.attention(q, keys, values, pos, c.start + b - a, 1, kv_heads, ordered=True))
+        if triton_gemms:
+            x = gk.linear(torch.cat(outs), layer.o_proj.weight, residual=x)
+            gate_up = gk.linear(x, layer.gate_up.weight, norm=layer.mlp_norm.weight, eps=layer.mlp_norm.eps)
+            x = gk.linear(gate_up, layer.down.weight, residual=x, gated=True)
+        else:
+            if pad:
+                outs.append(x.new_zeros(pad, outs[0].shape[1]))
+            x = torch.addmm(x, torch.cat(outs), layer.o_proj.weight.t())
+            gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
+            x = torch.addmm(x, F.silu(gate) * up, layer.down.weight.t())
+    for c, (a, b) in zip(calls, spans, strict=True):
+        c.cache.length = c.start + b - a
+    wanted = [(b - min(c.num_logits, b - a), b) for c, (a, b) in zip(calls, spans, strict=True)]
+    logits = invariant_logits(model, torch.cat([x[a:b] for a, b in wanted]), kernels)
     out, pos = [], 0
     for a, b in wanted:
         out.append(logits[pos : pos + b - a])

@@ -303,9 +303,10 @@ class ServeEngine(LocalEngine):
 
     @staticmethod
     def _attention(runtime) -> str:
-        """The GraphRuntime's graph attention ("fused", "sdpa" or "matmul"), for the slot graphs too."""
+        """The GraphRuntime's graph kernels ("invariant-cublas", "invariant", "fused", "sdpa" or "matmul"), for the
+        slot graphs too."""
         attention = getattr(runtime, "attention", None)
-        return attention if attention in ("fused", "sdpa", "matmul") else "sdpa"
+        return attention if attention in ("invariant", "invariant-cublas", "fused", "sdpa", "matmul") else "sdpa"
 
     def info(self) -> dict:
         return {

@@ -180,3 +180,105 @@ def test_fused_forward_equals_torch_forward():
     assert torch.allclose(ka, kb, atol=tol, rtol=tol) and torch.allclose(va, vb, atol=tol, rtol=tol)
     assert torch.allclose(a, b, atol=tol, rtol=tol)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def _reference_linear(x, w, bias=None, residual=None, norm=None, eps=0.0, gated=False):
+    """``gpu_kernels.linear``'s function in float64: (RMSNorm or silu-gate) then x @ w.T + bias + residual."""
+    x = x.double()
+    if gated:
+        k = w.shape[1]
+        x = torch.nn.functional.silu(x[:, :k]) * x[:, k:]
+    if norm is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm.double()
+    y = x @ w.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    return y + residual.double() if residual is not None else y
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 200), (5, 64, 256), (37, 33, 300)])
+@pytest.mark.parametrize("kind", ["plain", "bias+residual", "norm", "gated"])
+def test_linear_matches_its_function(m, n, k, kind):
+    """The batch-invariant projection (tiles past N and K masked) computes x @ W.T with its fused prologue/epilogue."""
+    from engine.runtimes.gpu_kernels import linear
+
+    torch.manual_seed(4)
+    w = (torch.randn(n, k) * 0.1).to(DTYPE).to(DEV)
+    x = torch.randn(m, 2 * k if kind == "gated" else k).to(DTYPE).to(DEV)
+    kw = {}
+    if kind in ("bias+residual", "gated"):
+        kw["residual"] = torch.randn(m, n).to(DTYPE).to(DEV)
+    if kind == "bias+residual":
+        kw["bias"] = torch.randn(n).to(DTYPE).to(DEV)
+    if kind == "norm":
+        kw["norm"], kw["eps"] = (torch.rand(k) + 0.5).to(DTYPE).to(DEV), 1e-6
+    got = linear(x, w, gated=kind == "gated", **kw)
+    want = _reference_linear(x.cpu(), w.cpu(), gated=kind == "gated", **{a: b.cpu() if torch.is_tensor(b) else b
+                                                                          for a, b in kw.items()})  # fmt: skip
+    tol = 3e-2 if DTYPE == torch.bfloat16 else 1e-4
+    assert torch.allclose(got.cpu().double(), want, atol=tol, rtol=tol)
+
+
+def test_linear_row_does_not_depend_on_its_pass():
+    """A row's projection is the same alone, among 16 rows, or in a pass of 100 (every M one kernel, one order)."""
+    from engine.runtimes.gpu_kernels import linear
+
+    torch.manual_seed(5)
+    w = (torch.randn(96, 320) * 0.1).to(DTYPE).to(DEV)
+    norm = (torch.rand(320) + 0.5).to(DTYPE).to(DEV)
+    x = torch.randn(100, 320).to(DTYPE).to(DEV)
+    full = linear(x, w, norm=norm, eps=1e-6, out_dtype=torch.float32)
+    for lo, hi in ((0, 1), (7, 8), (3, 19), (90, 100), (40, 72)):
+        part = linear(x[lo:hi], w, norm=norm, eps=1e-6, out_dtype=torch.float32)
+        if CUDA:
+            assert torch.equal(part, full[lo:hi])
+        else:  # numpy's kernels under the interpreter: the same function, not a property of the GPU kernel
+            assert torch.allclose(part, full[lo:hi], atol=1e-5, rtol=0)
+
+
+def _small_model(vocab=300, hidden=128, inter=256, layers=2, heads=4, kv=2):
+    from engine.runtimes.compact import CompactConfig, CompactTransformer
+
+    cfg = CompactConfig.from_hf_dict(
+        dict(model_type="qwen2", hidden_act="silu", rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=2048,
+             vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+             num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True)
+    )  # fmt: skip
+    torch.manual_seed(6)
+    model = CompactTransformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.08)
+    model = model.to(DEV).to(DTYPE).eval()
+    model.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=DEV).float() / cfg.head_dim))
+    return model
+
+
+def test_invariant_verify_block_equals_steps():
+    """Batch-invariant mode: a k-token verify pass gives each row the logits k 1-token steps give it, eagerly and
+    through the static (graph) forward at another key bucket, and both match the torch forward."""
+    from engine.runtimes.cuda_graphs import GraphRuntime
+
+    model = _small_model()
+    torch.manual_seed(7)
+    context, k = 270, 5  # past one 256-key split: the combine runs
+    prompt = torch.randint(0, 300, (context,), device=DEV)
+    block = torch.randint(0, 300, (k,), device=DEV)
+    model.invariant = False
+    ref_cache = model.new_cache(512)
+    model(prompt, ref_cache, 0, 1)
+    reference = model(block, ref_cache, context, k)  # torch's kernels
+    model.invariant = "invariant"  # this file's kernels: every projection in gpu_kernels.linear
+    cache = model.new_cache(512)
+    model(prompt, cache, 0, 1)
+    eager_block = model(block, cache, context, k).clone()
+    steps = torch.cat([model(block[i : i + 1], cache, context + i, 1) for i in range(k)])
+    graph = GraphRuntime(model, attention="invariant")  # uncaptured on a CPU; captured on CUDA
+    graph_block = graph(block, cache, context, k).clone()  # block bucket 8, key bucket 512
+    tol = 5e-2 if DTYPE == torch.bfloat16 else 1e-3
+    assert torch.allclose(eager_block, reference, atol=tol, rtol=tol)
+    if CUDA:
+        assert torch.equal(eager_block, steps) and torch.equal(graph_block, steps)
+    else:
+        assert torch.allclose(eager_block, steps, atol=1e-4, rtol=0)
+        assert torch.allclose(graph_block, steps, atol=1e-4, rtol=0)

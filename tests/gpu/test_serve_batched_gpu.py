@@ -72,4 +72,8 @@ def test_batched_scheduler_on_cuda_matches_unbatched():
         f"rounds {counters['sched_rounds']}, rows {counters['sched_batched_rows']}, failed {counters.get('failed')}"
     )
     assert counters["sched_max_batch"] > 1 and not counters.get("failed")
+    if (
+        getattr(plain.target.runtime, "attention", None) == "invariant"
+    ):  # Triton projections: bit-identical rows for any batch
+        assert same_together == same_alone == same_pair == N_PROMPTS
     assert same_together >= MIN_IDENTICAL * N_PROMPTS

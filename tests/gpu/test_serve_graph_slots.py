@@ -150,11 +150,15 @@ def test_slot_graph_greedy_decode_1p5b_matches_eager():
         f"differences {g_flips} (unexplained {g_unexplained}), worst relative error {g_worst_rel:.2e}; "
         f"free-running greedy identical {same}/{N_STREAMS}; captures {slots.captures}, replays {slots.replays}"
     )
+    if slots.attention == "invariant":  # Triton projections: a slotted round's rows are the eager rows' bits
+        assert flips == g_flips == 0 and worst_rel == g_worst_rel == 0.0 and same == N_STREAMS
     # Random weights give near-flat logits (many near ties) and a deep random net amplifies bf16 rounding, so
-    # the bar is today's per-sequence graph path on the same inputs, not a fixed error.
+    # the bar is the per-sequence graph path on the same inputs, not a fixed error; with the default kernels
+    # (cuBLAS on 16-row passes) that path is exact, and the bar is what the old kernels gave (3.8e-2, 73 flips:
+    # bench/reports/gpu-tests-h200-session12-2026-12-01.txt), a round of 16 streams multiplying 256 rows.
     assert unexplained == 0
-    assert worst_rel <= max(2e-2, 2 * g_worst_rel)
-    assert flips <= max(0.05 * N_STREAMS * STEPS, 2 * g_flips)
+    assert worst_rel <= max(5e-2, 2 * g_worst_rel)
+    assert flips <= max(0.12 * N_STREAMS * STEPS, 2 * g_flips)
 
 
 def test_slotted_scheduler_on_cuda_matches_unbatched():
@@ -200,4 +204,6 @@ def test_slotted_scheduler_on_cuda_matches_unbatched():
     )
     assert counters["sched_graph_rounds"] > 0 and counters["sched_max_batch"] > 1 and not counters.get("failed")
     assert in_use == 0
+    if engine.slots.attention == "invariant":  # Triton projections: batched rounds give the unbatched bits
+        assert same_together == same_alone == N_PROMPTS
     assert same_together >= MIN_IDENTICAL * N_PROMPTS

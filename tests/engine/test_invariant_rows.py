@@ -1,0 +1,169 @@
+"""The batch-invariant CUDA path's shape logic (engine/runtimes/cuda_graphs.py ``invariant_layers``, issue 27),
+on a CPU.
+
+On CUDA the "invariant-cublas" kernel set pads every projection to a multiple of ``CUBLAS_ROWS`` rows (graph
+blocks are raised to it, eager passes get zero rows), so one cuBLAS kernel serves a 1-token step, a verify block
+and a batched round; the attention (Triton) computes each row alone. Here the same plumbing runs on the CPU, with
+torch stand-ins for the two Triton kernels (RoPE + cache store, attention) and MKL for the products on one thread:
+padded to 16 rows, MKL too meets one shape per weight, so a verify block's rows equal 1-token steps bit for bit,
+eager equals the static (graph) path, and a slotted round or a batched pass equals each sequence alone. Without
+padding they need not (that is what the padding is for). The GPU tests (tests/gpu/test_batch_invariance.py)
+check the real kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.runtimes import gpu_kernels
+from engine.runtimes.compact import CompactConfig, CompactTransformer
+from engine.runtimes.cuda_graphs import BLOCKS, GraphRuntime, SlotGraphs, _min_block, block_bucket
+from engine.serve.batched import Forward, batched_forward
+
+
+def _rope_store(qkv, keys, values, cos, sin, positions, seqs, heads, kv_heads):
+    rows, hd = qkv.shape[0], keys.shape[-1]
+    half = hd // 2
+    x = qkv.view(rows, -1, hd)
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    s = torch.cat((-s[..., :half], s[..., half:]), -1)
+    qk = x[:, : heads + kv_heads]
+    rotated = qk * c + torch.cat((qk[..., half:], qk[..., :half]), -1) * s
+    seq = torch.arange(rows) // (rows // seqs)
+    keys[seq, :, positions] = rotated[:, heads:]
+    values[seq, :, positions] = x[:, heads + kv_heads :]
+    return rotated[:, :heads].reshape(rows, heads * hd).contiguous()
+
+
+def _attention(q, keys, values, positions, keys_len, seqs, kv_heads, scratch=None, ordered=False):
+    """Each row alone, over the keys up to its position: row-invariant by construction."""
+    rows, width = q.shape
+    hd = keys.shape[-1]
+    heads = width // hd
+    group, t = heads // kv_heads, rows // seqs
+    out = torch.empty_like(q)
+    for r in range(rows):
+        s, pos = r // t, int(positions[r])
+        for h in range(heads):
+            k, v = keys[s, h // group, : pos + 1], values[s, h // group, : pos + 1]
+            w = torch.softmax(k @ q[r, h * hd : (h + 1) * hd] / math.sqrt(hd), 0)
+            out[r, h * hd : (h + 1) * hd] = w @ v
+    return out
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    monkeypatch.setattr(gpu_kernels, "rope_store", _rope_store)
+    monkeypatch.setattr(gpu_kernels, "attention", _attention)
+    monkeypatch.setattr(gpu_kernels, "attention_scratch", lambda *a, **k: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # MKL splits rows between threads otherwise (engine/serve/batched.py)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model():
+    cfg = CompactConfig.from_hf_dict(
+        dict(model_type="qwen2", hidden_act="silu", rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=512,
+             vocab_size=200, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, tie_word_embeddings=True)
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = CompactTransformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.1)
+    model.invariant = "invariant-cublas"
+    return model
+
+
+def _copy(dst, src):
+    dst.keys.copy_(src.keys)
+    dst.values.copy_(src.values)
+    dst.length = src.length
+
+
+def test_blocks_are_raised_to_the_row_multiple(monkeypatch):
+    monkeypatch.setattr(gpu_kernels, "CUBLAS_ROWS", 16)
+    assert [_min_block(block_bucket(t), "invariant-cublas") for t in (1, 2, 5, 16)] == [16, 16, 16, 16]
+    assert _min_block(block_bucket(17), "invariant-cublas") is None  # a prefill: eager
+    assert [_min_block(block_bucket(t), "invariant") for t in (1, 3, 9)] == [1, 4, 16]  # Triton: any row count
+    assert [_min_block(block_bucket(t), "fused") for t in (1, 3)] == [1, 4]
+    monkeypatch.setattr(gpu_kernels, "CUBLAS_ROWS", 1)
+    assert [_min_block(block_bucket(t), "invariant-cublas") for t in (1, 3)] == [1, 4]
+    assert max(BLOCKS) == 16
+
+
+def test_linear_config_depends_on_the_weight_alone():
+    import inspect
+
+    assert list(inspect.signature(gpu_kernels.linear_config).parameters) == ["n", "k"]  # no row count to depend on
+    for n, k in ((1152, 896), (896, 4864), (9728, 896), (151936, 896), (2048, 1536), (1536, 8960), (37888, 3584)):
+        bn, bk, warps, stages = gpu_kernels.linear_config(n, k)
+        assert bn in (16, 32, 64) and bk in (128, 256) and warps >= 1 and stages >= 1
+
+
+def test_invariant_default_reads_the_switch(monkeypatch):
+    monkeypatch.setattr(gpu_kernels, "available", lambda: True)
+    for value, want in (("0", False), ("off", False), ("cublas", "invariant-cublas"), ("triton", "invariant")):
+        monkeypatch.setenv("FIMBLE_CUDA_INVARIANT", value)
+        assert gpu_kernels.invariant_default() == want
+    monkeypatch.delenv("FIMBLE_CUDA_INVARIANT")
+    assert gpu_kernels.invariant_default() == gpu_kernels.DEFAULT_INVARIANT
+    monkeypatch.setattr(gpu_kernels, "available", lambda: False)
+    assert gpu_kernels.invariant_default() is False
+
+
+@torch.inference_mode()
+def test_padded_rows_make_verify_equal_steps(cpu_kernels, monkeypatch):
+    monkeypatch.setattr(gpu_kernels, "CUBLAS_ROWS", 16)
+    model = _model()
+    graph = GraphRuntime(model, attention="invariant-cublas")  # no graphs on a CPU: the same static passes
+    gen = torch.Generator().manual_seed(1)
+    base, cv, cs = (model.new_cache(128) for _ in range(3))
+    model(torch.randint(0, 200, (40,), generator=gen), base, 0, 1)
+    for k in (1, 2, 5, 16):
+        block = torch.randint(0, 200, (k,), generator=gen)
+        got = {}
+        for name, rt in (("eager", model), ("graph", graph)):
+            _copy(cv, base)
+            verify = rt(block, cv, 40, k).clone()
+            _copy(cs, base)
+            steps = torch.cat([rt(block[i : i + 1], cs, 40 + i, 1).clone() for i in range(k)])
+            assert torch.equal(verify, steps), (name, k)
+            got[name] = verify
+        assert torch.equal(got["eager"], got["graph"]), k
+
+
+@torch.inference_mode()
+def test_padded_rows_make_batches_equal_alone(cpu_kernels, monkeypatch):
+    monkeypatch.setattr(gpu_kernels, "CUBLAS_ROWS", 16)
+    model = _model()
+    gen = torch.Generator().manual_seed(2)
+    depths, blocks = (7, 30, 60), (1, 3, 16)
+    bases = []
+    for d in depths:
+        c = model.new_cache(96)
+        model(torch.randint(0, 200, (d,), generator=gen), c, 0, 1)
+        bases.append(c)
+    toks = [torch.randint(0, 200, (k,), generator=gen) for k in blocks]
+
+    def fresh(c):
+        tmp = model.new_cache(96)
+        _copy(tmp, c)
+        return tmp
+
+    alone = [model(t, fresh(c), d, len(t)).clone() for c, d, t in zip(bases, depths, toks, strict=True)]
+    slots = SlotGraphs(model, 4, 96, attention="invariant-cublas")
+    views = [slots.take(fresh(c)) for c in bases]
+    passes = [(t, v, d, len(t)) for t, v, d in zip(toks, views, depths, strict=True)]
+    assert slots.shape(passes)[1] == 16  # the longest pass's bucket; products on 4 x 16 rows
+    rounds = slots.run(passes)
+    batched = batched_forward(
+        model, [Forward(t, fresh(c), d, len(t)) for c, d, t in zip(bases, depths, toks, strict=True)]
+    )
+    for a, r, b in zip(alone, rounds, batched, strict=True):
+        assert torch.equal(a, r) and torch.equal(a, b)
