@@ -37,13 +37,15 @@ from typing import Any
 
 from engine.syntax.document import SyntaxDocument  # no torch: tree-sitter only
 from lsp_server.context.chunks import Chunk, chunk_spans, identifiers, jaccard, window_text
-from lsp_server.context.files import MAX_FILE_BYTES, read_inside, resolve_roots, uri_to_path
+from lsp_server.context.files import MAX_FILE_BYTES, inside, read_inside, resolve_roots, uri_to_path
 from lsp_server.context.imports import (
+    MAX_PACKAGE_FILES,
     Definition,
     Import,
     extract_definitions,
     extract_imports,
     family,
+    java_source_root,
     module_candidates,
 )
 from lsp_server.context.ring import Ring
@@ -51,6 +53,7 @@ from lsp_server.documents import Document, DocumentStore
 from lsp_server.stats import Stats
 
 log = logging.getLogger(__name__)
+_Module = tuple[str, str, dict[str, Definition], "str | None", list[str]]  # uri, label, definitions, default, lines
 REFRESH_DELAY_S = 0.25  # after the latest document event: a burst of events is one refresh
 SLICE_S = 0.004  # the longest the work runs on the event loop before it lets other messages in
 # ... and for how long it then steps aside: a request's handling takes several loop turns (read, parse, its task,
@@ -72,8 +75,11 @@ RECENT_BONUS = 0.05
 RECENT_EDITS = 16
 EDIT_LINES = 12  # a recent edit's chunk: this many lines either side of it
 _PARSE_LANGS = {".py": "python", ".js": "javascript", ".mjs": "javascript", ".cjs": "javascript",
-                ".jsx": "javascriptreact", ".ts": "typescript", ".tsx": "typescriptreact"}
-_COMMENTS = {"python": "#", "js": "//"}
+                ".jsx": "javascriptreact", ".ts": "typescript", ".tsx": "typescriptreact", ".go": "go",
+                ".rs": "rust", ".java": "java", ".c": "c", ".h": "cpp", ".cc": "cpp", ".cpp": "cpp", ".cxx": "cpp",
+                ".hh": "cpp", ".hpp": "cpp", ".hxx": "cpp"}
+_COMMENTS = {"python": "#", "js": "//", "go": "//", "rust": "//", "java": "//", "c": "//"}
+_MEMBER = {"rust": "::"}  # how a module's names are reached through its binding: ``mod.name``, Rust ``mod::name``
 
 
 class _Slice:
@@ -408,30 +414,40 @@ class CrossFileContext:
         window = window_text(doc.lines, line - CURSOR_LINES_BEFORE, line + CURSOR_LINES_AFTER + 1)
         near = identifiers(window)
         doc_path = uri_to_path(doc.uri)
+        java_root = java_source_root(syntax.trees()[:IMPORT_TREES], doc_path) if fam == "java" and doc_path else None
         by_path = {p: d for d in self.docs if (p := uri_to_path(d.uri)) is not None}
         out: list[tuple[Chunk, bool]] = []
         for imp in imports:
-            module = await self._module(fam, imp.module, doc_path, by_path, started)
-            defs = module[2] if module is not None else {}
-            for name, local in self._wanted(imp, window):
-                if name in defs or (name == "default" and module is not None):
+            modules = await self._modules(fam, imp.module, doc_path, by_path, started, java_root)
+            if imp.binding == "*":  # C/C++ ``#include "x.h"``: every name of it used near the cursor
+                wanted = [(n, n) for m in modules for n in m[2] if n in near][:32]
+            else:
+                wanted = self._wanted(imp, window, _MEMBER.get(fam, "."))
+            for name, local in wanted:
+                module = next((m for m in modules if name in m[2]), None)
+                if module is None and name == "default" and modules:
+                    module = modules[0]
+                if module is not None:
                     out += self._def_chunks(module, [(name, local)], near)
-                elif fam == "python" and (name, local) in imp.names:  # ``from . import mod``: a submodule
-                    sub = imp.module + ("" if imp.module.endswith(".") else ".") + name
-                    found = await self._module(fam, sub, doc_path, by_path, started)
-                    if found is not None:
-                        out += self._def_chunks(found, self._wanted(Import(sub, binding=local), window), near)
+                elif fam in ("python", "rust") and (name, local) in imp.names:  # ``from . import mod``: a submodule
+                    sep = "::" if fam == "rust" else "."
+                    sub = imp.module + ("" if imp.module.endswith(sep) else sep) + name
+                    found = await self._modules(fam, sub, doc_path, by_path, started, java_root)
+                    if found:
+                        sub_wanted = self._wanted(Import(sub, binding=local), window, _MEMBER.get(fam, "."))
+                        out += self._def_chunks(found[0], sub_wanted, near)
             await self._yield(started)
         return out
 
     @staticmethod
-    def _wanted(imp: Import, window: str) -> list[tuple[str, str]]:
+    def _wanted(imp: Import, window: str, member: str = ".") -> list[tuple[str, str]]:
         """(name in the module, local name) to look up: the imported names, the attributes used through a
-        module binding near the cursor, the default export."""
+        module binding near the cursor (``binding.name``; Rust ``binding::name``), the default export."""
         wanted = list(imp.names)
         if imp.binding:
-            for attr in dict.fromkeys(re.findall(re.escape(imp.binding) + r"\.([A-Za-z_$][\w$]*)", window)):
-                wanted.append((attr, f"{imp.binding}.{attr}"))
+            pattern = re.escape(imp.binding + member) + r"([A-Za-z_$][\w$]*)"
+            for attr in dict.fromkeys(re.findall(pattern, window)):
+                wanted.append((attr, f"{imp.binding}{member}{attr}"))
         if imp.default:
             wanted.append(("default", imp.default))
         return wanted[:32]
@@ -449,15 +465,47 @@ class CrossFileContext:
             if not text.strip():
                 continue
             text = "".join(line if len(line) <= 400 else line[:400] + "\n" for line in text.splitlines(True))
-            used = local.split(".")[-1] in near or local in near
+            used = re.split(r"\.|::", local)[-1] in near or local in near
             out.append((Chunk(uri, label, d.start, d.end, text, "import", identifiers(text), d.name), used))
         return out
 
-    async def _module(self, fam: str, module: str, doc_path: str | None, by_path: dict[str, Document],
-                      started: _Slice) -> tuple[str, str, dict[str, Definition], str | None, list[str]] | None:
-        """(uri, label, definitions, default export, lines) of the module: an open document, else a file
-        inside the workspace folders; None where neither has it."""
-        candidates = module_candidates(fam, module, doc_path, self.roots)
+    async def _modules(self, fam: str, module: str, doc_path: str | None, by_path: dict[str, Document],
+                       started: _Slice, java_root: str | None = None) -> list[_Module]:
+        """The files of the module: one (Python, JS, Rust, Java, C), or a Go package folder's files; [] where
+        none is found."""
+        candidates = module_candidates(fam, module, doc_path, self.roots, java_root)
+        if fam != "go":
+            found = await self._module(fam, candidates, by_path, started)
+            return [found] if found is not None else []
+        files: list[str] = []
+        for folder in candidates:  # the first folder with Go files open ...
+            files = sorted(p for p in by_path if os.path.dirname(p) + "/" == folder and _go_source(p))
+            if files:
+                break
+        if not files and self.roots:  # ... else on disk: one worker-thread call looks through them all
+            key = tuple(candidates)
+            hit = self._disk.get(key)
+            if hit is not None and time.monotonic() - hit[0] < DISK_TTL_S:
+                files = list(hit[1] or ())
+            else:
+                self._slice_done(started)
+                listed = await asyncio.to_thread(_first_go_folder, self.roots, candidates)
+                started.restart()
+                self._disk[key] = (time.monotonic(), listed)
+                while len(self._disk) > MAX_DISK_LOOKUPS:
+                    self._disk.pop(next(iter(self._disk)))
+                files = list(listed or ())
+        out = []
+        for path in files[:MAX_PACKAGE_FILES]:
+            found = await self._module(fam, [path], by_path, started)
+            if found is not None:
+                out.append(found)
+        return out
+
+    async def _module(self, fam: str, candidates: list[str], by_path: dict[str, Document],
+                      started: _Slice) -> _Module | None:
+        """(uri, label, definitions, default export, lines) of the first of ``candidates`` that is an open
+        document, else a file inside the workspace folders; None where neither has one."""
         for path in candidates:
             d = by_path.get(path)
             if d is not None and d.syntax.has_tree and not getattr(d, "changing", False):
@@ -519,6 +567,26 @@ class CrossFileContext:
                 return os.path.basename(root), os.path.relpath(path, root)
         parts = path.rstrip("/").split("/")
         return (parts[-3] if len(parts) >= 3 else ""), "/".join(parts[-2:])
+
+
+def _go_source(path: str) -> bool:
+    return path.endswith(".go") and not path.endswith("_test.go")
+
+
+def _first_go_folder(roots: list[str], folders: list[str]) -> tuple[str, ...] | None:
+    """The source files (tests left out) of the first of ``folders`` inside ``roots`` that has Go files
+    (worker thread: disk)."""
+    for folder in folders:
+        if inside(roots, folder.rstrip("/")) is None:
+            continue
+        try:
+            with os.scandir(folder) as it:
+                names = sorted(e.name for e in it if _go_source(e.name) and e.is_file(follow_symlinks=False))
+        except OSError:
+            continue
+        if names:
+            return tuple(os.path.join(folder, n) for n in names[:MAX_PACKAGE_FILES])
+    return None
 
 
 def _read_first(roots: list[str], paths: list[str]) -> tuple[str, str] | None:

@@ -8,6 +8,7 @@ from lsp_server.context.imports import (
     Import,
     extract_definitions,
     extract_imports,
+    java_source_root,
     module_candidates,
 )
 
@@ -67,3 +68,78 @@ def test_js_definitions_and_default_export():
            "module.exports.k = function (a) {};\nmodule.exports = K;\n")
     defs, default = extract_definitions("js", SyntaxDocument("javascript", src).trees())
     assert {"f", "K", "g", "k"} <= set(defs) and default == "K"
+
+
+GO = '''package main
+
+import (
+\tu "example.com/p/util"
+\t"example.com/p/store"
+\t_ "example.com/p/side"
+)
+
+type Store struct {
+\titems map[string]int
+}
+
+func (s *Store) Get(key string) int {
+\treturn s.items[key]
+}
+
+func New() *Store { return &Store{} }
+'''
+RUST = '''use crate::a::b::{C, d as e};
+use super::x::Y;
+use std::collections::HashMap;
+
+pub struct S { x: u8 }
+
+impl S {
+    pub fn get(&self) -> u8 { self.x }
+}
+'''
+JAVA = '''package com.x.app;
+import com.x.util.Strings;
+import static com.x.util.M.f;
+import com.x.data.*;
+public class A { void m() {} }
+'''
+
+
+def test_go_rust_java_c_imports():
+    assert extract_imports("go", SyntaxDocument("go", GO).trees()) == [
+        Import("example.com/p/util", binding="u"), Import("example.com/p/store", binding="store")]  # not "_"
+    assert extract_imports("rust", SyntaxDocument("rust", RUST).trees()) == [
+        Import("crate::a::b", (("C", "C"), ("d", "e"))), Import("super::x", (("Y", "Y"),)),
+        Import("std::collections", (("HashMap", "HashMap"),))]
+    java = SyntaxDocument("java", JAVA).trees()
+    assert extract_imports("java", java) == [Import("com.x.util.Strings", (("Strings", "Strings"),)),
+                                             Import("com.x.util.M", (("M", "f"),))]  # not the wildcard
+    assert java_source_root(java, "/w/src/main/java/com/x/app/A.java") == "/w/src/main/java"
+    assert java_source_root(java, "/w/elsewhere/A.java") is None
+    c = SyntaxDocument("c", '#include "util/x.h"\n#include <stdio.h>\n').trees()
+    assert extract_imports("c", c) == [Import("util/x.h", binding="*")]  # not the system header
+
+
+def test_go_rust_java_c_candidates():
+    assert "/w/p/util/" in module_candidates("go", "example.com/p/util", "/w/p/cmd/main.go", ["/w"])
+    assert module_candidates("rust", "crate::a::b", "/w/src/x/y.rs", []) == ["/w/src/a/b.rs", "/w/src/a/b/mod.rs"]
+    # x/y.rs is module x::y: its ``super`` is x (the folder x/), so super::z is x/z.rs
+    assert module_candidates("rust", "super::z", "/w/src/x/y.rs", [])[0] == "/w/src/x/z.rs"
+    assert module_candidates("rust", "super::z", "/w/src/x/mod.rs", [])[0] == "/w/src/z.rs"
+    assert module_candidates("rust", "std::io", "/w/src/main.rs", []) == []  # another crate
+    assert module_candidates("java", "com.x.util.Strings", "/w/src/main/java/com/x/app/A.java", ["/w"],
+                             "/w/src/main/java")[0] == "/w/src/main/java/com/x/util/Strings.java"
+    assert module_candidates("c", "util/x.h", "/w/src/a.c", ["/w"]) == ["/w/src/util/x.h", "/w/util/x.h"]
+    assert module_candidates("c", "../../etc/passwd", "/w/src/a.c", ["/w"]) == []
+
+
+def test_go_methods_and_rust_impls_join_their_type():
+    go, _ = extract_definitions("go", SyntaxDocument("go", GO).trees())
+    assert set(go) == {"Store", "New"}
+    assert go["Store"].rows == (8, 9, 10, 12)  # the struct, then the method's signature line only
+    rust, _ = extract_definitions("rust", SyntaxDocument("rust", RUST).trees())
+    assert set(rust) == {"S"} and rust["S"].rows == (4, 6, 7, 8)
+    c, _ = extract_definitions("c", SyntaxDocument("c", "#define M 3\ntypedef struct P { int x; } P;\n"
+                                                        "int add(int a, int b);\n").trees())
+    assert {k: v.rows for k, v in c.items()} == {"M": (0,), "P": (1,), "add": (2,)}

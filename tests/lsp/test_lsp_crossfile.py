@@ -49,6 +49,39 @@ SECRET = '''def leaked_secret_function(token):
 '''
 
 
+# A package per language whose files import each other: the imported definition must reach the ring.
+OTHER_LANGUAGE_FILES = {
+    "go/util/strings.go": 'package util\n\n// Reverse returns s reversed.\nfunc Reverse(s string) string {\n'
+                          '\tr := []rune(s)\n\treturn string(r)\n}\n',
+    "go/util/strings_test.go": 'package util\n\nfunc TestOnlyHelper() {}\n',
+    "rs/src/shapes.rs": 'pub struct Circle {\n    pub radius: f64,\n}\n\nimpl Circle {\n'
+                        '    pub fn area(&self) -> f64 {\n        3.14 * self.radius * self.radius\n    }\n}\n',
+    "java/src/main/java/com/acme/util/Strings.java": 'package com.acme.util;\n\npublic class Strings {\n'
+        '    public static String padLeft(String s, int width) {\n        return String.format("%" + width + "s", s);\n'
+        '    }\n}\n',
+    "c/vec.h": '#ifndef VEC_H\n#define VEC_H\ntypedef struct { float x, y; } Vec2;\n'
+               'Vec2 vec2_add(Vec2 a, Vec2 b);\n#endif\n',
+}
+IMPORTING = {  # (file opened, language, its text, the ring entry expected: "kind name path:first-last line")
+    "go": ("go/cmd/main.go", "go",
+           'package main\n\nimport (\n\t"fmt"\n\t"example.com/proj/util"\n)\n\n'
+           'func main() {\n\tfmt.Println(util.Reverse("abc"), util.LeakedGoSecret())\n\t',
+           "import Reverse go/util/strings.go:4-7"),
+    "rust": ("rs/src/main.rs", "rust",
+             'mod shapes;\nuse crate::shapes::Circle;\n\nfn main() {\n'
+             '    let c = Circle { radius: 2.0 };\n    println!("{}", c.',
+             "import Circle rs/src/shapes.rs:1-9"),  # the struct and its impl block's methods
+    "java": ("java/src/main/java/com/acme/app/App.java", "java",
+             'package com.acme.app;\n\nimport com.acme.util.Strings;\n\n'
+             'public class App {\n    String show(String s) {\n        return Strings.',
+             "import Strings java/src/main/java/com/acme/util/Strings.java:3-7"),
+    "c": ("c/main.c", "c",
+          '#include <stdio.h>\n#include "vec.h"\n\nint main(void) {\n    Vec2 a = {1, 2};\n'
+          '    Vec2 b = vec2_add(a, a);\n    ',
+          "import vec2_add c/vec.h:4-4"),
+}
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("xf")
@@ -60,6 +93,11 @@ def workspace(tmp_path_factory) -> Path:
     (outside / "secret.py").write_text(SECRET)
     os.symlink(outside / "secret.py", ws / "pkg" / "evil.py")  # a link out of the workspace
     (ws / "pkg" / "huge.py").write_text("def huge_function(x):\n    return x\n" + "# filler\n" * 40_000)  # > 256 KB
+    for rel, text in OTHER_LANGUAGE_FILES.items():
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ws / rel).write_text(text)
+    (outside / "leak.go").write_text("package util\n\nfunc LeakedGoSecret() string { return \"x\" }\n")
+    os.symlink(outside / "leak.go", ws / "go" / "util" / "leak.go")  # a link out of the workspace: not read
     return ws
 
 
@@ -143,6 +181,18 @@ async def test_imports_read_from_the_workspace_folder_only(client: LanguageClien
     assert any(c.startswith("import area_of_rectangle pkg/geometry.py:1-3") for c in ring), ring
     assert not any("secret" in c or "evil" in c or "huge" in c for c in ring), ring
     assert snap["counters"]["context_disk_reads"] - reads == 1  # geometry.py: not the link, not the big file
+
+
+@pytest.mark.parametrize("language", sorted(IMPORTING))
+async def test_imports_of_go_rust_java_and_c_reach_the_ring(client: LanguageClient, workspace: Path, language: str):
+    rel, language_id, text, expected = IMPORTING[language]
+    uri = (workspace / rel).as_uri()
+    open_doc(client, uri, text, language=language_id)
+    snap = await _settled(client)
+    ring = await _ring(client, uri)
+    assert any(c.startswith(expected) for c in ring), ring
+    assert not any("Leaked" in c or "TestOnly" in c or "_test.go" in c for c in ring), ring
+    assert snap["counters"].get("context_errors", 0) == 0
 
 
 async def test_settings_turn_it_off(client: LanguageClient):
