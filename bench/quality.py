@@ -81,7 +81,13 @@ DATA = REPO.parent / "shared" / "data" / "humaneval-infilling"
 SETS = {"single-line": "HumanEval-SingleLineInfilling.jsonl.gz",
         "random-span": "HumanEval-RandomSpanInfillingLight.jsonl.gz"}
 ALL_SETS = ("single-line", "random-span", "context-lines", "block-body")
-EXTRA_SETS = ("held-out",)  # per-language held-out files (bench/cursor_sets.py): only when asked for
+EXTRA_SETS = ("held-out", "multi-line", "random-span-x2")  # only when asked for
+# multi-line and random-span-x2: the published HumanEval multi-line and full random-span sets are not in
+# the data folder (only single-line and random-span light are), so both are derived from the same 164
+# programs with the published rules, seeded: 2 spans of 2-6 whole lines inside each canonical solution
+# (up to 4, the cursor on an emptied line, as single-line), and 2 random character spans inside each solution.
+DERIVED_PER_TASK = 2
+MULTI_LINE_PER_TASK = 4  # at most: many solutions have few lines
 RAW_MAX_TOKENS = 96
 LINE_KINDS = ("comment", "string", "import", "attribute_chain", "call_args", "parameters", "mid_statement")
 
@@ -229,6 +235,70 @@ def block_body_problems(rows: list[dict]) -> list[Problem]:
     return out
 
 
+def _programs(rows: list[dict]) -> list[tuple[str, dict, int, int]]:
+    """(task number, row, solution start, solution end) per HumanEval program (its first single-line row)."""
+    programs: dict[str, dict] = {}
+    for r in rows:
+        programs.setdefault(r["task_id"].split("/")[2], r)
+    out = []
+    for base, r in sorted(programs.items(), key=lambda kv: int(kv[0])):
+        out.append((base, r, len(r["prompt"]), len(r["prompt"]) + len(r["canonical_solution"])))
+    return out
+
+
+def multi_line_problems(rows: list[dict]) -> list[Problem]:
+    """Whole-line spans of 2-6 lines inside each canonical solution, the cursor on an emptied line."""
+    out = []
+    for base, r, _a, _b in _programs(rows):
+        text = r["prompt"] + r["canonical_solution"] + r["suffix"]
+        # The solution's lines: from the line that holds the first single-line hole of this program.
+        sol_start = len(r["prompt"]) - len(r["prompt"].split("\n")[-1])
+        sol_end = len(text.rstrip())  # the L0 row's prompt is the header and docstring; the rest is the solution
+        starts = [i for i in range(sol_start, sol_end) if (i == 0 or text[i - 1] == "\n")]
+        starts = [i for i in starts if text[i:text.find("\n", i)].strip()]
+        rng = random.Random(f"multi-line/{base}")
+        seen = set()
+        for _ in range(MULTI_LINE_PER_TASK * 8):
+            if len(seen) >= MULTI_LINE_PER_TASK or len(starts) < 2:
+                break
+            k = rng.randrange(len(starts) - 1)
+            n = rng.randint(2, 6)
+            last = min(len(starts) - 1, k + n - 1)
+            if last == k or (k, last) in seen:
+                continue
+            seen.add((k, last))
+            a = starts[k]
+            b = text.find("\n", starts[last])
+            b = len(text) if b < 0 else b
+            prompt, middle, suffix = text[:a], text[a:b], text[b + 1:]
+            first = middle.split("\n")[0]
+            indent = first[: len(first) - len(first.lstrip())]
+            tid = f"MultiLine/HumanEval/{base}/{k}-{last}"
+            out.append(Problem("multi-line", tid, prompt, suffix, middle, "\n", r["test"], r["entry_point"],
+                               prompt + "\n" + suffix, _nbytes(prompt), prompt + indent + "\n" + suffix,
+                               _nbytes(prompt + indent), one_line=False, viable_prefix=True,
+                               max_lines=middle.count("\n") + 1))
+    return out
+
+
+def random_span_x2_problems(rows: list[dict]) -> list[Problem]:
+    """Random character spans inside each canonical solution (the published random-span rule)."""
+    out = []
+    for base, r, _a, _b in _programs(rows):
+        text = r["prompt"] + r["canonical_solution"] + r["suffix"]
+        sol_start = len(r["prompt"]) - len(r["prompt"].split("\n")[-1])
+        sol_end = len(text.rstrip())  # everything after the L0 row's prompt is the solution
+        rng = random.Random(f"random-span-x2/{base}")
+        for i in range(DERIVED_PER_TASK):
+            a = rng.randrange(sol_start, sol_end - 1)
+            b = rng.randrange(a + 1, sol_end)
+            prompt, middle, suffix = text[:a], text[a:b], text[b:]
+            out.append(Problem("random-span-x2", f"RandomSpanX2/HumanEval/{base}/{i}", prompt, suffix, middle, "",
+                               r["test"], r["entry_point"], prompt + suffix, _nbytes(prompt), prompt + suffix,
+                               _nbytes(prompt), one_line=False, viable_prefix=True))
+    return out
+
+
 def held_out_problems(langs_dir: Path | None, python_file: Path | None, per_kind: int = 1) -> list[Problem]:
     """Cursors in files held out of training, per language (no tests: exact match, edit similarity)."""
     from cursor_sets import held_out_cursors, load_held_out
@@ -268,6 +338,10 @@ def load_problems(sets: list[str], data_dir: Path, limit: int | None, held_langs
             probs = random_span_problems(load_rows("random-span", data_dir))
         elif name == "block-body":
             probs = block_body_problems(single)
+        elif name == "multi-line":
+            probs = multi_line_problems(single)
+        elif name == "random-span-x2":
+            probs = random_span_x2_problems(single)
         elif name == "held-out":
             probs = held_out_problems(held_langs, held_python)
             if limit:  # the limit applies per language
@@ -311,6 +385,8 @@ def options_for(p: Problem, v: Variant):
     from engine.policy import DEFAULTS, decide_for_context
 
     seed = zlib.crc32(f"{p.task_id}/{v.name}".encode())
+    if v.name == "lsp" and p.set.startswith("held-out-"):
+        return None  # the lsp variant opens Python documents only
     if not v.policy:
         return DecodeOptions(max_tokens=RAW_MAX_TOKENS, max_lines=1 if p.one_line else p.max_lines, seed=seed), None
     if p.set.startswith("held-out-"):
@@ -454,6 +530,7 @@ def shape_and_score(p: Problem, text: str, shape: bool, known: dict | None = Non
         retype = suffix_overlap_cut(shown, line_prefix, after) is not None
         rep_line = repeats_a_suffix_line(shown, line_prefix, after)
     return {"shown": shown, "cut": cut, "pass": passed, "retypes_suffix": retype, "repeats_suffix_line": rep_line,
+            "runs_past": runs_past(p, shown),
             "exact": shown.rstrip() == p.middle.rstrip(),  # indentation counts in Python
             "edit_sim": difflib.SequenceMatcher(None, shown.strip(), p.middle.strip()).ratio(),
             "is_shown": bool(shown.strip()),
@@ -479,6 +556,145 @@ def run_one(job: tuple[int, Problem, str, object, bool]) -> dict:
             "drafted": s["drafted"], **shape_and_score(p, result.text, shape)}
 
 
+# -- through fimble lsp --------------------------------------------------------------------------
+# The "lsp" variant: each worker runs one `fimble lsp` over stdio with the default settings, as an editor
+# launches it (the VS Code and Neovim clients advertise completionDelta streaming, so this client does too).
+# Per problem: the editor's document opened (a single-line or multi-line hole is an emptied line with the
+# cursor after its auto-indentation), one invoked textDocument/inlineCompletion, and the final shown text
+# (the stream's `done` text over [position, replaceEnd), else the answer's item) applied to the document as
+# the editor applies it; that document runs the tests.
+_LSP: dict = {}
+
+
+def _utf16_pos(text: str, offset: int) -> dict:
+    before = text[:offset]
+    line = before.count("\n")
+    col = before[before.rfind("\n") + 1:]
+    return {"line": line, "character": len(col.encode("utf-16-le")) // 2}
+
+
+def _offset(text: str, pos: dict) -> int:
+    lines = text.split("\n")
+    start = sum(len(ln) + 1 for ln in lines[: pos["line"]])
+    line = lines[pos["line"]] if pos["line"] < len(lines) else ""
+    units, i = 0, 0
+    while i < len(line) and units < pos["character"]:
+        units += 2 if ord(line[i]) > 0xFFFF else 1
+        i += 1
+    return start + i
+
+
+def _lsp_init(model: str | None, settings: dict) -> None:
+    import asyncio
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fimble_bench_lsp_latency", REPO / "bench" / "lsp_latency.py")
+    lat = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = lat
+    spec.loader.exec_module(lat)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    cmd = [sys.executable, "-m", "lsp_server", "lsp"] + (["--model", model] if model else [])
+    log = open(os.devnull, "wb")
+
+    async def start():
+        proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=log, cwd=str(REPO), limit=1 << 26)
+        rpc = lat.RpcClient(proc)
+        deltas: dict[int, dict] = {}
+        rpc.on_notification = lambda m, p, _t: deltas.__setitem__(p["requestId"], p) \
+            if m == "fimble/completionDelta" and p.get("done") else None
+        await rpc.call("initialize", {
+            "processId": os.getpid(), "rootUri": None,
+            "capabilities": {"general": {"positionEncodings": ["utf-16"]},
+                             "textDocument": {"inlineCompletion": {"dynamicRegistration": True}},
+                             "experimental": {"fimble": {"completionDelta": True, "status": True}}},
+            "initializationOptions": settings}, timeout=300)
+        rpc.notify("initialized", {})
+        t0 = time.time()
+        while (await rpc.call("fimble/stats", None, timeout=300))["engine"].get("state") != "ready":
+            if time.time() - t0 > 600:
+                raise RuntimeError("quality: the fimble lsp engine did not start")
+            await asyncio.sleep(0.2)
+        return proc, rpc, deltas
+
+    proc, rpc, deltas = loop.run_until_complete(start())
+    _LSP.update(loop=loop, proc=proc, rpc=rpc, deltas=deltas, n=0)
+
+
+async def _lsp_complete(p: Problem) -> tuple[str, int, int, str | None]:
+    """(shown text, start offset, end offset in the document, finish reason) for one problem."""
+    import asyncio
+
+    rpc, deltas = _LSP["rpc"], _LSP["deltas"]
+    _LSP["n"] += 1
+    doc = p.ctx_text
+    cursor = len(p.ctx_text.encode("utf-8")[: p.ctx_cursor].decode("utf-8"))
+    uri = f"file:///tmp/fimble-quality/{_LSP['n']}/{re.sub(r'[^A-Za-z0-9_.-]', '_', p.task_id)}.py"
+    rpc.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": "python", "version": 1,
+                                                         "text": doc}})
+    pos = _utf16_pos(doc, cursor)
+    req_id, fut = rpc.request("textDocument/inlineCompletion", {
+        "textDocument": {"uri": uri}, "position": pos, "context": {"triggerKind": 1}})
+    msg = await asyncio.wait_for(fut, 600)
+    items = ((msg.get("result") or {}).get("items")) or []
+    text, end, reason = "", None, None
+    if items:
+        text, end = items[0]["insertText"], items[0].get("range", {}).get("end")
+    t0 = time.time()
+    while req_id not in deltas and time.time() - t0 < 120:  # the stream's end: the final shaped text
+        await asyncio.sleep(0.01)
+    done = deltas.pop(req_id, None)
+    if done is not None:
+        text, end, reason = done["text"], done.get("replaceEnd"), done.get("finishReason")
+    rpc.notify("textDocument/didClose", {"textDocument": {"uri": uri}})
+    end_off = _offset(doc, end) if end else cursor
+    return text, cursor, max(cursor, end_off), reason
+
+
+def run_one_lsp(job: tuple[int, Problem, str, object, bool]) -> dict:
+    job_id, p, variant, _opts, _shape = job
+    t0 = time.perf_counter()
+    text, a, b, reason = _LSP["loop"].run_until_complete(_lsp_complete(p))
+    ms = (time.perf_counter() - t0) * 1e3
+    doc = p.ctx_text[:a] + text + p.ctx_text[b:]
+    rec = {"job": job_id, "set": p.set, "task_id": p.task_id, "variant": variant, "context": p.context,
+           "mid_line": p.mid_line, "raw_text": text, "ms": ms, "tokens": 0, "decode_ms": 0.0, "steps": 0,
+           "accepted": 0, "drafted": 0, "finish": reason, "replaced": p.ctx_text[a:b]}
+    rec.update(score_document(p, text, doc))
+    return rec
+
+
+def score_document(p: Problem, shown: str, doc: str) -> dict:
+    """Scores of an answer applied to the editor's document (the lsp variant)."""
+    passed = passes(doc + "\n" + p.test + f"\ncheck({p.entry_point})\n") if p.has_tests else None
+    retype = rep_line = None
+    if shown.strip():
+        from engine.syntax.suffix_overlap import repeats_a_suffix_line, suffix_overlap_cut, text_after
+
+        data = p.ctx_text.encode("utf-8")
+        line_prefix = data[data.rfind(b"\n", 0, p.ctx_cursor) + 1 : p.ctx_cursor].decode("utf-8", errors="replace")
+        after = text_after(data, p.ctx_cursor)
+        retype = suffix_overlap_cut(shown, line_prefix, after) is not None
+        rep_line = repeats_a_suffix_line(shown, line_prefix, after)
+    return {"shown": shown, "cut": None, "pass": passed, "retypes_suffix": retype, "repeats_suffix_line": rep_line,
+            "runs_past": runs_past(p, shown), "exact": _norm_exact(p, shown), "is_shown": bool(shown.strip()),
+            "edit_sim": difflib.SequenceMatcher(None, shown.strip(), p.middle.strip()).ratio(),
+            "parse_ok": None, "parses": parses(doc) if p.lang == "python" and p.has_tests else None}
+
+
+def _norm_exact(p: Problem, shown: str) -> bool:
+    # The cursor sits after the emptied line's auto-indentation: the answer starts after it.
+    want = p.middle.lstrip(" \t") if p.ctx_text != p.doc_text else p.middle
+    return shown.rstrip() == want.rstrip()
+
+
+def runs_past(p: Problem, shown: str) -> bool:
+    """The answer holds the whole middle and then writes on (more non-blank text after it)."""
+    got, want = "".join(shown.split()), "".join(p.middle.split())
+    return bool(want) and got.startswith(want) and len(got) > len(want)
+
+
 def rescore(records: list[dict], problems: list[Problem]) -> list[dict]:
     """Re-shape and re-score stored engine outputs with the current shaper and metrics."""
     by_id = {p.task_id: p for p in problems}
@@ -491,10 +707,19 @@ def rescore(records: list[dict], problems: list[Problem]) -> list[dict]:
 
 
 def run_jobs(jobs: list, procs: int, model: str | None, newline_heal: bool = True,
-             template: str | None = None, line_in_middle: bool = True, anchor_lines: int = 0) -> list[dict]:
+             template: str | None = None, line_in_middle: bool = True, anchor_lines: int = 0,
+             lsp_settings: dict | None = None) -> list[dict]:
     done: list[dict] = []
     t0 = time.time()
-    if procs <= 1:
+    if lsp_settings is not None:
+        if procs <= 1:
+            _lsp_init(model, lsp_settings)
+            results = map(run_one_lsp, jobs)
+            pool = None
+        else:
+            pool = mp.get_context("spawn").Pool(procs, _lsp_init, (model, lsp_settings))
+            results = pool.imap_unordered(run_one_lsp, jobs, chunksize=1)
+    elif procs <= 1:
         _init_worker(model, 1, newline_heal, template, line_in_middle, anchor_lines)
         results = map(run_one, jobs)
         pool = None
@@ -531,6 +756,9 @@ def summarize(rs: list[dict]) -> dict:
             "shown_retypes_suffix": sum(1 for r in shown if r.get("retypes_suffix")) / len(shown) if shown else None,
             "shown_repeats_suffix_line": (sum(1 for r in shown if r.get("repeats_suffix_line")) / len(shown)
                                           if shown else None),
+            "runs_past_or_repeats": (sum(1 for r in shown if r.get("runs_past") or r.get("retypes_suffix")
+                                         or r.get("repeats_suffix_line")) / len(shown)) if shown else None,
+            "runs_past": (sum(1 for r in shown if r.get("runs_past")) / len(shown)) if shown else None,
             "mean_accepted": (sum(r["accepted"] for r in rs) + steps) / steps if steps else 0.0,
             "ms_per_token": sum(r["decode_ms"] for r in rs) / max(1, sum(r["tokens"] - 1 for r in rs if r["tokens"])),
             "mean_ms": sum(r["ms"] for r in rs) / n}
@@ -550,12 +778,13 @@ def _fmt(v) -> str:
 def print_table(title: str, rows: list[tuple[str, ...]], stats: list[dict]) -> None:
     print(f"\n{title}")
     print(f"{'':44s} {'n':>5s} {'pass@1':>6s} {'exact':>6s} {'edit':>6s} {'shown':>6s} {'noErr':>6s} "
-          f"{'parses':>6s} {'retype':>6s} {'repLn':>6s} {'acc/st':>6s} {'ms/tok':>6s}")
+          f"{'parses':>6s} {'retype':>6s} {'repLn':>6s} {'past|r':>6s} {'acc/st':>6s} {'ms/tok':>6s}")
     for label, s in zip(rows, stats, strict=True):
         print(f"{' '.join(label):44s} {s['problems']:5d} {_fmt(s['pass@1']):>6s} {_fmt(s['exact_match']):>6s} "
               f"{_fmt(s['edit_sim']):>6s} {_fmt(s['shown']):>6s} {_fmt(s['shown_parse_ok']):>6s} "
               f"{_fmt(s.get('shown_program_parses')):>6s} {_fmt(s.get('shown_retypes_suffix')):>6s} "
-              f"{_fmt(s.get('shown_repeats_suffix_line')):>6s} {s['mean_accepted']:6.2f} {s['ms_per_token']:6.1f}")
+              f"{_fmt(s.get('shown_repeats_suffix_line')):>6s} {_fmt(s.get('runs_past_or_repeats')):>6s} "
+              f"{s['mean_accepted']:6.2f} {s['ms_per_token']:6.1f}")
 
 
 def choose(candidates: dict[str, dict], rows: dict[str, dict]) -> str:
@@ -597,7 +826,8 @@ def main() -> None:
                     help=f"comma-separated sets ({', '.join([*ALL_SETS, *EXTRA_SETS])}), 'both' or 'all'")
     ap.add_argument("--held-out-langs", type=Path, help="training/corpus_langs.py output folder (held-out rows)")
     ap.add_argument("--held-out-python", type=Path, help="heldout_python.jsonl.xz from training/fim_lora.py")
-    ap.add_argument("--variants", default="raw,policy", help="comma-separated: raw, policy")
+    ap.add_argument("--variants", default="raw,policy",
+                    help="comma-separated: raw, policy, lsp (through `fimble lsp`, as an editor drives it)")
     ap.add_argument("--sweep", action="store_true", help="also run every policy candidate (CANDIDATES)")
     ap.add_argument("--limit", type=int, help="problems per set (default: all; 20 with --quick)")
     ap.add_argument("--model")
@@ -609,6 +839,8 @@ def main() -> None:
     ap.add_argument("--anchor-lines", type=int, default=0, metavar="K",
                     help="PSM models: the anchored layout, K lines above the cursor's line after the middle "
                          "sentinel, as after typing them (engine/caching/prompt_plan.py; to measure its cost)")
+    ap.add_argument("--lsp-settings", default="{}",
+                    help="the lsp variant's initializationOptions as JSON (default: none, the server's defaults)")
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--procs", type=int, default=min(2, os.cpu_count() or 1),
                     help="worker processes, one engine and one torch thread each")
@@ -646,15 +878,21 @@ def main() -> None:
             opts, decision = got
             if decision is not None:
                 decisions.setdefault(f"{v.name}/{p.context}{'/mid_line' if p.mid_line else ''}", decision)
-            key = (i, repr(replace(opts, seed=None) if opts.temperature == 0 else opts), v.policy)
+            key = (i, repr(replace(opts, seed=None) if opts.temperature == 0 else opts), v.policy, v.name == "lsp")
             if key not in index:
                 index[key] = len(jobs)
                 jobs.append((len(jobs), p, v.name, opts, v.policy))
             wanted.append((i, v, index[key]))
     print(f"quality: {len(problems)} problems, {len(variants)} variants, {len(jobs)} completions, "
           f"{args.procs} procs", file=sys.stderr, flush=True)
-    done = run_jobs(jobs, args.procs, args.model, not args.no_newline_heal, args.template, not args.no_line_in_middle,
-                    args.anchor_lines)
+    engine_jobs = [j for j in jobs if j[2] != "lsp"]
+    lsp_jobs = [j for j in jobs if j[2] == "lsp"]
+    done = []
+    if lsp_jobs:  # before the engine's jobs: each worker's server has the CPUs alone
+        done += run_jobs(lsp_jobs, args.procs, args.model, lsp_settings=json.loads(args.lsp_settings))
+    if engine_jobs:
+        done += run_jobs(engine_jobs, args.procs, args.model, not args.no_newline_heal, args.template,
+                         not args.no_line_in_middle, args.anchor_lines)
     by_job = {r["job"]: r for r in done}
     records = [{**by_job[j], "variant": v.name, "group": v.group} for _, v, j in wanted]
     report(records, problems, sets, decisions, args.sweep, t0, args.json)
@@ -719,6 +957,10 @@ def report(records: list[dict], problems: list[Problem], sets: list[str], decisi
         got = results["sets"].get(s, {})
         if "raw" in got and "policy" in got:
             heads.append(f"{s} pass@1 raw {got['raw']['pass@1']:.3f} -> policy {got['policy']['pass@1']:.3f}")
+        if "lsp" in got and got["lsp"].get("pass@1") is not None:
+            rp = got["lsp"].get("runs_past_or_repeats")
+            heads.append(f"{s} lsp pass@1 {got['lsp']['pass@1']:.3f} (shown {got['lsp']['shown']:.2f}, run past or "
+                         f"repeat {'-' if rp is None else f'{rp:.3f}'})")
     for s in sorted(results["sets"]):
         if s.startswith("held-out-") and "raw" in results["sets"][s]:
             got = results["sets"][s]["raw"]

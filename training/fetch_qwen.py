@@ -199,10 +199,12 @@ def _field_value(field):
     return field.contents(), vtype, None
 
 
-def requantise(src: Path, dest: Path, progress_every: int = PROGRESS_EVERY) -> Path:
+def requantise(src: Path, dest: Path, progress_every: int = PROGRESS_EVERY,
+               deltas: dict[str, np.ndarray] | None = None) -> Path:
     """Write ``src`` (any GGUF) to ``dest`` with 2-D weights Q8_0 and 1-D tensors F32, metadata copied,
     file type MOSTLY_Q8_0 and the FIM ids added by token name where missing. Tensor by tensor; ``dest``
-    appears only when complete."""
+    appears only when complete. ``deltas``: tensor name -> float32 array added to the dequantised weight
+    before it is quantised (training/qwen_fim.py's merged adapter); every name must be a 2-D tensor."""
     import gguf
     from gguf import GGMLQuantizationType as QT
     from gguf import GGUFReader, GGUFValueType
@@ -230,6 +232,10 @@ def requantise(src: Path, dest: Path, progress_every: int = PROGRESS_EVERY) -> P
                     writer.add_uint32(key, token_id)
 
         plan = []  # (tensor, output type)
+        deltas = dict(deltas or {})
+        unknown = set(deltas) - {t.name for t in reader.tensors if len(t.shape) >= 2}
+        if unknown:
+            raise _fail(f"deltas for tensors the source lacks (or not 2-D): {sorted(unknown)[:5]}")
         for t in reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape))  # numpy order
             if len(shape) >= 2:
@@ -246,10 +252,15 @@ def requantise(src: Path, dest: Path, progress_every: int = PROGRESS_EVERY) -> P
         writer.write_ti_data_to_file()
         t0, converted = time.monotonic(), 0
         for n, (t, qt) in enumerate(plan, 1):
-            if t.tensor_type == qt:
+            delta = deltas.pop(t.name, None)
+            if t.tensor_type == qt and delta is None:
                 data = t.data  # already Q8_0 (or F32): copied as it is
             else:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+                if delta is not None:
+                    if delta.shape != arr.shape:
+                        raise _fail(f"{t.name}: delta of shape {delta.shape}, weight {arr.shape}")
+                    arr = arr + delta
                 data = gguf.quants.quantize(arr, qt) if qt == QT.Q8_0 else arr
                 converted += 1
             writer.write_tensor_data(np.ascontiguousarray(data))
