@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 from engine.errors import FimbleError
@@ -59,6 +60,26 @@ def serve_options(args: argparse.Namespace):
     )
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise a one-line FimbleError where ``host:port`` cannot be listened on now (taken, or not an address of
+    this machine). Binds as asyncio's server does (SO_REUSEADDR, every address the host resolves to) and lets
+    go at once; the daemon binds for real once the model is loaded (a port taken meanwhile is reported then)."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise FimbleError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+                sock.listen(1)
+            except OSError as exc:
+                raise FimbleError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def engine_in_child(args: argparse.Namespace) -> bool:
     """Whether the decode loop runs in a child process (``--engine-process``; auto: on CUDA, where a round's GPU
     work is short enough that the listeners' share of one interpreter held it back; see engine_process.py)."""
@@ -72,6 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise FimbleError(f"unknown log level {args.log_level!r}")
     logging.basicConfig(level=level, filename=args.log_file, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     options = serve_options(args)
+    check_port_free(args.host, args.port)  # before the model loads: a taken port is one line at once, not after it
 
     from engine.serve.daemon import run_daemon
     from engine.serve.scheduler import open_serve_engine

@@ -87,6 +87,19 @@ def test_a_taken_port_is_one_line_and_exit_status_2_for_fimble_serve():
     assert "in use" in lines[0]
 
 
+def test_fimble_serve_reports_a_taken_port_before_it_loads_a_model(tmp_path):
+    # The model named here does not exist: reaching the model load would end with that error instead.
+    missing = tmp_path / "no-such-model.gguf"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "lsp_server", "serve", "--port", str(port), "--model", str(missing)]
+        done = subprocess.run(cmd, env=server_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"fimble: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
 # -- stop signals ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_ends_the_server_and_its_loading_engine_at_once_without_a_traceback(sig, status):
