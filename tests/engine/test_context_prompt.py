@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.api import CompletionRequest
@@ -120,3 +122,23 @@ def test_the_engine_reuses_the_context_across_keystrokes_and_documents(embedded_
     assert engine.counters()["kv_borrowed_tokens"] >= 64
     assert other["reused_tokens"] >= 64
     assert engine.counters()["context_prompts"] == 5
+
+
+@pytest.mark.parametrize("mode", ["exact", "shift"])
+def test_a_ring_eviction_shifts_the_cached_chunks_where_reuse_may_shift(compact_target, mode):
+    """The ring drops its oldest chunk and appends one: with "shift" reuse (a runtime with RoPE re-rotation:
+    the compact one) the chunks that stay are moved in the cache, not computed again; "exact" (the default)
+    computes everything after the change."""
+    engine = LocalEngine(compact_target, None, start_thread=False)
+    a, b, c, d = (("pkg/a.py", UTIL * 3), ("pkg/b.py", OTHER * 3), ("pkg/c.py", UTIL.upper() * 2),
+                  ("pkg/d.py", OTHER.upper()))
+    first = engine.complete(dataclasses.replace(request(context=ctx(a, b, c)), reuse=mode)).stats
+    assert first["context_chunks"] == 3
+    after = engine.complete(dataclasses.replace(request(context=ctx(b, c, d)), reuse=mode)).stats
+    assert after["context_chunks"] == 3
+    if mode == "shift":
+        assert after["shifted_tokens"] >= 64  # b and c, moved to where a was
+        assert after["prefilled_tokens"] < after["context_tokens"] // 2
+    else:
+        assert after["shifted_tokens"] == 0
+        assert after["prefilled_tokens"] >= after["context_tokens"] - 16  # all but the repository header
