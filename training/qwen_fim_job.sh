@@ -9,6 +9,8 @@
 # Outputs in /root/qf/out: the adapter, the training report and log, the quality JSONs and logs.
 # While the GPU trains, the CPUs score today's default (the Instruct q8_0) through `fimble lsp`;
 # then the merged FIM model the same way; then both raw (the engine alone), 100 problems a set.
+# Poll it with calls that follow each other within the machine's 30 s warm period: once it is given back,
+# everything here (and the job) is gone.
 set -euo pipefail
 BUDGET=${1:-420}
 LSP_SETS=${LSP_SETS:-single-line,multi-line,random-span-x2,random-span}
@@ -24,7 +26,7 @@ log() { echo "[$(date +%H:%M:%S)] $*"; }
 
 log "joining $(ls $UP/src.part* | wc -l) parts"
 cat $UP/src.part* > "$W/src.gguf"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site $UP/whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /root/site $UP/whl/*.whl
 tar -xzf $UP/site.tgz -C /root/site
 tar -xf $UP/ggml.tar -C /root
 export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1 LLAMA_CPP_LIB_PATH=/root/fimble-ggml TOKENIZERS_PARALLELISM=true
@@ -60,7 +62,7 @@ python3 bench/quality.py --set "$LSP_SETS" --limit "$LIMIT" --variants lsp --pro
 log "old default lsp done"
 wait $TRAIN
 log "training done"
-cp "$W/run/adapter/"* "$W/run/training_report.json" "$OUT/"
+cp "$W/run/adapter/"* "$W/run/training_report.json" "$W/run/heldout.jsonl.xz" "$OUT/"
 python3 -m training.qwen_fim --source "$W/src.gguf" --out "$NEW" --adapter "$W/run/adapter" --any-digest
 log "new model through fimble lsp"
 python3 bench/quality.py --set "$LSP_SETS" --limit "$LIMIT" --variants lsp --procs 16 --data "$UP/he" \

