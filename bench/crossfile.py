@@ -1,7 +1,7 @@
 """bench/crossfile.py: cross-file context through a real ``fimble lsp`` over stdio (issue 26, item 5).
 
-    python bench/crossfile.py --quick                  # under a minute: the embedded model, 1 case per language
-    python bench/crossfile.py --json out.json          # the default model, the full run (~30-60 min on 2 cores)
+    python -m bench.crossfile --quick                  # under a minute: the embedded model, 1 case per language
+    python -m bench.crossfile --json out.json          # the default model, the full run (~30-60 min on 2 cores)
 
 Cases are built at run time from multi-file code installed on this machine, never copied into the
 repository: Python packages in this interpreter's site-packages and standard library, JavaScript
@@ -38,7 +38,6 @@ import asyncio
 import difflib
 import functools
 import importlib.metadata
-import importlib.util
 import json
 import os
 import random
@@ -52,26 +51,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+from bench import lsp_typing
+from bench.lsp_latency import RpcClient, percentile
 
-
-def _by_path(name: str, path: Path) -> Any:
-    """A bench helper module by path (bench/ on sys.path would let bench/engine.py shadow ``engine``)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_lat = _by_path("fimble_bench_lsp_latency", HERE / "lsp_latency.py")
-_typ = _by_path("fimble_bench_lsp_typing", HERE / "lsp_typing.py")
-RpcClient = _lat.RpcClient
-percentile = _lat.percentile
+REPO = Path(__file__).resolve().parent.parent
 
 SITE = Path(sysconfig.get_paths()["purelib"])
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -370,7 +353,7 @@ class Server:
             if time.perf_counter() - t0 > 300:
                 raise RuntimeError("the engine did not start")
             await asyncio.sleep(0.2)
-        self.threads = _typ.thread_counts(_typ.tree_cpu(self.proc.pid)[1])  # {pid: OS threads} of its tree
+        self.threads = lsp_typing.thread_counts(lsp_typing.tree_cpu(self.proc.pid)[1])  # {pid: OS threads} of its tree
 
     async def stats(self) -> dict:
         return await self.rpc.call("fimble/stats", None, timeout=120)
@@ -697,7 +680,7 @@ def git_commit() -> str:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    env, label = _typ.server_env(args.model)
+    env, label = lsp_typing.server_env(args.model)
     out: dict = {"model": label, "commit": git_commit(), "load_avg_start": os.getloadavg(), "args": vars(args)}
     t0 = time.perf_counter()
     cases = build_cases(args.cases, args.seed, args.langs) if args.cases else []

@@ -1,11 +1,11 @@
 """Would self-speculation by early exit pay for fimble-smollm2? Acceptance x speed, estimated offline.
 
-    python bench/early_exit.py --model models/fimble-smollm2 --held-out-langs DIR [--held-out-python FILE]
+    python -m bench.early_exit --model models/fimble-smollm2 --held-out-langs DIR [--held-out-python FILE]
                                [--quick] [--json PATH]
 
 A draft made by the first k of the target's layers (then its final norm and tied head) shares the
 tokenizer and the shallow layers' KV. For FIM prompts built from files held out of training
-(bench/cursor_sets.py), teacher-forced over each middle: the share of positions where the
+(harness/cursor_sets.py), teacher-forced over each middle: the share of positions where the
 k-layer argmax equals the full model's (the per-token acceptance a of greedy drafting). With
 gamma drafted tokens per step, expected tokens per verify step = (1 - a^(gamma+1)) / (1 - a), and
 the cost of a step in full-model passes is about 1 + gamma * k / L (a verify of gamma+1 tokens
@@ -20,14 +20,11 @@ import argparse
 import json
 import os
 import random
-import sys
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
 
 def fim_cases(rows: list[dict], tok, n: int, seed: int) -> list[tuple[list[int], int]]:
@@ -53,8 +50,9 @@ def fim_cases(rows: list[dict], tok, n: int, seed: int) -> list[tuple[list[int],
 
 
 def main() -> None:
-    from cursor_sets import load_held_out
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from harness.cursor_sets import load_held_out
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=REPO / "models" / "fimble-smollm2")

@@ -1,6 +1,6 @@
 """GPU decode speed: eager steps against CUDA-graph steps (engine/runtimes/cuda_graphs.py), on one GPU, in one run.
 
-    python bench/gpu.py [--quick] [--json PATH]
+    python -m bench.gpu [--quick] [--json PATH]
 
 1. Per shape (Qwen2.5 0.5B / 1.5B / 7B with random bf16 weights built from their configs, no download;
    the embedded target and draft from models/), cache filled to --context tokens: the eager 1-token step,
@@ -48,18 +48,14 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "engine"))  # prompts.py: FIM prompts cut from the frozen corpus
-
-from engine.api import CompletionRequest  # noqa: E402
-from engine.decoding.drafters import ModelDrafter, NgramDrafter  # noqa: E402
-from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder  # noqa: E402
-from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
-from engine.local import LocalEngine  # noqa: E402
-from engine.runtimes import gpu_kernels  # noqa: E402
-from engine.runtimes.compact import CompactConfig, CompactTransformer  # noqa: E402
-from engine.runtimes.cuda_graphs import (  # noqa: E402
+from engine.api import CompletionRequest
+from engine.decoding.drafters import ModelDrafter, NgramDrafter
+from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
+from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+from engine.local import LocalEngine
+from engine.runtimes import gpu_kernels
+from engine.runtimes.compact import CompactTransformer
+from engine.runtimes.cuda_graphs import (
     BatchedCache,
     GraphRuntime,
     batched_forward,
@@ -68,37 +64,9 @@ from engine.runtimes.cuda_graphs import (  # noqa: E402
     eager_runtime,
     key_bucket,
 )
+from harness.prompts import fim_prompts
+from harness.random_models import SHAPES, random_model, weight_bytes
 
-QWEN = dict(model_type="qwen2", hidden_act="silu", rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768)
-SHAPES = {
-    "0.5B": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    "1.5B": dict(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    "7B": dict(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    ),
-}
 DEV = "cuda"
 DTYPE = torch.bfloat16
 # graph attentions compared per shape (cuda_graphs.forward_batch); "fused" = the Triton kernels, where Triton runs
@@ -107,28 +75,6 @@ ATTENTIONS = ("sdpa", "matmul") + (("fused", "invariant-cublas", "invariant") if
 
 def sync() -> None:
     torch.cuda.synchronize()
-
-
-def random_model(name: str) -> CompactTransformer:
-    cfg = CompactConfig.from_hf_dict({**QWEN, **SHAPES[name]})
-    with torch.device("meta"):
-        model = CompactTransformer(cfg)
-    model = model.to_empty(device=DEV).to(DTYPE)
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    model.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=DEV).float() / cfg.head_dim))
-    return model.eval()
-
-
-def weight_bytes(model: CompactTransformer) -> int:
-    """Bytes one decode step reads: every weight but the embedding table (one row of it is read)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total - model.embed.weight.numel() * model.embed.weight.element_size()
 
 
 def copy_bandwidth() -> float:
@@ -255,8 +201,6 @@ def decode(runtime, cache, prompt, n, drafter_name, model_drafter, ngram, trace=
 
 
 def pair_table(n_prompts: int, n_tokens: int, attention: tuple[str, str]) -> tuple[list[dict], list, dict]:
-    from prompts import fim_prompts
-
     target = load_model(DEFAULT_TARGET, device=DEV, dtype=DTYPE)
     draft = load_model(DEFAULT_DRAFT, device=DEV, dtype=DTYPE)
     builder = LocalEngine(target, None, start_thread=False)

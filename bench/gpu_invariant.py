@@ -1,6 +1,6 @@
 """Batch-invariant CUDA kernels (issue 27, item 1): the proof and the cost, in one run on one GPU.
 
-    python bench/gpu_invariant.py [--quick] [--parts 1,2,3,4] [--modes ...] [--json PATH]
+    python -m bench.gpu_invariant [--quick] [--parts 1,2,3,4] [--modes ...] [--json PATH]
 
 Kernel sets compared in the same process, interleaved (--modes): "invariant-cublas" (the CUDA default since this
 change: cuBLAS projections on passes of a fixed 16 rows, Triton attention with the splits combined in order, the eager
@@ -43,19 +43,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-sys.path.insert(0, str(REPO))
-
-import gpu as gb  # noqa: E402  (bench/gpu.py: random shapes, copy bandwidth, batched streams, decode)
-
-from engine.api import CompletionRequest  # noqa: E402
-from engine.decoding.drafters import NgramDrafter  # noqa: E402
-from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
-from engine.local import LocalEngine  # noqa: E402
-from engine.runtimes import gpu_kernels as gk  # noqa: E402
-from engine.runtimes.compact import CompactTransformer  # noqa: E402
-from engine.runtimes.cuda_graphs import (  # noqa: E402
+from bench import gpu as gb  # copy bandwidth, batched streams, decode
+from engine.api import CompletionRequest
+from engine.decoding.drafters import NgramDrafter
+from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+from engine.local import LocalEngine
+from engine.runtimes import gpu_kernels as gk
+from engine.runtimes.compact import CompactTransformer
+from engine.runtimes.cuda_graphs import (
     BatchedCache,
     GraphRuntime,
     SlotGraphs,
@@ -64,7 +59,9 @@ from engine.runtimes.cuda_graphs import (  # noqa: E402
     forward_batch,
     key_bucket,
 )
-from engine.serve.batched import Forward, batched_forward  # noqa: E402
+from engine.serve.batched import Forward, batched_forward
+from harness.prompts import fim_prompts
+from harness.random_models import SHAPES, random_model, weight_bytes
 
 DEV, DTYPE = gb.DEV, gb.DTYPE
 # cuBLAS projections on 16-row passes (the default); Triton projections; before (cuBLAS's own choices per shape)
@@ -192,8 +189,6 @@ def batched_check(model: CompactTransformer, mode: str, max_len: int, gen: torch
 
 # -- 2. the embedded pair --------------------------------------------------------------------------------------------
 def pair_check(n_prompts: int, n_tokens: int, before_eager: bool, modes: tuple[str, ...] = MODES) -> dict:
-    from prompts import fim_prompts
-
     target = load_model(DEFAULT_TARGET, device=DEV, dtype=DTYPE)
     draft = load_model(DEFAULT_DRAFT, device=DEV, dtype=DTYPE)
     builder = LocalEngine(target, None, start_thread=False)
@@ -318,8 +313,8 @@ def cost_table(name: str, model: CompactTransformer, context: int, bandwidth: fl
                     samples[mode][key] += [t / reps for t in _times(f, max(2, n // 10))]
                 else:
                     samples[mode][key] += _times(fn, n)
-    floor = gb.weight_bytes(model) / bandwidth * 1e3
-    row = {"shape": name, "weight_GB": gb.weight_bytes(model) / 1e9, "floor_ms": floor}
+    floor = weight_bytes(model) / bandwidth * 1e3
+    row = {"shape": name, "weight_GB": weight_bytes(model) / 1e9, "floor_ms": floor}
     for mode in MODES:
         for key, vals in samples[mode].items():
             row[f"{key}_{mode}"] = statistics.median(vals)
@@ -376,7 +371,7 @@ def _graph_ms(fn, reps: int = 20) -> float:
 def sweep(shapes: list[str]) -> dict:
     weights = {}
     for name in shapes:
-        s = gb.SHAPES[name]
+        s = SHAPES[name]
         d, f, h, kv = s["hidden_size"], s["intermediate_size"], s["num_attention_heads"], s["num_key_value_heads"]
         hd = d // h
         for label, (n, k) in {"qkv": ((h + 2 * kv) * hd, d), "o": (d, d), "gate_up": (2 * f, d), "down": (d, f),
@@ -416,7 +411,7 @@ def cublas_probe(shapes: list[str]) -> dict:
             cublas_without_split_k()
         res, timing = {}, {}
         for name in shapes:
-            s = gb.SHAPES[name]
+            s = SHAPES[name]
             d, f, h, kv = s["hidden_size"], s["intermediate_size"], s["num_attention_heads"], s["num_key_value_heads"]
             for label, (n, k) in {
                 "qkv": ((h + 2 * kv) * (d // h), d),
@@ -451,7 +446,7 @@ def part_rows(args, result: dict) -> None:
         "embedded draft": eager_runtime(load_model(DEFAULT_DRAFT, device=DEV, dtype=DTYPE).runtime),
     }
     for name in ("0.5B",) if args.quick else ("0.5B", "1.5B"):
-        models[name] = gb.random_model(name)
+        models[name] = random_model(name)
     result["rows"] = {}
     for name, model in models.items():
         for mode in MODES:
@@ -477,7 +472,7 @@ def part_cost(args, result: dict) -> None:
     cost.append(cost_table("embedded draft", draft, args.context, bw, reps, rounds))
     del target, draft
     for name in shapes:
-        model = gb.random_model(name)
+        model = random_model(name)
         cost.append(cost_table(name, model, args.context, bw, reps, rounds))
         print(f"  cost {name}: {cost[-1]}", flush=True)
         if name == "1.5B":

@@ -1,6 +1,6 @@
 """Where a graph decode step's GPU time goes: kernel durations of the static 1-token pass, per kind.
 
-    python bench/gpu_profile.py [--shape 0.5B] [--attention sdpa|matmul] [--json PATH]
+    python -m bench.gpu_profile [--shape 0.5B] [--attention sdpa|matmul] [--json PATH]
 
 Runs the pass that bench/gpu.py captures (engine/runtimes/cuda_graphs.py forward_batch, block 1, cache at 1,024
 tokens) uncaptured under torch.profiler, and sums the kernels' own durations by name. Their total against
@@ -14,20 +14,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from gpu import random_model, weight_bytes  # noqa: E402
-
-from engine.runtimes.cuda_graphs import GraphRuntime, key_bucket  # noqa: E402
+from engine.runtimes.cuda_graphs import GraphRuntime, key_bucket
+from harness.random_models import random_model, weight_bytes
 
 
 def main() -> None:

@@ -49,9 +49,9 @@ Criteria printed after the table: exact-mode tokens prefilled per keystroke (tar
 steady typing TTFT (target for shift <= 2x; exact too); exact outputs equal to no-cache
 outputs (must be all); file-switch prefill and TTFT against no cache.
 
-    python bench/kv_reuse.py --quick            # 1k and 4k files, short traces (jump: 1k only), < 60 s
-    python bench/kv_reuse.py [--json PATH]      # all three files: 30 keys, 5 edits, 10 jump keys, 6 switches
-    python bench/kv_reuse.py --typing N --edits N --jump-keys N --switches N --max-tokens N --threads N
+    python -m bench.kv_reuse --quick            # 1k and 4k files, short traces (jump: 1k only), < 60 s
+    python -m bench.kv_reuse [--json PATH]      # all three files: 30 keys, 5 edits, 10 jump keys, 6 switches
+    python -m bench.kv_reuse --typing N --edits N --jump-keys N --switches N --max-tokens N --threads N
 
 The last line printed is the headline. JSON (only with --json): rows, criteria, per-event stats,
 engine counters and the environment.
@@ -73,14 +73,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from engine.api import CompletionRequest, CompletionResult  # noqa: E402
-from engine.fim import TEMPLATES  # noqa: E402
-from engine.local import LocalEngine, open_engine  # noqa: E402
-from engine.options import DecodeOptions  # noqa: E402
-from engine.syntax.document import SyntaxDocument  # noqa: E402
+from engine.api import CompletionRequest, CompletionResult
+from engine.fim import TEMPLATES
+from engine.local import LocalEngine, open_engine
+from engine.options import DecodeOptions
+from engine.syntax.document import SyntaxDocument
 
 SETUPS = ("none", "lcp", "exact", "shift", "psm")
 DEF_TYPES = ("function_definition", "class_definition", "decorated_definition")

@@ -1,6 +1,6 @@
 """What shift reuse of the KV cache costs in completion quality, against recomputing the prompt.
 
-    python bench/kv_shift_quality.py [--quick] [--set single-line|random-span|both]
+    python -m bench.kv_shift_quality [--quick] [--set single-line|random-span|both]
                                      [--scenario edit|jump|jump-middle|all] [--limit N] [--procs N]
                                      [--time-budget S] [--json PATH [--records]] [--rereport JSON]
 
@@ -73,11 +73,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import bench.quality as quality  # noqa: E402
-from bench.quality import DATA, Problem, _init_worker, load_problems, options_for, shape_and_score  # noqa: E402
+import bench.quality as quality
+from bench.quality import DATA, Problem, _init_worker, load_problems, options_for, shape_and_score
 
 SETS = ("single-line", "random-span")
 SCENARIOS = ("edit", "jump", "jump-middle")

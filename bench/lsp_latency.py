@@ -16,8 +16,8 @@ engine generated that were never sent to the editor. Requests overtaken by the n
 keystroke before any text arrived count as infinitely slow in the first-delta
 percentiles (so they can't flatter them). The last line printed is the headline.
 
-    python bench/lsp_latency.py --quick          # about 45 s
-    python bench/lsp_latency.py --json out.json  # four files
+    python -m bench.lsp_latency --quick          # about 45 s
+    python -m bench.lsp_latency --json out.json  # four files
 """
 
 from __future__ import annotations
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         s = asyncio.run(bench(args))
     except (RuntimeError, OSError) as exc:
-        print(f"bench-lsp: {exc}", file=sys.stderr)
+        print(f"bench.lsp_latency: {exc}", file=sys.stderr)
         return 2
     print_table(s)
     if args.json:

@@ -1,6 +1,11 @@
-"""The code of bench/typing.py: a person typing real files into ``fimble lsp`` as VS Code drives it.
+"""A person typing real files into ``fimble lsp`` as VS Code drives it.
 
-Run it as ``python bench/typing.py`` (bench/typing.py says why the code lives in this file).
+    python -m bench.lsp_typing --quick --model embedded   # under a minute
+    python -m bench.lsp_typing --model default --json out.json
+
+It reports the time from the last key of each pause to the first visible text (p50/p90, the share within 300 ms
+and 1 s), the time to the next text after a Tab accept, the cold wait to the first text after start, engine
+restarts and the server's CPU seconds per second; what exactly is measured follows.
 
 The server is started over stdio with the settings the VS Code extension sends by default
 (editors/vscode/package.json through settings.ts's ``wireSettings``: streaming on, token healing
@@ -40,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import math
 import os
@@ -54,41 +58,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+from bench.lsp_latency import STDLIB, RpcClient, percentile, utf16_len
+from engine.model_info import default_target
+from engine.syntax import suffix_overlap
 
-
-def _lsp_latency() -> Any:
-    """bench/lsp_latency.py, by path (bench/ on sys.path would let bench/engine.py shadow ``engine``)."""
-    name = "fimble_bench_lsp_latency"  # the name `fimble bench-lsp` loads it under
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE / "lsp_latency.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _suffix_overlap() -> Any:
-    """engine/syntax/suffix_overlap.py, by path (no torch, no tree-sitter): the shaper's re-typing rule."""
-    name = "fimble_bench_suffix_overlap"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "engine" / "syntax" / "suffix_overlap.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # (its dataclass looks its module up)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_lat = _lsp_latency()
-RpcClient = _lat.RpcClient
-utf16_len = _lat.utf16_len
-percentile = _lat.percentile
-STDLIB: Path = _lat.STDLIB
+REPO = Path(__file__).resolve().parent.parent
 
 DEFAULT_FILES = ["tempfile.py", "fractions.py", "configparser.py", "shutil.py"]  # 910, 756, 1382, 1530 lines
 # What the VS Code extension sends as initializationOptions with its defaults (package.json + wireSettings).
@@ -482,7 +456,7 @@ async def type_file(s: Session, doc: Doc, trace: Trace, server_pid: int, t_typin
             shown = a.current
             pause.text_chars = len(shown)
             if shown.strip():
-                ov = _suffix_overlap()
+                ov = suffix_overlap
                 line_prefix = doc.text[doc.text.rfind("\n", 0, doc.cursor) + 1:doc.cursor]
                 after = ov.text_after(doc.text.encode("utf-8"), len(doc.text[:doc.cursor].encode("utf-8")))
                 pause.retypes_suffix = ov.suffix_overlap_cut(shown, line_prefix, after) is not None
@@ -546,15 +520,10 @@ async def type_file(s: Session, doc: Doc, trace: Trace, server_pid: int, t_typin
 
 # -- the run ------------------------------------------------------------------------------------
 def default_model() -> str:
-    """The model a server started with nothing pinned loads (engine/model_info.py, read by path: no torch)."""
-    spec = importlib.util.spec_from_file_location("fimble_bench_model_info", REPO / "engine" / "model_info.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # (its dataclass looks its module up)
-    spec.loader.exec_module(mod)
+    """The model a server started with nothing pinned loads (engine/model_info.py: no torch)."""
     saved = os.environ.pop("FIMBLE_DEFAULT_MODEL", None)
     try:
-        target = mod.default_target()
+        target = default_target()
     finally:
         if saved is not None:
             os.environ["FIMBLE_DEFAULT_MODEL"] = saved
@@ -682,7 +651,7 @@ async def run(args: argparse.Namespace) -> dict:
     try:
         await _run_session(rpc, s, proc, traces, args, out, t_start, deadline, tree)
     except BaseException:
-        print(f"bench/typing.py: the server's log: {log.name}", file=sys.stderr)
+        print(f"bench.lsp_typing: the server's log: {log.name}", file=sys.stderr)
         raise
     finally:
         if proc.returncode is None:
@@ -773,7 +742,7 @@ def num(v: float | None, digits: int = 1) -> str:
 def print_report(out: dict, s: dict, args: argparse.Namespace, commit: str) -> None:
     la0, la1 = out["load_avg_start"], out["load_avg_end"]
     threads = "+".join(str(v) for v in out.get("threads", {}).values()) or "-"
-    print(f"bench/typing.py, commit {commit}: model {out['model']} (the server reports {out.get('server_model')}), "
+    print(f"bench.lsp_typing, commit {commit}: model {out['model']} (the server reports {out.get('server_model')}), "
           f"{len(out['files'])} file(s){' (TRUNCATED by --max-seconds)' if out['truncated'] else ''}")
     print(f"engine threads {VSCODE_SETTINGS['engineThreads']} (engineThreads, the VS Code default); server process "
           f"tree: {len(out.get('threads', {}))} processes, {threads} OS threads; {out['cpus']} CPU cores; load average "
@@ -855,7 +824,7 @@ def git_commit() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench/typing.py",
+    ap = argparse.ArgumentParser(prog="python -m bench.lsp_typing",
                                  description="A person typing real files into `fimble lsp` as VS Code drives it.")
     ap.add_argument("--quick", action="store_true", help="one file, fewer pauses (under a minute)")
     ap.add_argument("--json", metavar="PATH", help="write the results (every pause) here")
@@ -892,7 +861,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = asyncio.run(run(args))
     except (RuntimeError, OSError, TimeoutError) as exc:
-        print(f"bench/typing.py: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"bench.lsp_typing: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     out["commit"] = commit
     out["pauses"] = [asdict(p) for p in out["pauses"]]
@@ -902,3 +871,7 @@ def main(argv: list[str] | None = None) -> int:
                                               default=str))
     print_report(out, s, args, commit)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

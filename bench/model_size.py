@@ -4,7 +4,7 @@ The rule (issue 2): the largest model that decodes >= 150 tokens/s and prefills 
 tokens in <= 150 ms on the 2-core CPU machine, measured with fimble's own runtime
 (engine/runtimes/compact.py) on random weights of each shape, vocabulary 8,192.
 
-    python bench/model_size.py [--quick] [--json PATH]
+    python -m bench.model_size [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -12,15 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.runtimes.compact import CompactConfig, CompactTransformer, param_count  # noqa: E402
+from engine.runtimes.compact import CompactConfig, CompactTransformer, param_count
 
 # (hidden, layers, ffn, heads, kv heads)
 SHAPES = [(192, 3, 512, 3, 1), (384, 6, 1024, 6, 2), (448, 8, 1216, 7, 7), (512, 8, 1408, 8, 2),

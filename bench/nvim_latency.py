@@ -15,8 +15,8 @@ counts as slower than any). The two
 Neovims type the same lines interleaved per line (ABBA order), and the table compares them as a
 ratio (current / 0.7.2) of the served p50.
 
-    python bench/nvim_latency.py --quick            # < 60 s: one file, 2 lines
-    python bench/nvim_latency.py --json out.json    # four files, 8 lines each
+    python -m bench.nvim_latency --quick            # < 60 s: one file, 2 lines
+    python -m bench.nvim_latency --json out.json    # four files, 8 lines each
 
 The headline is printed last.
 """

@@ -1,6 +1,6 @@
 """Completion quality on HumanEval infilling: execution-based pass@1, exact match, parse errors.
 
-    python bench/quality.py [--quick] [--set single-line|random-span|context-lines|block-body|held-out,...|both|all]
+    python -m bench.quality [--quick] [--set single-line|random-span|context-lines|block-body|held-out,...|both|all]
                             [--variants raw,policy] [--sweep] [--procs N] [--json PATH]
 
 Sets (from /work/shared/data/humaneval-infilling, or --data DIR):
@@ -75,7 +75,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 DATA = REPO.parent / "shared" / "data" / "humaneval-infilling"
 SETS = {"single-line": "HumanEval-SingleLineInfilling.jsonl.gz",
@@ -215,7 +214,7 @@ def context_line_problems(rows: list[dict]) -> list[Problem]:
 
 def block_body_problems(rows: list[dict]) -> list[Problem]:
     """One multi-line problem per program: a compound statement's whole body inside the solution."""
-    from cursor_sets import block_body_spans
+    from harness.cursor_sets import block_body_spans
 
     programs: dict[str, dict] = {}
     for r in rows:
@@ -301,7 +300,7 @@ def random_span_x2_problems(rows: list[dict]) -> list[Problem]:
 
 def held_out_problems(langs_dir: Path | None, python_file: Path | None, per_kind: int = 1) -> list[Problem]:
     """Cursors in files held out of training, per language (no tests: exact match, edit similarity)."""
-    from cursor_sets import held_out_cursors, load_held_out
+    from harness.cursor_sets import held_out_cursors, load_held_out
 
     out = []
     for row in load_held_out(langs_dir, python_file):

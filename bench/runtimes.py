@@ -1,12 +1,13 @@
 """CPU runtimes side by side under fimble's engine: compact torch (f32) against ggml (llama.cpp kernels,
 f32 and q8_0), plain and auto (n-gram + draft model) speculative decoding.
 
-Same prompts (bench/engine.py's: HumanEval infilling and cursors in stdlib files), greedy, exactly
---tokens new tokens each (no early stop), runtimes interleaved per prompt, one thread each by default.
+Same prompts as bench/vs_transformers.py (harness/prompts.py ``mixed_prompts``: HumanEval infilling and cursors in
+stdlib files), greedy, exactly --tokens new tokens each (no early stop), runtimes interleaved per prompt, one thread
+each by default.
 Checks that each runtime's auto output equals its own plain output. ``--fixed`` adds "fixed" rows: auto
 without the cost-aware policy (engine/decoding/spec_policy.py), the +2/-1 adaptive gamma alone, interleaved.
 
-    FIMBLE_GGML_LIB=... python bench/runtimes.py [--quick] [--threads N] [--model DIR --draft DIR] [--json PATH]
+    FIMBLE_GGML_LIB=... python -m bench.runtimes [--quick] [--threads N] [--model DIR --draft DIR] [--json PATH]
 
 The last line is the headline: ggml's plain and auto speed as a ratio of compact's.
 """
@@ -14,7 +15,6 @@ The last line is the headline: ggml's plain and auto speed as a ratio of compact
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -23,18 +23,12 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from engine.api import CompletionRequest  # noqa: E402
-from engine.decoding.drafters import ModelDrafter, NgramDrafter  # noqa: E402
-from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder  # noqa: E402
-from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
-from engine.local import LocalEngine  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("bench_engine", REPO / "bench" / "engine.py")
-bench_engine = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_engine)
+from engine.api import CompletionRequest
+from engine.decoding.drafters import ModelDrafter, NgramDrafter
+from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
+from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+from engine.local import LocalEngine
+from harness.prompts import mixed_prompts
 
 VARIANTS = {"compact f32": ("compact", "none"), "ggml f32": ("ggml", "none"), "ggml q8_0": ("ggml", "int8")}
 
@@ -65,7 +59,7 @@ def main() -> None:
         models[name] = (target, ModelDrafter(draft.runtime, draft.max_len) if draft else None)
     builder = LocalEngine(models[names[0]][0], None, start_thread=False)
     prompts = []
-    for _, prefix, suffix in bench_engine.make_prompts(n_prompts, args.seed):
+    for _, prefix, suffix in mixed_prompts(n_prompts, args.seed):
         ids, _, _ = builder.build_prompt(CompletionRequest(prefix, suffix, heal=False))
         prompts.append(ids)
     ngram = NgramDrafter(history=0)

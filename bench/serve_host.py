@@ -3,17 +3,18 @@
 At 32 editors on the H200 the slotted rounds are host-bound (bench/reports/serve-load-h200-1.5B-*): the Python
 around a ~3 ms graph sets the round. This reproduces that on a CPU machine, so the host work can be measured and cut
 without device time. The daemon serves the embedded model's tokenizer and FIM template with a ServeEngine whose
-``SlotGraphs`` is replaced by ``SimulatedSlots``: the same staging and hand-out code (cuda_graphs.py ``_stage_passes``
-/ ``_hand_out``), a pass "runs" for a modelled time (``--graph-ms`` + ``--row-ms`` x rows, the H200's 1.5B-shape
-figures by default) during which the decode loop sleeps (the GIL free, as while it waits on a CUDA event), and each
-row's argmax is a random token (as with random weights). Editors type as in bench/serve_load.py (its ``level``).
+``SlotGraphs`` is replaced by ``SimulatedSlots``: the same slots, staging and hand-out code (cuda_graphs.py
+``SlotGraphs`` with ``device=False``) around a simulated device step (``replay_round``, ``wait_round``): a pass
+"runs" for a modelled time (``--graph-ms`` + ``--row-ms`` x rows, the H200's 1.5B-shape figures by default) during
+which the decode loop sleeps (the GIL free, as while it waits on a CUDA event), and each row's argmax is a random
+token (as with random weights). Editors type as in bench/serve_load.py (its ``level``).
 
 Compared, interleaved per level: the decode loop in a child process (``fimble serve``'s CUDA default) and in the
 daemon's process. Per row: tok/s while typing, p50/p95 first delta, and the round's host time: advancing (after the
 wait: verify, draft, next pass) and overlapped (streaming, admitting: while the "GPU" runs).
 
-    python bench/serve_host.py --quick              # 8 editors, under a minute
-    python bench/serve_host.py --levels 8,32 --json out.json
+    python -m bench.serve_host --quick              # 8 editors, under a minute
+    python -m bench.serve_host --levels 8,32 --json out.json
 
 Absolute figures depend on this machine's CPU (and the client shares it); the ratio between the two layouts and the
 host times per round are what carry over. The last line printed is the headline.
@@ -23,25 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
 CHILD_ENV = "SERVE_HOST_CHILD"  # set in the engine process this file starts for itself
-
-
-def _serve_load():
-    """bench/serve_load.py as a module (by path: bench/ on sys.path would let bench/engine.py shadow ``engine``)."""
-    spec = importlib.util.spec_from_file_location("serve_load", REPO / "bench" / "serve_load.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def simulated_engine(graph_ms: float, row_ms: float, prefill_ms: float):
@@ -50,39 +39,20 @@ def simulated_engine(graph_ms: float, row_ms: float, prefill_ms: float):
     import torch
 
     from engine.loader import DEFAULT_TARGET, load_model
-    from engine.runtimes.compact import KVCache
     from engine.runtimes.cuda_graphs import BLOCKS, SlotGraphs
     from engine.serve.scheduler import ServeEngine
 
     class SimulatedSlots(SlotGraphs):
-        """SlotGraphs' host side with the device replaced by a clock: a slot view shares its document's cache
-        (no copies), a pass takes ``graph_ms + row_ms * rows``, every row's argmax is a random token."""
+        """SlotGraphs' host side (``device=False``: a slot view shares its document's cache, no copies) with the
+        device step replaced by a clock: a pass takes ``graph_ms + row_ms * rows``, every row's argmax is a random
+        token."""
 
         def __init__(self, model, streams: int, slot_len: int):
-            import heapq
-
-            self._heap, self.model, self.streams, self.slot_len = heapq, model, streams, slot_len
-            self.attention, self.use_graphs = "simulated", True  # use_graphs: the scheduler overlaps rounds
-            self._stage = torch.zeros(streams * (max(BLOCKS) + 1), dtype=torch.long)
-            self._stage_np = self._stage.numpy()
-            self._best_host = torch.zeros(streams * max(BLOCKS), dtype=torch.long)
+            super().__init__(model, streams, slot_len, attention="simulated", device=False)
+            self.use_graphs = True  # the scheduler overlaps rounds, as on CUDA
             self._logits = torch.zeros(streams * max(BLOCKS), model.cfg.vocab_size)
-            self._free, self._slot, self._graphs, self._cost = list(range(streams)), {}, {}, {}
-            self.captures = self.replays = 0
             self._rng = np.random.default_rng(0)
             self._busy_until = 0.0
-
-        def take(self, cache):
-            if not self._free or cache.max_len > self.slot_len or not isinstance(cache, KVCache):
-                return None
-            view = KVCache.__new__(KVCache)
-            view.keys, view.values, view.max_len, view.length = cache.keys, cache.values, cache.max_len, cache.length
-            self._slot[id(view)] = self._heap.heappop(self._free)
-            return view
-
-        def give(self, view, into) -> None:
-            self._heap.heappush(self._free, self._slot.pop(id(view)))
-            into.length = min(view.length, into.max_len)
 
         def pass_ms(self, key):
             return graph_ms + row_ms * key[0] * key[1]
@@ -104,18 +74,15 @@ def simulated_engine(graph_ms: float, row_ms: float, prefill_ms: float):
                     best.append(self._random_rows(1).tolist())
             return out
 
-        def launch(self, passes):
-            slots, key = self._stage_passes(passes)
+        def replay_round(self, key):
             rows = key[0] * key[1]
-            self._best_host[:rows] = self._random_rows(rows)
+            self.argmax_host[:rows] = self._random_rows(rows)
             self._run_for(self.pass_ms(key))
             self.replays += 1
-            return passes, slots, key, self._logits
+            return self._logits
 
-        def collect(self, launched, best=None, lazy=False):
-            passes, slots, key, logits = launched
+        def wait_round(self, key) -> None:
             time.sleep(max(0.0, self._busy_until - time.perf_counter()))  # the GIL is free, as in a CUDA sync
-            return self._hand_out(passes, slots, key, logits, best, lazy)
 
     torch.set_num_threads(1)
     target = load_model(DEFAULT_TARGET, device="cpu", runtime="compact")
@@ -140,14 +107,14 @@ def serve(args: argparse.Namespace) -> int:
         return run_daemon(build(), ServeOptions(port=0), announce=announce)
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as fimble serve with its engine in a child
     os.environ[CHILD_ENV] = "1"
-    engine = ServeEngineProcess.start(command=[sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
+    engine = ServeEngineProcess.start(command=[sys.executable, "-m", "bench.serve_host", *sys.argv[1:]])
     del os.environ[CHILD_ENV]
     return run_daemon(engine, ServeOptions(port=0), announce=announce)
 
 
 def simulated_daemon(serve_load, args: argparse.Namespace, layout: str):
     """This file as a daemon in a subprocess (serve_load's launcher: the port read from the line it prints)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--engine-process", layout]
+    cmd = [sys.executable, "-m", "bench.serve_host", "--serve", "--engine-process", layout]
     cmd += ["--graph-ms", str(args.graph_ms), "--row-ms", str(args.row_ms), "--prefill-ms", str(args.prefill_ms)]
     return serve_load.Daemon(command=cmd)
 
@@ -174,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in args.levels.split(",")]
     if any(not 1 <= n <= 256 for n in levels) or not 1 <= args.chars <= 200 or not 0 <= args.think_ms <= 10_000:
         raise SystemExit("levels 1-256 editors, --chars 1-200, --think-ms 0-10000")
-    serve_load = _serve_load()
+    from bench import serve_load
+
     serve_load.MAX_LINES = 0  # completions run until the next keystroke cancels them (serve_load's GPU runs)
     load_start = os.getloadavg()
     print(

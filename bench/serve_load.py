@@ -14,12 +14,12 @@ The peer, interleaved level by level: the same daemon code with ``--no-batch`` (
 every sequence still steps each round, one forward each), so the ratio is what batching the
 passes buys. Both daemons run with 1 torch thread (the default).
 
-    python bench/serve_load.py --quick              # 1 and 4 editors, under a minute
-    python bench/serve_load.py --json out.json      # 1, 8, 32, 64
-    python bench/serve_load.py --device cuda --shape 1.5B --levels 1,8,32 --no-peer   # issue 11's bar
+    python -m bench.serve_load --quick              # 1 and 4 editors, under a minute
+    python -m bench.serve_load --json out.json      # 1, 8, 32, 64
+    python -m bench.serve_load --device cuda --shape 1.5B --levels 1,8,32 --no-peer   # issue 11's bar
 
-``--shape`` (CUDA): the daemon serves a random-weight bf16 model of that Qwen2.5 shape (bench/gpu.py's
-``random_model``: 0.5B, 1.5B, 7B) with the embedded target's tokenizer and FIM template, no draft model
+``--shape`` (CUDA): the daemon serves a random-weight bf16 model of that Qwen2.5 shape (harness/random_models.py:
+0.5B, 1.5B, 7B) with the embedded target's tokenizer and FIM template, no draft model
 (n-gram drafts only). The model's vocabulary rows past the tokenizer's are zeroed in ``lm_head`` (same
 matmul, never the argmax), so every token decodes. Random weights: the text is noise and acceptance of
 n-gram drafts means nothing; the point is the cost of serving that shape. The slotted rounds' graphs
@@ -50,12 +50,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from websockets.asyncio.client import connect
+
+from engine.serve import protocol
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from websockets.asyncio.client import connect  # noqa: E402
-
-from engine.serve import protocol  # noqa: E402
 
 CORPUS = REPO / "tests" / "data" / "lossless_corpus"
 MAX_LINES = 1  # each completion's max_lines (--max-lines; 0: no limit)
@@ -74,7 +73,7 @@ class Daemon:
         if command:
             cmd = command
         elif shape:  # this file, as a daemon serving a random-weight model of that shape (serve_shape below)
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-shape", shape, *extra]
+            cmd = [sys.executable, "-m", "bench.serve_load", "--serve-shape", shape, *extra]
             if not warm_graphs:
                 cmd.append("--no-warm-graphs")
         else:
@@ -82,6 +81,7 @@ class Daemon:
             cmd = [sys.executable, "-m", "lsp_server", "serve", "--port", "0", "--no-token", *extra]
         self.proc = subprocess.Popen(
             cmd,
+            cwd=REPO,  # where ``python -m bench.NAME`` finds the bench package
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=self.log,
@@ -234,29 +234,19 @@ async def editor(
     return {"cold_s": cold, "warm_s": warm, "errors": errors}
 
 
-def _bench_gpu():
-    """bench/gpu.py as a module (by path: bench/ on sys.path would let bench/engine.py shadow ``engine``)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "bench" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def shape_engine(shape: str, device: str, batch: bool, max_active: int, warm_graphs: bool, attention: str):
-    """A ServeEngine on a random-weight model of a bench/gpu.py shape (its line printed to stderr)."""
+    """A ServeEngine on a random-weight model of a Qwen2.5 shape (harness/random_models.py; its line to stderr)."""
     from dataclasses import replace
 
     import torch
 
-    random_model = _bench_gpu().random_model
     from engine.loader import DEFAULT_TARGET, load_model
     from engine.runtimes.cuda_graphs import GraphRuntime
     from engine.serve.scheduler import ServeEngine
+    from harness.random_models import random_model
 
     if device != "cuda":
-        raise SystemExit("--shape needs --device cuda (bench/gpu.py builds the shapes on CUDA, bf16)")
+        raise SystemExit("--shape needs --device cuda (the shapes are built on CUDA, bf16)")
     base = load_model(DEFAULT_TARGET, device=device, dtype=torch.bfloat16, runtime="compact")
     model = random_model(shape)
     vocab = len(base.tokenizer)
@@ -310,7 +300,7 @@ def switch_interval() -> float:
 
 
 def serve_shape(args: argparse.Namespace) -> int:
-    """Run ``fimble serve`` (port 0, loopback) on a random-weight model of a bench/gpu.py shape: the engine in a
+    """Run ``fimble serve`` (port 0, loopback) on a random-weight model of a Qwen2.5 shape: the engine in a
     child process as fimble serve does on CUDA (``--engine-process on``), or in this one."""
     from engine.process import serve_built
     from engine.serve.daemon import ServeOptions, run_daemon
@@ -327,7 +317,7 @@ def serve_shape(args: argparse.Namespace) -> int:
 
     sys.setswitchinterval(switch_interval())  # as fimble serve's daemon does with its engine in a child
     os.environ["SERVE_LOAD_CHILD"] = "1"  # inherited by the child: it builds the engine and serves it on stdio
-    engine = ServeEngineProcess.start(command=[sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
+    engine = ServeEngineProcess.start(command=[sys.executable, "-m", "bench.serve_load", *sys.argv[1:]])
     del os.environ["SERVE_LOAD_CHILD"]
     return run_daemon(engine, ServeOptions(port=0), announce=announce)
 

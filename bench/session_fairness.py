@@ -15,8 +15,8 @@ The peer is the same pinger while the attacker sends one ordinary keystroke chan
 floor, interleaved before each attack); the ratio is attack / ordinary. Target: worst wait
 ≤ 250 ms. Wall times: this is a loaded 2-core CPU; report the load average with the figures.
 
-    python bench/session_fairness.py --quick
-    python bench/session_fairness.py --transport ws --json out.json
+    python -m bench.session_fairness --quick
+    python -m bench.session_fairness --transport ws --json out.json
 """
 
 from __future__ import annotations

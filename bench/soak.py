@@ -10,8 +10,8 @@ after. The peer, interleaved prompt by prompt: the same line typed by one client
 ``fimble lsp`` stdio server (how an editor runs it), so the ratio says what sharing one
 engine between N sessions costs each of them.
 
-    python bench/soak.py --quick                 # 3 clients, under a minute
-    python bench/soak.py --clients 32 --rounds 6 --json out.json
+    python -m bench.soak --quick                 # 3 clients, under a minute
+    python -m bench.soak --clients 32 --rounds 6 --json out.json
 
 The last line printed is the headline.
 """

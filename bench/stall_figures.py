@@ -11,8 +11,8 @@ Recovery: the engine's cold start (``initialized`` -> engine ready, same server)
 from SIGKILL of the engine to the next completion (sent right after the kill), and the time
 from SIGSTOP to the answer of a request waiting on the stopped engine (stall timeout 6 s).
 
-    python bench/stall_figures.py --quick          # about a minute
-    python bench/stall_figures.py --json out.json
+    python -m bench.stall_figures --quick          # about a minute
+    python -m bench.stall_figures --json out.json
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "reliability"))  # the raw stdio client and the documents
-from reliability_tools_stalls import (  # noqa: E402
+from harness.raw_lsp import (  # the raw stdio client and the documents
     Pinger,
     RawServer,
     big_line_document,

@@ -6,7 +6,7 @@ keystroke is one `SyntaxDocument.apply_edit` (tree.edit + incremental parse; non
 types over an auto-inserted closer) followed by `classify` at the new cursor. The file is reset
 (untimed) after each place.
 
-    python bench/syntax_keystroke.py [--quick] [--json PATH] [--places N] [--seed S]
+    python -m bench.syntax_keystroke [--quick] [--json PATH] [--places N] [--seed S]
 
 The last line printed is the headline: p95 ms per keystroke (target <= 2 ms).
 """
@@ -18,15 +18,12 @@ import json
 import platform
 import random
 import statistics
-import sys
 import sysconfig
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.syntax.context import classify  # noqa: E402
-from engine.syntax.document import SyntaxDocument  # noqa: E402
+from engine.syntax.context import classify
+from engine.syntax.document import SyntaxDocument
 
 TARGET_LINES = 3000
 # What gets typed, key by key, by an editor that auto-indents and auto-pairs brackets and

@@ -1,7 +1,7 @@
 """fimble against llama.cpp on the same model: cold prompts and a keystroke loop, interleaved per prompt.
 
     pip install -e '.[bench]'     # llama-cpp-python (compiles llama.cpp; not in CI's path)
-    python bench/vs_llamacpp.py [--quick] [--threads 1,2] [--llama-server PATH] [--fimble-runtime compact|ggml]
+    python -m bench.vs_llamacpp [--quick] [--threads 1,2] [--llama-server PATH] [--fimble-runtime compact|ggml]
                                 [--precision f32|q8_0 | --model PATH.gguf] [--json PATH]
 
 Model: the embedded target and draft (bf16 weights), written as GGUF by engine/runtimes/gguf_export.py
@@ -63,10 +63,9 @@ import time
 from functools import partial
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # before bench/ (the script's folder): bench/engine.py is not the engine package
+from harness.llamacpp_peer import LlamaServer, LlamaWorker, find_server, read_completion
 
-from llamacpp_peer import LlamaServer, LlamaWorker, find_server, read_completion  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 now = time.perf_counter
 PRECISIONS = ("f32", "q8_0")

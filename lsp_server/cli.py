@@ -1,5 +1,5 @@
 """``fimble`` command line: ``lsp`` (the server), ``serve`` (one engine for many editors),
-``complete FILE:LINE:COL`` and ``bench-lsp``.
+and ``complete FILE:LINE:COL``. (The benchmarks are not behind it: ``python -m bench.NAME`` in a checkout.)
 
 User errors print one line, ``fimble: <message>``, and exit with status 2: no traceback.
 """
@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import logging
 import os
 import sys
 from pathlib import Path
 
 from engine.errors import FimbleError
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -155,19 +152,11 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs reserved per replica")
     srv.add_argument("--replica-gpus", type=float, default=0.0, help="with --ray: GPUs per replica (use --device cuda)")
     _add_model_args(srv)
-
-    sub.add_parser("bench-lsp", help="headless LSP latency benchmark (bench/lsp_latency.py; --help for its options)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench-lsp"]:  # everything after it, --help included, is the benchmark's
-        try:
-            return run_bench(argv[1:])
-        except FimbleError as exc:
-            print(f"fimble: {exc}", file=sys.stderr)
-            return 2
     args = _parser().parse_args(argv)
     try:
         if args.command == "lsp":
@@ -338,19 +327,6 @@ def run_complete(args: argparse.Namespace) -> int:
               file=sys.stderr)
     engine.close()
     return 0
-
-
-# -- bench-lsp -------------------------------------------------------------------------------
-def run_bench(argv: list[str]) -> int:
-    path = REPO / "bench" / "lsp_latency.py"
-    if not path.is_file():
-        raise FimbleError(f"{path} not found: bench-lsp needs a source checkout")
-    spec = importlib.util.spec_from_file_location("fimble_bench_lsp_latency", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return int(module.main(argv) or 0)
 
 
 if __name__ == "__main__":

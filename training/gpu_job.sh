@@ -51,11 +51,11 @@ touch "$W/t0"
 BG=""
 # Baselines on the CPUs while the GPU trains: the old default and the untuned base (prefix-only).
 if [ "$BASELINES" = 1 ]; then (
-  python3 bench/quality.py --set single-line --limit 300 --procs 6 --data "$W/humaneval" \
+  python3 -m bench.quality --set single-line --limit 300 --procs 6 --data "$W/humaneval" \
     --json "$OUT/q-old.json" > "$OUT/q-old.log" 2>&1
-  python3 bench/quality.py --set single-line --limit 300 --procs 6 --data "$W/humaneval" --no-newline-heal \
+  python3 -m bench.quality --set single-line --limit 300 --procs 6 --data "$W/humaneval" --no-newline-heal \
     --json "$OUT/q-old-nonl.json" > "$OUT/q-old-nonl.log" 2>&1
-  python3 bench/quality.py --set single-line --limit 300 --procs 6 --data "$W/humaneval" --model "$W/base" \
+  python3 -m bench.quality --set single-line --limit 300 --procs 6 --data "$W/humaneval" --model "$W/base" \
     --json "$OUT/q-base.json" > "$OUT/q-base.log" 2>&1
 ) & BG="$BG $!"; fi
 if [ "$INIT" = 1 ]; then
@@ -64,15 +64,15 @@ if [ "$INIT" = 1 ]; then
     # harness, then the newest checkpoint, then the shipped adapter's held-out cursors
     until grep -q "ms/step" "$OUT/train.log" 2>/dev/null; do sleep 5; done
     build "$W/init" "$W/m-init" > "$OUT/q-init.log" 2>&1
-    python3 bench/quality.py --set single-line $EVAL_LIMIT --procs 12 --data "$W/humaneval" --model "$W/m-init" \
+    python3 -m bench.quality --set single-line $EVAL_LIMIT --procs 12 --data "$W/humaneval" --model "$W/m-init" \
       --json "$OUT/q-init.json" >> "$OUT/q-init.log" 2>&1
     until [ -f "$W/run/checkpoint/adapter.json" ]; do sleep 5; done
     build "$W/run/checkpoint" "$W/m-mid" > "$OUT/q-mid.log" 2>&1
     cp "$W/run/checkpoint/adapter.json" "$OUT/q-mid-adapter.json"
-    python3 bench/quality.py --set single-line $EVAL_LIMIT --procs 12 --data "$W/humaneval" --model "$W/m-mid" \
+    python3 -m bench.quality --set single-line $EVAL_LIMIT --procs 12 --data "$W/humaneval" --model "$W/m-mid" \
       --json "$OUT/q-mid.json" >> "$OUT/q-mid.log" 2>&1
     if [ "$HELD" = 1 ]; then
-      python3 bench/quality.py --set held-out --data "$W/humaneval" --held-out-langs "$W/langs" --held-out-python "$W/run/heldout_python.jsonl.xz" \
+      python3 -m bench.quality --set held-out --data "$W/humaneval" --held-out-langs "$W/langs" --held-out-python "$W/run/heldout_python.jsonl.xz" \
         --limit 60 --variants raw --procs 12 --model "$W/m-init" --json "$OUT/q-held-init.json" > "$OUT/q-held-init.log" 2>&1
     fi
   ) & BG="$BG $!"
@@ -88,11 +88,11 @@ build "$W/run/adapter" "$W/fimble-smollm2"
 cp "$W/run/adapter/"* "$W/run/training_report.json" "$W/run/heldout_python.jsonl.xz" "$OUT/"
 log "evaluating the new model"
 if [ "$HELD" = 1 ]; then  # per-language held-out cursors, raw (bench/quality.py --set held-out)
-  python3 bench/quality.py --set held-out --data "$W/humaneval" --held-out-langs "$W/langs" --held-out-python "$W/run/heldout_python.jsonl.xz" \
+  python3 -m bench.quality --set held-out --data "$W/humaneval" --held-out-langs "$W/langs" --held-out-python "$W/run/heldout_python.jsonl.xz" \
     --limit 60 --variants raw --procs 4 --model "$W/fimble-smollm2" --json "$OUT/q-held-new.json" > "$OUT/q-held-new.log" 2>&1 &
   HELDPID=$!
 fi
-python3 bench/quality.py --set single-line $EVAL_LIMIT --procs $(( HELD == 1 ? 12 : 15 )) --data "$W/humaneval" --model "$W/fimble-smollm2" \
+python3 -m bench.quality --set single-line $EVAL_LIMIT --procs $(( HELD == 1 ? 12 : 15 )) --data "$W/humaneval" --model "$W/fimble-smollm2" \
   --json "$OUT/q-new.json" > "$OUT/q-new.log" 2>&1
 log "single-line done"
 if [ "$HELD" = 1 ]; then wait $HELDPID || true; fi

@@ -569,17 +569,23 @@ class SlotGraphs:
 
     Returned logits are views of the graph's static output: valid until the next ``run``.
     On a CPU (tests) the same forward runs without graphs.
+
+    ``device=False`` builds the host side alone (slots, staging, hand-out; no slot cache, no graphs): a slot view
+    then shares its document's cache, and a subclass supplies the device step (``replay_round``, ``wait_round``),
+    as bench/serve_host.py's simulated GPU does.
     """
 
-    def __init__(self, model: CompactTransformer, streams: int, slot_len: int, attention: str | None = None):
+    def __init__(
+        self, model: CompactTransformer, streams: int, slot_len: int, attention: str | None = None, device: bool = True
+    ):
         import heapq
 
         self._heap = heapq
         self.model = model
         self.streams, self.slot_len = streams, slot_len
-        self.cache = BatchedCache(model, streams, slot_len + SLOT_SCRATCH)
+        self.cache = BatchedCache(model, streams, slot_len + SLOT_SCRATCH) if device else None
         self.attention = attention or default_attention()  # the GraphRuntime's kernels (the scheduler passes them)
-        self.use_graphs = model.device.type == "cuda"
+        self.use_graphs = device and model.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         dev = model.device
         self.tokens = torch.zeros(streams * max(BLOCKS), dtype=torch.long, device=dev)
@@ -589,7 +595,7 @@ class SlotGraphs:
         pinned = self.use_graphs
         self._stage = torch.zeros(streams * (max(BLOCKS) + 1), dtype=torch.long, pin_memory=pinned)
         self._stage_np = self._stage.numpy()
-        self._best_host = torch.zeros(streams * max(BLOCKS), dtype=torch.long, pin_memory=pinned)
+        self.argmax_host = torch.zeros(streams * max(BLOCKS), dtype=torch.long, pin_memory=pinned)
         if self.use_graphs:
             self._began = torch.cuda.Event(enable_timing=True)
             self._ended = torch.cuda.Event(enable_timing=True)
@@ -612,13 +618,17 @@ class SlotGraphs:
         """A slot view holding ``cache``'s valid positions, or None (no free slot, or ``cache`` is too long)."""
         if not self._free or cache.max_len > self.slot_len or not isinstance(cache, KVCache):
             return None
+        view = KVCache.__new__(KVCache)
+        view.max_len, view.length = cache.max_len, cache.length
+        if self.cache is None:  # the host side alone: the view is the document's own cache
+            view.keys, view.values = cache.keys, cache.values
+            self._slot[id(view)] = self._heap.heappop(self._free)
+            return view
         if cache.keys.dtype != self.cache.keys.dtype or cache.keys.device != self.cache.keys.device:
             return None
         slot = self._heap.heappop(self._free)
-        view = KVCache.__new__(KVCache)
         view.keys = self.cache.keys[:, slot, :, : cache.max_len]
         view.values = self.cache.values[:, slot, :, : cache.max_len]
-        view.max_len, view.length = cache.max_len, cache.length
         n = cache.length
         if n:
             view.keys[:, :, :n].copy_(cache.keys[:, :, :n])
@@ -631,7 +641,7 @@ class SlotGraphs:
         """Copy the slot's valid positions back into ``into`` (its own cache) and free the slot."""
         slot = self._slot.pop(id(view))
         n = min(view.length, into.max_len)
-        if n:
+        if n and self.cache is not None:  # (the host side alone: the view was ``into`` itself)
             into.keys[:, :, :n].copy_(view.keys[:, :, :n])
             into.values[:, :, :n].copy_(view.values[:, :, :n])
         into.length = n
@@ -731,6 +741,12 @@ class SlotGraphs:
         """Start the round's graph on the GPU and return at once; ``collect`` waits for it. Tokens are
         written through pinned host buffers (two asynchronous copies, no sync)."""
         slots, key = self._stage_passes(passes)
+        return passes, slots, key, self.replay_round(key)
+
+    def replay_round(self, key: tuple[int, int, int]) -> Tensor:
+        """The device step of ``launch``: the staged token ids and starts to the device, ``key``'s graph replayed
+        (captured on its first use), every row's argmax into ``argmax_host``; no host sync on CUDA. Returns the
+        graph's static logits."""
         batch, block, keys_len = key
         rows = batch * block
         if self.use_graphs:
@@ -744,17 +760,17 @@ class SlotGraphs:
             self._began.record()
             graph.replay()
             self.replays += 1
-            self._best_host[:rows].copy_(argmax, non_blocking=True)
+            self.argmax_host[:rows].copy_(argmax, non_blocking=True)
             self._ended.record()
         else:  # CPU (tests): the same forward, synchronous, timed on the wall clock
             t0 = time.perf_counter()
             self.tokens[:rows].copy_(self._stage[:rows])
             self.starts[:batch].copy_(self._stage[rows : rows + batch])
             logits, argmax = self._forward(batch, block, keys_len)
-            self._best_host[:rows].copy_(argmax)
+            self.argmax_host[:rows].copy_(argmax)
             ms = (time.perf_counter() - t0) * 1e3
             self._cost[key] = min(ms, self._cost.get(key, ms))
-        return passes, slots, key, logits
+        return logits
 
     def _stage_passes(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]]) -> tuple[list[int], tuple]:
         """Write the passes' token ids and starts into the host staging buffer; (their slots, the graph key)."""
@@ -774,18 +790,22 @@ class SlotGraphs:
         """Wait for ``launch``'s graph (the round's one sync; the GIL is free meanwhile) and hand out the logits.
         ``lazy``: each pass's rows as a ``RowSpan`` (sliced when read), for a caller that mostly needs ``best``."""
         passes, slots, key, logits = launched
+        self.wait_round(key)
+        return self._hand_out(passes, slots, key, logits, best, lazy)
+
+    def wait_round(self, key: tuple[int, int, int]) -> None:
+        """Wait for ``replay_round``'s graph (the GIL is free meanwhile) and note its GPU time."""
         if self.use_graphs:
             self._ended.synchronize()
             ms = self._began.elapsed_time(self._ended)
             self._cost[key] = min(ms, self._cost.get(key, ms))
-        return self._hand_out(passes, slots, key, logits, best, lazy)
 
     def _hand_out(
         self, passes: list, slots: list[int], key: tuple, logits: Tensor, best: list | None, lazy: bool
     ) -> list:
         """Each pass's rows of a finished round (and their argmax into ``best``); the caches' lengths move on."""
         block = key[1]
-        host = self._best_host[: key[0] * block].tolist() if best is not None else None
+        host = self.argmax_host[: key[0] * block].tolist() if best is not None else None
         out = []
         for slot, (t, cache, start, num_logits) in zip(slots, passes, strict=True):
             n = len(t)

@@ -8,7 +8,6 @@ captured graphs themselves.
 from __future__ import annotations
 
 import torch
-from prompts import fim_prompts
 
 from engine.api import CompletionRequest
 from engine.decoding.drafters import ModelDrafter, NgramDrafter
@@ -22,6 +21,7 @@ from engine.runtimes.cuda_graphs import (
     key_bucket,
     maybe_wrap,
 )
+from harness.prompts import fim_prompts
 
 
 def _decode(runtime, draft_runtime, prompt, drafter, tokens=16):

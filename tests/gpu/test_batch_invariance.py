@@ -16,14 +16,12 @@ against the old kernels (FIMBLE_CUDA_INVARIANT=0), and what it costs.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "engine"))
 
 
 def _triton() -> bool:
@@ -44,23 +42,14 @@ def _copy(dst, src):
     dst.length = src.length
 
 
-def _bench_gpu():
-    """bench/gpu.py by path (bench/ on sys.path would let bench/engine.py shadow the engine package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "bench" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _models():
     from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
     from engine.runtimes.cuda_graphs import eager_runtime
+    from harness.random_models import random_model
 
     yield "embedded target", eager_runtime(load_model(DEFAULT_TARGET, device="cuda", dtype=torch.bfloat16).runtime)
     yield "embedded draft", eager_runtime(load_model(DEFAULT_DRAFT, device="cuda", dtype=torch.bfloat16).runtime)
-    yield "random 0.5B", _bench_gpu().random_model("0.5B")
+    yield "random 0.5B", random_model("0.5B")
 
 
 def _kernels() -> str:
@@ -163,14 +152,13 @@ def test_batched_rows_equal_alone():
 
 
 def test_embedded_pair_speculative_equals_plain():
-    from prompts import fim_prompts
-
     from engine.api import CompletionRequest
     from engine.decoding.drafters import ModelDrafter, NgramDrafter
     from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
     from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
     from engine.local import LocalEngine
     from engine.runtimes.cuda_graphs import GraphRuntime, eager_runtime
+    from harness.prompts import fim_prompts
 
     target = load_model(DEFAULT_TARGET, device="cuda", dtype=torch.bfloat16)
     draft = load_model(DEFAULT_DRAFT, device="cuda", dtype=torch.bfloat16)

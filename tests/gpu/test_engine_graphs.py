@@ -8,13 +8,9 @@ reused and grow between requests (new key buckets, graphs for several caches).
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -33,11 +29,10 @@ def _engine(graphs: bool):
 
 
 def test_engine_with_graphs_answers_like_without():
-    from prompts import fim_prompts
-
     from engine.api import CompletionRequest
     from engine.options import DecodeOptions
     from engine.runtimes.cuda_graphs import GraphRuntime
+    from harness.prompts import fim_prompts
 
     with_graphs, target = _engine(True)
     without, plain_target = _engine(False)

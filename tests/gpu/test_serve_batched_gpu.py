@@ -13,14 +13,11 @@ MIN_IDENTICAL of them are identical. Skipped without CUDA (CI has none); run on 
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -31,11 +28,10 @@ MIN_IDENTICAL = 0.8
 
 
 def test_batched_scheduler_on_cuda_matches_unbatched():
-    from prompts import fim_prompts
-
     from engine.api import CompletionRequest, DecodeOptions
     from engine.local import open_engine
     from engine.serve.scheduler import ServeEngine
+    from harness.prompts import fim_prompts
 
     plain = open_engine(REPO / "models" / "fimble-target", REPO / "models" / "fimble-draft", device="cuda")
     try:

@@ -2,7 +2,7 @@
 
 1. Pass level, embedded target (fp32): one replayed batched graph over several slots gives each sequence's
    logits as the eager model does (relative error, argmax) and leaves a bystander slot's keys alone.
-2. The 1.5B shape (random bf16 weights, bench/gpu.py's builder): N_STREAMS sequences fed the same tokens,
+2. The 1.5B shape (random bf16 weights, harness/random_models.py): N_STREAMS sequences fed the same tokens,
    every step one replay of the slot graph, against each run alone by the eager model: argmax differences
    only at near ties, logits close; free-running greedy identity printed.
 3. Scheduler, embedded pair: N_PROMPTS requests at once through ServeEngine (slotted graph rounds) against
@@ -17,7 +17,6 @@ MIN_IDENTICAL of them (and no failures); 1 asserts closeness. Skipped without CU
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 
@@ -25,7 +24,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "engine"))
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -68,24 +66,15 @@ def test_slot_graph_pass_matches_eager():
     assert torch.equal(bystander.keys[:, :, :400], kept)
 
 
-def _bench_gpu():
-    """bench/gpu.py by path (bench/ on sys.path would let bench/engine.py shadow the engine package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "bench" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_slot_graph_greedy_decode_1p5b_matches_eager():
     """Teacher-forced: every stream is fed the same tokens by both paths, so each step's logits compare
     directly. Every argmax difference must be a near tie the numeric difference explains (the reference's
     top-2 margin at most twice the row's largest logit difference); the free-running greedy outputs are
     printed too (random weights give near-flat logits, so they part early at such ties)."""
     from engine.runtimes.cuda_graphs import GraphRuntime, SlotGraphs
+    from harness.random_models import random_model
 
-    model = _bench_gpu().random_model("1.5B")
+    model = random_model("1.5B")
     single = GraphRuntime(model, max_caches=N_STREAMS + 1)  # the per-sequence graphs: today's accepted path
     vocab = model.cfg.vocab_size
     gen = torch.Generator().manual_seed(5)
@@ -162,11 +151,10 @@ def test_slot_graph_greedy_decode_1p5b_matches_eager():
 
 
 def test_slotted_scheduler_on_cuda_matches_unbatched():
-    from prompts import fim_prompts
-
     from engine.api import CompletionRequest, DecodeOptions
     from engine.local import open_engine
     from engine.serve.scheduler import ServeEngine
+    from harness.prompts import fim_prompts
 
     plain = open_engine(REPO / "models" / "fimble-target", REPO / "models" / "fimble-draft", device="cuda")
     try:

@@ -7,8 +7,6 @@ in /tmp/ftrain (same format) that exist while the embedded model trains.
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,22 +14,10 @@ from typing import Any
 from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient, client_capabilities
 
+from harness.raw_lsp import SERVER_CMD, SERVER_ENV  # the same server command and model as the raw client
+
 REPO = Path(__file__).resolve().parents[2]
 CLIENTS = ["visual-studio-code", "neovim"]
-SERVER_CMD = [sys.executable, "-m", "lsp_server", "lsp"]
-
-
-def model_env() -> dict[str, str]:
-    env = dict(os.environ)
-    if env.get("FIMBLE_MODEL"):
-        return env
-    if not (REPO / "models" / "fimble-target" / "config.json").is_file() and Path("/tmp/ftrain/fimble-target").is_dir():
-        env["FIMBLE_MODEL"] = "/tmp/ftrain/fimble-target"
-        env["FIMBLE_DRAFT"] = "/tmp/ftrain/fimble-draft"
-    return env
-
-
-SERVER_ENV = model_env()
 
 
 def capabilities(name: str, encodings: list[str] | None = None) -> types.ClientCapabilities:
@@ -135,7 +121,6 @@ def items_of(result: Any) -> list:
 
 
 SAMPLE = '''import os
-import sys
 
 
 def read_config(path):

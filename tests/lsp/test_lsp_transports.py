@@ -143,6 +143,7 @@ def test_bad_address_is_one_line_error(address):
 def test_cli_entry_point_runs():
     r = subprocess.run([sys.executable, "-m", "lsp_server", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "fimble" in r.stdout
+    # No benchmark behind the product's command line (they run as python -m bench.NAME in a checkout).
     r = subprocess.run([sys.executable, "-m", "lsp_server", "bench-lsp", "--help"], capture_output=True, text=True,
                        timeout=60)
-    assert r.returncode == 0 and "--quick" in r.stdout
+    assert r.returncode == 2 and "invalid choice: 'bench-lsp'" in r.stderr

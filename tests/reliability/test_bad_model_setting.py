@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_model
-from reliability_tools_stalls import SERVER_ENV, RawServer
 from safetensors.torch import load_file, save_file
 from test_busy_supervision import _Healthy, _Notices, _settle
 
 import lsp_server.engine_host as engine_host
 from engine.errors import ModelLoadError
 from engine.loader import check_device
+from harness.raw_lsp import SERVER_ENV, RawServer
 from lsp_server.settings import Settings
 
 URI = "file:///bad-model/w.py"

@@ -14,9 +14,9 @@ import signal
 import time
 
 import pytest
-from reliability_tools_stalls import SERVER_ENV, Pinger, RawServer, kill_engine
 
 import lsp_server.engine_host as engine_host
+from harness.raw_lsp import SERVER_ENV, Pinger, RawServer, kill_engine
 from lsp_server.settings import Settings
 
 URI = "file:///supervised/demo.py"

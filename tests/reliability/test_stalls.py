@@ -20,12 +20,12 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reliability_tools_stalls import Pinger, RawServer, big_line_document, lone_cr_document, type_and_ask
 
 import lsp_server.documents as documents
 from engine.syntax import lexer
 from engine.syntax.context import classify
 from engine.syntax.document import SyntaxDocument
+from harness.raw_lsp import Pinger, RawServer, big_line_document, lone_cr_document, type_and_ask
 from lsp_server.documents import Document, split_lines, syntax_text
 
 

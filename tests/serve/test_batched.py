@@ -4,21 +4,17 @@ scheduler's output equals unbatched decoding token for token; fairness and cance
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
+from serve_helpers import wait_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from prompts import fim_prompts  # noqa: E402
-from serve_helpers import wait_for  # noqa: E402
-
-from engine.api import CompletionRequest, DecodeOptions  # noqa: E402
-from engine.local import LocalEngine  # noqa: E402
-from engine.serve.batched import Forward, batched_forward  # noqa: E402
-from engine.serve.scheduler import ServeEngine  # noqa: E402
+from engine.api import CompletionRequest, DecodeOptions
+from engine.local import LocalEngine
+from engine.serve.batched import Forward, batched_forward
+from engine.serve.scheduler import ServeEngine
+from harness.prompts import fim_prompts
 
 N_PROMPTS = 5
 MAX_TOKENS = 20

@@ -4,7 +4,7 @@ Same prompts, same model, greedy, in one run. Every method decodes exactly
 --tokens new tokens (no early stop) so tokens/s compare like for like, and every
 method's output is checked against HF plain greedy.
 
-    python bench/engine.py [--quick] [--device cpu|cuda] [--json PATH]
+    python -m bench.vs_transformers [--quick] [--device cpu|cuda] [--json PATH]
 
 The last line is the headline: fimble's best speculative speed as a ratio of HF plain.
 """
@@ -12,45 +12,20 @@ The last line is the headline: fimble's best speculative speed as a ratio of HF 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import random
 import statistics
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from engine.api import CompletionRequest  # noqa: E402
-from engine.decoding.drafters import ModelDrafter, NgramDrafter  # noqa: E402
-from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder  # noqa: E402
-from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
-from engine.local import LocalEngine  # noqa: E402
-
-HUMANEVAL = REPO.parent / "shared" / "data" / "humaneval-infilling" / "HumanEval-SingleLineInfilling.jsonl.gz"
-REAL_FILES = ["json/encoder.py", "textwrap.py", "argparse.py", "csv.py", "dataclasses.py", "difflib.py"]
-
-
-def make_prompts(n: int, seed: int) -> list[tuple[str, str, str]]:
-    """(source, prefix, suffix): half HumanEval infilling, half cursors in real stdlib files."""
-    rng = random.Random(seed)
-    out = []
-    if HUMANEVAL.exists():
-        rows = [json.loads(line) for line in gzip.open(HUMANEVAL, "rt")]
-        for row in rng.sample(rows, n // 2):
-            out.append(("humaneval", row["prompt"], row["suffix"]))
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(stdlib / f).read_text() for f in REAL_FILES if (stdlib / f).exists()]
-    while len(out) < n:
-        text = rng.choice(texts)
-        cut = text.find("\n", rng.randrange(1000, len(text) - 1000)) + 1
-        out.append(("file", text[max(0, cut - 1500): cut], text[cut: cut + 500]))
-    return out
+from engine.api import CompletionRequest
+from engine.decoding.drafters import ModelDrafter, NgramDrafter
+from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
+from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+from engine.local import LocalEngine
+from harness.prompts import mixed_prompts
 
 
 def sync(device: str) -> None:
@@ -123,7 +98,7 @@ def main() -> None:
         m.generation_config.eos_token_id = None
     builder = LocalEngine(target, None, start_thread=False)
     prompts = []
-    for source, prefix, suffix in make_prompts(n_prompts, args.seed):
+    for source, prefix, suffix in mixed_prompts(n_prompts, args.seed):
         ids, _, _ = builder.build_prompt(CompletionRequest(prefix, suffix, heal=False))
         prompts.append((source, ids))
     model_drafter = ModelDrafter(draft.runtime, draft.max_len)

@@ -1,8 +1,8 @@
 """A raw JSON-RPC client for a real ``fimble lsp`` over stdio, and a ping that measures event-loop stalls.
 
-Why not pytest-lsp here: these tests time how long the server's event loop is unavailable, kill
-the engine under it, and read ``window/showMessage``; a blocking client on threads, with every
-frame timestamped, keeps that measurement independent of the client's own event loop.
+Used by the reliability tests (tests/reliability) and bench/stall_figures.py. Why not pytest-lsp: they time how
+long the server's event loop is unavailable, kill the engine under it, and read ``window/showMessage``; a blocking
+client on threads, with every frame timestamped, keeps that measurement independent of the client's own event loop.
 
 ``Pinger``: while work runs, a request for a method the server does not have (answered by the
 event loop itself, MethodNotFound) goes out every ``interval`` seconds, one at a time; its
@@ -22,9 +22,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "lsp"))
-from lsp_helpers import SERVER_CMD, SERVER_ENV  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+SERVER_CMD = [sys.executable, "-m", "lsp_server", "lsp"]
+
+
+def model_env() -> dict[str, str]:
+    """The environment a test's server runs in: $FIMBLE_MODEL if set, else the embedded model in models/, else
+    the small stand-ins in /tmp/ftrain (same format) that exist while the embedded model trains."""
+    env = dict(os.environ)
+    if env.get("FIMBLE_MODEL"):
+        return env
+    if not (REPO / "models" / "fimble-target" / "config.json").is_file() and Path("/tmp/ftrain/fimble-target").is_dir():
+        env["FIMBLE_MODEL"] = "/tmp/ftrain/fimble-target"
+        env["FIMBLE_DRAFT"] = "/tmp/ftrain/fimble-draft"
+    return env
+
+
+SERVER_ENV = model_env()
 
 PING_METHOD = "fimble/noSuchMethod"
 
