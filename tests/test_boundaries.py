@@ -74,3 +74,126 @@ def test_the_lsp_process_does_not_import_torch_while_serving_a_completion():
     got = __import__("json").loads(out.stdout.strip().splitlines()[-1])
     assert got["completed"] >= 1 and got["items"] == 1  # the engine process did serve it
     assert got == {**got, "torch": False, "transformers": False}
+
+
+# -- import graphs -------------------------------------------------------------------------------
+def _modules(package: str, root: Path) -> dict[str, Path]:
+    out = {}
+    for p in (root / package).rglob("*.py"):
+        parts = list(p.relative_to(root).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+def import_graph(package: str, root: Path = REPO) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, at any depth (a function's lazy import counts too: it is still
+    a dependency, and moved to the top it would be a cycle at import time). ``from a.b import c`` names a.b.c
+    when that is a module, else a.b (a package means its __init__)."""
+    mods = _modules(package, root)
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's own package
+                    pkg = m if path.name == "__init__.py" else m.rpartition(".")[0]
+                    for _ in range(node.level - 1):
+                        pkg = pkg.rpartition(".")[0]
+                    base = f"{pkg}.{base}" if base else pkg
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            graph[m].update(t for n in names if n.split(".")[0] == package and (t := resolve(n)) and t != m)
+    return graph
+
+
+def import_cycles(package: str, root: Path = REPO) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan): each is at least one cycle."""
+    graph, index, low, stack, on, out = import_graph(package, root), {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_import_cycles_are_found(tmp_path):
+    """The check itself: modules that import each other through a package's __init__, one of them lazily and
+    one relatively, are reported; a module that only imports into the cycle is not part of it."""
+    pkg = tmp_path / "cyc"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from cyc.sub.b import B\n")
+    (pkg / "a.py").write_text("def f():\n    from cyc.sub import B\n")
+    (pkg / "sub" / "b.py").write_text("from ..a import f\nB = 1\n")
+    (pkg / "c.py").write_text("import cyc.a\n")
+    assert import_cycles("cyc", tmp_path) == [["cyc.a", "cyc.sub", "cyc.sub.b"]]
+    (pkg / "a.py").write_text("def f():\n    pass\n")
+    assert import_cycles("cyc", tmp_path) == []
+
+
+def test_lsp_server_has_no_import_cycle():
+    assert import_cycles("lsp_server") == []
+
+
+def _python_files(folder: str) -> list[Path]:
+    return [p for p in (REPO / folder).rglob("*.py") if "data" not in p.relative_to(REPO).parts]
+
+
+def _reaches_around_imports(path: Path) -> list[str]:
+    """What hides an import from ``imported_modules``: ``sys.path`` edits and loading a module by file path."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys":
+            found.add("uses sys.path")
+        if getattr(node, "attr", getattr(node, "id", None)) == "spec_from_file_location":
+            found.add("loads a module by file path")
+    return sorted(found)
+
+
+def test_bench_and_tests_do_not_import_each_other():
+    """bench/ and tests/ share code only through harness/ (which imports neither). A test helper is imported by
+    bare name once a test puts its folder on sys.path, so those names count as tests/ too. A sys.path edit or a
+    module loaded by file path would hide an import from this check: bench/ and harness/ have neither, and no
+    test loads a module by path or puts bench/ on sys.path."""
+    test_names = {"tests"} | {p.stem for p in _python_files("tests")}
+    found = []
+    for folder, forbidden in (("bench", test_names), ("harness", test_names | {"bench"}), ("tests", {"bench"})):
+        for p in _python_files(folder):
+            path = p.relative_to(REPO)
+            found += [f"{path}: imports {m}" for m in sorted(imported_modules(p)) if m.split(".")[0] in forbidden]
+            for what in _reaches_around_imports(p):
+                if folder != "tests" or what != "uses sys.path":
+                    found.append(f"{path}: {what}")
+                elif any("sys.path" in line and "bench" in line for line in p.read_text().splitlines()):
+                    found.append(f"{path}: puts bench/ on sys.path")
+    assert found == []
