@@ -1,4 +1,4 @@
-"""bench/crossfile.py: cross-file context through a real ``fimble lsp`` over stdio (issue 26, item 5).
+"""bench/crossfile.py: cross-file context through a real ``fimble lsp`` over stdio: does it raise exact match?
 
     python -m bench.crossfile --quick                  # under a minute: the embedded model, 1 case per language
     python -m bench.crossfile --json out.json          # the default model, the full run (~30-60 min on 2 cores)

@@ -11,7 +11,7 @@ gamma drafted tokens per step, expected tokens per verify step = (1 - a^(gamma+1
 the cost of a step in full-model passes is about 1 + gamma * k / L (a verify of gamma+1 tokens
 costs about one decode step on CPU: stack.md's sizing table). Their ratio is the estimated speed-up
 over plain decoding; the peer in the same run is plain decoding (ratio 1.0). No timing is measured:
-this only says which k and gamma deserve an implementation (engine/decoding/speculative.py, issue 10).
+this only says which k and gamma deserve an implementation (engine/decoding/speculative.py).
 """
 
 from __future__ import annotations

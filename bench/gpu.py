@@ -22,11 +22,11 @@
 The last line is the headline.
 
 Graph kernels: each shape is timed with torch's sdpa, plain matmuls and, where Triton runs, the fused Triton
-attention with cuBLAS projections at the pass's row count ("fused", before issue 27), the same on fixed 16-row passes
-("invariant-cublas", the CUDA default: batch-invariant) and Triton projections ("invariant"; engine/runtimes/
-gpu_kernels.py); the default is used for the rest of the run where it runs, else the fastest. The eager figures are
-the model's own forward, on the default kernels too (FIMBLE_CUDA_INVARIANT=0: torch's ops). bench/gpu_invariant.py
-compares the kernel sets alternately.
+attention with cuBLAS projections at the pass's row count ("fused", the default before the batch-invariant passes),
+the same on fixed 16-row passes ("invariant-cublas", the CUDA default: batch-invariant) and Triton projections
+("invariant"; engine/runtimes/ gpu_kernels.py); the default is used for the rest of the run where it runs, else the
+fastest. The eager figures are the model's own forward, on the default kernels too (FIMBLE_CUDA_INVARIANT=0: torch's
+ops). bench/gpu_invariant.py compares the kernel sets alternately.
 
 Running it on the device tool: the tracked tree is ~92 MB, over the tool's 64 MiB per-call transfer;
 models/fimble-smollm2/adapter.safetensors (19.6 MB) and bench/reports (8 MB), neither needed there, are the

@@ -1,4 +1,5 @@
-"""Batch-invariant CUDA kernels (issue 27, item 1): the proof and the cost, in one run on one GPU.
+"""Batch-invariant CUDA kernels: the proof (a row's logits are the same bits in any pass) and the cost, in one run
+on one GPU.
 
     python -m bench.gpu_invariant [--quick] [--parts 1,2,3,4] [--modes ...] [--json PATH]
 

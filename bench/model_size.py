@@ -1,7 +1,7 @@
 """How big may the embedded target be? Decode and prefill speed of candidate shapes on this CPU.
 
-The rule (issue 2): the largest model that decodes >= 150 tokens/s and prefills 512
-tokens in <= 150 ms on the 2-core CPU machine, measured with fimble's own runtime
+The rule (what keeps the embedded model usable while typing): the largest model that decodes >= 150 tokens/s
+and prefills 512 tokens in <= 150 ms on the 2-core CPU machine, measured with fimble's own runtime
 (engine/runtimes/compact.py) on random weights of each shape, vocabulary 8,192.
 
     python -m bench.model_size [--quick] [--json PATH]

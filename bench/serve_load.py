@@ -16,7 +16,7 @@ passes buys. Both daemons run with 1 torch thread (the default).
 
     python -m bench.serve_load --quick              # 1 and 4 editors, under a minute
     python -m bench.serve_load --json out.json      # 1, 8, 32, 64
-    python -m bench.serve_load --device cuda --shape 1.5B --levels 1,8,32 --no-peer   # issue 11's bar
+    python -m bench.serve_load --device cuda --shape 1.5B --levels 1,8,32 --no-peer   # the GPU scale-out bar
 
 ``--shape`` (CUDA): the daemon serves a random-weight bf16 model of that Qwen2.5 shape (harness/random_models.py:
 0.5B, 1.5B, 7B) with the embedded target's tokenizer and FIM template, no draft model

@@ -8,8 +8,9 @@ the shared loop from the pinger. Attacks (one session, each after the previous o
 - one ``didChange`` with 20,000 small edits;
 - a 50 MB ``didOpen``; one change inserting 5 MB; one inserting 10 MB;
 - 5,000 ``fimble/stats`` requests in one write;
-- and larger variants (issue 29 audit): one ``didChange`` of 160,000 edits (16 MB), one notification of
-  14 MB of empty JSON arrays, and a ``didOpen`` of 84,000 characters whose parse is slow (error recovery).
+- and larger variants (from the attack audit, bench/reports/attacks-audit-2026-12-03.md): one ``didChange`` of
+  160,000 edits (16 MB), one notification of 14 MB of empty JSON arrays, and a ``didOpen`` of 84,000 characters
+  whose parse is slow (error recovery).
 
 The peer is the same pinger while the attacker sends one ordinary keystroke change (the idle
 floor, interleaved before each attack); the ratio is attack / ordinary. Target: worst wait

@@ -1,4 +1,4 @@
-"""Event-loop stalls on pathological documents, and engine recovery after SIGKILL / SIGSTOP (issue 14).
+"""Event-loop stalls on pathological documents, and engine recovery after SIGKILL / SIGSTOP.
 
 A real ``fimble lsp`` over stdio with the real engine. While work runs, a thread pings the
 server's event loop (a request for a method it does not have, answered by the loop itself)

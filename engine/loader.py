@@ -350,7 +350,7 @@ def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = 
 
         quantize_int8(runtime)
     if use_compact and str(device).startswith("cuda") and os.environ.get("FIMBLE_CUDA_GRAPHS", "1") != "0":
-        from engine.runtimes.cuda_graphs import GraphRuntime  # decode steps replayed as CUDA graphs (issue 11)
+        from engine.runtimes.cuda_graphs import GraphRuntime  # decode steps replayed as CUDA graphs
 
         runtime = GraphRuntime(runtime)
     return _assemble(folder, cfg, tokenizer, template, runtime, "compact" if use_compact else "hf")

@@ -14,7 +14,7 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 256
 
 @dataclass
 class DecodeOptions:
-    """Per-request decoding knobs. Issue 4's syntax policy sets these per cursor context."""
+    """Per-request decoding knobs. The LSP side's syntax policy sets these per cursor context."""
 
     max_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy

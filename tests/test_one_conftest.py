@@ -1,6 +1,6 @@
 """Tests import shared constants with ``from conftest import ...``. pytest imports every conftest.py as the
-module ``conftest``, so a second one under tests/ shadows the root one for files collected after it (stop
-19's CI failed at collection that way): shared fixtures belong in tests/conftest.py."""
+module ``conftest``, so a second one under tests/ shadows the root one for files collected after it (CI once
+failed at collection that way): shared fixtures belong in tests/conftest.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The embedded models' FIM format (engine/fim.py reads the same tokens):
   PSM: <|fim_pre|> prefix <|fim_suf|> suffix <|fim_mid|> middle <|endoftext|>
   SPM: <|fim_suf|> suffix <|fim_pre|> prefix <|fim_mid|> middle <|endoftext|>
 SPM puts the prefix last, right before the middle, so typing at the cursor only
-appends to the prompt: the KV cache (issue 5) keeps everything before it.
+appends to the prompt: the engine's KV cache keeps everything before it.
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ class CompactTransformer(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._rope_len = 0
-        # Batch-invariant kernels (engine/runtimes/gpu_kernels.py, issue 27): every pass runs through
+        # Batch-invariant kernels (engine/runtimes/gpu_kernels.py): every pass runs through
         # cuda_graphs.invariant_forward, so a row's logits are the same bits in a 1-token step, a verify block or a
         # graph replay. A kernel set's name ("invariant-cublas": cuBLAS projections on fixed 16-row passes;
         # "invariant": Triton projections) or True (the default set) turns them on, False off; None (default)

@@ -18,7 +18,7 @@ Every query row is computed on its own with the same tile shapes whatever the bl
 (``BLOCK_M`` rows of one kv head, the split layout fixed by key position), so a row's attention does not
 depend on which rows share its pass. Splits past a row's position do no work and add exact zeros.
 
-Batch invariance (issue 27): a row's logits must be the same bits in a 1-token step, a verify block and a batched
+Batch invariance: a row's logits must be the same bits in a 1-token step, a verify block and a batched
 round, eagerly or replayed from a graph, so that greedy speculative output equals plain output exactly. Two kernel
 sets give it (cuda_graphs ``invariant_layers``; ``invariant_default`` picks one):
 

@@ -1,4 +1,4 @@
-"""``fimble serve``: one engine daemon shared by many editors (issue 11, item 2).
+"""``fimble serve``: one engine daemon shared by many editors.
 
 Modules:
 - ``protocol``: the wire format (engine/process.py's msgpack messages over websockets, a

@@ -90,7 +90,8 @@ def test_bad_options_are_rejected(embedded_target):
 
 
 def test_model_without_fim_tokens_completes_from_the_prefix_and_a_forced_template_must_fit(tmp_path):
-    # Issue 12: prefix-only with a notice (tests/engine/test_real_model_fixes.py has the details).
+    # A pretrained model without FIM tokens: prefix-only with a notice (tests/engine/test_real_model_fixes.py has
+    # the details).
     folder = build_tiny_model(tmp_path / "nofim", vocab_size=300, with_tokenizer=False)
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

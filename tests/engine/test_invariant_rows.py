@@ -1,5 +1,5 @@
-"""The batch-invariant CUDA path's shape logic (engine/runtimes/cuda_graphs.py ``invariant_layers``, issue 27),
-on a CPU.
+"""The batch-invariant CUDA path's shape logic (engine/runtimes/cuda_graphs.py ``invariant_layers``), on a
+CPU.
 
 On CUDA the "invariant-cublas" kernel set pads every projection to a multiple of ``CUBLAS_ROWS`` rows (graph
 blocks are raised to it, eager passes get zero rows), so one cuBLAS kernel serves a 1-token step, a verify block

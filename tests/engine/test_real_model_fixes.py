@@ -1,4 +1,4 @@
-"""Loader and prompt fixes that real pretrained models needed (issue 12, part 5).
+"""Loader and prompt fixes that real pretrained models needed (found adapting SmolLM2).
 
 A tiny random Llama with a SmolLM2-shaped tokenizer stands in for the real base: its
 ``<|endoftext|>`` is the unk token, EOS is ``<|im_end|>``, and it has no FIM tokens.

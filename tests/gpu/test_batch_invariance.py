@@ -1,5 +1,5 @@
 """On a CUDA GPU: the batch-invariant kernels (engine/runtimes/gpu_kernels.py, the CUDA default) make a row's logits
-the same bits whatever pass computes it (issue 27, item 1).
+the same bits whatever pass computes it.
 
 1. Rows: a k-token verify pass against k 1-token steps, k = 1..16, at three cache depths, eagerly (the model's own
    forward) and through captured graphs (``GraphRuntime``), and eager against graph: the embedded target and draft

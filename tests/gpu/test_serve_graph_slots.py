@@ -144,7 +144,7 @@ def test_slot_graph_greedy_decode_1p5b_matches_eager():
     # Random weights give near-flat logits (many near ties) and a deep random net amplifies bf16 rounding, so
     # the bar is the per-sequence graph path on the same inputs, not a fixed error; with the default kernels
     # (cuBLAS on 16-row passes) that path is exact, and the bar is what the old kernels gave (3.8e-2, 73 flips:
-    # bench/reports/gpu-tests-h200-session12-2026-12-01.txt), a round of 16 streams multiplying 256 rows.
+    # bench/reports/gpu-tests-h200-2026-12-01.txt), a round of 16 streams multiplying 256 rows.
     assert unexplained == 0
     assert worst_rel <= max(5e-2, 2 * g_worst_rel)
     assert flips <= max(0.12 * N_STREAMS * STEPS, 2 * g_flips)

@@ -1,4 +1,4 @@
-"""Cross-file context end to end (issue 26): a real `fimble lsp` over stdio with the embedded model.
+"""Cross-file context end to end: a real `fimble lsp` over stdio with the embedded model.
 
 Open tabs and imports reach the engine's prompt (its counters count context tokens), the ring stays the
 same while the user types (keystrokes prefill a few tokens), imports are read from disk only inside the

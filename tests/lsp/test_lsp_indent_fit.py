@@ -1,4 +1,4 @@
-"""No indentation added to the editor's auto-indent (issue 13, VS Code 3).
+"""No indentation added to the editor's auto-indent (found driving VS Code).
 
 VS Code auto-indents the line after Enter; the model (token healing off, VS Code's default) re-typed
 indentation there and the ghost text sat 2-4 columns deeper. lsp_server/indent.py drops it.

@@ -1,4 +1,4 @@
-"""Who may connect, and what the logs keep (issue 14, findings 1, 4, 5).
+"""Who may connect, and what the logs keep.
 
 Before: --ws accepted any Origin and any Host and had no token, so any web page open in
 the user's browser could drive a local server; --ws/--tcp 0.0.0.0 bound without a word;

@@ -1,4 +1,4 @@
-"""A bad model setting never replaces a working engine (issue 29): the new one loads beside it and replaces it
+"""A bad model setting never replaces a working engine: the new one loads beside it and replaces it
 only once it is loaded and checked; a failure is one clear message and the working engine serves on.
 
 Before: a model folder with a corrupt or truncated weights file, NaN weights, or config/tokenizer files

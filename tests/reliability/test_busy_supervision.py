@@ -1,4 +1,4 @@
-"""Supervision that tells busy from stuck, and recovers (issue 23 item 6, issue 29 item 3): the judgment.
+"""Supervision that tells busy from stuck, and recovers: the judgment.
 
 The watchdog's verdicts (lsp_server/engine_watch.py) on a fake engine, a fake clock and a fake
 /proc: a process that computes is never stalled or stuck, however long it stays silent (up to the
@@ -203,7 +203,7 @@ def test_the_step_limit_grows_with_the_prefill_the_engine_reported():
 
 
 def test_a_long_prefill_on_a_loaded_machine_is_held_while_it_computes():
-    """Issue 23: a cold prompt prefill took tens of seconds on a loaded 2-core machine and was killed
+    """Seen with the default model: a cold prompt prefill took tens of seconds on a loaded 2-core machine and was killed
     three times as 'no progress for 30 s'. Computing (even a tenth of a core) is life."""
     clock = Clock()
     engine, proc, holds = Engine(clock, answers=True), Proc(clock, share=0.1, state="R"), []
@@ -324,7 +324,7 @@ async def test_a_start_the_engine_reported_failing_is_not_retried(monkeypatch):
 
 
 async def test_a_blocked_event_loop_does_not_get_the_idle_healthy_engine_killed(monkeypatch):
-    """Issue 29: a loop block over the stall limit made the watchdog kill the shared, idle engine."""
+    """Seen in the attack audit: a loop block over the stall limit made the watchdog kill the shared, idle engine."""
     monkeypatch.setattr(engine_host, "_start", lambda settings: _Healthy())
     monkeypatch.setattr(engine_host, "WATCH_INTERVAL_S", 0.02)
     monkeypatch.setattr(engine_host, "PING_AFTER_S", 0.1)

@@ -1,4 +1,4 @@
-"""Corrupt weights are a load error with a one-line reason (issue 14), never "ready" with empty completions.
+"""Corrupt weights are a load error with a one-line reason, never "ready" with empty completions.
 
 Tiny random models (tests/conftest.py) are written in safetensors and then damaged the ways a
 disk or a download does: all NaN, one Inf, random bytes over the tensor data, random bytes over

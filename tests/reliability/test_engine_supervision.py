@@ -1,4 +1,4 @@
-"""Engine supervision (issue 14): a killed or stalled engine is noticed, the user is told, requests are
+"""Engine supervision: a killed or stalled engine is noticed, the user is told, requests are
 answered, and the engine comes back; restart loops are bounded.
 
 End to end: a real ``fimble lsp`` over stdio with the real engine process, killed with SIGKILL

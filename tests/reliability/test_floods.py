@@ -1,4 +1,4 @@
-"""Floods of invalid messages, oversized settings and messages whose parse would stall the shared loop (issue 29).
+"""Floods of invalid messages, oversized settings and messages whose parse would stall the shared loop.
 
 Before: 2,000 invalid ``didChange`` notifications wrote 6,000 log lines (a warning per message, and pygls'
 two-line deserialisation error for params that do not fit the LSP types); and 100,000 stop strings in the

@@ -1,4 +1,4 @@
-"""Malformed frames and params over stdio, TCP and WebSocket: answered, resynced, never fatal (issue 14).
+"""Malformed frames and params over stdio, TCP and WebSocket: answered, resynced, never fatal.
 
 Before: a stdio header line over 1 MiB ended the server (exit 1); a missing, negative,
 non-numeric, too-small or huge Content-Length left it alive but deaf; over WS a message over
@@ -59,7 +59,7 @@ async def test_invalid_utf8_body_is_answered_to_its_id(stdio):
 
 
 async def test_fuzz_10000_messages_stdio():
-    """Issue 14's fuzz figure: >= 10,000 generated messages, then the server is alive and answers."""
+    """The fuzz bar: >= 10,000 generated messages, then the server is alive and answers."""
     rng = random.Random(SEED)
     s = await StdioServer.start()
     try:

@@ -1,6 +1,6 @@
 """The session's life cycle over stdio: before initialize, after shutdown, exit, batches, text edits.
 
-Issue 14 findings: requests before initialize were served and started the engine; requests
+Found in a review of the protocol's states: requests before initialize were served and started the engine; requests
 after shutdown got no response; a batch was not answered; ``didChange`` with ``text: null``
 put "None" into the server's copy; fimble/stats with its params omitted failed with -32602.
 """

@@ -1,4 +1,4 @@
-"""Every setting is range-checked, and each bad one is named to the user (issue 14).
+"""Every setting is range-checked, and each bad one is named to the user.
 
 Before: earlyAnswerMs, max_gamma or debounceMs at 10**400 broke every request with an
 OverflowError (traceback included) until changed; debounceMs at 10**12 left automatic

@@ -1,4 +1,4 @@
-"""A token by default on loopback too (issue 29, item 1): ``fimble lsp --tcp/--ws`` over real sockets.
+"""A token by default on loopback too: ``fimble lsp --tcp/--ws`` over real sockets.
 
 Threat: any web page the user has open can send requests to a loopback port (fetch/XHR and form POSTs
 with text/plain bodies, long URLs, a WebSocket from any Origin), and any local user can connect.

@@ -1,4 +1,4 @@
-"""One session per connection on --tcp and --ws (issue 14, findings 2 and 3).
+"""One session per connection on --tcp and --ws.
 
 Before: a second connection took over the server's output, read the first client's text
 through fimble/debug/document without initialize, got 1,550 of 1,600 responses that were
@@ -110,7 +110,7 @@ async def test_two_websocket_sessions_are_isolated():
 
 
 async def test_32_clients_50_requests_each_reach_their_own_client(tcp_debug):
-    """Issue 14's load figure: 32 concurrent TCP clients x 50 requests, every response its own, 0 errors."""
+    """The load bar: 32 concurrent TCP clients x 50 requests, every response its own, 0 errors."""
     clients, requests = 32, 50
 
     async def client(n: int) -> tuple[int, int]:

@@ -1,10 +1,11 @@
-"""``fimble serve``'s HTTP endpoint and websocket options under hostile or sloppy clients (issue 29, item 4).
+"""``fimble serve``'s HTTP endpoint and websocket options under hostile or sloppy clients.
 
-Each test is an attack from the issue, over real sockets to a real daemon (embedded model, loopback, a token):
-pipelined requests, a request followed by garbage, an extra CRLF after a body, huge numbers, deep nesting,
-bodies over the limit, options that fail validation on the websocket, 100,000 stop strings, and a prompt that
-cannot fit the context. Before the fix each of the HTTP ones closed the connection with no status and each
-websocket one left its request open. Assertions are on statuses, bodies and counters, never on timings.
+Each test is an attack from the audit (bench/reports/attacks-audit-2026-12-03.md), over real sockets to a real
+daemon (embedded model, loopback, a token): pipelined requests, a request followed by garbage, an extra CRLF after a
+body, huge numbers, deep nesting, bodies over the limit, options that fail validation on the websocket, 100,000 stop
+strings, and a prompt that cannot fit the context. Before the fix each of the HTTP ones closed the connection with
+no status and each websocket one left its request open. Assertions are on statuses, bodies and counters, never on
+timings.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``fimble serve`` requires a token by default, on loopback too (issue 29, item 1), and this machine's
+"""``fimble serve`` requires a token by default, on loopback too, and this machine's
 clients find it in the daemon's token file.
 
 A web page can POST text/plain to a loopback port, request long URLs and open a WebSocket from any

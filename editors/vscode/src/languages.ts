@@ -1,5 +1,5 @@
-// Which documents the extension syncs to the server and asks completions for (issue 13: only real source
-// files, only the languages the model knows).
+// Which documents the extension syncs to the server and asks completions for: only real source files
+// (never settings or Markdown), only the languages the model knows.
 //
 // The server says which languages its model was trained on: InitializeResult
 // `capabilities.experimental.fimble.languages`, a list of LSP language ids, or null for "unknown: all"

@@ -11,7 +11,7 @@ export interface ConfigReader {
 /**
  * Settings that decide which process runs (or what it loads): `machine` scope in package.json, and read
  * from the user's own settings only, never from a workspace's (a cloned repository's
- * .vscode/settings.json must not choose the command the extension runs; issue 14). Machine scope makes
+ * .vscode/settings.json must not choose the command the extension runs). Machine scope makes
  * VS Code ignore workspace values already; reading `globalValue` keeps that true in an untrusted
  * workspace and in hosts that do not apply scopes.
  */

@@ -1,5 +1,5 @@
 // The engine's state for the status bar: "loading model" until the model is loaded, then ready, or an
-// error with its reason (issue 13).
+// error with its reason (a user must see why nothing completes).
 //
 // The server reports it with `fimble/status` notifications (lsp_server/PROTOCOL.md) when it has them;
 // otherwise (an older server, or until the first notification) the watcher polls `fimble/stats`

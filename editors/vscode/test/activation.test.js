@@ -46,10 +46,10 @@ test('activate, stream ghost text, drop stale answers, toggle, deactivate', asyn
   assert.doesNotMatch(status.text, /loading/);
   const got = await fimble.client.sendRequest('fake/received');
   assert.deepEqual(got.initialize.initializationOptions, { model: '/models/m', maxLines: 3, enable: { markdown: false }, streaming: true });
-  // Only source files of the model's languages are synced (issue 13, VS Code 7): not settings.json, not Markdown.
+  // Only source files of the model's languages are synced: not settings.json, not Markdown.
   assert.deepEqual(fimble.selector, [{ scheme: 'file', language: 'python' }, { scheme: 'untitled', language: 'python' }]);
   assert.deepEqual(got.opened, [{ uri: 'file:///work/open.py', languageId: 'python' }]);
-  // The server's textDocument/completion fallback is not registered (issue 13, VS Code 8).
+  // The server's textDocument/completion fallback is not registered (it duplicated the ghost text).
   assert.equal(vscode.calls.completionProviders.length, 0);
   assert.equal(got.initialize.capabilities.experimental.fimble.completionDelta, true);
   assert.ok(got.initialize.capabilities.textDocument.inlineCompletion, 'the client advertises inline completion');

@@ -18,7 +18,7 @@ async function waitFor(pred, what, ms = 15000) {
 
 const context = () => ({ subscriptions: [], extensionPath: path.join(__dirname, '..'), extensionUri: vscode.Uri.file('/x') });
 
-// Issue 13, VS Code 4: the server's shutdown took 3.2 s under load, the client's stop timed out at 2 s and
+// The server's shutdown took 3.2 s under load, the client's stop timed out at 2 s and
 // restart() never started the new server: no message, status "stopped" for good.
 test('restart when the old server takes 3.2 s to shut down: a new server runs, status recovers', async (t) => {
   vscode.state.configLayers = {};
@@ -47,7 +47,7 @@ test('restart when the old server takes 3.2 s to shut down: a new server runs, s
   }, 'the old server to exit');
 });
 
-// Issue 14, item 7: a cloned repository's .vscode/settings.json must not choose the command that runs.
+// A cloned repository's .vscode/settings.json must not choose the command that runs.
 test('an untrusted workspace cannot choose the server command, its arguments or environment', async (t) => {
   vscode.state.isTrusted = false;
   vscode.state.config = {};

@@ -1,6 +1,6 @@
 'use strict';
-// What package.json declares (VS Code reads it before any code runs): issue 13 (VS Code 6, 8) and
-// issue 14 (item 7).
+// What package.json declares (VS Code reads it before any code runs): the languages, no completion fallback,
+// and settings that only the user's own configuration may set.
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const pkg = require('../package.json');

@@ -146,7 +146,7 @@ test('disabled: no requests, no re-triggers', async () => {
   assert.equal(host.retriggers, 0);
 });
 
-// Issue 13, VS Code 1: VS Code drops a re-trigger (it does not ask again at the same cursor and version
+// VS Code drops a re-trigger (it does not ask again at the same cursor and version
 // after an explicitly requested answer). Before: the pending flag stayed set, the ghost text froze at a
 // cut-off text and Tab inserted it. Now: a re-trigger after an explicit answer is forced, and one the
 // provider never saw is retried (forced), so what is shown ends as the server's final text.
@@ -226,7 +226,7 @@ test('a multi-line final text after a first-line answer is given whole', async (
   assert.equal(final[0].insertText, '"""The area."""\n    return 3.14 * r ** 2');
 });
 
-// Issue 13, VS Code 2: the server's range covers the auto-paired closer its text re-types; items built by
+// The server's range covers the auto-paired closer its text re-types; items built by
 // the extension kept only the cursor, so `math.sqrt(|)` + `1.0) / 2.0` gave `math.sqrt(1.0) / 2.0)`.
 test('items keep the range past auto-paired closers, from the answer and from deltas', async () => {
   const { doc, s, delta, editor } = setup();
