@@ -585,12 +585,8 @@ def _offset(text: str, pos: dict) -> int:
 
 def _lsp_init(model: str | None, settings: dict) -> None:
     import asyncio
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fimble_bench_lsp_latency", REPO / "bench" / "lsp_latency.py")
-    lat = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = lat
-    spec.loader.exec_module(lat)
+    from bench import lsp_latency as lat
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     cmd = [sys.executable, "-m", "lsp_server", "lsp"] + (["--model", model] if model else [])
