@@ -57,7 +57,7 @@ TRAIN=$!
 # Today's default through fimble lsp while the GPU trains (data preparation has the CPUs first).
 until grep -q "base loaded" "$OUT/train.log" 2>/dev/null || ! kill -0 $TRAIN 2>/dev/null; do sleep 3; done
 log "old default through fimble lsp"
-python3 bench/quality.py --set "$LSP_SETS" --limit "$LIMIT" --variants lsp --procs 14 --data "$UP/he" \
+python3 -m bench.quality --set "$LSP_SETS" --limit "$LIMIT" --variants lsp --procs 14 --data "$UP/he" \
   --model "$OLD" --json "$OUT/q-old-lsp.json" > "$OUT/q-old-lsp.log" 2>&1 || log "old lsp failed"
 log "old default lsp done"
 wait $TRAIN
@@ -65,12 +65,12 @@ log "training done"
 cp "$W/run/adapter/"* "$W/run/training_report.json" "$W/run/heldout.jsonl.xz" "$OUT/"
 python3 -m training.qwen_fim --source "$W/src.gguf" --out "$NEW" --adapter "$W/run/adapter" --any-digest
 log "new model through fimble lsp"
-python3 bench/quality.py --set "$LSP_SETS" --limit "$LIMIT" --variants lsp --procs 16 --data "$UP/he" \
+python3 -m bench.quality --set "$LSP_SETS" --limit "$LIMIT" --variants lsp --procs 16 --data "$UP/he" \
   --model "$NEW" --json "$OUT/q-new-lsp.json" > "$OUT/q-new-lsp.log" 2>&1 || log "new lsp failed"
 log "new lsp done"
-python3 bench/quality.py --set single-line,multi-line,random-span-x2 --limit "$RAW_LIMIT" --variants raw --procs 16 \
+python3 -m bench.quality --set single-line,multi-line,random-span-x2 --limit "$RAW_LIMIT" --variants raw --procs 16 \
   --data "$UP/he" --model "$NEW" --json "$OUT/q-new-raw.json" > "$OUT/q-new-raw.log" 2>&1 || log "new raw failed"
 log "new raw done"
-python3 bench/quality.py --set single-line,multi-line,random-span-x2 --limit "$RAW_LIMIT" --variants raw --procs 16 \
+python3 -m bench.quality --set single-line,multi-line,random-span-x2 --limit "$RAW_LIMIT" --variants raw --procs 16 \
   --data "$UP/he" --model "$OLD" --json "$OUT/q-old-raw.json" > "$OUT/q-old-raw.log" 2>&1 || log "old raw failed"
 log "job done"
