@@ -17,6 +17,10 @@ Sets (from /work/shared/data/humaneval-infilling, or --data DIR):
   per trained language, statement-start, mid-line and block-body cursors in files held out of
   training (training/corpus_langs.py, training/fim_lora.py); raw variant only, no tests: exact
   match and edit similarity. --limit applies per language.
+- multi-line, random-span-x2: only when named; derived from the same 164 programs with the published
+  HumanEval infilling rules (seeded), since those files are not in the data folder: up to 4 spans of 2-6
+  whole lines per solution (the cursor on the emptied line, as single-line; 468 problems), and 2 random
+  character spans per solution (328).
 --no-newline-heal measures the older healing rule; --template forces a template (or prefix-only).
 
 Variants:
@@ -26,6 +30,11 @@ Variants:
           streamed text goes through engine.postprocess.CompletionShaper (bracket guard, then
           validate_completion + fit_to_line_rest) and what it shows is what is scored. Sets
           that ask for one line cap every decision at one line (as an editor's maxLines would).
+- lsp:    through a real `fimble lsp` per worker (default settings, or --lsp-settings), as an editor drives
+          it: the document opened, one invoked inlineCompletion, the stream's final shown text applied
+          over [position, replaceEnd); the resulting document runs the tests (Python sets only).
+past|r: the share of shown answers that run past the middle (the whole middle, then more non-blank
+text) or re-type the suffix (retype or repLn below).
 --sweep adds every candidate in CANDIDATES: the policy with one group of contexts changed
 (temperature, gamma, confidence gate, line rules), run only on that group's problems; its JSON
 has the per-candidate, per-context table the defaults in engine/policy.py were chosen from.
