@@ -9,7 +9,7 @@ setup ever sees another's caches):
 - ``lcp``:   a plain longest-common-prefix cache like llama.cpp server's single slot:
   one ``document_id`` ("shared") for every file, ``reuse="exact"``, no segment lines;
 - ``exact``: fimble's per-document segmented caches: ``document_id`` = the file's name,
-  segment lines = tree-sitter top-level definitions (``engine.syntax``), ``reuse="exact"``;
+  segment lines = tree-sitter top-level definitions (``lsp_server.shaping.syntax``), ``reuse="exact"``;
 - ``shift``: as ``exact`` with ``reuse="shift"`` (moved pieces re-rotated, approximate).
 - ``psm``:   as ``exact`` but with the prefix-first layout (the ``fimble-psm`` template; the
   embedded models were trained on both orders): the prompt-layout choice, measured. PSM puts
@@ -77,7 +77,7 @@ from engine.api import CompletionRequest, CompletionResult
 from engine.fim import TEMPLATES
 from engine.local import LocalEngine, open_engine
 from engine.options import DecodeOptions
-from engine.syntax.document import SyntaxDocument
+from lsp_server.shaping.syntax.document import SyntaxDocument
 
 SETUPS = ("none", "lcp", "exact", "shift", "psm")
 DEF_TYPES = ("function_definition", "class_definition", "decorated_definition")

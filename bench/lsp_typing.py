@@ -60,7 +60,7 @@ from typing import Any
 
 from bench.lsp_latency import STDLIB, RpcClient, percentile, utf16_len
 from engine.model_info import default_target
-from engine.syntax import suffix_overlap
+from lsp_server.shaping.syntax import suffix_overlap
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -379,8 +379,9 @@ class Pause:
     after_tab_key_ms: float | None = None
     after_tab_cached: bool | None = None
     cpu_pct: float | None = None  # server tree CPU, % of one core, in [last key + 2 s, + 3 s]
-    # The shown text re-types the document after the cursor (engine/syntax/suffix_overlap.py's cut rule), and
-    # the looser measure: a 10+ char line of it equals one of the next 10 non-blank lines. None: nothing shown.
+    # The shown text re-types the document after the cursor (lsp_server/shaping/syntax/suffix_overlap.py's cut
+    # rule), and the looser measure: a 10+ char line of it equals one of the next 10 non-blank lines.
+    # None: nothing shown.
     retypes_suffix: bool | None = None
     repeats_suffix_line: bool | None = None
     stream: list = field(default_factory=list)  # the request's deltas and answer: [ms after the key, kind, chars, end]
@@ -782,7 +783,8 @@ def print_report(out: dict, s: dict, args: argparse.Namespace, commit: str) -> N
           f"with a delta's text the extension never showed (cut to nothing, or answered late): "
           f"{s['pauses_text_not_shown']}; first text from the type-through cache: {s['pauses_served_from_cache']}")
     print(f"shown text re-typing what follows the cursor: {s['shown_retyping_suffix']} of {s['pauses_shown']} "
-          f"pauses with shown text (the shaper's rule, engine/syntax/suffix_overlap.py); with a 10+ char line equal "
+          f"pauses with shown text (the shaper's rule, lsp_server/shaping/syntax/suffix_overlap.py); "
+          f"with a 10+ char line equal "
           f"to one of the next 10 lines: {s['shown_repeating_suffix_line']}")
     print(f"Tab: {s['accepts_matched']} accepted (the file goes on so), {s['accepts_undone']} accepted then undone; "
           f"the next completion's first delta said cached: {s['after_tab_cached']}")

@@ -26,8 +26,8 @@ Sets (from /work/shared/data/humaneval-infilling, or --data DIR):
 Variants:
 - raw:    the engine alone: greedy, 96 tokens, one line for single-line/context-lines (the task
           asks for one line), no line limit for random-span; the text is used as it comes.
-- policy: engine.policy.decide() on the cursor's syntax context picks the DecodeOptions; the
-          streamed text goes through engine.postprocess.CompletionShaper (bracket guard, then
+- policy: lsp_server.shaping.policy.decide() on the cursor's syntax context picks the DecodeOptions; the
+          streamed text goes through lsp_server.shaping.shaper.CompletionShaper (bracket guard, then
           validate_completion + fit_to_line_rest) and what it shows is what is scored. Sets
           that ask for one line cap every decision at one line (as an editor's maxLines would).
 - lsp:    through a real `fimble lsp` per worker (default settings, or --lsp-settings), as an editor drives
@@ -37,7 +37,7 @@ past|r: the share of shown answers that run past the middle (the whole middle, t
 text) or re-type the suffix (retype or repLn below).
 --sweep adds every candidate in CANDIDATES: the policy with one group of contexts changed
 (temperature, gamma, confidence gate, line rules), run only on that group's problems; its JSON
-has the per-candidate, per-context table the defaults in engine/policy.py were chosen from.
+has the per-candidate, per-context table the defaults in lsp_server/shaping/policy.py were chosen from.
 
 Cursor documents: single-line problems are classified as an editor sees them, on the empty line
 auto-indented like the previous line (one level more after a `:`); the model gets exactly the
@@ -55,7 +55,7 @@ out: variants of one problem share its KV cache). The shaper's Python stage enfo
 like noErr's, so for Python that share is high by construction (other languages rely on the
 tree-sitter checks of validate_completion alone).
 Suffix re-typing (shown completions, any language): retype: the share that re-types the text after
-the cursor by engine.syntax.suffix_overlap's rules (the rule the shaper cuts by, so 0 for policy by
+the cursor by lsp_server.shaping.syntax.suffix_overlap's rules (the rule the shaper cuts by, so 0 for policy by
 construction; raw shows what the model does); repLn: the looser share with any line of 10+
 non-space characters equal to one of the next 10 non-blank lines (an upper bound: it also counts a
 line that legitimately recurs, e.g. `return None` in two branches).
@@ -100,7 +100,7 @@ RAW_MAX_TOKENS = 96
 LINE_KINDS = ("comment", "string", "import", "attribute_chain", "call_args", "parameters", "mid_statement")
 
 # Context groups the sweep varies together, and the candidates tried for each. A candidate row
-# is an override row (engine.policy field -> value) applied to every context of its group.
+# is an override row (lsp_server.shaping.policy field -> value) applied to every context of its group.
 GROUPS = {
     "prose": ("comment", "string"),
     "code-line": ("import", "attribute_chain", "call_args", "parameters", "mid_statement"),
@@ -187,7 +187,7 @@ _CURSOR_SPOTS = re.compile(r"(?<=\w\.)(?=\w)|\((?=[^)\s])|#\s*\w+ |(?:import|fro
 
 def context_line_problems(rows: list[dict]) -> list[Problem]:
     """One rest-of-line problem per (task, context kind), from the single-line set's programs."""
-    from engine.syntax import SyntaxDocument, classify
+    from lsp_server.shaping.syntax import SyntaxDocument, classify
 
     programs: dict[str, dict] = {}
     for r in rows:
@@ -326,7 +326,7 @@ def held_out_problems(langs_dir: Path | None, python_file: Path | None, per_kind
 
 
 def classify_problems(problems: list[Problem]) -> None:
-    from engine.syntax import SyntaxDocument, classify
+    from lsp_server.shaping.syntax import SyntaxDocument, classify
 
     for p in problems:
         if p.set.startswith("held-out-"):
@@ -390,7 +390,7 @@ def variants_for(names: list[str], sweep: bool) -> list[Variant]:
 def options_for(p: Problem, v: Variant):
     """(DecodeOptions, decision dict or None) for a problem under a variant; None if not run."""
     from engine.decoding.speculative import DecodeOptions
-    from engine.policy import DEFAULTS, decide_for_context
+    from lsp_server.shaping.policy import DEFAULTS, decide_for_context
 
     seed = zlib.crc32(f"{p.task_id}/{v.name}".encode())
     if v.name == "lsp" and p.set.startswith("held-out-"):
@@ -485,7 +485,7 @@ def adds_no_parse_error(p: Problem, shown: str) -> bool:
     completion has (same place and message, mapped past the inserted text, and not blamed on
     an inserted line). Random spans also accept a first error after the inserted text: a fill
     that stops early leaves the rest of the span missing (a viable prefix). Independent of
-    tree-sitter; the shaper's own Python stage (engine/postprocess.py) applies a similar rule.
+    tree-sitter; the shaper's own Python stage (lsp_server/shaping/shaper.py) applies a similar rule.
     """
     new = _first_error(p.program(shown))
     if new is None:
@@ -515,8 +515,8 @@ def shape_and_score(p: Problem, text: str, shape: bool, known: dict | None = Non
     text has not changed (running the tests is most of the cost of a rescore)."""
     shown, cut = text, None
     if shape:
-        from engine.postprocess import CompletionShaper
-        from engine.syntax import SyntaxDocument
+        from lsp_server.shaping.shaper import CompletionShaper
+        from lsp_server.shaping.syntax import SyntaxDocument
 
         shaped = CompletionShaper(SyntaxDocument("python", p.doc_text), p.cursor, snapshot=False).finish(text)
         shown, cut = shaped.text, shaped.cut_reason
@@ -530,7 +530,7 @@ def shape_and_score(p: Problem, text: str, shape: bool, known: dict | None = Non
         passed = passes(p.runnable(shown)) if p.has_tests else None
     retype = rep_line = None
     if shown.strip():
-        from engine.syntax.suffix_overlap import repeats_a_suffix_line, suffix_overlap_cut, text_after
+        from lsp_server.shaping.syntax.suffix_overlap import repeats_a_suffix_line, suffix_overlap_cut, text_after
 
         data = p.doc_text.encode("utf-8")
         line_prefix = data[data.rfind(b"\n", 0, p.cursor) + 1 : p.cursor].decode("utf-8", errors="replace")
@@ -674,7 +674,7 @@ def score_document(p: Problem, shown: str, doc: str) -> dict:
     passed = passes(doc + "\n" + p.test + f"\ncheck({p.entry_point})\n") if p.has_tests else None
     retype = rep_line = None
     if shown.strip():
-        from engine.syntax.suffix_overlap import repeats_a_suffix_line, suffix_overlap_cut, text_after
+        from lsp_server.shaping.syntax.suffix_overlap import repeats_a_suffix_line, suffix_overlap_cut, text_after
 
         data = p.ctx_text.encode("utf-8")
         line_prefix = data[data.rfind(b"\n", 0, p.ctx_cursor) + 1 : p.ctx_cursor].decode("utf-8", errors="replace")
@@ -792,7 +792,7 @@ def print_table(title: str, rows: list[tuple[str, ...]], stats: list[dict]) -> N
 
 
 def choose(candidates: dict[str, dict], rows: dict[str, dict]) -> str:
-    """The candidate a group's defaults should take, by the rule engine/policy.py states.
+    """The candidate a group's defaults should take, by the rule lsp_server/shaping/policy.py states.
 
     Eligible: pass@1 not below the current defaults' ('policy') and shown parse-ok >= 99%.
     Greedy candidates differ only in speed (lossless decoding: same text), so the greedy pick is
@@ -949,7 +949,7 @@ def report(records: list[dict], problems: list[Problem], sets: list[str], decisi
                     slabels, sstats)
         print("best per group: " + ", ".join(f"{g} {c['best']}" for g, c in results["candidates"].items()))
 
-    from engine.policy import policy_table
+    from lsp_server.shaping.policy import policy_table
 
     results["policy_table"] = policy_table()
     if json_path:

@@ -22,8 +22,8 @@ import sysconfig
 import time
 from pathlib import Path
 
-from engine.syntax.context import classify
-from engine.syntax.document import SyntaxDocument
+from lsp_server.shaping.syntax.context import classify
+from lsp_server.shaping.syntax.document import SyntaxDocument
 
 TARGET_LINES = 3000
 # What gets typed, key by key, by an editor that auto-indents and auto-pairs brackets and

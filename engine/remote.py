@@ -16,7 +16,7 @@ server stop generating. Stop strings and the line limit are also applied here (t
 may be capped at 4, and none enforces a line limit), and the stream is closed at the first one.
 Every failure (server down, 4xx/5xx, malformed event, timeout) ends the stream with a one-line error;
 none raises into the caller. Only the backend lives here: the syntax policy, shaping and streaming to
-the editor stay in lsp_server/ and engine/postprocess.py.
+the editor stay on the LSP side of the API.
 
 Security: a plain-http engine on another machine would carry document text and the token in clear,
 so it is refused unless ``allow_remote``; https verifies the certificate (ssl's default context).

@@ -270,10 +270,10 @@ def read_source(path: Path) -> str:
 
 
 def run_complete(args: argparse.Namespace) -> int:
-    from engine.syntax.languages import normalize_language_id
     from lsp_server.documents import Document
     from lsp_server.prompt import build_context, clean
     from lsp_server.settings import Settings
+    from lsp_server.shaping.syntax.languages import normalize_language_id
 
     path, line, col = parse_spec(args.spec)
     # The language from the file name, as an editor would send it (".py" -> python): the policy needs it.
@@ -301,9 +301,9 @@ def run_complete(args: argparse.Namespace) -> int:
     if args.raw:
         opts = DecodeOptions(max_tokens=args.max_tokens, max_lines=args.max_lines, drafter=args.drafter)
     else:  # what the editor would show: the syntax policy's options for this cursor, then the shaper
-        from engine.policy import cap_line_limit, decide
-        from engine.postprocess import CompletionShaper
-        from engine.syntax.context import classify
+        from lsp_server.shaping.policy import cap_line_limit, decide
+        from lsp_server.shaping.shaper import CompletionShaper
+        from lsp_server.shaping.syntax.context import classify
 
         byte = doc.byte_offset(line - 1, col - 1)
         cursor_ctx = classify(doc.syntax, byte)

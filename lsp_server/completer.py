@@ -9,9 +9,9 @@
   ends, or ``earlyAnswerMs`` passes; the generation keeps running for later keystrokes.
 - Version safety: an answer computed for an older document version is re-based onto
   what was typed since (when that agrees with it) or dropped. Never shown wrong.
-- Syntax policy: each decode's options come from engine.policy.decide at its cursor
+- Syntax policy: each decode's options come from lsp_server.shaping.policy.decide at its cursor
   (settings maxTokens / maxLines cap them, settings ``policy`` overrides the table), and
-  its text streams through an engine.postprocess.CompletionShaper: the bracket guard ends
+  its text streams through an lsp_server.shaping.shaper.CompletionShaper: the bracket guard ends
   the decode at a closer beyond the completion's scope, and every answer is the shaper's
   ``finish`` at the answer's cursor (text, plus the auto-paired closers it replaces).
   A finished decode's text is cut to its shaped text, so type-through serves only that.
@@ -37,10 +37,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from engine.options import DecodeOptions  # plain data: no torch here
-from engine.policy import cap_line_limit, decide
-from engine.postprocess import CompletionShaper
-from engine.syntax.brackets import fit_to_line_rest
-from engine.syntax.context import classify
 from lsp_server import indent
 from lsp_server.context import CrossFileContext
 from lsp_server.documents import Document, DocumentStore
@@ -51,6 +47,10 @@ from lsp_server.positions import advance, from_codepoints
 from lsp_server.prompt import Context, build_context, clean, typed_since
 from lsp_server.segments import segment_lines
 from lsp_server.settings import Settings
+from lsp_server.shaping.policy import cap_line_limit, decide
+from lsp_server.shaping.shaper import CompletionShaper
+from lsp_server.shaping.syntax.brackets import fit_to_line_rest
+from lsp_server.shaping.syntax.context import classify
 from lsp_server.stats import Stats
 from lsp_server.streaming import DeltaStreamer, Subscription
 from lsp_server.telemetry import Telemetry

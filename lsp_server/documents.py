@@ -6,7 +6,7 @@ not LSP line breaks (U+2028, form feed, ...). Here only ``\\n``, ``\\r\\n`` and 
 end a line, an edit touches only the lines it spans, and the total length is tracked so
 "what was typed since" checks cost one window, not one document.
 
-Each document also keeps an ``engine.syntax.SyntaxDocument`` (``Document.syntax``) in step,
+Each document also keeps an ``lsp_server.shaping.syntax.SyntaxDocument`` (``Document.syntax``) in step,
 edit by edit (incremental reparse of one segment): the syntax policy and the completion
 shaper read it. It holds the same text with two same-length substitutions (``syntax_text``):
 lone surrogates become U+FFFD, and a lone ``\\r`` (an old Mac line end) becomes ``\\n``.
@@ -37,9 +37,9 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from engine.syntax.document import SyntaxDocument  # no torch: tree-sitter only
 from lsp_server.positions import UTF16, PositionError, from_codepoints, to_codepoints
 from lsp_server.segments import block_start_rows
+from lsp_server.shaping.syntax.document import SyntaxDocument  # no torch: tree-sitter only
 
 _BREAK = re.compile(r"(\r\n|\r|\n)")
 _OTHER_BREAKS = re.compile("[\v\f\x1c\x1d\x1e\x85\u2028\u2029]")

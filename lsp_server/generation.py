@@ -52,7 +52,7 @@ class Generation:
         self.t_first_line: float | None = None
         self.t_done: float | None = None
         self.build_ms = build_ms
-        # Syntax shaping (engine.postprocess.CompletionShaper, set by the completer): its guard
+        # Syntax shaping (lsp_server.shaping.shaper.CompletionShaper, set by the completer): its guard
         # stops the text at a closer beyond the completion's scope while streaming (``cut``);
         # at the end its ``finish`` may shorten ``text`` further. ``replace_cols``: then set
         # to the code points after the anchor cursor the final text replaces (auto-paired

@@ -3,7 +3,7 @@
 An editor auto-indents the line after Enter (VS Code: `def f(x):` + Enter puts the cursor at column
 4). The model, without token healing, often re-types indentation there: its tokens merge runs of
 spaces, so after a prompt ending in four spaces it emits `    return x`, and the ghost text sits at
-column 8 (issue 13, VS Code 3). ``IndentFit`` removes that leading whitespace from the completion's
+column 8. ``IndentFit`` removes that leading whitespace from the completion's
 first line, and the same amount from the indentation of each following line (the model placed the
 whole block that much deeper), as the text streams: whitespace at a line's start is held back until
 the line's first other character shows how much to drop.

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from engine.policy import check_overrides  # no torch
+from lsp_server.shaping.policy import check_overrides  # no torch
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ _RANGES = {
     "prefix_chars": (0, 1_000_000), "suffix_chars": (0, 1_000_000), "engine_threads": (0, 1024),
     "kv_cache_mb": (0, 1 << 20), "prewarm_delay_ms": (0, 60_000), "cross_file_budget": (0, 4096),
 }
-# Upper bounds of the policy override fields that engine/policy.py checks only from below.
+# Upper bounds of the policy override fields that lsp_server/shaping/policy.py checks only from below.
 _POLICY_MAX = {"temperature": 10.0, "gamma": 64, "max_gamma": 64, "max_tokens": 4096, "max_lines": 1000}
 _DEVICE = re.compile(r"(cpu|mps|cuda(:\d{1,2})?)")
 MAX_PATH_CHARS = 4096
@@ -60,11 +60,11 @@ class Settings:
     no_draft: bool = False
     device: str = "cpu"
     drafter: str = "auto"
-    # Caps on what the syntax policy (engine/policy.py) decides per cursor context. The
+    # Caps on what the syntax policy (lsp_server/shaping/policy.py) decides per cursor context. The
     # defaults don't bind: the policy's largest rows are 8 lines (top_level) and 128 tokens.
     max_lines: int = 8  # 0 = no limit
     max_tokens: int = 128
-    # Overrides of the policy table, passed to engine.policy.decide: {"comment": {"max_tokens":
+    # Overrides of the policy table, passed to lsp_server.shaping.policy.decide: {"comment": {"max_tokens":
     # 16}, "*": {"multiline": False}, ...}. Checked when set; a bad one is ignored with a warning.
     policy: dict | None = None
     debounce_ms: int = 0  # server-side wait before starting the model (type-through hits skip it)
@@ -227,7 +227,7 @@ def _shown(value: Any) -> str:
 
 
 def _policy_over_max(overrides: dict | None) -> list[str]:
-    """Policy values engine/policy.py would accept but that break decoding (temperature 1e308, 10**400)."""
+    """Policy values lsp_server/shaping/policy.py would accept but that break decoding (temperature 1e308, 10**400)."""
     problems = []
     rows = overrides.items() if isinstance(overrides, dict) else ()
     for key, row in rows:

@@ -1,4 +1,4 @@
-"""Cross-file context: other files' code before the prompt (issue 26). See service.py."""
+"""Cross-file context: other files' code before the prompt. See service.py."""
 
 from lsp_server.context.service import CrossFileContext
 

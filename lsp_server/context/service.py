@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.syntax.document import SyntaxDocument  # no torch: tree-sitter only
 from lsp_server.context.chunks import Chunk, chunk_spans, identifiers, jaccard, window_text
 from lsp_server.context.files import MAX_FILE_BYTES, inside, read_inside, resolve_roots, uri_to_path
 from lsp_server.context.imports import (
@@ -50,6 +49,7 @@ from lsp_server.context.imports import (
 )
 from lsp_server.context.ring import Ring
 from lsp_server.documents import Document, DocumentStore
+from lsp_server.shaping.syntax.document import SyntaxDocument  # no torch: tree-sitter only
 from lsp_server.stats import Stats
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from engine.syntax.document import SyntaxDocument
 from lsp_server.context.imports import (
     DEF_MAX_LINES,
     Import,
@@ -11,6 +10,7 @@ from lsp_server.context.imports import (
     java_source_root,
     module_candidates,
 )
+from lsp_server.shaping.syntax.document import SyntaxDocument
 
 PY = '''import os.path as osp
 import pkg.tools

@@ -21,7 +21,7 @@ from lsp_helpers import (
 from lsprotocol import types
 from pytest_lsp import LanguageClient
 
-from engine.syntax.document import SyntaxDocument
+from lsp_server.shaping.syntax.document import SyntaxDocument
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

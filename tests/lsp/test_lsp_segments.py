@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.syntax.document import SyntaxDocument
 from lsp_server.documents import Document
 from lsp_server.prompt import build_context
 from lsp_server.segments import block_start_rows, is_block_type, segment_lines
 from lsp_server.settings import Settings
+from lsp_server.shaping.syntax.document import SyntaxDocument
 
 PY = '''import os
 # a comment

@@ -1,4 +1,4 @@
-"""No shown completion re-types the text after the cursor (issue 29, item 5).
+"""No shown completion re-types the text after the cursor.
 
 Real server over stdio, real (embedded) model, streaming on as the VS Code extension has it. At an
 empty line right above `return result` the embedded model writes `return result` (greedy): the
@@ -16,7 +16,7 @@ import pytest_lsp
 from lsp_helpers import SERVER, Deltas, init_params, inline, items_of, open_doc, stats
 from pytest_lsp import LanguageClient
 
-from engine.syntax.suffix_overlap import suffix_overlap_cut
+from lsp_server.shaping.syntax.suffix_overlap import suffix_overlap_cut
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

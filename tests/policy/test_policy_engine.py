@@ -15,9 +15,9 @@ import torch
 from engine.api import CompletionRequest
 from engine.decoding.speculative import SpeculativeDecoder
 from engine.local import LocalEngine
-from engine.policy import decide, decide_for_context
-from engine.postprocess import CompletionShaper
-from engine.syntax import SyntaxDocument
+from lsp_server.shaping.policy import decide, decide_for_context
+from lsp_server.shaping.shaper import CompletionShaper
+from lsp_server.shaping.syntax import SyntaxDocument
 
 # A prompt on which the embedded model writes several lines of code.
 PREFIX = "import os\n\n\ndef list_python_files(root):\n    result = []\n    for name in os.listdir(root):\n"

@@ -1,4 +1,4 @@
-"""engine.postprocess.CompletionShaper on real tree-sitter documents (no model)."""
+"""lsp_server.shaping.shaper.CompletionShaper on real tree-sitter documents (no model)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import ast
 
 import pytest
 
-from engine.postprocess import CompletionShaper
-from engine.syntax import SyntaxDocument
+from lsp_server.shaping.shaper import CompletionShaper
+from lsp_server.shaping.syntax import SyntaxDocument
 
 MARK = "<|>"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ast
 
-from engine.postprocess import CompletionShaper
-from engine.syntax import SyntaxDocument
+from lsp_server.shaping.shaper import CompletionShaper
+from lsp_server.shaping.syntax import SyntaxDocument
 
 MARK = "<|>"
 
@@ -31,7 +31,7 @@ class Flask:
         """Called after the request is dispatched."""
         return None
 '''
-# What the default model wrote there (issue 29): text that follows a few lines below.
+# What the default model wrote there: text that follows a few lines below.
 RETYPE = (
     "return response\n\n    def do_teardown_request(\n        self,\n"
     "        exc: BaseException | None = _sentinel,  # type: ignore[assignment]\n    ) -> None:\n"

@@ -1,10 +1,10 @@
-"""engine.policy: real tree-sitter documents -> the decision for each cursor context."""
+"""lsp_server.shaping.policy: real tree-sitter documents -> the decision for each cursor context."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.policy import (
+from lsp_server.shaping.policy import (
     CONTEXT_NAMES,
     DEFAULTS,
     PolicyDecision,
@@ -13,7 +13,7 @@ from engine.policy import (
     decide_for_context,
     policy_table,
 )
-from engine.syntax import ContextKind, SyntaxDocument, classify
+from lsp_server.shaping.syntax import ContextKind, SyntaxDocument, classify
 
 MARK = "<|>"
 

@@ -1,4 +1,4 @@
-"""Limits on what one request may ask for (issue 29): stop strings, JSON bodies, prompts that cannot fit.
+"""Limits on what one request may ask for: stop strings, JSON bodies, prompts that cannot fit.
 
 100,000 stop strings in an editor's ``policy`` setting were accepted and made every completion about 10x
 slower; DecodeOptions.validate, the policy's own check and the settings merge now refuse them. JSON bodies are
@@ -17,9 +17,9 @@ from engine.api import CompletionRequest, DecodeOptions
 from engine.caching.prompt_plan import PromptBuilder
 from engine.errors import PromptError
 from engine.options import MAX_STOP_CHARS, MAX_STOPS
-from engine.policy import check_overrides
 from engine.serve import json_body, prompt_bound
 from lsp_server.settings import Settings
+from lsp_server.shaping.policy import check_overrides
 
 MANY_STOPS = ["x"] * 100_000
 

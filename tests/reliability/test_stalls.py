@@ -22,11 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lsp_server.documents as documents
-from engine.syntax import lexer
-from engine.syntax.context import classify
-from engine.syntax.document import SyntaxDocument
 from harness.raw_lsp import Pinger, RawServer, big_line_document, lone_cr_document, type_and_ask
 from lsp_server.documents import Document, split_lines, syntax_text
+from lsp_server.shaping.syntax import lexer
+from lsp_server.shaping.syntax.context import classify
+from lsp_server.shaping.syntax.document import SyntaxDocument
 
 
 def _run_within(seconds: float, fn) -> None:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from engine.syntax.brackets import (
+from lsp_server.shaping.syntax.brackets import (
     BracketGuard,
     closers_after_cursor,
     fit_to_line_rest,

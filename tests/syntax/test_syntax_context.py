@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.syntax.context import ContextKind, classify
+from lsp_server.shaping.syntax.context import ContextKind, classify
 
 from .util import doc_at
 

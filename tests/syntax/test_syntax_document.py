@@ -5,7 +5,7 @@ import random
 import pytest
 from tree_sitter import Parser, Range
 
-from engine.syntax.document import SEGMENT_LINES, SyntaxDocument
+from lsp_server.shaping.syntax.document import SEGMENT_LINES, SyntaxDocument
 
 PY = 'def grüß(name):\n    """Sagt Hallo 👋."""\n    return f"Hallo {name}!"  # ß\n\nx = [1, 2, 3]\n'
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from tree_sitter import Language, Parser
 
-from engine.syntax.languages import (
+from lsp_server.shaping.syntax.languages import (
     SUPPORTED_LANGUAGE_IDS,
     get_language,
     is_indent_scoped,

@@ -1,8 +1,8 @@
-"""engine.syntax.suffix_overlap: where a completion starts re-typing the text after the cursor."""
+"""lsp_server.shaping.syntax.suffix_overlap: where a completion starts re-typing the text after the cursor."""
 
 from __future__ import annotations
 
-from engine.syntax.suffix_overlap import (
+from lsp_server.shaping.syntax.suffix_overlap import (
     SuffixOverlap,
     repeats_a_suffix_line,
     suffix_overlap_cut,

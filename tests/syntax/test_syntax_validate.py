@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from engine.syntax.context import classify
-from engine.syntax.validate import CutReason, validate_completion
+from lsp_server.shaping.syntax.context import classify
+from lsp_server.shaping.syntax.validate import CutReason, validate_completion
 
 from .util import doc_at, finalize
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.syntax.document import SyntaxDocument
-from engine.syntax.validate import ValidationResult, validate_completion
+from lsp_server.shaping.syntax.document import SyntaxDocument
+from lsp_server.shaping.syntax.validate import ValidationResult, validate_completion
 
 MARKER = "<|>"
 

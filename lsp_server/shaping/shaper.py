@@ -1,6 +1,6 @@
 """Shape a streamed completion into what the editor shows: where to stop, what to show, what to replace.
 
-    from engine.postprocess import CompletionShaper
+    from lsp_server.shaping.shaper import CompletionShaper
     shaper = CompletionShaper(doc, cursor_byte)          # at request time (snapshots the doc)
     for delta in stream:                                 # while the engine streams
         stop = shaper.feed(delta.text)
@@ -13,15 +13,15 @@
 API (all of it):
 
 - `CompletionShaper(doc, cursor_byte, context=None, encoding="utf-16", snapshot=True)`.
-  `doc` is an engine.syntax.SyntaxDocument, `cursor_byte` a UTF-8 byte offset. The shaper
+  `doc` is an lsp_server.shaping.syntax.SyntaxDocument, `cursor_byte` a UTF-8 byte offset. The shaper
   takes a snapshot of the document (the caller may keep editing its own), and classifies the
   cursor unless `context` (a CursorContext for that cursor, e.g. from `decide`) is given.
   `encoding` is the LSP position encoding used for `ShapedCompletion.range`.
 - `feed(chunk) -> int | None`: add streamed text. Returns None while generation may go on, or
   the character index (into all the text fed so far) where the completion must stop: the
   first closer that would close a bracket or string the completion did not open and may not
-  close (engine.syntax.BracketGuard), or the end of the text kept before a line that starts
-  re-typing the text after the cursor (engine.syntax.suffix_overlap: judged as each line
+  close (lsp_server.shaping.syntax.BracketGuard), or the end of the text kept before a line that starts
+  re-typing the text after the cursor (lsp_server.shaping.syntax.suffix_overlap: judged as each line
   completes, so the index may lie inside text fed earlier). Once stopped it keeps returning
   that index; text fed after it is ignored.
 - `text` / `stopped` / `stop` / `stop_reason`: the accepted text so far, and whether / where /
@@ -65,12 +65,12 @@ import re
 import warnings
 from dataclasses import dataclass
 
-from engine.syntax.brackets import BracketGuard, fit_to_line_rest, seed_closable
-from engine.syntax.context import CursorContext, classify
-from engine.syntax.document import SyntaxDocument
-from engine.syntax.languages import is_indent_scoped
-from engine.syntax.suffix_overlap import SuffixOverlap, text_after
-from engine.syntax.validate import validate_completion
+from lsp_server.shaping.syntax.brackets import BracketGuard, fit_to_line_rest, seed_closable
+from lsp_server.shaping.syntax.context import CursorContext, classify
+from lsp_server.shaping.syntax.document import SyntaxDocument
+from lsp_server.shaping.syntax.languages import is_indent_scoped
+from lsp_server.shaping.syntax.suffix_overlap import SuffixOverlap, text_after
+from lsp_server.shaping.syntax.validate import validate_completion
 
 __all__ = ["CompletionShaper", "ShapedCompletion"]
 

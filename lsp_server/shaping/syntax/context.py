@@ -1,7 +1,7 @@
 """Classify where the cursor sits (comment, string, call arguments, block start, ...).
 
 The decoding policy uses this to pick stop rules and prompt shapes. Everything is derived from
-the frames open at the cursor (engine/syntax/tree_frames.py) plus the cursor line's text, so a
+the frames open at the cursor (lsp_server/shaping/syntax/tree_frames.py) plus the cursor line's text, so a
 half-typed line that the parser could not make sense of still classifies sensibly.
 """
 
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from tree_sitter import Node
 
-from engine.syntax.brackets import closers_after_cursor
-from engine.syntax.document import SyntaxDocument
-from engine.syntax.languages import is_indent_scoped
-from engine.syntax.lexer import Frame, FrameKind
-from engine.syntax.tree_frames import COMMENT_TYPES, STRING_TYPES, open_frames
+from lsp_server.shaping.syntax.brackets import closers_after_cursor
+from lsp_server.shaping.syntax.document import SyntaxDocument
+from lsp_server.shaping.syntax.languages import is_indent_scoped
+from lsp_server.shaping.syntax.lexer import Frame, FrameKind
+from lsp_server.shaping.syntax.tree_frames import COMMENT_TYPES, STRING_TYPES, open_frames
 
 
 class ContextKind(enum.Enum):

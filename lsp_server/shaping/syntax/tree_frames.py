@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from tree_sitter import Node
 
-from engine.syntax.document import SyntaxDocument
-from engine.syntax.lexer import PLAIN, Frame, FrameKind, LexSpec, Scanner, spec_for, string_frame
+from lsp_server.shaping.syntax.document import SyntaxDocument
+from lsp_server.shaping.syntax.lexer import PLAIN, Frame, FrameKind, LexSpec, Scanner, spec_for, string_frame
 
 STRING_TYPES = frozenset(
     {

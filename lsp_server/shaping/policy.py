@@ -1,10 +1,10 @@
 """Decoding policy: which DecodeOptions a completion gets, from the syntax context at the cursor.
 
-    from engine.policy import decide
+    from lsp_server.shaping.policy import decide
     decision = decide(doc, cursor_byte, "python", overrides=None)   # -> PolicyDecision
     request = CompletionRequest(prefix, suffix, decision.to_options())
 
-`decide` classifies the cursor (engine.syntax.classify) and looks the context up in `DEFAULTS`,
+`decide` classifies the cursor (lsp_server.shaping.syntax.classify) and looks the context up in `DEFAULTS`,
 a table keyed by `ContextKind.value` ("comment", "string", "import", "attribute_chain",
 "call_args", "parameters", "block_start", "block_body", "mid_statement", "top_level"). Two
 modifier rows then apply on top of the context's row:
@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from engine.options import MAX_STOP_CHARS, MAX_STOPS, DecodeOptions  # not engine.decoding.speculative: torch
-from engine.syntax.context import ContextKind, CursorContext, classify
-from engine.syntax.document import SyntaxDocument
-from engine.syntax.languages import normalize_language_id
+from lsp_server.shaping.syntax.context import ContextKind, CursorContext, classify
+from lsp_server.shaping.syntax.document import SyntaxDocument
+from lsp_server.shaping.syntax.languages import normalize_language_id
 
 CONTEXT_NAMES: tuple[str, ...] = tuple(k.value for k in ContextKind)
 MODIFIERS: tuple[str, ...] = ("mid_line", "plain_text")

@@ -22,11 +22,11 @@ import enum
 import re
 from dataclasses import dataclass
 
-from engine.syntax.brackets import BracketGuard, fit_to_line_rest, seed_closable
-from engine.syntax.context import CursorContext, classify
-from engine.syntax.document import SyntaxDocument
-from engine.syntax.languages import is_indent_scoped
-from engine.syntax.lexer import Frame, FrameKind, Scanner, spec_for
+from lsp_server.shaping.syntax.brackets import BracketGuard, fit_to_line_rest, seed_closable
+from lsp_server.shaping.syntax.context import CursorContext, classify
+from lsp_server.shaping.syntax.document import SyntaxDocument
+from lsp_server.shaping.syntax.languages import is_indent_scoped
+from lsp_server.shaping.syntax.lexer import Frame, FrameKind, Scanner, spec_for
 
 _MAX_PARSES = 40  # bound on candidate reparses in the syntax stage
 _TOKEN_EDGE = re.compile(r"\w+|\s+|[^\w\s]")

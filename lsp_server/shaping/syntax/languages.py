@@ -13,7 +13,7 @@ from functools import cache
 from tree_sitter import Language
 
 # LSP languageId -> (grammar family, module, function returning the language pointer).
-# The family names the lexical rules (engine/syntax/lexer.py) and node-type tables.
+# The family names the lexical rules (lsp_server/shaping/syntax/lexer.py) and node-type tables.
 _GRAMMARS: dict[str, tuple[str, str, str]] = {
     "python": ("python", "tree_sitter_python", "language"),
     # tree-sitter-javascript parses JSX as well, so React files share the grammar.

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from tree_sitter import Node, Parser, Point, Range, Tree
 
-from engine.syntax.languages import get_language, normalize_language_id
+from lsp_server.shaping.syntax.languages import get_language, normalize_language_id
 
 SEGMENT_LINES = 150  # target lines per separately parsed segment
 _RESPLIT_FACTOR = 4  # re-split a segment that has grown past this many targets

@@ -13,9 +13,9 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-from engine.syntax.document import SyntaxDocument
-from engine.syntax.lexer import CLOSERS, Frame, FrameKind, Scanner, spec_for, string_frame
-from engine.syntax.tree_frames import open_frames
+from lsp_server.shaping.syntax.document import SyntaxDocument
+from lsp_server.shaping.syntax.lexer import CLOSERS, Frame, FrameKind, Scanner, spec_for, string_frame
+from lsp_server.shaping.syntax.tree_frames import open_frames
 
 _QUOTES = "\"'`"
 

@@ -4,7 +4,7 @@ A fill-in-the-middle model that runs past the middle goes on writing the suffix:
 of flask's app.py the default model wrote `return response`, a blank line and the next method's
 signature, all of it a few lines below the cursor. Tabby (removeDuplicateSuffixLines,
 dropDuplicated) and Continue (stopAtSimilarLine) cut such text after decoding; this is fimble's
-version, used by engine.postprocess.CompletionShaper while streaming and at the end.
+version, used by lsp_server.shaping.shaper.CompletionShaper while streaming and at the end.
 
     ov = SuffixOverlap(line_prefix, after_cursor)   # once per cursor
     cut = ov.cut(completion)                        # None, or keep completion[:cut]
