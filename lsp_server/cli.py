@@ -271,8 +271,10 @@ def read_source(path: Path) -> str:
 
 def run_complete(args: argparse.Namespace) -> int:
     from lsp_server.documents import Document
+    from lsp_server.plan import PolicySkipped, fixed_options, plan_at
     from lsp_server.prompt import build_context, clean
     from lsp_server.settings import Settings
+    from lsp_server.shaping.stage import shape_whole
     from lsp_server.shaping.syntax.languages import normalize_language_id
 
     path, line, col = parse_spec(args.spec)
@@ -288,38 +290,26 @@ def run_complete(args: argparse.Namespace) -> int:
         raise FimbleError("--max-tokens must be between 1 and 4096")
     if not 0 <= args.max_lines <= 1000:
         raise FimbleError("--max-lines must be between 0 (no limit) and 1000")
-    s = Settings()
+    s = dataclasses.replace(Settings(), max_tokens=args.max_tokens, max_lines=args.max_lines, drafter=args.drafter)
     ctx = build_context(doc, line - 1, col - 1, s.prefix_chars, s.suffix_chars)
 
     # Loaded only now: bad input above fails fast, without importing torch.
-    from engine.api import CompletionRequest, DecodeOptions
+    from engine.api import CompletionRequest
     from engine.local import open_engine
 
     engine = open_engine(args.model, args.draft, device=args.device, use_draft=not args.no_draft,
                          template=args.template, trust_remote_code=args.trust_remote_code, start_thread=False)
-    shaper, where = None, "raw"
-    if args.raw:
-        opts = DecodeOptions(max_tokens=args.max_tokens, max_lines=args.max_lines, drafter=args.drafter)
-    else:  # what the editor would show: the syntax policy's options for this cursor, then the shaper
-        from lsp_server.shaping.policy import cap_line_limit, decide
-        from lsp_server.shaping.shaper import CompletionShaper
-        from lsp_server.shaping.syntax.context import classify
-
-        byte = doc.byte_offset(line - 1, col - 1)
-        cursor_ctx = classify(doc.syntax, byte)
-        decision = decide(doc.syntax, byte, doc.language_id, context=cursor_ctx)
-        opts = decision.to_options(drafter=args.drafter, max_tokens=min(decision.max_tokens, args.max_tokens),
-                                   max_lines=cap_line_limit(decision.line_limit, args.max_lines))
-        shaper = CompletionShaper(doc.syntax, byte, context=cursor_ctx)
-        where = decision.context
+    opts, shaper, where = fixed_options(s), None, "raw"
+    if not args.raw:  # what the editor would show: the plan recipe of every editor request (options, shaper)
+        try:
+            plan = plan_at(doc, ctx.cursor, s)
+            opts, shaper, where = plan.options, plan.shaper, plan.decision.context
+        except PolicySkipped:  # a cursor line too long to classify: the fixed settings, unshaped (as in an editor)
+            where = "skipped_long_line"
     result = engine.complete(CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=opts, truncate=True))
     text, cut = result.text, None
     if shaper is not None:
-        stop = shaper.feed(text)
-        if stop is not None:
-            text = text[:stop]
-        shaped = shaper.finish()
-        text, cut = shaped.text, shaped.cut_reason
+        text, cut = shape_whole(shaper, text)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     if args.stats:
         st = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.stats.items()}

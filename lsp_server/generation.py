@@ -38,13 +38,13 @@ class Generation:
         self.error: str | None = None
         self.shown = 0  # characters of ``text`` sent to the client (answers and deltas)
         self.waiting = 0  # requests waiting for an answer from it
-        self.waiter_tasks: set[asyncio.Task] = set()  # their tasks (see Completer._doomed)
+        self.waiter_tasks: set[asyncio.Task] = set()  # their tasks (see TypeThrough.doomed)
         self.tokens = 0  # from the engine's result
         self.accounted = False  # its tokens are counted as shown / never shown
         self.prefetched = False  # started by a keystroke, before any request asked
         self.follow_up = False  # started after a shown completion ended, at the cursor its accept leaves
         self.followed = False  # a follow-up of this one was considered (lsp_server/completer.py)
-        self.plan: Any = None  # the completer's Plan and Settings it was submitted with
+        self.plan: Any = None  # the Plan (lsp_server/plan.py) and Settings it was submitted with
         self.settings: Any = None
         self.t_request = t_request  # when the request that started it arrived
         self.t_submit = time.perf_counter()
@@ -52,7 +52,7 @@ class Generation:
         self.t_first_line: float | None = None
         self.t_done: float | None = None
         self.build_ms = build_ms
-        # Syntax shaping (lsp_server.shaping.shaper.CompletionShaper, set by the completer): its guard
+        # Syntax shaping (a CompletionShaper from the plan; lsp_server/shaping/stage.py applies it): its guard
         # stops the text at a closer beyond the completion's scope while streaming (``cut``);
         # at the end its ``finish`` may shorten ``text`` further. ``replace_cols``: then set
         # to the code points after the anchor cursor the final text replaces (auto-paired
@@ -122,3 +122,28 @@ class Generation:
         finally:
             if fut in self._waiters:
                 self._waiters.remove(fut)
+
+
+def record_decode(stats: Any, gen: Generation) -> bool:
+    """Count a decode that ended: its finish reason and latencies, its tokens. Whether the engine's result
+    (its figures) was there: only then is ``gen.tokens`` known."""
+    stats.count(f"finish_{gen.finish_reason}")
+    if gen.t_first is not None:
+        stats.observe("first_token", (gen.t_first - gen.t_request) * 1e3)
+    if gen.t_first_line is not None:
+        stats.observe("first_line", (gen.t_first_line - gen.t_request) * 1e3)
+    result = getattr(gen.stream, "result", None)
+    if result is None or gen.t_done is None:
+        return False
+    st = result.stats
+    stats.observe("complete", (gen.t_done - gen.t_request) * 1e3)
+    stats.observe("prompt_build", gen.build_ms + st.get("prompt_ms", 0.0))
+    stats.observe("submit", (gen.t_submit - gen.t_request) * 1e3)
+    if "first_token_ms" in st:
+        stats.observe("prefill", max(0.0, st["first_token_ms"] - st.get("prompt_ms", 0.0)))
+        stats.observe("engine_first_token", st["first_token_ms"])
+    if "total_ms" in st:
+        stats.observe("queue", max(0.0, (gen.t_done - gen.t_submit) * 1e3 - st["total_ms"]))
+    stats.count("tokens_generated", result.tokens)
+    gen.tokens = result.tokens
+    return True

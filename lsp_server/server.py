@@ -19,8 +19,9 @@ from pygls.exceptions import FeatureRequestError, JsonRpcInvalidParams
 from pygls.lsp.server import LanguageServer
 
 from engine.model_info import read_model_info  # no torch
+from lsp_server.answer import Answer, RequestInfo
 from lsp_server.change_params import count_edits, parse_change_steps
-from lsp_server.completer import Answer, Completer, RequestInfo
+from lsp_server.completer import Completer
 from lsp_server.documents import Document, DocumentStore, PositionError, run_steps
 from lsp_server.engine_host import EngineHost
 from lsp_server.pacing import HEAVY_CHARS, HEAVY_EDITS, MAX_DOCUMENT_CHARS, Pacer, run_in_slices

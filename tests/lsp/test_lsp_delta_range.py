@@ -2,7 +2,7 @@
 streaming ghost text does) replaces the auto-paired closers the text re-types, as the answer's range does.
 
 Before: deltas had no range, the VS Code extension inserted at the cursor, and accepting `1.0) / 2.0`
-at `math.sqrt(|)` gave `math.sqrt(1.0) / 2.0)` (issue 13, VS Code 2).
+at `math.sqrt(|)` gave `math.sqrt(1.0) / 2.0)`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from lsp_helpers import SERVER, Deltas, init_params, inline, items_of, open_doc
 from lsprotocol import types
 from pytest_lsp import LanguageClient
 
-from lsp_server.completer import Completer, RequestInfo
+from lsp_server.answer import RequestInfo
 from lsp_server.documents import DocumentStore
 from lsp_server.prompt import build_context
+from lsp_server.shaping.stage import delta_replace_end
 
 SQRT_DOC = "import math\n\n\ndef half_root():\n    return math.sqrt()\n"
 SQRT_CURSOR = (4, len("    return math.sqrt("))
@@ -36,7 +37,7 @@ def _replace_end(text: str, line_rest_doc: str, cursor: tuple[int, int], encodin
     ctx = build_context(doc, cursor[0], cursor[1], 4000, 1000)
     char = cursor[1] if client_char is None else client_char
     req = RequestInfo(1, None, {"line": cursor[0], "character": char}, 0.0, encoding=encoding)
-    return Completer._delta_replace_end(doc, ctx, _Gen(), 0, req)(text, False)
+    return delta_replace_end(doc, ctx, _Gen(), 0, req.position, req.encoding)(text, False)
 
 
 def test_delta_range_covers_the_closer_the_text_retypes():

@@ -1,5 +1,5 @@
-"""A request whose budget ends before the decode shows anything waits on for its first text (lsp_server/completer.py
-_wait_answer): the budget ends with the text so far, not with nothing. The completer's wait on a generation whose
+"""A request whose budget ends before the decode shows anything waits on for its first text (lsp_server/answer.py
+wait_answer): the budget ends with the text so far, not with nothing. The completer's wait on a generation whose
 text arrives after the budget; no engine."""
 
 from __future__ import annotations
@@ -8,21 +8,19 @@ import asyncio
 
 import pytest
 
-import lsp_server.completer as completer_mod
-from lsp_server.completer import Completer
-from lsp_server.documents import DocumentStore
+import lsp_server.answer as answer_mod
+from lsp_server.answer import wait_answer
 from lsp_server.engine_host import EngineHost
 from lsp_server.generation import Generation
 from lsp_server.prompt import Context
 from lsp_server.stats import Stats
-from lsp_server.telemetry import Telemetry
 
 BUDGET_S = 1.0
 
 
-def _completer() -> Completer:
-    stats = Stats()
-    return Completer(DocumentStore(), EngineHost(), stats, Telemetry(stats), lambda method, params: None)
+async def _wait(stats: Stats, gen: Generation, partial_ok: bool) -> str:
+    """The completer's wait for an answer (no early-answer deadline, a host whose engine is not starting)."""
+    return await wait_answer(gen, 0, deadline=0.0, at_end=False, partial_ok=partial_ok, host=EngineHost(), stats=stats)
 
 
 def _generation() -> Generation:
@@ -32,8 +30,8 @@ def _generation() -> Generation:
 
 @pytest.mark.parametrize("invoked", [True, False])
 async def test_text_after_the_budget_still_answers(monkeypatch, invoked):
-    monkeypatch.setattr(completer_mod, "REQUEST_BUDGET_S", BUDGET_S)
-    c, gen = _completer(), _generation()
+    monkeypatch.setattr(answer_mod, "REQUEST_BUDGET_S", BUDGET_S)
+    stats, gen = Stats(), _generation()
 
     def late_text() -> None:  # after the budget, well before three budgets
         gen.add_text("return total\n")
@@ -42,14 +40,14 @@ async def test_text_after_the_budget_still_answers(monkeypatch, invoked):
     asyncio.get_running_loop().call_later(1.5 * BUDGET_S, late_text)
     loop_time = asyncio.get_running_loop().time
     t0 = loop_time()
-    text = await c._wait_answer(gen, 0, deadline=0.0, at_end=False, partial_ok=not invoked)
+    text = await _wait(stats, gen, partial_ok=not invoked)
     assert text == "return total"
     assert loop_time() - t0 >= BUDGET_S  # (it did wait past the budget: the text came after it)
-    assert c.stats.counters.get("request_budget_expired", 0) <= 1
+    assert stats.counters.get("request_budget_expired", 0) <= 1
 
 
 async def test_nothing_at_all_ends_after_three_budgets(monkeypatch):
-    monkeypatch.setattr(completer_mod, "REQUEST_BUDGET_S", 0.05)
-    c, gen = _completer(), _generation()
-    assert await c._wait_answer(gen, 0, deadline=0.0, at_end=False, partial_ok=False) == ""
-    assert c.stats.counters.get("request_budget_expired") == 1
+    monkeypatch.setattr(answer_mod, "REQUEST_BUDGET_S", 0.05)
+    stats, gen = Stats(), _generation()
+    assert await _wait(stats, gen, partial_ok=False) == ""
+    assert stats.counters.get("request_budget_expired") == 1
