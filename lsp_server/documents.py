@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -132,14 +132,44 @@ def run_steps(steps: Generator[None, None, T]) -> T:
             return done.value
 
 
-@dataclass
-class _ParseJob:
-    """A whole parse running in slices, and the syntax edits made since its text was taken."""
+class SlicedParse:
+    """A whole parse running in slices on the event loop, and the syntax edits made since its text was taken.
 
-    steps: Generator[None, None, SyntaxDocument]
-    loop: asyncio.AbstractEventLoop
-    handle: asyncio.Handle | None = None
-    replay: list[tuple[int, int, str]] = field(default_factory=list)
+    Each slice is one step of ``steps`` (SyntaxDocument.build_in_slices), then the loop's other work;
+    when the last is done, the edits made meanwhile are replayed onto the new trees (incrementally) and
+    ``done`` gets them. A parser failure ends it without ``done``: the document stays plain text."""
+
+    def __init__(self, steps: Generator[None, None, SyntaxDocument], loop: asyncio.AbstractEventLoop,
+                 done: Callable[[SyntaxDocument | None], None]):
+        self.steps, self.loop, self.done = steps, loop, done
+        self.replay: list[tuple[int, int, str]] = []  # (start byte, end byte, text) of each edit since
+        self.handle: asyncio.Handle | None = loop.call_soon(self._slice)
+        self.over = False
+
+    def _slice(self) -> None:
+        if self.over:
+            return
+        try:
+            next(self.steps)
+        except StopIteration as finished:
+            self.over = True
+            syntax = finished.value
+            for start, end, text in self.replay:
+                syntax.apply_edit(start, end, text)
+            self.done(syntax)
+            return
+        except Exception:  # a parser failure must not cost the document: it stays plain text
+            log.exception("sliced parse failed; the document stays plain text")
+            self.over = True
+            self.done(None)
+            return
+        self.handle = self.loop.call_soon(self._slice)
+
+    def cancel(self) -> None:
+        self.over = True
+        if self.handle is not None:
+            self.handle.cancel()
+        self.steps.close()
 
 
 def strip_eol(line: str) -> str:
@@ -164,7 +194,7 @@ class Document:
     _long_lines: int = field(init=False, default=0, repr=False)  # lines over SYNTAX_MAX_LINE
     _edits: int = field(init=False, default=0, repr=False)  # bumped by every change of the text
     _blocks: tuple[tuple, list[int]] | None = field(init=False, default=None, repr=False)  # block_rows' cache
-    _job: _ParseJob | None = field(init=False, default=None, repr=False)  # a sliced whole parse under way
+    _job: SlicedParse | None = field(init=False, default=None, repr=False)  # a sliced whole parse under way
     _anchor: tuple[int, int] = field(init=False, default=(0, 0), repr=False)  # a (line, start byte) in syntax
     _batch: bool = field(init=False, default=False, repr=False)  # edits reach the lines only (see begin_batch)
 
@@ -231,33 +261,19 @@ class Document:
                     self.full_parses += 1
                     return
             self.syntax = SyntaxDocument("plaintext", text)  # plain text until the parse is done
-            self._job = _ParseJob(steps, loop)
-            self._job.handle = loop.call_soon(self._parse_slice)
+            self._job = SlicedParse(steps, loop, self._parsed)
             return
         target.set_text(text)
         self.syntax = target
         self.full_parses += target.has_tree
 
-    def _parse_slice(self) -> None:
-        job = self._job
-        if job is None:
-            return
-        try:
-            next(job.steps)
-        except StopIteration as done:
-            self._job = None
-            syntax = done.value
-            for start, end, text in job.replay:
-                syntax.apply_edit(start, end, text)
+    def _parsed(self, syntax: SyntaxDocument | None) -> None:
+        """The sliced parse ended: its trees (None: it failed, the syntax copy stays plain text)."""
+        self._job = None
+        if syntax is not None:
             self.syntax = syntax
             self._edits += 1
             self.full_parses += 1
-            return
-        except Exception:  # a parser failure must not cost the document: it stays plain text
-            log.exception("sliced parse failed; the document stays plain text")
-            self._job = None
-            return
-        job.handle = job.loop.call_soon(self._parse_slice)
 
     @property
     def parsing(self) -> bool:
@@ -268,9 +284,7 @@ class Document:
         """Stop a sliced parse under way (the text was replaced, or the document closed)."""
         job, self._job = self._job, None
         if job is not None:
-            if job.handle is not None:
-                job.handle.cancel()
-            job.steps.close()
+            job.cancel()
 
     def _parse_allowed(self, max_chars: int) -> bool:
         return self.length <= max_chars and not self._long_lines

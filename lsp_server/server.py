@@ -7,7 +7,6 @@ call the modules that do the work. Nothing here touches the model directly.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import re
 import time
@@ -18,7 +17,6 @@ from lsprotocol import types
 from pygls.exceptions import FeatureRequestError, JsonRpcInvalidParams
 from pygls.lsp.server import LanguageServer
 
-from engine.model_info import read_model_info  # no torch
 from lsp_server.answer import Answer, RequestInfo
 from lsp_server.change_params import count_edits, parse_change_steps
 from lsp_server.completer import Completer
@@ -27,14 +25,14 @@ from lsp_server.engine_host import EngineHost
 from lsp_server.pacing import HEAVY_CHARS, HEAVY_EDITS, MAX_DOCUMENT_CHARS, Pacer, run_in_slices
 from lsp_server.positions import ENCODINGS, UTF16, advance
 from lsp_server.protocol import FimbleProtocol, plain
-from lsp_server.settings import MODEL_UNUSABLE, Settings, usable_model_folder
+from lsp_server.session_model import SessionModel
+from lsp_server.settings import Settings
 from lsp_server.stats import Stats, kv_cache_summary
 from lsp_server.telemetry import ACCEPT_COMMAND, Telemetry
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 CURSOR_METHOD = "fimble/cursor"
-STATUS_METHOD = "fimble/status"
 _WORD_TAIL = re.compile(r"\w*$")
 
 
@@ -50,11 +48,12 @@ class FimbleServer(LanguageServer):
                  session_id: str = "", debug: bool = False):
         super().__init__("fimble", VERSION, protocol_cls=FimbleProtocol,
                          text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
-        self.defaults = defaults or Settings.from_env()  # CLI flags / environment
-        self.settings = self.defaults
         self.docs = DocumentStore()
         self.shared_engine = host is not None
         self.host = host or EngineHost()
+        self.model = SessionModel(defaults or Settings.from_env(), self.host, shared_engine=self.shared_engine,
+                                  show=lambda kind, text: self.window_show_message(types.ShowMessageParams(kind, text)),
+                                  notify=self.protocol.notify)
         self.session_id = session_id
         self.debug = debug  # fimble/debug/document answers only then
         self.closer: Callable[[int], None] | None = None  # set by the transport: ends this session
@@ -65,15 +64,9 @@ class FimbleServer(LanguageServer):
         self.telemetry = Telemetry(self.stats)
         self.completer = Completer(self.docs, self.host, self.stats, self.telemetry, self.protocol.notify)
         self.completer.engine_ns = session_id
-        self._reported_error: str | None = None
-        # fimble/status (PROTOCOL.md): sent from `initialized` on, whenever what it says changes.
-        self.model_name = ""
-        self._status_live = False
-        self._status_sent: dict | None = None
-        self._first_latency_ms: int | None = None
         self._skipped_languages: set[str] = set()  # logged once each (PROTOCOL.md, Languages)
-        self.host.on_change = self.publish_status
-        self.host.add_notice_listener(self.engine_notice)  # engine died / stalled / restarted / gave up
+        self.host.on_change = self.model.publish_status
+        self.host.add_notice_listener(self.model.engine_notice)  # engine died / stalled / restarted / gave up
 
     @property
     def encoding(self) -> str:
@@ -133,120 +126,30 @@ class FimbleServer(LanguageServer):
         line, col = answer.cursor
         return self.client_position(doc, (line, min(col + answer.replace_cols, len(doc.line_text(line)))))
 
-    def apply_settings(self, options: Any) -> None:
-        """Merge wire options; a null model or draft means the server's default (CLI / environment).
+    # -- settings, model and status (lsp_server/session_model.py) ------------------------------
+    @property
+    def settings(self) -> Settings:
+        return self.model.settings
 
-        Each bad value keeps the previous one (or is clamped) and is shown to the user, named.
-        """
-        s, problems = self.settings.merge(plain(options))
-        s = self._checked_engine_settings(s, problems)
-        for line in problems:
-            self.window_show_message(types.ShowMessageParams(types.MessageType.Warning, f"fimble: setting {line}"))
-        model = s.model or self.defaults.model
-        if s.engine_spec is not None:  # a server's model (--engine): its languages are not known here, so all
-            self.model_name = getattr(s.engine_spec, "model", None) or "remote"
-            s = dataclasses.replace(s, model_languages=None)
-        elif model != self.settings.model or not self.model_name:
-            info = read_model_info(model)  # the languages the model was trained on; no model load
-            self.model_name = info.name
-            s = dataclasses.replace(s, model_languages=info.languages)
-        old_langs = self.settings.effective_languages
-        self.settings = dataclasses.replace(s, model=model, draft=s.draft or self.defaults.draft)
-        if self.settings.effective_languages != old_langs:
+    @settings.setter
+    def settings(self, value: Settings) -> None:
+        self.model.settings = value
+
+    @property
+    def defaults(self) -> Settings:
+        return self.model.defaults
+
+    def apply_settings(self, options: Any) -> None:
+        """Merge wire options (SessionModel.apply); a change of the languages served logs skipped ones anew."""
+        if self.model.apply(options):
             self._skipped_languages.clear()
-            self.publish_status()
 
     def experimental_capabilities(self) -> dict:
         """InitializeResult.capabilities.experimental (PROTOCOL.md, Capabilities)."""
-        langs = self.settings.effective_languages
-        return {"fimble": {"languages": None if langs is None else list(langs), "status": True}}
-
-    def status(self) -> dict:
-        """fimble/status's params: the engine's state for the editor's status line."""
-        state = {"starting": "loading"}.get(self.host.state, self.host.state)
-        error = (self.public_engine_error() or "unknown error").splitlines()[0][:300] if state == "error" else None
-        message = {"loading": f"loading model {self.model_name}", "ready": f"model {self.model_name} ready",
-                   "stopped": "model not loaded yet", "error": error}[state]
-        langs = self.settings.effective_languages
-        return {"state": state, "message": message, "model": self.model_name,
-                "languages": None if langs is None else list(langs), "firstLatencyMs": self._first_latency_ms}
+        return self.model.experimental_capabilities()
 
     def publish_status(self) -> None:
-        """Send fimble/status if the client is initialized and what it says changed."""
-        if self.host.state == "starting":
-            self._first_latency_ms = None  # a (re)start: the next first completion counts again
-        if not self._status_live:
-            return
-        status = self.status()
-        if status != self._status_sent:
-            self._status_sent = status
-            self.protocol.notify(STATUS_METHOD, status)
-
-    def _checked_engine_settings(self, s: Settings, problems: list[str]) -> Settings:
-        """Model settings a client may not have: back to the current ones, with a line in ``problems``.
-
-        A shared engine runs the command line's model for every session. A model folder from
-        the client gets one message whatever is wrong with it, so that the server is no
-        oracle of which paths exist on its machine (the CLI's own messages stay specific).
-        """
-        if self.shared_engine and s.engine_key() != self.settings.engine_key():
-            problems.append("model, draft, noDraft, device, engineThreads, kvCacheMB: set by the server's "
-                            "command line while it serves several connections; keeping them")
-            return dataclasses.replace(s, **{k: getattr(self.settings, k) for k in (
-                "model", "draft", "no_draft", "device", "engine_threads", "kv_cache_mb")})
-        for key, attr in (("model", "model"), ("draft", "draft")):
-            path = getattr(s, attr)
-            if path and path != getattr(self.settings, attr) and path != getattr(self.defaults, attr) \
-                    and not usable_model_folder(path):
-                problems.append(f"{key}: {MODEL_UNUSABLE}")
-                s = dataclasses.replace(s, **{attr: getattr(self.settings, attr)})
-        return s
-
-    def public_engine_error(self) -> str | None:
-        """The engine's error as a client may see it (see _checked_engine_settings)."""
-        if not self.host.error:
-            return None
-        if (self.settings.model or None) != (self.defaults.model or None) or \
-                (self.settings.draft or None) != (self.defaults.draft or None):
-            return MODEL_UNUSABLE  # a folder the client chose: the details are in the log
-        return self.host.error
-
-    def engine_notice(self, level: str, message: str) -> None:
-        """The engine host's supervision news, shown as it happens (lsp_server/engine_host.py)."""
-        kinds = {"error": types.MessageType.Error, "warning": types.MessageType.Warning,
-                 "rejected": types.MessageType.Error}
-        kind = kinds.get(level, types.MessageType.Info)
-        if level == "rejected":
-            message = self._rejected_settings(message)
-        if level == "error":
-            self._reported_error = self.host.error  # report_engine_error: already told
-        self.window_show_message(types.ShowMessageParams(kind, message))
-
-    def _rejected_settings(self, reason: str) -> str:
-        """New model settings did not load beside the working engine, which serves on: the message to show.
-
-        The status and the languages served stay the running model's. The reason is shown where it names no
-        path of the client's choosing (a device); a folder the client chose gets MODEL_UNUSABLE, as in
-        _checked_engine_settings (the details are in the log)."""
-        running = self.host.running_settings
-        if running is not None and running.engine_spec is None:
-            info = read_model_info(running.model or self.defaults.model)
-            self.model_name = info.name
-            self.settings = dataclasses.replace(self.settings, model_languages=info.languages)
-            self.publish_status()
-        chosen = (self.settings.model or None) != (self.defaults.model or None) or \
-            (self.settings.draft or None) != (self.defaults.draft or None)
-        if chosen and not reason.startswith(("device ", "unknown device")):
-            reason = MODEL_UNUSABLE
-        return f"fimble: the new model settings did not load ({reason.splitlines()[0][:300]}); " \
-               f"keeping the model that was running ({self.model_name})"
-
-    def report_engine_error(self) -> None:
-        """Tell the user once per distinct engine error (every keystroke would be noise)."""
-        error = self.public_engine_error()
-        if error and self.host.error != self._reported_error:
-            self._reported_error = self.host.error
-            self.window_show_message(types.ShowMessageParams(types.MessageType.Error, f"fimble: {error}"))
+        self.model.publish_status()
 
     def report_server_error(self, error: Exception, source: Any) -> None:
         """pygls' hook for failures outside a request: the details go to the log, never to the client."""
@@ -349,9 +252,9 @@ class FimbleServer(LanguageServer):
         req = RequestInfo(self.protocol.msg_id, token, {"line": pos.line, "character": pos.character}, t0, invoked,
                           encoding=self.encoding)
         answer = await self.completer.complete(doc, cursor, self.settings, req, stream=stream)
-        self.report_engine_error()
-        if answer is not None and self._first_latency_ms is None and self.host.state == "ready":
-            self._first_latency_ms = round((time.perf_counter() - t0) * 1e3)
+        self.model.report_engine_error()
+        if answer is not None and self.model.first_latency_ms is None and self.host.state == "ready":
+            self.model.first_latency_ms = round((time.perf_counter() - t0) * 1e3)
             self.publish_status()
         return None if answer is None else (doc, answer)
 
@@ -375,7 +278,7 @@ def _register(ls: FimbleServer) -> None:
 
     @ls.feature(types.INITIALIZED)
     def initialized(ls: FimbleServer, params: types.InitializedParams) -> None:
-        ls._status_live = True
+        ls.model.status_live = True
         if ls.settings.preload:
             ls.host.configure(ls.settings)  # load the model now, not on the first keystroke
         ls.publish_status()
@@ -485,7 +388,7 @@ def _register(ls: FimbleServer) -> None:
     async def stats(ls: FimbleServer, params: Any) -> dict:
         snap = ls.stats.snapshot()
         counters = await ls.host.counters()
-        snap["engine"] = {**ls.host.info(), "counters": counters, "error": ls.public_engine_error()}
+        snap["engine"] = {**ls.host.info(), "counters": counters, "error": ls.model.public_engine_error()}
         snap["kvCache"] = kv_cache_summary(counters, ls.stats.counters)
         snap["tokens"] = {k: ls.stats.counters[k] for k in ("tokens_generated", "tokens_shown", "tokens_never_shown")}
         snap["tokens"].update(ls.completer.pending_accounting())
