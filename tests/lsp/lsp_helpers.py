@@ -121,6 +121,7 @@ def items_of(result: Any) -> list:
 
 
 SAMPLE = '''import os
+import sys
 
 
 def read_config(path):
