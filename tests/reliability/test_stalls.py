@@ -1,4 +1,4 @@
-"""No stalls on pathological text (issue 14): bounded work, asserted by counters or wide per-call limits.
+"""No stalls on pathological text: bounded work, asserted by counters or wide per-call limits.
 
 - the plain-text fallback lexer is linear (it copied the rest of the buffer per character);
 - a cursor under a 1 MB line lexes a bounded window, not the line;

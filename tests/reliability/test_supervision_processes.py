@@ -1,4 +1,4 @@
-"""Supervision that recovers (issue 29 item 3) and tells busy from stuck (issue 23 item 6), with real processes.
+"""Supervision that recovers and tells busy from stuck, with real processes.
 
 - a taken port is one line, exit status 2;
 - SIGTERM and SIGINT end ``fimble lsp --tcp`` and its engine child at once, one still loading too:
@@ -245,7 +245,7 @@ def test_a_busy_engine_on_a_loaded_machine_is_never_restarted():
 @pytest.mark.skipif(os.environ.get("FIMBLE_SLOW") != "1" or not QWEN.is_file(),
                     reason="the default model on a loaded machine takes minutes: FIMBLE_SLOW=1, model installed")
 def test_the_default_model_on_a_loaded_machine_is_never_restarted():
-    """Issue 23: cold ~1,250-token prompts of the default model under two CPU hogs, default limits. The cold
+    """Cold ~1,250-token prompts of the default model under two CPU hogs, default limits. The cold
     window (engine/caching/cold_window.py) is off, so each request waits on its whole prompt's prefill (tens of
     seconds here), the case the old watchdog killed as 'no progress for 30 s'."""
     env = dict(SERVER_ENV, FIMBLE_DEFAULT_MODEL="qwen", FIMBLE_REQUEST_BUDGET_S="900", FIMBLE_COLD_WINDOW="off")
@@ -260,7 +260,7 @@ def test_the_default_model_on_a_loaded_machine_is_never_restarted():
 
 # -- a blocked event loop ------------------------------------------------------------------------------
 def test_a_server_loop_frozen_past_the_stall_limit_keeps_its_idle_healthy_engine():
-    """Issue 29: a loop block over the stall limit (6 s) made the watchdog kill the shared, idle, healthy engine.
+    """A loop block over the stall limit (6 s) once made the watchdog kill the shared, idle, healthy engine.
     Here the whole server is frozen (SIGSTOP) for four stall limits, twice: no ping goes out meanwhile, and the
     engine, idle, uses no CPU. The watchdog's late tick starts its clocks afresh: the same engine serves on."""
     server = RawServer(env=dict(SERVER_ENV, FIMBLE_ENGINE_STALL_S="1"))
