@@ -547,14 +547,17 @@ def server_env(model: str) -> tuple[dict, str]:
 async def _run_session(rpc: Any, s: Session, proc: Any, traces: list[Trace], args: argparse.Namespace, out: dict,
                        t_start: float, deadline: float, tree: dict[int, int]) -> None:
     """initialize, the cold wait, the typing of every file, the server's stats, shutdown."""
+    root = Path(args.root).resolve() if args.root else None  # a folder open in the editor: its workspace
     init = await rpc.call("initialize", {
-        "processId": os.getpid(), "rootUri": None, "clientInfo": {"name": "Visual Studio Code"},
+        "processId": os.getpid(), "rootUri": root.as_uri() if root else None,
+        "workspaceFolders": [{"uri": root.as_uri(), "name": root.name}] if root else None,
+        "clientInfo": {"name": "Visual Studio Code"},
         "capabilities": {"general": {"positionEncodings": ["utf-16"]},
                          "window": {"showMessage": {}},
                          "textDocument": {"inlineCompletion": {"dynamicRegistration": True},
                                           "synchronization": {"dynamicRegistration": True}},
                          "experimental": {"fimble": {"completionDelta": True, "status": True}}},
-        "initializationOptions": dict(VSCODE_SETTINGS),
+        "initializationOptions": {**VSCODE_SETTINGS, "crossFileContext": not args.no_context},
     }, timeout=60)
     out["t_initialize_s"] = time.perf_counter() - t_start
     out["server_languages"] = (((init or {}).get("capabilities") or {}).get("experimental") or {}).get("fimble")
@@ -727,6 +730,10 @@ def summarize(out: dict) -> dict:
         "cold_wait_s": out.get("cold_wait_s"),
         "engine_restarts": eng.get("restarts"), "supervision": eng.get("supervision"),
         "restart_messages": len(restart_msgs),
+        # cross-file context: engine requests whose prompt had other files' chunks at its head
+        "engine_submitted": (eng.get("counters") or {}).get("submitted"),
+        "context_prompts": (eng.get("counters") or {}).get("context_prompts", 0),
+        "context_tokens": (eng.get("counters") or {}).get("context_tokens", 0),
     }
 
 
@@ -800,6 +807,8 @@ def print_report(out: dict, s: dict, args: argparse.Namespace, commit: str) -> N
           f"max {num(s['cpu_window_max_pct'])}%)")
     print(f"engine restarts: {s['engine_restarts']} (supervision {s.get('supervision')}); 'restarting' messages: "
           f"{s['restart_messages']}")
+    print(f"cross-file context: {s['context_prompts']} of {s['engine_submitted']} engine requests had other files' "
+          f"chunks ({s['context_tokens']} context tokens in all)")
     other = list(dict.fromkeys(m for _, _, m in out.get("messages", []) if "restarting" not in m))
     if other:
         print(f"other server messages ({len(other)} distinct): " + " | ".join(m[:120] for m in other[:4]))
@@ -833,6 +842,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="default",
                     help="default (the installed default model), embedded, or a model folder / GGUF")
     ap.add_argument("--files", nargs="+", default=None, help="files to type (default: four stdlib modules)")
+    ap.add_argument("--root", default=None,
+                    help="the workspace folder sent in initialize, as VS Code does with a folder open (cross-file "
+                         "context reads imports inside it; default: none)")
+    ap.add_argument("--no-context", action="store_true", help="crossFileContext off (the extension's default is on)")
     ap.add_argument("--chars", type=int, default=None, help="characters typed per file (whole lines; default 240)")
     ap.add_argument("--ms-per-key", type=float, default=110.0)
     ap.add_argument("--debounce-ms", type=float, default=50.0, help="the editor's wait before each request")
