@@ -1,4 +1,9 @@
-"""The decode loop: draft a block, verify it with one target forward pass, keep what agrees.
+"""Speculative decoding: draft a block, verify it with one target forward pass, keep what agrees.
+
+A step is split around its target pass so that a scheduler (engine/scheduler.py) can run the passes of
+many requests together: ``next_draft`` chooses the draft (or asks for greedy draft-model tokens, a
+``DraftNeed``), ``begin_step`` returns the verify pass (a ``Forward``), ``end_step`` verifies its
+logits. ``step`` does the three in a row, for callers that run one sequence alone.
 
 State between steps: ``ids`` holds the prompt and every committed output token.
 The target's KV cache holds all of ``ids`` except the last token, which is fed
@@ -20,6 +25,7 @@ import torch
 from torch import Tensor
 
 from engine.decoding.drafters import Draft, ModelDrafter, NgramDrafter
+from engine.decoding.passes import DraftNeed, Forward, rows_tensor
 from engine.decoding.sampling import (
     accept_draft_token,
     constrained_argmax,
@@ -93,10 +99,26 @@ class SpeculativeDecoder:
         # Set to a list to record, for every greedy choice (stop tokens included), the token and the logits
         # row it was the argmax of, healing mask applied: how a test tells a near-tie flip from a divergence.
         self.trace: list[tuple[int, Tensor]] | None = None
+        # A scheduler's host copy of the argmax of each row of the pass being verified (``Forward.best``):
+        # the same tokens ``_choose``/``_verify`` would pick from those rows, without a device sync.
+        self._best: list[int] | None = None
+        # Build verify blocks as host lists (a slotted round copies all of its blocks to the device at once).
+        self.host_tokens = False
+        self._pending: tuple[Draft, int, Forward] | None = None
 
     # -- token choice ---------------------------------------------------------
+    def _greedy_best(self) -> list[int] | None:
+        """The host argmax of each row of the pass being verified, where a slotted round supplied it
+        (``Forward.best``) and a greedy choice needs nothing else (no forced prefix, no trace)."""
+        if self._best is None or self.opt.temperature > 0 or self.trace is not None or self.forced:
+            return None
+        return self._best
+
     def _choose(self, logits: Tensor | np.ndarray) -> int:
         """The next token from one row of logits (numpy only when greedy with nothing forced: _numpy_rows)."""
+        best = self._greedy_best()
+        if best is not None:  # called with the last row only
+            return best[-1]
         if self.forced and self.opt.temperature <= 0 and self.trace is None:
             allowed = self.token_index.allowed(self.forced)
             if allowed:  # the same choice as the mask below, without masking the whole row
@@ -180,12 +202,18 @@ class SpeculativeDecoder:
         self.ids = list(prompt) + new
         return self._commit(new)
 
-    def _plan_draft(self) -> Draft | int:
-        """This round's draft: an n-gram draft, or how many tokens to ask the draft model for.
+    def prefill_done(
+        self, prompt: list[int], logits: Tensor, best: list[int] | None = None, draft: list[int] | None = None
+    ) -> list[int]:
+        """The prompt's last pass is back (``draft``: the heal draft it carried): commit its first tokens."""
+        self._best = best
+        try:
+            return self.prefill_verified(prompt, draft or [], logits)
+        finally:
+            self._best = None
 
-        Shared with fimble serve's scheduler (engine/serve/scheduler.py), which drafts with the model
-        for many sequences in one pass.
-        """
+    def _plan_draft(self) -> Draft | int:
+        """This round's draft: an n-gram draft, or how many tokens to ask the draft model for."""
         k = self.gamma if self.opt.gamma > 0 else 0
         if self.costs is not None:  # the policy picks the length: its ceiling is max_gamma
             k = self.opt.max_gamma
@@ -212,13 +240,6 @@ class SpeculativeDecoder:
                 return Draft([])
         return k
 
-    def _draft(self) -> Draft:
-        plan = self._plan_draft()
-        if isinstance(plan, Draft):
-            return plan
-        return self.model_drafter.propose(self.ids, plan, self.opt.temperature, self.opt.top_p,
-                                          self.opt.confidence_gate, self.gen)
-
     def _account(self, k: int, n_accepted: int, first: int) -> None:
         """Counters, acceptance estimates and adaptive gamma after a verify pass of ``k`` drafts."""
         self.stats.steps += 1
@@ -232,26 +253,96 @@ class SpeculativeDecoder:
         if self.opt.adaptive_gamma and k:
             self.gamma = min(self.opt.max_gamma, self.gamma + 2) if n_accepted == k else max(1, self.gamma - 1)
 
-    def step(self) -> list[int]:
-        """One verify pass. Returns the tokens it committed (possibly none if it stopped)."""
+    def next_draft(self) -> Draft | DraftNeed | None:
+        """The next step's draft, a DraftNeed where greedy draft-model tokens are needed (a scheduler runs those of
+        all its sequences together), or None when decoding is over."""
         if self.done:
-            return []
+            return None
         if len(self.ids) >= self.cache.max_len:
             self.done, self.finish_reason = True, "context"
-            return []
-        # While healing, tokens are constrained one at a time: no drafting.
+            return None
         self._kind, self._shadow = "", []
-        draft = Draft([]) if self.forced else self._draft()
+        if self.forced:  # healing: one constrained token at a time, no drafting
+            return Draft([])
+        plan = self._plan_draft()
+        if isinstance(plan, Draft):
+            return plan
+        if self.opt.temperature > 0:  # sampled drafts carry their distributions: drafted here, alone
+            return self.model_drafter.propose(
+                self.ids, plan, self.opt.temperature, self.opt.top_p, self.opt.confidence_gate, self.gen
+            )
+        return DraftNeed(self.model_drafter, self.ids, plan, self.opt.confidence_gate)
+
+    def begin_step(self, draft: Draft) -> Forward:
+        """The verify pass of the next step, for ``draft``."""
         k = len(draft.tokens)
         start = len(self.ids) - 1
         block = [self.ids[-1]] + draft.tokens
-        if self._numpy_rows:
-            # The ggml runtime's numpy rows, no torch call on the way (sampling.greedy_ids says why).
-            logits = self.runtime.numpy_logits(block, self.cache, start, k + 1)
+        numpy = self._numpy_rows
+        if not (numpy or self.host_tokens):
+            block = torch.tensor(block, dtype=torch.long, device=self.runtime.device)
+        fwd = Forward(block, self.cache, start, k + 1, decoder=self, numpy=numpy)
+        self._pending = (draft, start, fwd)
+        return fwd
+
+    def shorten(self, rows: int) -> None:
+        """Cut the pending verify block to ``rows`` rows (its draft to ``rows - 1`` tokens) before it runs.
+
+        Lossless: the committed tokens are still the target's own choices; only fewer drafts are checked."""
+        assert self._pending is not None
+        draft, start, fwd = self._pending
+        if rows >= len(fwd.tokens):
+            return
+        g = rows - 1
+        draft = Draft(draft.tokens[:g], draft.probs[:g] if draft.probs is not None else None)
+        fwd.tokens, fwd.num_logits = fwd.tokens[:rows], rows
+        self._pending = (draft, start, fwd)
+
+    def expected_tokens(self) -> list[float]:
+        """Tokens the pending step commits on average with its first g drafts, for g = 0..len(draft)
+        (spec_policy's running acceptance of this round's drafter, per draft position)."""
+        assert self._pending is not None
+        k = len(self._pending[0].tokens)
+        curve = [1.0]
+        if not self._kind:
+            return curve * (k + 1)
+        acceptance, survive = self.acceptance[self._kind], 1.0
+        for i in range(k):
+            survive *= acceptance.rate(i)
+            curve.append(curve[-1] + survive)
+        return curve
+
+    def abandon_step(self) -> None:
+        """Drop the pending pass (its text hit a stop meanwhile): the cache goes back to the committed tokens."""
+        assert self._pending is not None
+        _, start, _ = self._pending
+        self._pending = None
+        self.cache.rollback(start)
+
+    def end_step(self, logits: Tensor | np.ndarray) -> list[int]:
+        """Verify the pending pass's logits: the tokens it commits (possibly none if it stopped)."""
+        assert self._pending is not None
+        draft, start, fwd = self._pending
+        self._pending = None
+        self._best = fwd.best
+        try:
+            return self._finish_round(draft, start, logits)
+        finally:
+            self._best = None
+
+    def step(self) -> list[int]:
+        """One whole step run here, alone: draft, verify pass, verify. Returns the tokens it committed."""
+        draft = self.next_draft()
+        if draft is None:
+            return []
+        if isinstance(draft, DraftNeed):
+            draft = draft.drafter.propose(draft.context, draft.k, 0.0, 1.0, draft.gate, self.gen)
+        fwd = self.begin_step(draft)
+        if fwd.numpy:
+            logits = self.runtime.numpy_logits(fwd.tokens, fwd.cache, fwd.start, fwd.num_logits)
         else:
-            logits = self.runtime(torch.tensor(block, dtype=torch.long, device=self.runtime.device), self.cache,
-                                  start, k + 1)
-        return self._finish_round(draft, start, logits)
+            logits = self.runtime(fwd.tokens, fwd.cache, fwd.start, fwd.num_logits)
+        return self.end_step(logits)
 
     @property
     def _numpy_rows(self) -> bool:
@@ -262,7 +353,7 @@ class SpeculativeDecoder:
 
     def _finish_round(self, draft: Draft, start: int, logits: Tensor | np.ndarray) -> list[int]:
         """Verify ``draft`` against the block's ``logits`` (the block fed at ``start``), roll the cache
-        back past the rejected drafts, account and commit. Shared with fimble serve's StepDecoder."""
+        back past the rejected drafts, account and commit."""
         new = self._verify(draft, logits)
         n_accepted = len(new) - 1
         self.cache.rollback(start + 1 + n_accepted)  # keep the fed token and the accepted drafts
@@ -272,6 +363,13 @@ class SpeculativeDecoder:
 
     def _verify(self, draft: Draft, logits: Tensor | np.ndarray) -> list[int]:
         d = draft.tokens
+        best = self._greedy_best()
+        if best is not None:  # (no draft: the one row's argmax, with no tensor indexed)
+            n = 0
+            while n < len(d) and d[n] == best[n]:
+                n += 1
+            return d[:n] + [best[n]]
+        logits = rows_tensor(logits)
         if not d:
             return [self._choose(logits[-1])]
         if self.opt.temperature <= 0:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.caching.kv_store import common_prefix
+from engine.decoding.passes import RowSpan, rows_tensor
 from engine.runtimes.compact import CompactTransformer, KVCache
 
 BLOCKS = (1, 2, 4, 8, 16)
@@ -65,33 +66,6 @@ class StaticInputs:
         self.tokens = torch.zeros(size, dtype=torch.long, device=device)
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.offsets = torch.arange(size, device=device)
-
-
-class RowSpan:
-    """Rows ``lo:hi`` of a round's logits, sliced only when read (``span[i]``, ``tensor()``): a greedy step of
-    fimble serve's slotted rounds uses the host argmax alone, and 32 tensor slices a round cost ~0.1 ms there."""
-
-    __slots__ = ("logits", "lo", "hi")
-
-    def __init__(self, logits: Tensor, lo: int, hi: int):
-        self.logits, self.lo, self.hi = logits, lo, hi
-
-    def __len__(self) -> int:
-        return self.hi - self.lo
-
-    def __getitem__(self, i: int) -> Tensor:
-        n = self.hi - self.lo
-        if not -n <= i < n:
-            raise IndexError(f"row {i} of {n}")
-        return self.logits[self.lo + (i % n)]
-
-    def tensor(self) -> Tensor:
-        return self.logits[self.lo : self.hi]
-
-
-def rows_tensor(logits) -> Tensor:
-    """``logits`` as a tensor of rows (a ``RowSpan`` sliced now)."""
-    return logits.tensor() if isinstance(logits, RowSpan) else logits
 
 
 def _rope_tables(model: CompactTransformer, positions: Tensor) -> tuple[Tensor, Tensor]:

@@ -29,30 +29,16 @@ The attention code mirrors ``Block.forward``; if that changes, change this too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.decoding.passes import DraftNeed, Forward
 from engine.runtimes.compact import CompactTransformer, rotate
 
+__all__ = ["DraftNeed", "Forward", "batched_forward", "batched_greedy_drafts", "run_one", "supports_batch"]
+
 MIN_ROWS = 8  # CPU GEMMs run on exactly this many rows: one kernel for every batch size (see above)
-
-
-@dataclass
-class Forward:
-    """One sequence's share of a pass: ``tokens`` at positions ``start..`` into ``cache``."""
-
-    tokens: Tensor | list[int]  # 1-D token ids (a host list: a slotted round stages them itself)
-    cache: object  # engine.runtimes.compact.KVCache (or the runtime's own cache type)
-    start: int
-    num_logits: int = 1
-    # Set by a slotted round (scheduler): the argmax of each returned logits row, on the host; the decoder
-    # takes greedy choices from it instead of an argmax and a sync of its own.
-    best: list[int] | None = None
-    # The decoder whose verify block this is (None for a prefill chunk): the scheduler may shorten its draft.
-    decoder: object | None = None
 
 
 def supports_batch(runtime: object) -> bool:
@@ -77,6 +63,8 @@ def eager_model(runtime: object) -> object:
 
 def run_one(runtime, call: Forward) -> Tensor:
     """A pass of one sequence through the runtime's own forward (round-robin mode, other runtimes)."""
+    if call.numpy:  # host ids in, numpy rows out (engine/runtimes/ggml_runtime.py): no torch call on the way
+        return runtime.numpy_logits(call.tokens, call.cache, call.start, call.num_logits)
     return runtime(call.tokens, call.cache, call.start, call.num_logits)
 
 
@@ -225,16 +213,6 @@ def _batched_invariant(model: CompactTransformer, calls: list[Forward], spans: l
         out.append(logits[pos : pos + b - a])
         pos += b - a
     return out
-
-
-@dataclass
-class DraftNeed:
-    """A sequence's request for up to ``k`` greedy draft tokens from its draft model after ``context``."""
-
-    drafter: object  # engine.decoding.drafters.ModelDrafter, bound to the sequence's own draft cache
-    context: list[int]
-    k: int
-    gate: float
 
 
 def batched_greedy_drafts(runtime, needs: list[DraftNeed]) -> list[list[int]]:

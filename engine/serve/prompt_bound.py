@@ -3,7 +3,7 @@
 Why: the prompt builder (engine/caching/prompt_plan.py) tokenises all of a request's text before it refuses a
 prompt that does not fit the context. In ``fimble serve``'s decode loop a 3.9M-character prompt took 21 s to be
 refused, and another client's completion waited 21.3 s behind it. With this bound the scheduler refuses such a
-prompt having tokenised about a context's worth of it (engine/serve/scheduler.py ``_refuse_unfit``). Requests that
+prompt having tokenised about a context's worth of it (engine/scheduler.py ``refuse_unfit``). Requests that
 may be truncated (``truncate=True``) are never refused: the builder cuts them to fit.
 
 What is counted, and why it is a lower bound of what the builder counts against the context:
@@ -54,7 +54,7 @@ class TokenSpan:
 
 class UnfitCheck:
     """For one model and its prompt builder: why a request cannot fit the context, found before it is tokenised
-    whole (ServeEngine._refuse_unfit), or None where it may fit."""
+    whole (Scheduler.refuse_unfit, engine/scheduler.py), or None where it may fit."""
 
     def __init__(self, target: Any, prompts: PromptBuilder):
         self.target, self.prompts = target, prompts

@@ -103,8 +103,8 @@ def test_a_cold_spot_answers_from_a_small_prompt_while_the_full_one_fills(target
     cursor = text.index("\n", len(text) * 3 // 4) + 1
     prefix, suffix = text[:cursor], text[cursor:]
     eng = engine(target)
-    eng.cold_window = True  # (off in the test suite: tests/conftest.py)
-    eng._prefill_rate = 20.0  # as slow as a big model on a small CPU: a budget of 10 prompt tokens
+    eng.documents.cold_window = True  # (off in the test suite: tests/conftest.py)
+    eng.documents.prefill_rate = 20.0  # as slow as a big model on a small CPU: a budget of 10 prompt tokens
     first = eng.complete(request(prefix + "    x", suffix))
     assert eng.counters()["cold_prompts"] == 1
     assert first.stats["prompt_tokens"] < 300 < len(target.encode(prefix + suffix))
@@ -123,18 +123,18 @@ def test_background_work_waits_once_the_host_goes_quiet(target, monkeypatch):
     import threading
     import time
 
-    import engine.local
+    import engine.background
 
     text = stdlib_source(target.encode, 900)
     eng = LocalEngine(target, None, start_thread=False)  # its request loop as the engine process runs it
     loop = threading.Thread(target=eng.serve_forever, daemon=True)
     loop.start()
     try:
-        monkeypatch.setattr(engine.local, "BACKGROUND_S", 1e-6)  # the window closes right after each message
+        monkeypatch.setattr(engine.background, "BACKGROUND_S", 1e-6)  # the window closes right after each message
         eng.prewarm(request(text, "", doc="quiet"))
         time.sleep(0.5)
         assert eng.counters()["tokens_prewarmed"] == 0  # nothing ran, nothing was dropped
-        monkeypatch.setattr(engine.local, "BACKGROUND_S", 600.0)
+        monkeypatch.setattr(engine.background, "BACKGROUND_S", 600.0)
         eng.prewarm(request(text, "", doc="quiet"))  # the host speaks again: the work goes on
         for _ in range(600):
             if eng.counters()["prewarms_done"]:
@@ -152,7 +152,7 @@ def test_a_prewarm_at_a_cold_spot_fills_the_small_prompt_first(target):
     cursor = text.index("\n", len(text) * 3 // 4) + 1
     prefix, suffix = text[:cursor], text[cursor:]
     eng = engine(target)
-    eng.cold_window, eng._prefill_rate = True, 20.0  # (see the test above)
+    eng.documents.cold_window, eng.documents.prefill_rate = True, 20.0  # (see the test above)
     eng.prewarm(request(prefix + "    x", suffix))  # the editor's cursor rests there (fimble/cursor)
     eng.run_pending()
     assert eng.counters()["prewarms_done"] == 2  # the small prompt, then the full one
@@ -165,11 +165,11 @@ def test_a_background_request_is_not_the_users_activity(target):
     import dataclasses
 
     eng = engine(target)
-    before = eng._last_message
+    before = eng.background.last_message
     eng.complete(dataclasses.replace(request("def f(x):\n    return ", "\n"), background=True))
-    assert eng._last_message == before  # a follow-up keeps no background work going
+    assert eng.background.last_message == before  # a follow-up keeps no background work going
     eng.complete(request("def f(x):\n    return ", "\n"))
-    assert eng._last_message > before
+    assert eng.background.last_message > before
 
 
 def test_the_cold_prompt_carries_no_cross_file_context(target):

@@ -127,7 +127,7 @@ def test_decide_then_stream_then_shape_like_the_lsp_server(engine):
     assert d.context == "call_args" and not d.multiline
     stream = engine.submit(CompletionRequest(code[:cursor], code[cursor:], d.to_options()))
     shaper = CompletionShaper(doc, cursor)
-    engine._run_one(engine._queue.get())  # no worker thread: decode now, deltas are queued
+    engine.run_pending()  # no worker thread: decode now, deltas are queued
     for delta in stream:
         if shaper.feed(delta.text) is not None:
             break

@@ -219,13 +219,15 @@ def test_streamed_deltas_are_paced_but_nothing_is_lost(compact_target):
     the rest at the end: joined, the deltas are the whole text."""
     from types import SimpleNamespace
 
-    from engine.serve.scheduler import STREAM_INTERVAL_S, _TextOut
+    from engine.serve.scheduler import STREAM_INTERVAL_S
+    from engine.steps import TextOut
 
     pushed = []
-    engine = SimpleNamespace(target=compact_target, _count=lambda *a: None)
+    engine = SimpleNamespace(documents=SimpleNamespace(target=compact_target), stream_interval=STREAM_INTERVAL_S,
+                             counts=SimpleNamespace(add=lambda *a: None))
     decoder = SimpleNamespace(opt=SimpleNamespace(stop=(), max_lines=0), done=False, finish_reason="length")
     stream = SimpleNamespace(push=lambda d: pushed.append(d.text))
-    out = _TextOut(engine, decoder, stream, "", False)
+    out = TextOut(engine, decoder, stream, "", False)
     now = [100.0]
     out.clock = lambda: now[0]  # a clock of the test's own: no dependence on how fast this machine runs
     tok = compact_target.tokenizer

@@ -130,7 +130,7 @@ def test_cancelled_sequences_free_their_slots(compact_target):
 
 
 class _StubDecoder:
-    """The two calls ``ServeEngine._shorten_drafts`` makes of a StepDecoder, with a fixed acceptance rate."""
+    """The two calls ``SlottedPasses.shorten`` makes of a SpeculativeDecoder, with a fixed acceptance rate."""
 
     def __init__(self, rate: float):
         self.rate, self.cut_to = rate, None
@@ -158,7 +158,7 @@ def test_round_block_choice_cuts_drafts_that_do_not_pay(compact_target, one_thre
         slots._cost = {(batch, rows, 256): ms for rows, ms in costs.items()}
         stubs = [_StubDecoder(rate) for _ in views]
         calls = [Forward([1] * 8, v, 100, 8, decoder=d) for v, d in zip(views, stubs, strict=True)]
-        engine._shorten_drafts(calls)
+        engine.passes.shorten(calls)
         return stubs
 
     flat = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.05}

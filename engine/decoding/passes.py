@@ -1,0 +1,68 @@
+"""What a running request asks of whoever runs its passes (engine/scheduler.py), as plain records.
+
+A request is a generator (engine/steps.py) that yields a ``Forward`` (a target pass: its prefill chunks,
+then one verify block per step) or a ``DraftNeed`` (greedy draft tokens from its draft model), and is
+sent back the logits or the tokens. The scheduler decides how they run: alone, batched with other
+requests' passes, or replayed in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass
+class Forward:
+    """One sequence's share of a pass: ``tokens`` at positions ``start..`` into ``cache``."""
+
+    tokens: Tensor | list[int]  # 1-D token ids (a host list: a slotted round stages them itself)
+    cache: object  # engine.runtimes.compact.KVCache (or the runtime's own cache type)
+    start: int
+    num_logits: int = 1
+    # Set by a slotted round (scheduler): the argmax of each returned logits row, on the host; the decoder
+    # takes greedy choices from it instead of an argmax and a sync of its own.
+    best: list[int] | None = None
+    # The decoder whose verify block this is (None for a prefill chunk): the scheduler may shorten its draft.
+    decoder: object | None = None
+    # Run through the runtime's ``numpy_logits`` (host token list in, numpy rows out): a greedy step that needs
+    # only each row's argmax, on a runtime that declares ``numpy_rows`` (the ggml runtime).
+    numpy: bool = False
+
+
+@dataclass
+class DraftNeed:
+    """A sequence's request for up to ``k`` greedy draft tokens from its draft model after ``context``."""
+
+    drafter: object  # engine.decoding.drafters.ModelDrafter, bound to the sequence's own draft cache
+    context: list[int]
+    k: int
+    gate: float
+
+
+class RowSpan:
+    """Rows ``lo:hi`` of a round's logits, sliced only when read (``span[i]``, ``tensor()``): a greedy step of
+    fimble serve's slotted rounds uses the host argmax alone, and 32 tensor slices a round cost ~0.1 ms there."""
+
+    __slots__ = ("logits", "lo", "hi")
+
+    def __init__(self, logits: Tensor, lo: int, hi: int):
+        self.logits, self.lo, self.hi = logits, lo, hi
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __getitem__(self, i: int) -> Tensor:
+        n = self.hi - self.lo
+        if not -n <= i < n:
+            raise IndexError(f"row {i} of {n}")
+        return self.logits[self.lo + (i % n)]
+
+    def tensor(self) -> Tensor:
+        return self.logits[self.lo : self.hi]
+
+
+def rows_tensor(logits) -> Tensor:
+    """``logits`` as a tensor of rows (a ``RowSpan`` sliced now)."""
+    return logits.tensor() if isinstance(logits, RowSpan) else logits
