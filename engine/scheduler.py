@@ -24,10 +24,8 @@ import asyncio
 import itertools
 import queue
 import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,14 +33,14 @@ from engine.api import CompletionRequest, CompletionResult, CompletionStream, De
 from engine.background import Background
 from engine.caching.kv_store import KVStore, default_budget_bytes, session_of
 from engine.counters import Counters
-from engine.decoding.drafters import ModelDrafter, NgramDrafter
-from engine.decoding.passes import DraftNeed, Forward
+from engine.decoding.drafters import ModelDrafter, NgramDrafter, SessionNgrams
 from engine.decoding.spec_policy import verify_costs
 from engine.documents import DocumentPrompts, switch
 from engine.errors import FimbleError, PromptError
 from engine.loader import LoadedModel
+from engine.rounds import Rounds
 from engine.runner import PassRunner
-from engine.steps import STREAM_NOW, request_steps
+from engine.steps import request_steps
 
 COUNTER_NAMES = ("submitted", "completed", "cancelled", "failed", "decode_steps", "tokens_generated",
                  "tokens_prefilled", "tokens_reused", "tokens_shifted", "tokens_prewarmed", "prewarms_done",
@@ -88,16 +86,6 @@ class Policy:
     error_detail: bool = True  # an internal error's delta carries the exception's text
 
 
-@dataclass
-class _Seq:
-    request: CompletionRequest
-    stream: CompletionStream
-    steps: object  # the request's generator (engine/steps.py)
-    key: str
-    pending: Forward | DraftNeed | None = None
-    admitted_at: float = field(default_factory=time.monotonic)
-
-
 class Scheduler:
     # Set by the engine process (engine/process.py): called (phase, done, total) before a prompt's pass, so
     # the host's watchdog gives a long prefill the time it needs instead of killing it as stuck.
@@ -112,7 +100,7 @@ class Scheduler:
             raise FimbleError(f"draft {draft.name} and target {target.name} do not share a tokenizer")
         self.target, self.draft, self.policy = target, draft, policy
         self.max_active, self.prefill_chunk = policy.max_active, policy.prefill_chunk
-        self.stream_interval, self.overlap = policy.stream_interval, policy.overlap
+        self.stream_interval = policy.stream_interval
         self._threads = threads
         self.counts = Counters(COUNTER_NAMES + SCHED_COUNTERS)
         device = getattr(target.runtime, "device", "cpu")
@@ -130,7 +118,7 @@ class Scheduler:
         self.ngram_drafter = NgramDrafter()
         # Prompt lookup remembers recent completions; with session drafters one per client session, so one user's
         # completions never shape (nor, by acceptance, time) another's drafts.
-        self._ngrams: OrderedDict[str, NgramDrafter] = OrderedDict()
+        self._ngrams = SessionNgrams(MAX_SESSIONS_REMEMBERED)
         self._unfit = None
         if policy.refuse_unfit:
             from engine.serve import prompt_bound
@@ -150,7 +138,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._waiting = 0  # completions submitted and not yet started
         self._arrivals = itertools.count()
-        self._active: list[_Seq] = []
+        self.rounds = Rounds(self.passes, self.counts, policy.overlap, policy.error_detail)
         self._held: list[tuple[int, CompletionRequest, CompletionStream]] = []  # (arrival, ...): not yet admitted
         self._forgets: list[tuple[int, str]] = []  # forgets not done yet: their document is in use, or queued
         # Prompts built ahead for held requests whose document is busy (id(request) -> PromptPlan): built while a
@@ -207,7 +195,7 @@ class Scheduler:
         while True:
             self._take(block=False)
             self._admit()
-            if not self._active:
+            if not self.rounds.active:
                 break
             self._round()
         if idle:
@@ -240,7 +228,7 @@ class Scheduler:
 
     def active_documents(self) -> list[str]:
         """Document keys of the requests running now (for tests and the daemon's counters)."""
-        return [s.key for s in self._active]
+        return self.rounds.keys()
 
     # -- what engine/steps.py asks of its scheduler ------------------------------------------------
     def built_ahead(self, request: CompletionRequest):
@@ -260,12 +248,17 @@ class Scheduler:
         """The request's draft-model drafter and n-gram drafter."""
         if not self.policy.session_drafters:
             return self.model_drafter, self.ngram_drafter
-        key = session_of(request.document_id or "")
-        ngram = self._ngrams.pop(key, None) or NgramDrafter()
-        self._ngrams[key] = ngram  # most recently used last
-        while len(self._ngrams) > MAX_SESSIONS_REMEMBERED:
-            self._ngrams.popitem(last=False)
-        return (ModelDrafter(self.draft.runtime, 0) if self.draft is not None else None), ngram
+        model = ModelDrafter(self.draft.runtime, 0) if self.draft is not None else None
+        return model, self._ngrams.get(session_of(request.document_id or ""))
+
+    @property
+    def overlap(self) -> bool:
+        """Whether requests stream and are admitted while a round's passes run (engine/rounds.py)."""
+        return self.rounds.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.rounds.overlap = on
 
     def finish(self, stream: CompletionStream, text: str, reason: str, tokens: int, stats: dict) -> None:
         self.counts.add("cancelled" if reason == "cancelled" else "completed")
@@ -278,15 +271,15 @@ class Scheduler:
         if self._threads:
             torch.set_num_threads(self._threads)
         while True:
-            idle = not self._active and not self._held and not self._forgets
+            idle = not self.rounds.active and not self._held and not self._forgets
             # Idle with pre-warms pending (in the background window): run one, then look at the queue again.
             # Else wait for a message, or until the first re-anchor is due.
             busy = self.background.pending and self.background.window_left() > 0
             if not self._take(block=idle and not busy, timeout=self.background.reanchor_wait()):
                 break  # close()
-            if not self._active or not self.overlap:  # with overlap, requests arriving while sequences run are
+            if not self.rounds.active or not self.overlap:  # with overlap, requests arriving while sequences run are
                 self._admit()  # admitted during a round's pass (_round)
-            if self._active:
+            if self.rounds.active:
                 self._round()
             elif not self._held:
                 if busy:
@@ -304,9 +297,7 @@ class Scheduler:
                 return True
             block = False
             if item is None:
-                for seq in self._active:
-                    seq.steps.close()  # releases each document (the generators' finally)
-                    seq.stream.push(Delta("", True, "cancelled"))
+                self.rounds.cancel_all()
                 for _, _, stream in self._held:
                     stream.push(Delta("", True, "cancelled"))
                 self._plans.clear()
@@ -324,7 +315,7 @@ class Scheduler:
 
         ``ready_only``: only requests whose prompt is built already (cheap: no tokenising), for the end of a round,
         where the ones just freed by a cancelled sequence can join the next round's pass instead of the one after."""
-        busy = {s.key for s in self._active}
+        busy = set(self.rounds.keys())
         if self._forgets:  # a forget waits for its document's running request and the ones queued before it
             first_held = {}
             for arrival, request, _ in self._held:
@@ -344,8 +335,8 @@ class Scheduler:
                 with self._lock:
                     self._waiting -= 1
                 self.finish(stream, "", "cancelled", 0, {"queue_ms": 0.0})
-            elif key in busy or len(self._active) >= self.max_active or (ready_only and id(request) not in self._plans):
-                if not ready_only and key in busy and id(request) not in self._plans:
+            elif key in busy or len(self.rounds.active) >= self.max_active or (ready_only and not self._built(request)):
+                if not ready_only and key in busy and not self._built(request):
                     self._build_ahead(request)
                 keep.append((arrival, request, stream))
             elif any(d == key and a < arrival for a, d in self._forgets):
@@ -354,14 +345,15 @@ class Scheduler:
                 with self._lock:
                     self._waiting -= 1
                 busy.add(key)
-                seq = _Seq(request, stream, request_steps(self, request, stream), key)
                 self.counts.add("sched_admitted")
                 if ready_only:
                     self.counts.add("sched_admitted_early")
-                if self._advance(seq, None):
-                    self._active.append(seq)
+                self.rounds.start(request, stream, request_steps(self, request, stream), key)
         self._held = keep
         self._gauges()
+
+    def _built(self, request: CompletionRequest) -> bool:
+        return id(request) in self._plans
 
     def _build_ahead(self, request: CompletionRequest) -> None:
         try:
@@ -372,81 +364,15 @@ class Scheduler:
             pass
 
     def _round(self) -> None:
-        """Drafts, then one target pass for every active request, then each one's next pass is prepared.
-
-        With ``overlap`` the passes are launched first; while they run (on CUDA), every request streams the
-        text of its previous step (STREAM_NOW/AWAIT) and waiting requests are admitted; then the logits are
-        collected and each request verifies. Without, the text is streamed before the launch and requests
-        are admitted between rounds, so the GPU wait leaves the interpreter to the daemon's websocket thread."""
-        t0 = time.perf_counter()
-        self._drafts()
-        seqs = [s for s in self._active if isinstance(s.pending, Forward)]
-        calls = [s.pending for s in seqs]
-        self.passes.shorten(calls)
-        if not self.overlap:
-            ended = {id(seq) for seq in seqs if not self._advance(seq, STREAM_NOW)}
-        t1 = time.perf_counter()
-        launched = self.passes.launch(calls)
-        t2 = time.perf_counter()
-        if self.overlap:
-            ended = {id(seq) for seq in seqs if not self._advance(seq, STREAM_NOW)}
-            # New requests are admitted here too, while the GPU runs: building a prompt costs ~1 ms of Python,
-            # and 32 editors' keystrokes arriving together would otherwise stall every sequence ~30-50 ms
-            # between two rounds. Their first passes join the next round.
-            self._admit()
-        t3 = time.perf_counter()
-        logits = self.passes.collect(launched)
-        t4 = time.perf_counter()
-        c = self.counts
-        c.add("sched_pass_ms", (t2 - t1 + t4 - t3) * 1e3)
-        c.add("sched_launch_ms", (t2 - t1) * 1e3)
-        c.add("sched_overlap_ms", (t3 - t2) * 1e3)
-        c.add("sched_rounds")
-        c.add("sched_batched_rows", sum(len(call.tokens) for call in calls))
-        c.peak("sched_max_batch", len(calls))
-        for seq, out in zip(seqs, logits, strict=True):
-            if id(seq) not in ended and not self._advance(seq, out):
-                ended.add(id(seq))
-        self._active = [s for s in self._active if id(s) not in ended]
-        c.add("sched_advance_ms", (time.perf_counter() - t4) * 1e3)
+        ended = self.rounds.run(self._admit)
         if ended and self._plans:  # a keystroke's new request, waiting for its cancelled predecessor: in now
             self._admit(ready_only=True)
         if ended or self.max_active > 1:  # (one request's cache figures change only when it ends)
             self._publish_kv()
         self._gauges()
-        round_ms = (time.perf_counter() - t0) * 1e3
-        c.add("sched_round_ms", round_ms)
-        self.passes.round_done(round_ms)
-
-    def _drafts(self) -> None:
-        """Answer every request waiting for greedy draft tokens: token i of all drafts in one pass."""
-        waiting = [s for s in self._active if isinstance(s.pending, DraftNeed)]
-        if not waiting:
-            return
-        drafts = self.passes.drafts([s.pending for s in waiting])
-        done = {id(s) for s, tokens in zip(waiting, drafts, strict=True) if not self._advance(s, tokens)}
-        if done:
-            self._active = [s for s in self._active if id(s) not in done]
-
-    def _advance(self, seq: _Seq, value) -> bool:
-        """Send ``value`` (logits, draft tokens, STREAM_NOW) to the request; True while it wants another pass."""
-        try:
-            seq.pending = seq.steps.send(value)
-            return True
-        except StopIteration:
-            pass
-        except FimbleError as exc:
-            self.counts.add("failed")
-            seq.stream.push(Delta("", True, "error", str(exc), type(exc).__name__))
-        except Exception as exc:  # one request must never take the others down, nor the worker
-            self.counts.add("failed")
-            detail = f": {exc}" if self.policy.error_detail else ""
-            seq.stream.push(Delta("", True, "error", f"internal error: {type(exc).__name__}{detail}"))
-        seq.pending = None
-        return False
 
     def _gauges(self) -> None:
-        self.counts.set(sched_active=len(self._active), sched_waiting=len(self._held))
+        self.counts.set(sched_active=len(self.rounds.active), sched_waiting=len(self._held))
 
     def _completion_waiting(self) -> bool:
         with self._lock:

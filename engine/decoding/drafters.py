@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -171,3 +171,18 @@ def _rfind_aligned(buf: bytes, pattern: bytes, end: int) -> int | None:
 def _tokens(buf: bytes, offset: int, k: int) -> list[int]:
     tokens = array("i", buf[offset: offset + 4 * k]).tolist()
     return tokens[: tokens.index(-1)] if -1 in tokens else tokens  # a remembered completion ends at its separator
+
+
+class SessionNgrams:
+    """One n-gram drafter per client session, the least recently used dropped beyond ``limit``."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._drafters: OrderedDict[str, NgramDrafter] = OrderedDict()
+
+    def get(self, session: str) -> NgramDrafter:
+        drafter = self._drafters.pop(session, None) or NgramDrafter()
+        self._drafters[session] = drafter  # most recently used last
+        while len(self._drafters) > self.limit:
+            self._drafters.popitem(last=False)
+        return drafter

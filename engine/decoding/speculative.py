@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine.decoding.draft_plan import DraftPlan
 from engine.decoding.drafters import Draft, ModelDrafter, NgramDrafter
 from engine.decoding.passes import DraftNeed, Forward, rows_tensor
 from engine.decoding.sampling import (
@@ -34,7 +35,7 @@ from engine.decoding.sampling import (
     greedy_ids,
     residual,
 )
-from engine.decoding.spec_policy import Acceptance, VerifyCosts, choose_gamma, verify_costs
+from engine.decoding.spec_policy import VerifyCosts
 from engine.options import DecodeOptions
 
 
@@ -66,27 +67,7 @@ class SpeculativeDecoder:
         self.opt = options
         self.model_drafter = model_drafter if options.drafter in ("auto", "model") else None
         self.ngram_drafter = ngram_drafter if options.drafter in ("auto", "ngram") else None
-        self.gamma = options.gamma
-        # Cost-aware speculation (engine/decoding/spec_policy.py): with adaptive gamma, each round
-        # drafts only as many tokens as pay for their verification on this runtime.
-        self.costs: VerifyCosts | None = None
-        self.draft_cost = 0.0  # a draft model step, in target steps
-        # Only runtimes that ask for it (the ggml runtime, whose q8_0 verify rows cost about as much as a
-        # step each): on the compact runtime the policy measured no better than the +2/-1 rule, and its
-        # one-time cost probe would delay the first completion, so the default path keeps that rule.
-        if (
-            getattr(runtime, "cost_aware_drafting", False)
-            and options.adaptive_gamma
-            and options.gamma > 0
-            and (self.model_drafter or self.ngram_drafter)
-        ):
-            self.costs = verify_costs(runtime)
-            if self.model_drafter is not None and self.costs.step_s > 0:
-                own = verify_costs(self.model_drafter.runtime).step_s
-                self.draft_cost = own / self.costs.step_s if own > 0 else 0.0
-        self.acceptance = {"ngram": Acceptance(), "model": Acceptance()}
-        self._kind = ""  # which drafter drafted this round
-        self._shadow: list[int] = []  # an n-gram draft the policy chose not to verify
+        self.plan = DraftPlan(runtime, options, self.model_drafter, self.ngram_drafter)
         self.gen = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
         self.ids: list[int] = []
         self.output: list[int] = []
@@ -212,46 +193,17 @@ class SpeculativeDecoder:
         finally:
             self._best = None
 
-    def _plan_draft(self) -> Draft | int:
-        """This round's draft: an n-gram draft, or how many tokens to ask the draft model for."""
-        k = self.gamma if self.opt.gamma > 0 else 0
-        if self.costs is not None:  # the policy picks the length: its ceiling is max_gamma
-            k = self.opt.max_gamma
-        k = min(k, self.opt.max_tokens - len(self.output), self.cache.max_len - len(self.ids))
-        if k <= 0:
-            return Draft([])
-        if self.ngram_drafter is not None:
-            draft = self.ngram_drafter.propose(self.ids, k)
-            if len(draft.tokens) >= 2 or self.model_drafter is None:
-                self._kind = "ngram"
-                if self.costs is not None and draft.tokens:
-                    g = choose_gamma(self.costs, self.acceptance["ngram"], len(draft.tokens))
-                    if g == 0:  # not worth a verify row; still scored against the next token
-                        self._shadow = draft.tokens
-                    draft = Draft(draft.tokens[:g])
-                return draft
-        if self.model_drafter is None:
-            return Draft([])
-        self._kind = "model"
-        if self.costs is not None:
-            k = choose_gamma(self.costs, self.acceptance["model"], k, self.draft_cost)
-            if k == 0:  # skipped: drift back toward the prior, so it is tried again later
-                self.acceptance["model"].forget()
-                return Draft([])
-        return k
+    @property
+    def gamma(self) -> int:
+        return self.plan.gamma
 
-    def _account(self, k: int, n_accepted: int, first: int) -> None:
-        """Counters, acceptance estimates and adaptive gamma after a verify pass of ``k`` drafts."""
-        self.stats.steps += 1
-        self.stats.drafted += k
-        self.stats.accepted += n_accepted
-        self.stats.target_tokens += k + 1
-        if self._kind and k:
-            self.acceptance[self._kind].update(k, n_accepted)
-        elif self._shadow:
-            self.acceptance["ngram"].update(1, int(self._shadow[0] == first))
-        if self.opt.adaptive_gamma and k:
-            self.gamma = min(self.opt.max_gamma, self.gamma + 2) if n_accepted == k else max(1, self.gamma - 1)
+    @property
+    def costs(self) -> VerifyCosts | None:
+        return self.plan.costs
+
+    @costs.setter
+    def costs(self, costs: VerifyCosts | None) -> None:
+        self.plan.costs = costs
 
     def next_draft(self) -> Draft | DraftNeed | None:
         """The next step's draft, a DraftNeed where greedy draft-model tokens are needed (a scheduler runs those of
@@ -261,10 +213,10 @@ class SpeculativeDecoder:
         if len(self.ids) >= self.cache.max_len:
             self.done, self.finish_reason = True, "context"
             return None
-        self._kind, self._shadow = "", []
+        self.plan.new_round()
         if self.forced:  # healing: one constrained token at a time, no drafting
             return Draft([])
-        plan = self._plan_draft()
+        plan = self.plan.choose(self.ids, len(self.output), self.cache.max_len)
         if isinstance(plan, Draft):
             return plan
         if self.opt.temperature > 0:  # sampled drafts carry their distributions: drafted here, alone
@@ -300,17 +252,9 @@ class SpeculativeDecoder:
 
     def expected_tokens(self) -> list[float]:
         """Tokens the pending step commits on average with its first g drafts, for g = 0..len(draft)
-        (spec_policy's running acceptance of this round's drafter, per draft position)."""
+        (engine/decoding/draft_plan.py ``expected``)."""
         assert self._pending is not None
-        k = len(self._pending[0].tokens)
-        curve = [1.0]
-        if not self._kind:
-            return curve * (k + 1)
-        acceptance, survive = self.acceptance[self._kind], 1.0
-        for i in range(k):
-            survive *= acceptance.rate(i)
-            curve.append(curve[-1] + survive)
-        return curve
+        return self.plan.expected(len(self._pending[0].tokens))
 
     def abandon_step(self) -> None:
         """Drop the pending pass (its text hit a stop meanwhile): the cache goes back to the committed tokens."""
@@ -358,7 +302,12 @@ class SpeculativeDecoder:
         n_accepted = len(new) - 1
         self.cache.rollback(start + 1 + n_accepted)  # keep the fed token and the accepted drafts
         self.ids.extend(new)
-        self._account(len(draft.tokens), n_accepted, new[0])
+        k = len(draft.tokens)
+        self.stats.steps += 1
+        self.stats.drafted += k
+        self.stats.accepted += n_accepted
+        self.stats.target_tokens += k + 1
+        self.plan.account(k, n_accepted, new[0])
         return self._commit(new)
 
     def _verify(self, draft: Draft, logits: Tensor | np.ndarray) -> list[int]:

@@ -96,7 +96,7 @@ class ServeEngine(Scheduler):
         if overlap is None:
             asynchronous = self.slots is not None and self.slots.use_graphs
             overlap = asynchronous and os.environ.get("FIMBLE_SERVE_OVERLAP", "1") != "0"
-        self.overlap = policy.overlap = overlap
+        self.overlap = overlap
         self.batched = batched
 
     @property
