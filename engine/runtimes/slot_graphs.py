@@ -1,0 +1,356 @@
+"""Slotted rounds for fimble serve on CUDA (engine/serve/slot_passes.py): running sequences' caches in slots of
+one batched cache, and one captured graph per round for all of their short passes."""
+
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from engine.decoding.passes import RowSpan
+from engine.runtimes.compact import CompactTransformer, KVCache
+from engine.runtimes.graph_forward import (
+    BLOCKS,
+    block_bucket,
+    capture,
+    default_attention,
+    forward_batch,
+    key_bucket,
+)
+
+
+class BatchedCache:
+    """Keys/values of ``streams`` sequences, one slot each: [layers, streams, kv_heads, max_len, head_dim].
+
+    ``slot(i)`` is a ``KVCache`` view of one stream, so the eager path (a prefill) writes into it.
+    """
+
+    def __init__(self, model: CompactTransformer, streams: int, max_len: int):
+        cfg = model.cfg
+        model._ensure_rope(max_len)
+        shape = (cfg.num_layers, streams, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.keys = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.values = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.streams, self.max_len = streams, max_len
+
+    def slot(self, i: int) -> KVCache:
+        view = KVCache.__new__(KVCache)
+        view.keys, view.values = self.keys[:, i], self.values[:, i]
+        view.max_len, view.length = self.max_len, 0
+        return view
+
+
+@torch.inference_mode()
+def batched_forward(
+    model: CompactTransformer,
+    cache: BatchedCache,
+    tokens: Tensor,
+    positions: Tensor,
+    keys_len: int,
+    last: Tensor | None = None,
+    attention: str = "sdpa",
+) -> Tensor:
+    """Every stream of ``cache`` at once: ``tokens`` [S] (one each) or [S, T]; stream i starts at positions[i]."""
+    tokens = tokens if tokens.dim() == 2 else tokens[:, None]
+    return forward_batch(model, cache.keys, cache.values, tokens, positions, keys_len, last, attention)
+
+
+SLOT_SCRATCH = 128  # positions past each slot's end that padding rows may write (the longest slotted pass)
+
+
+def batch_bucket(n: int, streams: int) -> int:
+    """Graph batch size for the ``n`` lowest slots: a power of two, at most ``streams``."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, streams)
+
+
+class SlotGraphs:
+    """Served sequences' caches as slots of one ``BatchedCache``; a round of short passes replays one graph.
+
+    ``fimble serve`` (engine/serve/scheduler.py) hands each running sequence a slot: ``take`` copies the
+    valid part of its document's cache into the slot and returns a ``KVCache`` view of it (same
+    ``max_len``), which the sequence then uses for everything (prefill chunks run eagerly into the view);
+    ``give`` copies the slot back into the document's own cache and frees the slot (on finish, cancel or
+    error). Rollback stays a change of the view's ``length``.
+
+    ``run`` takes one pass of up to ``max(BLOCKS)`` tokens from each of several slotted sequences and
+    replays the graph captured for (batch, block, key length): batch = the lowest ``2^k`` slots covering
+    every caller (slots are handed out lowest first), block = the longest pass's bucket, key length = a
+    bucket of the furthest position. Slots in the batch that have no pass this round (free ones, or
+    sequences prefilling eagerly) get start = ``slot_len``: their padding rows write into a scratch tail of
+    ``SLOT_SCRATCH`` positions past every view's end, so they never touch valid keys/values. A caller's own
+    padding rows land past its end, as in ``GraphRuntime``. The graphs read token ids and starts from static
+    buffers written before each replay. ``run`` is ``launch`` (the replay is started, no host sync) then
+    ``collect`` (the round's one sync: every row's argmax, read back at once), so a caller can work between them.
+
+    ``prefill`` runs longer chunks (up to ``SLOT_SCRATCH`` tokens, last logits only) of several slotted
+    sequences in one eager ``forward_batch`` over the same slot range, padded to the longest chunk: one
+    launch sequence for all of them instead of attention, RoPE and cache writes per sequence.
+
+    Returned logits are views of the graph's static output: valid until the next ``run``.
+    On a CPU (tests) the same forward runs without graphs.
+
+    ``device=False`` builds the host side alone (slots, staging, hand-out; no slot cache, no graphs): a slot view
+    then shares its document's cache, and a subclass supplies the device step (``replay_round``, ``wait_round``),
+    as bench/serve_host.py's simulated GPU does.
+    """
+
+    def __init__(
+        self, model: CompactTransformer, streams: int, slot_len: int, attention: str | None = None, device: bool = True
+    ):
+        import heapq
+
+        self._heap = heapq
+        self.model = model
+        self.streams, self.slot_len = streams, slot_len
+        self.cache = BatchedCache(model, streams, slot_len + SLOT_SCRATCH) if device else None
+        self.attention = attention or default_attention()  # the GraphRuntime's kernels (the scheduler passes them)
+        self.use_graphs = device and model.device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        dev = model.device
+        self.tokens = torch.zeros(streams * max(BLOCKS), dtype=torch.long, device=dev)
+        self.starts = torch.full((streams,), slot_len, dtype=torch.long, device=dev)
+        # Host side of a round: token ids and starts staged in pinned memory (copied without a sync), and every
+        # row's argmax copied back into pinned memory by the round's stream; GPU time per graph from events.
+        pinned = self.use_graphs
+        self._stage = torch.zeros(streams * (max(BLOCKS) + 1), dtype=torch.long, pin_memory=pinned)
+        self._stage_np = self._stage.numpy()
+        self.argmax_host = torch.zeros(streams * max(BLOCKS), dtype=torch.long, pin_memory=pinned)
+        if self.use_graphs:
+            self._began = torch.cuda.Event(enable_timing=True)
+            self._ended = torch.cuda.Event(enable_timing=True)
+        self._cost: dict[tuple[int, int, int], float] = {}  # graph key -> fastest replay seen, ms of GPU time
+        self._free = list(range(streams))  # a heap: the lowest free slot first
+        self._slot: dict[int, int] = {}  # id(view) -> slot
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph | None, Tensor | None]] = {}
+        self.captures = 0
+        self.replays = 0
+
+    # -- slots ----------------------------------------------------------------------------
+    def holds(self, cache: object) -> bool:
+        return id(cache) in self._slot
+
+    def in_use(self) -> int:
+        return len(self._slot)
+
+    @torch.inference_mode()
+    def take(self, cache: KVCache) -> KVCache | None:
+        """A slot view holding ``cache``'s valid positions, or None (no free slot, or ``cache`` is too long)."""
+        if not self._free or cache.max_len > self.slot_len or not isinstance(cache, KVCache):
+            return None
+        view = KVCache.__new__(KVCache)
+        view.max_len, view.length = cache.max_len, cache.length
+        if self.cache is None:  # the host side alone: the view is the document's own cache
+            view.keys, view.values = cache.keys, cache.values
+            self._slot[id(view)] = self._heap.heappop(self._free)
+            return view
+        if cache.keys.dtype != self.cache.keys.dtype or cache.keys.device != self.cache.keys.device:
+            return None
+        slot = self._heap.heappop(self._free)
+        view.keys = self.cache.keys[:, slot, :, : cache.max_len]
+        view.values = self.cache.values[:, slot, :, : cache.max_len]
+        n = cache.length
+        if n:
+            view.keys[:, :, :n].copy_(cache.keys[:, :, :n])
+            view.values[:, :, :n].copy_(cache.values[:, :, :n])
+        self._slot[id(view)] = slot
+        return view
+
+    @torch.inference_mode()
+    def give(self, view: KVCache, into: KVCache) -> None:
+        """Copy the slot's valid positions back into ``into`` (its own cache) and free the slot."""
+        slot = self._slot.pop(id(view))
+        n = min(view.length, into.max_len)
+        if n and self.cache is not None:  # (the host side alone: the view was ``into`` itself)
+            into.keys[:, :, :n].copy_(view.keys[:, :, :n])
+            into.values[:, :, :n].copy_(view.values[:, :, :n])
+        into.length = n
+        self._heap.heappush(self._free, slot)
+
+    def fits(self, tokens: int, cache: object, start: int) -> bool:
+        """Whether a pass of ``tokens`` at ``start`` into ``cache`` can run in a slot graph."""
+        return (
+            id(cache) in self._slot
+            and 0 < tokens <= max(BLOCKS)
+            and start <= cache.length
+            and start + tokens <= cache.max_len
+        )
+
+    def fits_prefill(self, tokens: int, cache: object, start: int, num_logits: int) -> bool:
+        """Whether a chunk of ``tokens`` at ``start`` (last logits only) can run in ``prefill``."""
+        return (
+            id(cache) in self._slot
+            and 0 < tokens <= SLOT_SCRATCH
+            and num_logits == 1
+            and start <= cache.length
+            and start + tokens <= cache.max_len
+        )
+
+    @torch.inference_mode()
+    def prefill(self, passes: list[tuple[Tensor, KVCache, int, int]], best: list | None = None) -> list[Tensor]:
+        """Eager pass of several slotted chunks (each ``fits_prefill``), padded to the longest; like ``run``."""
+        slots = [self._slot[id(c)] for _, c, _, _ in passes]
+        lens = [len(t) for t, _, _, _ in passes]
+        block = -(-max(lens) // 16) * 16
+        batch = batch_bucket(max(slots) + 1, self.streams)
+        keys_len = key_bucket(max(s + block for _, _, s, _ in passes), self.slot_len + SLOT_SCRATCH)
+        dev = self.tokens.device
+        tokens = torch.zeros(batch, block, dtype=torch.long)
+        starts = [self.slot_len] * batch
+        last = [0] * batch
+        for slot, n, (t, _, start, _) in zip(slots, lens, passes, strict=True):
+            tokens[slot, :n] = torch.as_tensor(t) if isinstance(t, list) else t.cpu()
+            starts[slot], last[slot] = start, n - 1
+        logits = forward_batch(
+            self.model,
+            self.cache.keys[:, :batch],
+            self.cache.values[:, :batch],
+            tokens.to(dev),
+            torch.tensor(starts, dtype=torch.long).to(dev),
+            keys_len,
+            last=torch.tensor(last, dtype=torch.long).to(dev),
+            attention=self.attention,
+        )
+        host = logits.argmax(-1).tolist() if best is not None else None
+        out = []
+        for slot, n, (_, cache, start, _) in zip(slots, lens, passes, strict=True):
+            cache.length = start + n
+            out.append(logits[slot : slot + 1])
+            if host is not None:
+                best.append(host[slot : slot + 1])
+        return out
+
+    # -- passes ---------------------------------------------------------------------------
+    def _forward(self, batch: int, block: int, keys_len: int) -> tuple[Tensor, Tensor]:
+        logits = forward_batch(
+            self.model,
+            self.cache.keys[:, :batch],
+            self.cache.values[:, :batch],
+            self.tokens[: batch * block].view(batch, block),
+            self.starts[:batch],
+            keys_len,
+            attention=self.attention,
+        )
+        return logits, logits.argmax(-1)  # every row's greedy choice, read back in one copy (``run``)
+
+    @torch.inference_mode()
+    def run(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]], best: list | None = None) -> list[Tensor]:
+        """``passes``: (tokens, slotted cache, start, num_logits) each, every one ``fits``. Returns each
+        pass's last ``num_logits`` float32 logits, as ``runtime(tokens, cache, start, num_logits)`` would.
+
+        ``best``: a list to receive each pass's argmax per returned row (host ints, one device-to-host copy
+        for the whole round instead of one argmax and sync per sequence). ``launch`` + ``collect``."""
+        return self.collect(self.launch(passes), best)
+
+    def shape(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]]) -> tuple[int, int, int]:
+        """The graph key (batch, block, key length) these passes would replay."""
+        # Blocks stay as they are: with cuBLAS projections a round's rows match the same rows alone only where cuBLAS
+        # keeps its kernel at the round's row count (padding each slot to 16 rows would not change that), and 32
+        # streams' 1-token steps would multiply 512 rows instead of 32. invariant_layers pads to 16-row multiples.
+        block = block_bucket(max(len(t) for t, _, _, _ in passes))
+        batch = batch_bucket(max(self._slot[id(c)] for _, c, _, _ in passes) + 1, self.streams)
+        keys_len = key_bucket(max(s + block for _, _, s, _ in passes), self.slot_len + SLOT_SCRATCH)
+        return batch, block, keys_len
+
+    def pass_ms(self, key: tuple[int, int, int]) -> float | None:
+        """The GPU time of one replay of ``key``'s graph (the fastest seen), None before it ran."""
+        return self._cost.get(key)
+
+    @torch.inference_mode()
+    def launch(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]]) -> tuple:
+        """Start the round's graph on the GPU and return at once; ``collect`` waits for it. Tokens are
+        written through pinned host buffers (two asynchronous copies, no sync)."""
+        slots, key = self._stage_passes(passes)
+        return passes, slots, key, self.replay_round(key)
+
+    def replay_round(self, key: tuple[int, int, int]) -> Tensor:
+        """The device step of ``launch``: the staged token ids and starts to the device, ``key``'s graph replayed
+        (captured on its first use), every row's argmax into ``argmax_host``; no host sync on CUDA. Returns the
+        graph's static logits."""
+        batch, block, keys_len = key
+        rows = batch * block
+        if self.use_graphs:
+            self.tokens[:rows].copy_(self._stage[:rows], non_blocking=True)
+            self.starts[:batch].copy_(self._stage[rows : rows + batch], non_blocking=True)
+            entry = self._graphs.get(key)
+            if entry is None:
+                entry = self._graphs[key] = capture(lambda: self._forward(batch, block, keys_len), self.pool)
+                self.captures += 1
+            graph, (logits, argmax) = entry
+            self._began.record()
+            graph.replay()
+            self.replays += 1
+            self.argmax_host[:rows].copy_(argmax, non_blocking=True)
+            self._ended.record()
+        else:  # CPU (tests): the same forward, synchronous, timed on the wall clock
+            t0 = time.perf_counter()
+            self.tokens[:rows].copy_(self._stage[:rows])
+            self.starts[:batch].copy_(self._stage[rows : rows + batch])
+            logits, argmax = self._forward(batch, block, keys_len)
+            self.argmax_host[:rows].copy_(argmax)
+            ms = (time.perf_counter() - t0) * 1e3
+            self._cost[key] = min(ms, self._cost.get(key, ms))
+        return logits
+
+    def _stage_passes(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]]) -> tuple[list[int], tuple]:
+        """Write the passes' token ids and starts into the host staging buffer; (their slots, the graph key)."""
+        slots = [self._slot[id(c)] for _, c, _, _ in passes]
+        key = batch, block, _ = self.shape(passes)
+        rows = batch * block
+        stage = self._stage_np
+        stage[:rows] = 0
+        stage[rows : rows + batch] = self.slot_len
+        for slot, (t, _, start, _) in zip(slots, passes, strict=True):
+            at = slot * block
+            stage[at : at + len(t)] = t if isinstance(t, list) else t.tolist()
+            stage[rows + slot] = start
+        return slots, key
+
+    def collect(self, launched: tuple, best: list | None = None, lazy: bool = False) -> list:
+        """Wait for ``launch``'s graph (the round's one sync; the GIL is free meanwhile) and hand out the logits.
+        ``lazy``: each pass's rows as a ``RowSpan`` (sliced when read), for a caller that mostly needs ``best``."""
+        passes, slots, key, logits = launched
+        self.wait_round(key)
+        return self._hand_out(passes, slots, key, logits, best, lazy)
+
+    def wait_round(self, key: tuple[int, int, int]) -> None:
+        """Wait for ``replay_round``'s graph (the GIL is free meanwhile) and note its GPU time."""
+        if self.use_graphs:
+            self._ended.synchronize()
+            ms = self._began.elapsed_time(self._ended)
+            self._cost[key] = min(ms, self._cost.get(key, ms))
+
+    def _hand_out(
+        self, passes: list, slots: list[int], key: tuple, logits: Tensor, best: list | None, lazy: bool
+    ) -> list:
+        """Each pass's rows of a finished round (and their argmax into ``best``); the caches' lengths move on."""
+        block = key[1]
+        host = self.argmax_host[: key[0] * block].tolist() if best is not None else None
+        out = []
+        for slot, (t, cache, start, num_logits) in zip(slots, passes, strict=True):
+            n = len(t)
+            cache.length = start + n
+            k = min(num_logits, n)
+            lo, hi = slot * block + n - k, slot * block + n
+            out.append(RowSpan(logits, lo, hi) if lazy else logits[lo:hi])
+            if host is not None:
+                best.append(host[slot * block + n - k : slot * block + n])
+        return out
+
+    def warm(self, batches: tuple[int, ...], blocks: tuple[int, ...], keys: tuple[int, ...]) -> None:
+        """Capture graphs ahead of traffic (each capture runs the forward once on scratch positions)."""
+        if not self.use_graphs:
+            return
+        with torch.inference_mode():
+            self.starts.fill_(self.slot_len)
+            for b in batches:
+                for t in blocks:
+                    for k in keys:
+                        key = (min(b, self.streams), t, min(k, self.slot_len + SLOT_SCRATCH))
+                        if key not in self._graphs:
+                            self._graphs[key] = capture(lambda key=key: self._forward(*key), self.pool)
+                            self.captures += 1
