@@ -61,6 +61,12 @@ REAP_TIMEOUT_S = 10.0  # how long a killed child's bounded wait lasts (SIGKILL e
 _children: set[subprocess.Popen] = set()  # engine processes started and not yet reaped (end_children)
 _children_lock = threading.Lock()
 _stopping = threading.Event()  # end_children ran: this process is stopping, so no new engine may start
+# fimble serve's engine child (engine/serve/engine_process.py) and the daemon beside it each have one busy thread and
+# one that only moves messages (the child: stdin's reader beside the decode loop; the daemon: the engine pipe's reader
+# beside the listeners' loop). A message's thread waits for the busy one to drop the interpreter, up to the switch
+# interval: 5 ms by default, per message, on every keystroke's cancel and submit. 0.5 ms bounds that; with no thread
+# waiting the interval costs nothing. Set in both processes.
+SWITCH_INTERVAL_S = 0.0005
 
 
 def request_from_dict(d: dict) -> CompletionRequest:
@@ -201,7 +207,6 @@ def serve(args: argparse.Namespace) -> int:
             return open_engine(args.model, args.draft, device=args.device, template=args.template,
                                trust_remote_code=args.trust_remote_code, use_draft=not args.no_draft,
                                start_thread=False, kv_budget_bytes=budget)
-        from engine.serve.engine_process import SWITCH_INTERVAL_S
         from engine.serve.scheduler import open_serve_engine
 
         sys.setswitchinterval(SWITCH_INTERVAL_S)

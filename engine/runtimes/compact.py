@@ -170,7 +170,7 @@ class CompactTransformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._rope_len = 0
         # Batch-invariant kernels (engine/runtimes/gpu_kernels.py): every pass runs through
-        # cuda_graphs.invariant_forward, so a row's logits are the same bits in a 1-token step, a verify block or a
+        # graph_forward.invariant_forward, so a row's logits are the same bits in a 1-token step, a verify block or a
         # graph replay. A kernel set's name ("invariant-cublas": cuBLAS projections on fixed 16-row passes;
         # "invariant": Triton projections) or True (the default set) turns them on, False off; None (default)
         # decides at the first CUDA pass (gpu_kernels.invariant_default: on where Triton runs, unless
@@ -216,7 +216,7 @@ class CompactTransformer(nn.Module):
         if end > cache.max_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache's {cache.max_len}")
         if self._use_invariant(tokens):
-            from engine.runtimes.cuda_graphs import invariant_forward
+            from engine.runtimes.graph_forward import invariant_forward
 
             return invariant_forward(self, tokens, cache, start, num_logits)
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]

@@ -17,13 +17,10 @@ import threading
 
 from engine.api import CompletionRequest, CompletionStream
 from engine.errors import FimbleError
-from engine.process import EngineProcess
+from engine.process import SWITCH_INTERVAL_S, EngineProcess
 
-# Each of the two processes has one busy thread and one that only moves messages (the child: stdin's reader beside the
-# decode loop; the daemon: the engine pipe's reader beside the listeners' loop). A message's thread waits for the busy
-# one to drop the interpreter, up to the switch interval: 5 ms by default, per message, on every keystroke's cancel
-# and submit. 0.5 ms bounds that; with no thread waiting the interval costs nothing. Set in both processes.
-SWITCH_INTERVAL_S = 0.0005
+__all__ = ["STARTUP_TIMEOUT_S", "SWITCH_INTERVAL_S", "ServeEngineProcess"]
+
 STARTUP_TIMEOUT_S = 900.0  # loading a 7B model and capturing ~140 graphs takes minutes on a cold disk
 
 
