@@ -693,7 +693,7 @@ def main() -> None:
                     else EngineProcess(DEFAULT_TARGET, DEFAULT_DRAFT)
                 )
                 try:
-                    run["engine_info"] = engine.info
+                    run["engine_info"] = engine.info()
                     keyrows = keystroke_run(engine, server, server_row, target, files, keys, args.seed)
                 finally:
                     engine.close()

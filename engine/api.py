@@ -2,7 +2,7 @@
 
 Everything that crosses it is plain data (strings, numbers, lists, dicts), so a
 later engine daemon can carry it as msgpack over a websocket without callers
-changing. ``Engine`` is the protocol; ``engine.local.LocalEngine`` runs in-process.
+changing. ``Engine`` is the protocol every engine answers, ``Supervised`` how a host watches one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Protocol
 from engine.errors import error_from_name
 from engine.options import DecodeOptions
 
-__all__ = ["CompletionRequest", "Delta", "CompletionResult", "CompletionStream", "DecodeOptions", "Engine"]
+__all__ = ["CompletionRequest", "Delta", "CompletionResult", "CompletionStream", "DecodeOptions", "Engine",
+           "Supervised", "Unwatched"]
 
 
 @dataclass
@@ -142,8 +143,96 @@ def _raise_if_error(delta: Delta) -> None:
 
 
 class Engine(Protocol):
-    def submit(self, request: CompletionRequest) -> CompletionStream: ...
+    """What every engine answers, whoever runs the model: ``LocalEngine`` and ``ServeEngine`` (engine/scheduler.py, in
+    this process), ``EngineProcess`` (engine/process.py, a child process), ``ServeEngineProcess``
+    (engine/serve/engine_process.py), ``WSEngine`` (engine/serve/client.py, a fimble serve daemon), ``RemoteEngine``
+    (engine/remote.py, an OpenAI-compatible or llama.cpp server) and ``RayEngine`` (engine/ray_serve.py)."""
 
-    def counters(self) -> dict: ...
+    def submit(self, request: CompletionRequest, on_delta: Callable[[Delta], None] | None = None) -> CompletionStream:
+        """Start a completion; its deltas arrive on the stream (or, with ``on_delta``, are handed to it)."""
+        ...
+
+    def prewarm(self, request: CompletionRequest) -> None:
+        """Fill ``request.document_id``'s cache for this prompt when idle (no reply; engines without a cache ignore
+        it)."""
+        ...
+
+    def forget(self, document_id: str) -> None:
+        """The document was closed: drop what is kept for it."""
+        ...
+
+    def counters(self) -> dict:
+        """Plain numbers about the engine's work so far."""
+        ...
+
+    def info(self) -> dict:
+        """Plain facts about the engine: model, backend, context..."""
+        ...
 
     def close(self) -> None: ...
+
+
+class Supervised(Protocol):
+    """How a host watches an engine and replaces it (lsp_server/engine_host.py, lsp_server/engine_watch.py). Every
+    engine class above answers these; engines with nothing that can go silent on its own (no process or connection:
+    in-process and per-request HTTP engines) answer as ``Unwatched`` does."""
+
+    pid: int | None  # its own process (the watchdog reads its CPU time), or None
+    error: str | None  # why it stopped working; None while it works
+    abandoned: bool  # given up on (``abandon``): its requests were answered with what they had, not to be retried
+    started_at: float  # time.monotonic() when it started
+    last_heard: float | None  # time.monotonic() when it last sent anything; None: nothing to watch
+    notify: Callable[[str, str], None] | None  # set by the host: the engine tells the user (level, text) on its own
+    work: dict  # its last progress report ({"phase": "prefill", "done", "total"}: a long prompt), or {}
+
+    def alive(self) -> bool:
+        """Not known to have died."""
+        ...
+
+    def ping(self) -> None:
+        """Ask for a sign of life (it moves ``last_heard``)."""
+        ...
+
+    def stalled_for(self) -> float:
+        """Seconds without progress while requests are open (0 with none)."""
+        ...
+
+    def abandon(self, error: str) -> None:
+        """Give up on the engine: end every open request now, with ``error``, and refuse new ones."""
+        ...
+
+    def kill(self) -> None:
+        """End it now, without waiting for it to agree."""
+        ...
+
+
+class Unwatched:
+    """``Supervised`` for an engine with nothing to watch: no process or connection of its own that could go silent.
+    A class that uses it sets ``started_at`` and has ``close``."""
+
+    pid: int | None = None
+    error: str | None = None
+    abandoned = False
+    started_at = 0.0
+    last_heard: float | None = None
+    notify: Callable[[str, str], None] | None = None
+    work: dict = {}  # (never changed: nothing reports progress)
+
+    def alive(self) -> bool:
+        return self.error is None
+
+    def ping(self) -> None:
+        pass
+
+    def stalled_for(self) -> float:
+        return 0.0
+
+    def abandon(self, error: str) -> None:
+        self.error = self.error or error
+        self.abandoned = True
+
+    def kill(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError

@@ -261,8 +261,9 @@ class EngineProcess:
         self._pending_counters: dict[int, tuple[threading.Event, list]] = {}
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._ready = threading.Event()
-        self.info: dict = {}
+        self._info: dict = {}
         self.error: str | None = None
+        self.notify = None  # (an engine child reports nothing on its own: its host watches it)
         self.last_heard = time.monotonic()  # when the engine last sent anything
         self.abandoned = False
         self.started_at = time.monotonic()
@@ -343,7 +344,7 @@ class EngineProcess:
     def _dispatch(self, msg: dict) -> None:
         op = msg.get("op")
         if op == "ready":
-            self.info = msg.get("info", {})
+            self._info = msg.get("info", {})
             self._ready.set()
         elif op == "fatal":
             self.error = msg.get("error", "engine failed to start")
@@ -370,6 +371,9 @@ class EngineProcess:
             event.set()
 
     # -- Engine API ------------------------------------------------------------------------
+    def info(self) -> dict:
+        return self._info
+
     def submit(self, request: CompletionRequest, on_delta=None) -> CompletionStream:
         try:
             loop = asyncio.get_running_loop()

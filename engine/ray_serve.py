@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta
+from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta, Unwatched
 from engine.errors import FimbleError
 
 log = logging.getLogger(__name__)
@@ -223,8 +223,9 @@ def _is_replica_death(exc: BaseException) -> bool:
     return isinstance(exc, kinds)
 
 
-class RayEngine:
-    """The replicas as one ``Engine`` (engine/api.py): submit, cancel, prewarm, forget, counters."""
+class RayEngine(Unwatched):
+    """The replicas as one ``Engine`` (engine/api.py): submit, cancel, prewarm, forget, counters. Nothing to watch
+    here (``Unwatched``): Ray replaces replicas that die."""
 
     error: str | None = None  # replicas die and are replaced; this engine stays up
 
@@ -286,9 +287,6 @@ class RayEngine:
     def replica_counters(self, document_id: str, timeout: float = 30.0) -> dict:
         """The counters of the replica that serves ``document_id`` (its id, its requests for the document)."""
         return self._routed(document_id).counters.remote(document_id).result(timeout_s=timeout)
-
-    def alive(self) -> bool:
-        return True
 
     def serve_forever(self) -> None:
         """Block until close() (the daemon's main thread; the decoding happens in the replicas)."""

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta
+from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta, Unwatched
 from engine.auth import is_loopback, port_token
 from engine.decoding.detok import StopRules
 from engine.errors import FimbleError
@@ -70,8 +70,9 @@ class _Cancelled(Exception):
     pass
 
 
-class RemoteEngine:
-    """An ``Engine`` whose model runs on an HTTP server. Same calls as ``EngineProcess``."""
+class RemoteEngine(Unwatched):
+    """An ``Engine`` whose model runs on an HTTP server. Nothing to watch (``Unwatched``): each request has its
+    own connection and reports its own failure."""
 
     error: str | None = None  # a remote engine never "dies": each request reports its own failure
     # Called from request threads with (level, message) when requests start failing and when they recover
@@ -107,7 +108,7 @@ class RemoteEngine:
             self.model = self._first_model()
         # llama.cpp's /infill lays the prompt out itself; an OpenAI server gets fimble's layout when known.
         self.template = None if spec.kind != "openai" else _text_template(spec.template, self.model)
-        self.info = {
+        self._info = {
             "backend": f"remote-{spec.kind}",
             "url": spec.url,
             "model": self.model,
@@ -116,6 +117,9 @@ class RemoteEngine:
         self.started_at = time.monotonic()
 
     # -- Engine API ------------------------------------------------------------------------
+    def info(self) -> dict:
+        return self._info
+
     def submit(self, request: CompletionRequest, on_delta=None) -> CompletionStream:
         try:
             loop = asyncio.get_running_loop()
@@ -140,9 +144,6 @@ class RemoteEngine:
     def counters(self, timeout: float = 5.0) -> dict:
         with self._lock:
             return {**self._counters, "open": len(self._open)}
-
-    def alive(self) -> bool:
-        return True
 
     def _health(self, error: str | None, reason: str) -> None:
         """Log a failure, and tell the user (``notify``) when the server starts failing and when it is back:

@@ -24,12 +24,13 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta
+from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta, Unwatched
 from engine.background import Background
 from engine.caching.kv_store import KVStore, default_budget_bytes, session_of
 from engine.counters import Counters
@@ -86,7 +87,9 @@ class Policy:
     error_detail: bool = True  # an internal error's delta carries the exception's text
 
 
-class Scheduler:
+class Scheduler(Unwatched):
+    """An ``Engine`` (engine/api.py) running in this process; nothing of its own to watch (``Unwatched``)."""
+
     # Set by the engine process (engine/process.py): called (phase, done, total) before a prompt's pass, so
     # the host's watchdog gives a long prefill the time it needs instead of killing it as stuck.
     progress: Callable[[str, int, int], None] | None = None
@@ -99,6 +102,7 @@ class Scheduler:
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise FimbleError(f"draft {draft.name} and target {target.name} do not share a tokenizer")
         self.target, self.draft, self.policy = target, draft, policy
+        self.started_at = time.monotonic()
         self.max_active, self.prefill_chunk = policy.max_active, policy.prefill_chunk
         self.stream_interval = policy.stream_interval
         self._threads = threads

@@ -142,8 +142,8 @@ class SupervisedStream:
 
     def _retryable(self, got_text: bool) -> bool:
         engine = self._engine
-        return not (self.retried or got_text or self._cancelled or _alive(engine)
-                    or getattr(engine, "abandoned", False) or self._host.state == "error")
+        return not (self.retried or got_text or self._cancelled or engine.alive() or engine.abandoned
+                    or self._host.state == "error")
 
     async def __aiter__(self):
         from engine.errors import FimbleError
@@ -177,12 +177,6 @@ class SupervisedEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
-
-
-def _alive(engine: Any) -> bool:
-    """Not known to have died (an EngineProcess also checks its process; other engines report ``error``)."""
-    alive = getattr(engine, "alive", None)
-    return alive() if alive is not None else not engine.error
 
 
 class EngineHost:
@@ -252,7 +246,7 @@ class EngineHost:
 
     def info(self) -> dict:
         return {"state": self.state, "error": self.error, "restarts": self.restarts, "supervision": self.supervision,
-                "pid": getattr(self._engine, "pid", None), "info": getattr(self._engine, "info", None) or {},
+                "pid": self._engine.pid if self._engine else None, "info": self._engine.info() if self._engine else {},
                 "replacing": self._replacement_key is not None}
 
     def configure(self, settings: Settings) -> None:
@@ -287,7 +281,7 @@ class EngineHost:
     def _serving(self) -> bool:
         """An engine is up and answering (not starting, not failed): a settings change must not take it away."""
         engine = self._engine
-        return self.state == "ready" and engine is not None and _alive(engine) and self._key is not None
+        return self.state == "ready" and engine is not None and engine.alive() and self._key is not None
 
     async def _replace_with(self, settings: Settings) -> None:
         """Load an engine for ``settings`` while the working one serves; swap them once it is ready, or keep
@@ -346,10 +340,10 @@ class EngineHost:
                 asyncio.get_running_loop().run_in_executor(None, engine.close)
                 return
             self._engine = engine
-            log.info("engine ready: %s", self._engine.info)
-            if hasattr(self._engine, "notify"):  # a remote engine: tell the editor when its server fails / is back
-                loop = asyncio.get_running_loop()
-                self._engine.notify = lambda level, text: loop.call_soon_threadsafe(self.notice, level, text)
+            log.info("engine ready: %s", self._engine.info())
+            # (a remote engine tells the editor when its server fails and when it is back; others never call it)
+            loop = asyncio.get_running_loop()
+            self._engine.notify = lambda level, text: loop.call_soon_threadsafe(self.notice, level, text)
             if self._watchdog is None or self._watchdog.done():
                 self._watchdog = asyncio.create_task(self._watch())
         except FimbleError as exc:
@@ -370,7 +364,7 @@ class EngineHost:
             now = time.monotonic()
             late, last_tick = now - last_tick - WATCH_INTERVAL_S > LOOP_LAG_S, now
             engine = self._engine
-            if engine is None or not hasattr(engine, "last_heard"):
+            if engine is None or engine.last_heard is None:  # (an engine with nothing to watch: engine/api.py)
                 if self.state != "starting":
                     return  # closed, or gave up: the next configure starts a new watchdog
                 continue
@@ -394,7 +388,7 @@ class EngineHost:
         log.info("the engine %s for %.0f s but is computing: waiting for it", what, seconds)
 
     def _check(self, engine: Any, late: bool = False) -> None:
-        if not _alive(engine):
+        if not engine.alive():
             self.supervision["deaths"] += 1
             self._replace(engine, f"the engine stopped ({engine.error})")
             return
@@ -414,7 +408,7 @@ class EngineHost:
             engine.kill()  # (an EngineProcess also reaps it)
         self._engine = None
         self._watching = None
-        self._restart(what, getattr(engine, "started_at", 0.0))
+        self._restart(what, engine.started_at)
 
     def _restart(self, what: str, started_at: float) -> None:
         """An engine started at ``started_at`` failed (``what``): start another after the backoff, or give up."""
@@ -444,7 +438,7 @@ class EngineHost:
     async def get(self, settings: Settings) -> Any | None:
         """The running engine, starting or restarting it as needed; None if it cannot start."""
         engine = self._engine
-        if engine is not None and not _alive(engine) and self.state != "starting":  # died since the watchdog looked
+        if engine is not None and not engine.alive() and self.state != "starting":  # died since the watchdog looked
             self.supervision["deaths"] += 1
             self._replace(engine, f"the engine stopped ({engine.error})")
         self.configure(settings)
@@ -465,7 +459,7 @@ class EngineHost:
     async def restarted(self) -> Any | None:
         """The engine once the restart after a failure is done (no new start of its own); None if none."""
         engine = self._engine
-        if engine is not None and not _alive(engine) and self.state != "starting":
+        if engine is not None and not engine.alive() and self.state != "starting":
             self.supervision["deaths"] += 1
             self._replace(engine, f"the engine stopped ({engine.error})")
         return await self.wait_ready()
@@ -473,7 +467,7 @@ class EngineHost:
     def ready_engine(self) -> Any | None:
         """The engine if it is up right now (no waiting, no starting)."""
         engine = self._engine
-        return SupervisedEngine(self, engine) if engine is not None and _alive(engine) else None
+        return SupervisedEngine(self, engine) if engine is not None and engine.alive() else None
 
     async def wait_ready(self) -> Any | None:
         """The engine once a start under way has finished; None if none is running or starting.
@@ -503,10 +497,9 @@ class EngineHost:
         """Stop at once (SIGTERM/SIGINT): no new start, the engine killed and reaped, one still loading too."""
         engine = self._detach()
         if engine is not None:
-            if hasattr(engine, "abandon"):
-                engine.abandon("the server is stopping")
-            if getattr(engine, "pid", None) is None and hasattr(engine, "kill"):
-                engine.kill()  # a remote engine: drop the connection
+            engine.abandon("the server is stopping")
+            if engine.pid is None:
+                engine.kill()  # no process of its own (a remote engine: drop the connection)
         from engine.process import end_children  # no torch; it knows every engine child, loading ones included
 
         end_children(timeout=2.0)

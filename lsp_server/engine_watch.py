@@ -46,7 +46,7 @@ class Watch:
     def __init__(self, engine: Any, limits: WatchLimits, *, clock: Callable[[], float] = time.monotonic,
                  meter: CpuMeter | None = None, on_hold: Callable[[str, float], None] | None = None):
         self.engine, self.limits, self._clock, self._on_hold = engine, limits, clock, on_hold
-        pid = getattr(engine, "pid", None)
+        pid = engine.pid
         # A remote engine (no local pid) has no meter: messages alone decide, as before.
         self.meter = meter if meter is not None else (
             CpuMeter(pid, clock=clock) if isinstance(pid, int) and pid > 0 else None)
@@ -65,7 +65,7 @@ class Watch:
 
     def step_limit(self) -> float:
         """How long a completion may go without progress: longer by what the engine said it must prefill."""
-        work = getattr(self.engine, "work", None) or {}
+        work = self.engine.work
         left = 0
         if work.get("phase") == "prefill":
             left = max(0, int(work.get("total", 0)) - int(work.get("done", 0)))

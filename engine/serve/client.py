@@ -72,7 +72,9 @@ class WSEngine:
         if reply.get("op") != "ready":
             self._ws.close()
             raise FimbleError(f"the engine at {url} refused this client: {reply.get('error', 'no reason given')}")
-        self.info: dict = dict(reply.get("info") or {}, session=reply.get("session"), url=url)
+        self._info: dict = dict(reply.get("info") or {}, session=reply.get("session"), url=url)
+        self.notify = None  # (a daemon that goes silent is the host's watchdog's to see)
+        self.work: dict = {}  # (the daemon reports no progress of a prompt's prefill)
         self._ids = itertools.count(1)
         self._streams: dict[int, CompletionStream] = {}
         self._progress: dict[int, float] = {}
@@ -172,13 +174,16 @@ class WSEngine:
             event.set()
 
     # -- Engine API ----------------------------------------------------------------------------
-    def submit(self, request: CompletionRequest) -> CompletionStream:
+    def info(self) -> dict:
+        return self._info
+
+    def submit(self, request: CompletionRequest, on_delta=None) -> CompletionStream:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
         rid = next(self._ids)
-        stream = CompletionStream(rid, loop, on_cancel=lambda: self._send({"op": "cancel", "id": rid}))
+        stream = CompletionStream(rid, loop, on_delta, on_cancel=lambda: self._send({"op": "cancel", "id": rid}))
         if self.error:
             stream.push(Delta("", True, "error", self.error))
             return stream

@@ -63,12 +63,50 @@ class ServeEngineProcess:
         )
         return cls(process)
 
+    # -- supervision: the child's (engine/process.py) ------------------------------------------
+    notify = None
+
     @property
     def pid(self) -> int:
         return self._proc.pid
 
+    @property
+    def error(self) -> str | None:
+        return self._proc.error
+
+    @property
+    def abandoned(self) -> bool:
+        return self._proc.abandoned
+
+    @property
+    def started_at(self) -> float:
+        return self._proc.started_at
+
+    @property
+    def last_heard(self) -> float:
+        return self._proc.last_heard
+
+    @property
+    def work(self) -> dict:
+        return self._proc.work
+
+    def ping(self) -> None:
+        self._proc.ping()
+
+    def stalled_for(self) -> float:
+        return self._proc.stalled_for()
+
+    def abandon(self, error: str) -> None:
+        self._proc.abandon(error)
+
+    def kill(self) -> None:
+        self._closed.set()
+        self._proc.kill()
+
+    # -- Engine API ----------------------------------------------------------------------------
+
     def info(self) -> dict:
-        return {**self._proc.info, "engine_process": self._proc.pid}
+        return {**self._proc.info(), "engine_process": self._proc.pid}
 
     def submit(self, request: CompletionRequest, on_delta=None) -> CompletionStream:
         return self._proc.submit(request, on_delta)

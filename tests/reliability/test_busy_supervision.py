@@ -224,13 +224,16 @@ class _Healthy:
     """An engine that answers pings (from another thread, as the real one does) and has no process."""
 
     pid = None
-    info: dict = {}
+    abandoned, notify, work = False, None, {}
 
     def __init__(self) -> None:
         self.error: str | None = None
         self.started_at = self.last_heard = time.monotonic()
         self.pings = 0
         self.closed = False
+
+    def info(self) -> dict:
+        return {}
 
     def alive(self) -> bool:
         return self.error is None

@@ -92,11 +92,15 @@ def test_sigstop_answers_waiting_requests_restarts_and_never_blocks_the_loop(ser
 class _DyingEngine:
     """Starts, then is found dead at the first look: the worst restart loop."""
 
+    abandoned, notify, work = False, None, {}
+
     def __init__(self) -> None:
         self.error: str | None = None
-        self.info: dict = {}
         self.pid = 0
         self.started_at = self.last_heard = time.monotonic()
+
+    def info(self) -> dict:
+        return {}
 
     def alive(self) -> bool:
         self.error = "engine process exited with code 1"

@@ -56,7 +56,7 @@ def test_openai_streams_prompt_and_suffix_with_the_options_and_token(server, tmp
     token = tmp_path / "token"
     token.write_text("sk-test-0123456789\n")
     engine = RemoteEngine(RemoteSpec("openai", server.url + "/v1", token_file=str(token)))
-    assert engine.info["model"] == "fake-model" and engine.info["template"] == "server"
+    assert engine.info()["model"] == "fake-model" and engine.info()["template"] == "server"
     stream = engine.submit(_request(max_tokens=20, temperature=0.2, top_p=0.9, stop=("\n\n",), seed=7))
     assert stream.collect() == "def add(a, b):\n    return a + b\n"
     assert stream.result.finish_reason == "length"
@@ -342,7 +342,7 @@ def test_fimble_serves_own_openai_endpoint(tmp_path, serve_expected, monkeypatch
     try:
         url = f"http://127.0.0.1:{m.group(1)}/v1"
         engine = RemoteEngine(RemoteSpec("openai", url, token_file=str(token)))
-        assert engine.info["template"] == "server"  # fimble serve lays out the FIM prompt from prompt + suffix
+        assert engine.info()["template"] == "server"  # fimble serve lays out the FIM prompt from prompt + suffix
         for (prefix, suffix), expected in zip(REAL_PROMPTS, serve_expected, strict=True):
             stream = engine.submit(CompletionRequest(prefix, suffix, DecodeOptions(max_tokens=24)))
             assert stream.collect() == expected

@@ -46,7 +46,7 @@ def test_completion_over_websocket(daemon, client):
     stream = client.submit(request("file:///a.py"))
     text = stream.collect()
     assert text and stream.result is not None and stream.result.text == text
-    assert client.info["scheduler"] == "batched" and client.info["model"] == "fimble-target"
+    assert client.info()["scheduler"] == "batched" and client.info()["model"] == "fimble-target"
 
 
 def test_missing_or_wrong_token_is_refused(daemon):
@@ -117,7 +117,7 @@ def test_sessions_do_not_share_documents(daemon, client):
         theirs = other.submit(req).collect()
         again = client.submit(request("file:///same.py")).collect()
         assert again == alone and theirs != alone
-        assert client.info["session"] != other.info["session"]
+        assert client.info()["session"] != other.info()["session"]
     finally:
         other.close()
 
@@ -266,7 +266,7 @@ def test_a_dead_engine_process_ends_requests_and_the_daemon():
     proc = ServeProcess("--engine-process", "on")
     try:
         engine = WSEngine(proc.url, proc.token)
-        child = engine.info["engine_process"]
+        child = engine.info()["engine_process"]
         assert child != proc.proc.pid
         stream = engine.submit(request("file:///dies.py", max_tokens=2000, drafter="none"))
         wait_for(lambda: stream.text)  # decoding has begun in the child
