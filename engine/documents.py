@@ -50,9 +50,10 @@ class DocumentPrompts:
         if mode == "exact":
             reuse = min(reuse, doc.exact_len)
         reuse = self.store.borrow(doc, plan, reuse)
-        inv_freq = getattr(self.target.runtime, "inv_freq", None)
-        if mode != "shift" or inv_freq is None or not self.store.sizable:
+        runtime = self.target.runtime
+        if mode != "shift" or not runtime.shift_reuse or not self.store.sizable:
             return reuse, None, 0
+        inv_freq = runtime.inv_freq
         moves, runs = plan_shift(doc.pieces, plan.pieces, reuse)
         return reuse, runs, apply_moves(doc.target, inv_freq, moves)
 

@@ -23,7 +23,7 @@ class PassRunner:
         self.batched = batched and supports_batch(target_runtime)
         # On CUDA (GraphRuntime), a lone sequence's pass replays its captured graph (1.7-2.8 ms a step, against
         # 8-11 ms eager); two or more run the eager batched forward together (batched.py).
-        self.graphs = hasattr(target_runtime, "propose_greedy")
+        self.graphs = target_runtime.greedy_drafts
 
     # -- a sequence's caches (slotted rounds move them; here they stay where they are) ----------------
     def take_slot(self, doc) -> object | None:
@@ -61,7 +61,7 @@ class PassRunner:
 
     def run(self, calls: list[Forward]) -> list:
         runtime = self.runtime
-        device = getattr(runtime, "device", None)
+        device = runtime.device
         for c in calls:  # blocks built on the host for a slotted round that runs eagerly after all
             if c.numpy:
                 continue

@@ -107,7 +107,7 @@ class Scheduler(Unwatched):
         self.stream_interval = policy.stream_interval
         self._threads = threads
         self.counts = Counters(COUNTER_NAMES + SCHED_COUNTERS)
-        device = getattr(target.runtime, "device", "cpu")
+        device = target.runtime.device
         self.store = KVStore(target.runtime, draft.runtime if draft else None, target.max_len,
                              kv_budget_bytes or default_budget_bytes(device))
         self.documents = DocumentPrompts(target, self.store, self.counts, anchored=policy.anchored and
@@ -129,7 +129,7 @@ class Scheduler(Unwatched):
 
             self._unfit = prompt_bound.UnfitCheck(target, self.prompts)
         _ = target.token_index  # build it now, not on the first keystroke
-        if getattr(target.runtime, "cost_aware_drafting", False):
+        if target.runtime.cost_aware_drafting:
             # The verify-cost probe (engine/decoding/spec_policy.py) times ~15 passes once per runtime:
             # 5-6 s for a 0.5B model on a 2-core CPU, which the first completion used to wait for.
             costs = verify_costs(target.runtime)

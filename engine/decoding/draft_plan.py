@@ -23,7 +23,7 @@ class DraftPlan:
         # step each): on the compact runtime the policy measured no better than the +2/-1 rule, and its
         # one-time cost probe would delay the first completion, so the default path keeps that rule.
         if (
-            getattr(runtime, "cost_aware_drafting", False)
+            runtime.cost_aware_drafting
             and options.adaptive_gamma
             and options.gamma > 0
             and (model_drafter or ngram_drafter)

@@ -55,7 +55,7 @@ class ModelDrafter:
 
     def propose(self, context: list[int], k: int, temperature: float, top_p: float,
                 gate: float, gen: torch.Generator | None) -> Draft:
-        if temperature <= 0 and hasattr(self.runtime, "propose_greedy"):
+        if temperature <= 0 and self.runtime.greedy_drafts:
             # CUDA graphs (engine/runtimes/cuda_graphs.py): the same greedy draft with one host sync, not one per token.
             tokens, self.ids = self.runtime.propose_greedy(self.cache, self.ids, context, k, gate)
             return Draft(tokens)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,7 @@ class VerifyCosts:
 
 
 FLAT = VerifyCosts()  # unmeasured: every pass costs one step (the old policy: always draft)
+_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> its costs, measured once per load
 
 
 class Acceptance:
@@ -156,17 +158,14 @@ def measure(runtime) -> VerifyCosts:
 def verify_costs(runtime) -> VerifyCosts:
     """``measure(runtime)`` once per loaded runtime; flat on GPUs (graph passes of up to 16 rows cost
     about one step) and for runtimes that cannot be probed."""
-    cached = getattr(runtime, "_fimble_verify_costs", None)
+    cached = _COSTS.get(runtime)
     if cached is not None:
         return cached
     costs = FLAT
     device = getattr(runtime, "device", None)
     if device is not None and torch.device(device).type == "cpu" and hasattr(runtime, "new_cache"):
         costs = _measured_or_cached(runtime)
-    try:
-        runtime._fimble_verify_costs = costs
-    except AttributeError:
-        pass
+    _COSTS[runtime] = costs
     return costs
 
 

@@ -293,7 +293,7 @@ class SpeculativeDecoder:
         """Greedy, nothing forced, no trace, and a runtime that returns numpy rows (engine/runtimes/ggml_runtime.py):
         this round needs only each row's argmax."""
         greedy = self.opt.temperature <= 0 and not self.forced
-        return greedy and self.trace is None and hasattr(self.runtime, "numpy_logits")
+        return greedy and self.trace is None and self.runtime.numpy_rows
 
     def _finish_round(self, draft: Draft, start: int, logits: Tensor | np.ndarray) -> list[int]:
         """Verify ``draft`` against the block's ``logits`` (the block fed at ``start``), roll the cache

@@ -159,6 +159,12 @@ class Block(nn.Module):
 class CompactTransformer(nn.Module):
     """Decoder-only transformer over one sequence at a time (batch 1)."""
 
+    # capabilities (engine/runtimes/protocol.py)
+    numpy_rows = False
+    greedy_drafts = False
+    cost_aware_drafting = False
+    shift_reuse = True
+
     def __init__(self, cfg: CompactConfig):
         super().__init__()
         self.cfg = cfg

@@ -59,6 +59,12 @@ class GraphRuntime:
     are a view of the graph's static output: valid until the next call on this runtime.
     """
 
+    # capabilities (engine/runtimes/protocol.py); the model's inv_freq and forward_at are reached through it
+    numpy_rows = False
+    greedy_drafts = True
+    cost_aware_drafting = False
+    shift_reuse = True
+
     def __init__(
         self, model: CompactTransformer, max_caches: int = 4, attention: str | None = None, compile: bool = False
     ):

@@ -171,8 +171,12 @@ class GGMLCache:
 class GGMLRuntime:
     """A GGUF model on llama.cpp, called like the compact runtime."""
 
+    # capabilities (engine/runtimes/protocol.py)
+    numpy_rows = True
+    greedy_drafts = False
     # engine/decoding/spec_policy.py: draft only what pays (q8_0 verify rows cost about a step each here).
     cost_aware_drafting = True
+    shift_reuse = False
 
     def __init__(self, path: Path, cfg: CompactConfig, threads: int | None = None):
         self.lib = get_lib()

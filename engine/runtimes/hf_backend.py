@@ -34,6 +34,12 @@ class HFCache:
 class HFModel:
     """Adapter over a transformers ``PreTrainedModel``."""
 
+    # capabilities (engine/runtimes/protocol.py)
+    numpy_rows = False
+    greedy_drafts = False
+    cost_aware_drafting = False
+    shift_reuse = False
+
     def __init__(self, model, max_len: int):
         self.model = model.eval()
         self.max_len = max_len

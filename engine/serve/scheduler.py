@@ -67,7 +67,7 @@ class ServeEngine(Scheduler):
         # a round's short passes (steps, verify blocks, short prefill chunks) replay one captured batched
         # graph. ``slots``: None = on CUDA with graphs when batching (FIMBLE_SERVE_SLOTS=0 turns it off); True
         # forces it (the CPU runs it without graphs: tests).
-        graphs = hasattr(target.runtime, "propose_greedy")
+        graphs = target.runtime.greedy_drafts
         if slots is None:
             slots = batched and graphs and os.environ.get("FIMBLE_SERVE_SLOTS", "1") != "0"
         slotted = bool(slots and batched)
