@@ -4,14 +4,8 @@ Why a process: the decode loop runs fastest in a main thread (see engine/local.p
 the editor-facing server stays free of torch, and this is the same message
 format a shared engine daemon will speak over a websocket.
 
-Messages (each one msgpack map):
-  client -> engine: {op: submit, id, request} | {op: cancel, id} | {op: counters, id}
-                    | {op: prewarm, request} | {op: forget, document} | {op: ping, id} | {op: close}
-  engine -> client: {op: ready, info} | {op: fatal, error} | {op: delta, id, delta}
-                    | {op: result, id, result} (sent just before the final delta) | {op: counters, id, counters}
-                    | {op: pong, id} (from the engine's reader thread, whatever the decode loop does)
-                    | {op: progress, phase, done, total} (from the decode loop: "prefill" before a prompt's
-                      pass, with the tokens it will compute; the host's watchdog scales its patience with it)
+Messages: engine/wire.py (one msgpack map each); the child answers them with engine/host_loop.py, as each
+fimble serve session does. ``pong`` comes from the child's reader thread, whatever the decode loop does.
 
 Supervision (lsp_server/engine_host.py watches these): ``last_heard`` is when the engine last
 sent anything, ``ping()`` asks for a sign of life, ``stalled_for()`` is how long the open requests
@@ -31,27 +25,23 @@ SIGINT: a terminal's Ctrl-C reaches the whole process group, and its parent ends
 from __future__ import annotations
 
 import argparse
-import asyncio
-import itertools
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from engine.api import CompletionRequest, CompletionResult, CompletionStream, DecodeOptions, Delta
-from engine.caching.context_prompt import context_from_wire
 from engine.errors import EngineLost, FimbleError
+from engine.host_loop import MessageHost
 from engine.liveness import CpuMeter
+from engine.wire_client import MessageClient
 
 log = logging.getLogger("fimble.engine")
 PROGRESS_EVERY_S = 0.5  # within one pass, a progress report at most this often (each is a message)
@@ -67,27 +57,6 @@ _stopping = threading.Event()  # end_children ran: this process is stopping, so 
 # interval: 5 ms by default, per message, on every keystroke's cancel and submit. 0.5 ms bounds that; with no thread
 # waiting the interval costs nothing. Set in both processes.
 SWITCH_INTERVAL_S = 0.0005
-
-
-def request_from_dict(d: dict) -> CompletionRequest:
-    opts = dict(d.get("options") or {})
-    if "stop" in opts:
-        opts["stop"] = tuple(opts["stop"])
-    lines = d.get("segment_lines")
-    return CompletionRequest(prefix=d.get("prefix", ""), suffix=d.get("suffix", ""),
-                             options=DecodeOptions(**opts), document_id=d.get("document_id"),
-                             segment_lines=None if lines is None else [int(x) for x in lines],
-                             reuse=str(d.get("reuse", "exact")),
-                             truncate=bool(d.get("truncate", False)), heal=bool(d.get("heal", True)),
-                             cold_window=bool(d.get("cold_window", False)),
-                             background=bool(d.get("background", False)),
-                             context=_context(d.get("context")))
-
-
-def _context(data: Any) -> dict | None:
-    """The request's cross-file context, checked and bounded here (a ValueError is a bad request)."""
-    context_from_wire(data)
-    return data
 
 
 # -- engine side ----------------------------------------------------------------------------
@@ -143,7 +112,7 @@ def run_engine(engine: Any, send: Callable[[dict], None]) -> int:
     if hasattr(engine, "progress"):  # a LocalEngine (engine/local.py); other engines report nothing
         engine.progress = progress_reporter(send)
     send({"op": "ready", "info": engine.info()})
-    streams: dict[int, CompletionStream] = {}
+    host = MessageHost(engine, send)  # engine/host_loop.py: the op set, as fimble serve's sessions answer it
 
     def reader() -> None:
         unpacker = msgpack.Unpacker(raw=False)
@@ -151,36 +120,7 @@ def run_engine(engine: Any, send: Callable[[dict], None]) -> int:
         while chunk := stdin.read1(65536):
             unpacker.feed(chunk)
             for msg in unpacker:
-                op, rid = msg.get("op"), msg.get("id")
-                if op == "submit":
-                    def forward(delta: Delta, rid: int = rid) -> None:
-                        stream = streams.get(rid)
-                        if delta.finished:
-                            streams.pop(rid, None)
-                            if stream is not None and stream.result is not None:
-                                        send({"op": "result", "id": rid, "result": asdict(stream.result)})
-                        send({"op": "delta", "id": rid, "delta": dict(vars(delta))})  # plain values
-                    try:
-                        req = request_from_dict(msg["request"])
-                    except (TypeError, KeyError, ValueError) as exc:
-                        send({"op": "delta", "id": rid,
-                              "delta": asdict(Delta("", True, "error", f"bad request: {exc}"))})
-                        continue
-                    streams[rid] = engine.submit(req, on_delta=forward)
-                elif op == "prewarm":  # no reply: a pre-warm is only an optimisation
-                    try:
-                        engine.prewarm(request_from_dict(msg["request"]))
-                    except (TypeError, KeyError, ValueError):
-                        pass
-                elif op == "forget":
-                    engine.forget(str(msg.get("document", "")))
-                elif op == "cancel" and rid in streams:
-                    streams[rid].cancel()
-                elif op == "counters":
-                    send({"op": "counters", "id": rid, "counters": engine.counters()})
-                elif op == "ping":
-                    send({"op": "pong", "id": rid})
-                elif op == "close":
+                if not host.handle(msg):
                     break
         engine.close()  # stdin closed: the client is gone
 
@@ -227,8 +167,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 # -- client side ----------------------------------------------------------------------------
-class EngineProcess:
-    """An ``Engine`` whose model runs in a child process. Same API as ``LocalEngine``."""
+class EngineProcess(MessageClient):
+    """An ``Engine`` whose model runs in a child process, spoken to over its stdin/stdout (engine/wire_client.py)."""
 
     def __init__(self, model: str | Path | None = None, draft: str | Path | None = None, *,
                  device: str = "cpu", template: str | None = None, no_draft: bool = False,
@@ -252,21 +192,10 @@ class EngineProcess:
                 raise EngineLost("the server is stopping")
             self._proc = subprocess.Popen(command or cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             _children.add(self._proc)
-        self._ids = itertools.count(1)
-        self._streams: dict[int, CompletionStream] = {}
-        self._submitted: dict[int, float] = {}  # open request id -> when it was submitted
-        self._last_progress = 0.0  # when the engine last sent a delta or a progress report
-        self.work: dict = {}  # the engine's last progress report: phase, done, total
+        super().__init__()
         self._fatal = False  # the engine said why it could not start (then another start would fail the same way)
-        self._pending_counters: dict[int, tuple[threading.Event, list]] = {}
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._info: dict = {}
-        self.error: str | None = None
-        self.notify = None  # (an engine child reports nothing on its own: its host watches it)
-        self.last_heard = time.monotonic()  # when the engine last sent anything
-        self.abandoned = False
-        self.started_at = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="fimble-engine-client", daemon=True)
         self._reader.start()
         self._writer = threading.Thread(target=self._write, name="fimble-engine-writer", daemon=True)
@@ -299,25 +228,21 @@ class EngineProcess:
     def pid(self) -> int:
         return self._proc.pid
 
-    def _send(self, msg: dict) -> None:
-        """Queue ``msg`` for the writer thread: never blocks, even when the engine has stopped reading."""
-        self._outbox.put(msgpack.packb(msg, use_bin_type=True))
-
-    def _write(self) -> None:
+    # -- the pipe (engine/wire_client.py) ---------------------------------------------------------
+    def _transmit(self, data: bytes) -> None:
         stdin = self._proc.stdin
         assert stdin is not None
-        while (data := self._outbox.get()) is not None:
-            try:
-                stdin.write(data)
-                stdin.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                self.error = self.error or "engine process has exited"
-                self._end_streams(self.error)
-                break
+        stdin.write(data)
+        stdin.flush()
+
+    def _shut(self) -> None:
         try:
-            stdin.close()
+            self._proc.stdin.close()
         except OSError:
             pass
+
+    def _write_failed(self) -> str:
+        return "engine process has exited"
 
     def _read(self) -> None:
         unpacker = msgpack.Unpacker(raw=False)
@@ -328,21 +253,12 @@ class EngineProcess:
             for msg in unpacker:
                 self._dispatch(msg)
         # The process is gone: end every open stream rather than leave a caller waiting.
-        self.error = self.error or _exit_reason(_reap(self._proc))
+        reason = self.error or _exit_reason(_reap(self._proc))
+        self.error = reason
         self._ready.set()
-        self._end_streams(self.error)
-        for event, _ in self._pending_counters.values():
-            event.set()
+        self._lost(reason)
 
-    def _end_streams(self, error: str) -> None:
-        """End every open request with ``error`` (each keeps the text it had)."""
-        for rid, stream in list(self._streams.items()):
-            if self._streams.pop(rid, None) is not None:
-                self._submitted.pop(rid, None)
-                stream.push(Delta("", True, "error", error))
-
-    def _dispatch(self, msg: dict) -> None:
-        op = msg.get("op")
+    def _other(self, op: str, msg: dict) -> None:
         if op == "ready":
             self._info = msg.get("info", {})
             self._ready.set()
@@ -353,59 +269,10 @@ class EngineProcess:
         elif op == "progress":
             self.work = {k: msg.get(k) for k in ("phase", "done", "total")}
             self._last_progress = time.monotonic()
-        elif op == "result" and msg["id"] in self._streams:
-            self._streams[msg["id"]].result = CompletionResult(**msg["result"])
-        elif op == "delta":
-            stream = self._streams.get(msg["id"])
-            if stream is not None:
-                delta = Delta(**msg["delta"])
-                self._last_progress = time.monotonic()
-                if delta.finished:
-                    if self._streams.pop(msg["id"], None) is None:
-                        return  # abandoned meanwhile: already ended
-                    self._submitted.pop(msg["id"], None)
-                stream.push(delta)
-        elif op == "counters" and msg["id"] in self._pending_counters:
-            event, box = self._pending_counters.pop(msg["id"])
-            box.append(msg["counters"])
-            event.set()
 
     # -- Engine API ------------------------------------------------------------------------
     def info(self) -> dict:
         return self._info
-
-    def submit(self, request: CompletionRequest, on_delta=None) -> CompletionStream:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        rid = next(self._ids)
-        stream = CompletionStream(rid, loop, on_delta, on_cancel=lambda: self._send({"op": "cancel", "id": rid}))
-        if self.error:
-            stream.push(Delta("", True, "error", self.error))
-            return stream
-        self._submitted[rid] = time.monotonic()
-        self._streams[rid] = stream
-        self._send({"op": "submit", "id": rid, "request": request.to_dict()})
-        return stream
-
-    def prewarm(self, request: CompletionRequest) -> None:
-        """Ask the engine to fill ``request.document_id``'s KV cache for this prompt when idle (no reply)."""
-        if not self.error:
-            self._send({"op": "prewarm", "request": request.to_dict()})
-
-    def forget(self, document_id: str) -> None:
-        """Drop a document's KV caches in the engine (the document was closed)."""
-        if not self.error:
-            self._send({"op": "forget", "document": document_id})
-
-    def counters(self, timeout: float = 5.0) -> dict:
-        rid = next(self._ids)
-        event, box = threading.Event(), []
-        self._pending_counters[rid] = (event, box)
-        self._send({"op": "counters", "id": rid})
-        event.wait(timeout)
-        return box[0] if box else {}
 
     # -- supervision (lsp_server/engine_host.py) ----------------------------------------------
     def alive(self) -> bool:
@@ -416,24 +283,6 @@ class EngineProcess:
             self.error = _exit_reason(self._proc.returncode)
             return False
         return True
-
-    def ping(self) -> None:
-        """Ask for a sign of life: the engine's reader thread answers at once (it moves ``last_heard``)."""
-        if not self.error:
-            self._send({"op": "ping", "id": next(self._ids)})
-
-    def stalled_for(self) -> float:
-        """Seconds without progress while requests are open (0 with none): since the engine's last delta or
-        progress report, or since the oldest open request was submitted if that came later. The engine runs
-        requests in turn, so progress on any of them is progress for those queued behind it."""
-        oldest = min(self._submitted.values(), default=None)
-        return 0.0 if oldest is None else time.monotonic() - max(oldest, self._last_progress)
-
-    def abandon(self, error: str) -> None:
-        """Give up on the engine: end every open request now, with ``error``, and refuse new ones."""
-        self.error = self.error or error
-        self.abandoned = True  # its requests were answered with what they had: not to be retried
-        self._end_streams(error)
 
     def kill(self) -> None:
         """End the process now (SIGKILL also ends a stopped one) and reap it in the background; the reader

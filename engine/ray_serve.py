@@ -105,7 +105,7 @@ class EngineReplica:
         self.documents: dict[str, int] = {}  # document key -> requests served here
 
     async def generate(self, request: dict):
-        from engine.process import request_from_dict
+        from engine.wire import request_from_dict
 
         try:
             req = request_from_dict(request)
@@ -128,7 +128,7 @@ class EngineReplica:
                 stream.cancel()
 
     def prewarm(self, request: dict) -> None:
-        from engine.process import request_from_dict
+        from engine.wire import request_from_dict
 
         self.engine.prewarm(request_from_dict(request))
 

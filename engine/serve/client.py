@@ -8,15 +8,12 @@ when the daemon goes away, open requests end with a clear error, the host report
 makes a new ``WSEngine``, whose constructor reconnects with backoff (0.25 s doubling to 2 s)
 until ``startup_timeout``.
 
-Threads, as EngineProcess: a reader thread receives messages, a writer thread sends the
-outbox, so a daemon that stops reading never blocks the caller's event loop.
+Threads and messages as EngineProcess's (engine/wire_client.py): a reader thread receives messages, a writer
+thread sends the outbox, so a daemon that stops reading never blocks the caller's event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import queue
 import socket
 import threading
 import time
@@ -26,9 +23,9 @@ from urllib.parse import urlsplit
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
-from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta
 from engine.errors import FimbleError
 from engine.serve import protocol
+from engine.wire_client import MessageClient
 
 RETRY_FIRST_S, RETRY_MAX_S = 0.25, 2.0
 
@@ -47,7 +44,7 @@ def check_url(url: str) -> str:
     return url
 
 
-class WSEngine:
+class WSEngine(MessageClient):
     """An engine in a ``fimble serve`` daemon, reached over a websocket."""
 
     pid = None  # no local process
@@ -73,16 +70,9 @@ class WSEngine:
             self._ws.close()
             raise FimbleError(f"the engine at {url} refused this client: {reply.get('error', 'no reason given')}")
         self._info: dict = dict(reply.get("info") or {}, session=reply.get("session"), url=url)
-        self.notify = None  # (a daemon that goes silent is the host's watchdog's to see)
         self.work: dict = {}  # (the daemon reports no progress of a prompt's prefill)
-        self._ids = itertools.count(1)
-        self._streams: dict[int, CompletionStream] = {}
-        self._progress: dict[int, float] = {}
-        self._pending_counters: dict[int, tuple[threading.Event, list]] = {}
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self.error: str | None = None
-        self.abandoned = False
-        self.last_heard = self.started_at = time.monotonic()
+        super().__init__()
+        self.work: dict = {}  # (the daemon reports no progress of a prompt's prefill)
         self._reader = threading.Thread(target=self._read, name="fimble-ws-engine-reader", daemon=True)
         self._reader.start()
         self._writer = threading.Thread(target=self._write, name="fimble-ws-engine-writer", daemon=True)
@@ -117,17 +107,16 @@ class WSEngine:
             time.sleep(delay)
             delay = min(RETRY_MAX_S, delay * 2)
 
-    # -- threads -----------------------------------------------------------------------------
-    def _send(self, msg: dict) -> None:
-        self._outbox.put(protocol.pack(msg))
+    # -- the websocket (engine/wire_client.py) ---------------------------------------------------------
+    def _transmit(self, data: bytes) -> None:
+        try:
+            self._ws.send(data)
+        except ConnectionClosed as exc:
+            raise OSError("closed") from exc
 
-    def _write(self) -> None:
-        while (data := self._outbox.get()) is not None:
-            try:
-                self._ws.send(data)
-            except (ConnectionClosed, OSError, RuntimeError):
-                self._lost("the connection to the engine closed")
-                return
+    _shut_after_failure = False
+
+    def _shut(self) -> None:
         try:
             self._ws.close()
         except (OSError, RuntimeError):
@@ -145,87 +134,18 @@ class WSEngine:
             pass
         self._lost(f"the engine at {self.url} closed the connection")
 
-    def _lost(self, error: str) -> None:
-        self.error = self.error or error
-        for rid, stream in list(self._streams.items()):
-            if self._streams.pop(rid, None) is not None:
-                self._progress.pop(rid, None)
-                stream.push(Delta("", True, "error", self.error))
-        for event, _ in list(self._pending_counters.values()):
-            event.set()
-
-    def _dispatch(self, msg: dict) -> None:
-        op, rid = msg.get("op"), msg.get("id")
-        if op == "result" and rid in self._streams:
-            self._streams[rid].result = CompletionResult(**msg["result"])
-        elif op == "delta":
-            stream = self._streams.get(rid)
-            if stream is not None:
-                delta = Delta(**msg["delta"])
-                self._progress[rid] = time.monotonic()
-                if delta.finished:
-                    if self._streams.pop(rid, None) is None:
-                        return
-                    self._progress.pop(rid, None)
-                stream.push(delta)
-        elif op == "counters" and rid in self._pending_counters:
-            event, box = self._pending_counters.pop(rid)
-            box.append(msg["counters"])
-            event.set()
-
-    # -- Engine API ----------------------------------------------------------------------------
+    # -- Engine API and supervision (the rest: engine/wire_client.py) ---------------------------------
     def info(self) -> dict:
         return self._info
 
-    def submit(self, request: CompletionRequest, on_delta=None) -> CompletionStream:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        rid = next(self._ids)
-        stream = CompletionStream(rid, loop, on_delta, on_cancel=lambda: self._send({"op": "cancel", "id": rid}))
-        if self.error:
-            stream.push(Delta("", True, "error", self.error))
-            return stream
-        self._progress[rid] = time.monotonic()
-        self._streams[rid] = stream
-        self._send({"op": "submit", "id": rid, "request": request.to_dict()})
-        return stream
-
-    def prewarm(self, request: CompletionRequest) -> None:
-        if not self.error:
-            self._send({"op": "prewarm", "request": request.to_dict()})
-
-    def forget(self, document_id: str) -> None:
-        if not self.error:
-            self._send({"op": "forget", "document": document_id})
-
-    def counters(self, timeout: float = 5.0) -> dict:
-        if self.error:
-            return {}
-        rid = next(self._ids)
-        event, box = threading.Event(), []
-        self._pending_counters[rid] = (event, box)
-        self._send({"op": "counters", "id": rid})
-        event.wait(timeout)
-        return box[0] if box else {}
-
-    # -- supervision (lsp_server/engine_host.py) ---------------------------------------------
     def alive(self) -> bool:
         return not self.error
 
-    def ping(self) -> None:
-        if not self.error:
-            self._send({"op": "ping", "id": next(self._ids)})
-
     def stalled_for(self) -> float:
+        """Seconds since the open request that has gone longest without a delta (0 with none): the daemon runs
+        requests together, so each one's own progress counts."""
         oldest = min(self._progress.values(), default=None)
         return 0.0 if oldest is None else time.monotonic() - oldest
-
-    def abandon(self, error: str) -> None:
-        self.error = self.error or error
-        self.abandoned = True
-        self._lost(error)
 
     def kill(self) -> None:
         """Drop the connection now (a stopped daemon would never finish a closing handshake)."""

@@ -41,7 +41,7 @@ import secrets
 import signal
 import tempfile
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import h11
@@ -50,9 +50,10 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Response
 
-from engine.api import CompletionRequest, CompletionStream, Delta
+from engine.api import CompletionRequest, CompletionStream
 from engine.serve import http11, openai_http, protocol
 from engine.serve.protocol import ProtocolError
+from engine.serve.session import SessionHost
 
 log = logging.getLogger("fimble.serve")
 HELLO_TIMEOUT_S = 10.0
@@ -83,13 +84,6 @@ class ServeOptions:
     max_message: int = protocol.DEFAULT_MAX_MESSAGE
     max_sessions: int = 256
     model_name: str = "fimble"  # the OpenAI "model" this server reports
-
-
-@dataclass
-class _Session:
-    id: str
-    streams: dict[int, CompletionStream] = field(default_factory=dict)
-    documents: set[str] = field(default_factory=set)
 
 
 class EngineDaemon:
@@ -273,7 +267,6 @@ class EngineDaemon:
             await ws.send(protocol.pack({"op": "refused", "error": refusal}))
             await ws.close(protocol.REFUSED_CLOSE_CODE, "refused")
             return
-        session = _Session(secrets.token_hex(6))
         self.counts["sessions_open"] += 1
         self.counts["sessions_total"] += 1
         outbox: asyncio.Queue[dict | None] = asyncio.Queue()
@@ -310,11 +303,12 @@ class EngineDaemon:
                     await ws.send(data)
 
         write_task = asyncio.create_task(writer())
+        session = SessionHost(self, secrets.token_hex(6), send)  # engine/serve/session.py
         send({"op": "ready", "version": protocol.PROTOCOL_VERSION, "session": session.id, "info": self.engine.info()})
         try:
             async for raw in ws:
                 try:
-                    if self._dispatch(session, protocol.unpack(raw), send) == "close":
+                    if not session.handle(protocol.unpack(raw)):
                         break
                 except ProtocolError as exc:
                     self.counts["bad_messages"] += 1
@@ -326,7 +320,8 @@ class EngineDaemon:
         except ConnectionClosed:
             pass
         finally:
-            self._end_session(session)
+            self.counts["sessions_open"] -= 1
+            session.end()
             outbox.put_nowait(None)
             try:
                 await asyncio.wait_for(write_task, 5)
@@ -352,83 +347,12 @@ class EngineDaemon:
         for enqueue, msg in batch:
             enqueue(msg)
 
-    def _dispatch(self, session: _Session, msg: dict, send) -> str | None:
-        op = msg["op"]
-        if op == "submit":
-            rid = protocol.request_id(msg)
-            try:
-                req = protocol.parse_request(msg.get("request"), session.id)
-            except Exception as exc:  # whatever went wrong, this request ends here, with the reason
-                self.counts["bad_messages"] += 1
-                if isinstance(exc, ProtocolError):
-                    reason = str(exc)
-                else:  # not foreseen: its text could hold the request's, so only its kind is told
-                    log.debug("a submit could not be read", exc_info=True)
-                    reason = f"bad request: {type(exc).__name__}"
-                send({"op": "delta", "id": rid, "delta": asdict(Delta("", True, "error", reason, "PromptError"))})
-                return None
-            session.documents.add(req.document_id)
-            session.streams[rid] = self.submit(
-                req, lambda delta, stream: self._forward(session, rid, delta, stream, send)
-            )
-        elif op == "cancel":
-            stream = session.streams.get(protocol.request_id(msg))
-            if stream is not None:
-                stream.cancel()
-        elif op == "prewarm":
-            req = protocol.parse_request(msg.get("request"), session.id)
-            session.documents.add(req.document_id)
-            self.engine.prewarm(req)
-        elif op == "forget":
-            key = protocol.document_key(session.id, msg.get("document"))
-            session.documents.discard(key)
-            self.engine.forget(key)
-        elif op == "counters":
-            rid = protocol.request_id(msg)
-            # Off the loop: an engine in another process (engine_process.py, Ray) answers over a pipe, and a busy
-            # or stuck one must not freeze every session while it does.
-            asyncio.get_running_loop().run_in_executor(None, self._send_counters, rid, send)
-        elif op == "ping":
-            send({"op": "pong", "id": protocol.request_id(msg)})
-        elif op == "close":
-            return "close"
-        else:
-            raise ProtocolError(f"unknown op {op[:40]!r}")
-        return None
-
-    def _send_counters(self, rid: int, send) -> None:
-        try:
-            send({"op": "counters", "id": rid, "counters": self.counters()})
-        except Exception:  # the engine is gone or failed: the client hears that, not silence
-            log.debug("counters failed", exc_info=True)
-            send({"op": "error", "id": rid, "error": "the engine's counters could not be read"})
-
     def submit(self, request: CompletionRequest, on_delta) -> CompletionStream:
         """Submit to the engine; ``on_delta(delta, stream)`` is called from the engine thread."""
         box: list[CompletionStream] = []
         stream = self.engine.submit(request, on_delta=lambda d: on_delta(d, box[0] if box else None))
         box.append(stream)
         return stream
-
-    @staticmethod
-    def _forward(session: _Session, rid: int, delta: Delta, stream: CompletionStream | None, send) -> None:
-        if delta.finished:
-            session.streams.pop(rid, None)
-            if stream is not None and stream.result is not None:
-                send({"op": "result", "id": rid, "result": asdict(stream.result)})
-        send({"op": "delta", "id": rid, "delta": dict(vars(delta))})  # Delta's fields are plain values
-
-    def _end_session(self, session: _Session) -> None:
-        """The client left: cancel its running requests and free its documents' caches."""
-        self.counts["sessions_open"] -= 1
-        for stream in list(session.streams.values()):
-            stream.cancel()
-            self.counts["disconnect_cancels"] += 1
-        session.streams.clear()
-        for doc in session.documents:
-            self.engine.forget(doc)  # done by the engine once the cancelled sequence has stopped
-            self.counts["documents_freed"] += 1
-        session.documents.clear()
 
 
 def coalesce_deltas(messages: list[dict]) -> list[dict]:

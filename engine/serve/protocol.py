@@ -1,4 +1,4 @@
-"""The wire format of ``fimble serve``: engine/process.py's msgpack messages over websockets.
+"""The wire format of ``fimble serve``: engine/wire.py's msgpack messages over websockets.
 
 Every websocket message is one binary frame holding one msgpack map. A connection starts
 with a handshake, then carries exactly the messages of the engine child process
@@ -7,12 +7,8 @@ with a handshake, then carries exactly the messages of the engine child process
   client -> daemon: {op: hello, version: PROTOCOL_VERSION, client: "<name>"}      (first, always)
   daemon -> client: {op: ready, version, session, info}                          (accepted)
                   | {op: refused, error}, then close code 1008                   (wrong version, bad hello)
-  then, as engine/process.py:
-  client -> daemon: {op: submit, id, request} | {op: cancel, id} | {op: counters, id}
-                  | {op: prewarm, request} | {op: forget, document} | {op: ping, id} | {op: close}
-  daemon -> client: {op: delta, id, delta} | {op: result, id, result} (just before the final delta)
-                  | {op: counters, id, counters} | {op: pong, id} | {op: error, error} (a bad message;
-                    the connection stays up)
+  then the messages of engine/wire.py, answered by engine/host_loop.py as the engine child answers them, and
+  daemon -> client: {op: error, error} (a bad message; the connection stays up)
 
 Authentication happens before the websocket opens: ``Authorization: Bearer <token>`` on the
 HTTP upgrade (a wrong or missing token gets HTTP 401 and no websocket). Document ids a client
@@ -30,7 +26,9 @@ import msgpack
 from engine.api import CompletionRequest
 from engine.errors import FimbleError
 from engine.options import MAX_STOP_CHARS, MAX_STOPS
-from engine.process import request_from_dict
+from engine.wire import ProtocolError, pack, request_from_dict
+
+__all__ = ["ProtocolError", "pack", "unpack", "hello", "check_hello", "request_id", "document_key", "parse_request"]
 
 PROTOCOL_VERSION = 1
 DEFAULT_PORT = 8765
@@ -40,14 +38,6 @@ MAX_ID = 2**53  # request ids: plain integers a JSON client can also represent
 REFUSED_CLOSE_CODE = 1008  # policy violation: refused handshake
 # Upper bounds of the numeric decode options (the lower ones are DecodeOptions.validate's).
 OPTION_MAX = {"max_tokens": 4096, "temperature": 10.0, "gamma": 64, "max_gamma": 64, "max_lines": 1000}
-
-
-class ProtocolError(ValueError):
-    """A message that does not follow this protocol; its text is safe to send back (no document text)."""
-
-
-def pack(msg: dict) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
 
 
 def unpack(data: bytes | str) -> dict:

@@ -12,7 +12,7 @@ from engine.caching.prompt_plan import PromptBuilder
 from engine.errors import PromptError
 from engine.local import LocalEngine
 from engine.options import DecodeOptions
-from engine.process import request_from_dict
+from engine.wire import request_from_dict
 
 OPTS = DecodeOptions(max_tokens=8)
 UTIL = "def scale_polygon(points, factor, origin=(0.0, 0.0)):\n    ox, oy = origin\n    return points\n"
