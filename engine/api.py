@@ -173,7 +173,7 @@ class Engine(Protocol):
 
 
 class Supervised(Protocol):
-    """How a host watches an engine and replaces it (lsp_server/engine_host.py, lsp_server/engine_watch.py). Every
+    """How a host watches an engine and replaces it (the LSP server's engine host and its watchdog). Every
     engine class above answers these; engines with nothing that can go silent on its own (no process or connection:
     in-process and per-request HTTP engines) answer as ``Unwatched`` does."""
 

@@ -5,7 +5,7 @@ long C call that holds the GIL, or a machine loaded by other work, delays it alt
 computes. The kernel's accounting needs nothing from the engine: a process that runs and
 accumulates CPU time is busy; one that is stopped (state T) or uses no CPU and is silent is stuck.
 Linux only: elsewhere (or once the process is gone) ``read_proc`` gives None and callers fall back
-to messages alone. No torch here: the LSP server's watchdog (lsp_server/engine_watch.py) uses it.
+to messages alone. No torch here: the LSP server's engine watchdog uses it.
 """
 
 from __future__ import annotations

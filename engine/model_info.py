@@ -6,7 +6,7 @@ the model, or shipped with the install step that fetches it):
     {"languages": ["python"]}
 
 ``languages`` are the LSP language ids the model was trained on. The server serves exactly
-those by default (lsp_server/PROTOCOL.md, "Languages"). A folder without the file is of
+those by default (the LSP protocol notes, "Languages"). A folder without the file is of
 unknown training: ``None``, every language.
 """
 

@@ -1,14 +1,14 @@
 """The engine in a child process, spoken to with msgpack over its stdin/stdout.
 
-Why a process: the decode loop runs fastest in a main thread (see engine/local.py),
-the editor-facing server stays free of torch, and this is the same message
-format a shared engine daemon will speak over a websocket.
+Why a process: the decode loop runs fastest in a main thread (see engine/scheduler.py),
+the editor-facing server stays free of torch, and these are the messages fimble serve's
+daemon carries over a websocket.
 
 Messages: engine/wire.py (one msgpack map each); the child answers them with engine/host_loop.py, as each
 fimble serve session does. ``pong`` comes from the child's reader thread, whatever the decode loop does.
 
-Supervision (lsp_server/engine_host.py watches these): ``last_heard`` is when the engine last
-sent anything, ``ping()`` asks for a sign of life, ``stalled_for()`` is how long the open requests
+Supervision (engine/api.py ``Supervised``; the LSP server's engine host watches these): ``last_heard`` is when
+the engine last sent anything, ``ping()`` asks for a sign of life, ``stalled_for()`` is how long the open requests
 have gone without progress (a delta or a progress report), ``work`` is the engine's last progress
 report, ``abandon()`` ends every open request now (with the text it has), ``kill()`` ends the
 process and reaps it. Messages to the engine go through a writer thread: a stopped engine
@@ -18,7 +18,7 @@ event loop) once the pipe's buffer is full.
 Every child is reaped: by the reader thread once its output ends, and after ``kill()`` by a
 bounded wait of its own (a grandchild holding the pipe open must not leave a zombie behind).
 ``end_children()`` kills and reaps every engine process still running, one still loading
-included: the server calls it on SIGTERM/SIGINT (lsp_server/transports.py). The child ignores
+included: the server calls it on SIGTERM/SIGINT (its transports). The child ignores
 SIGINT: a terminal's Ctrl-C reaches the whole process group, and its parent ends it instead.
 """
 
@@ -274,7 +274,7 @@ class EngineProcess(MessageClient):
     def info(self) -> dict:
         return self._info
 
-    # -- supervision (lsp_server/engine_host.py) ----------------------------------------------
+    # -- supervision (engine/api.py Supervised) ------------------------------------------------
     def alive(self) -> bool:
         """Whether the process still runs (a cheap waitpid): a kill is seen before the reader thread sees EOF."""
         if self.error:

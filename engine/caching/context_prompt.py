@@ -1,6 +1,6 @@
 """Cross-file context at the head of the prompt: other files' chunks, in the model's repository format.
 
-The language server (lsp_server/context/) sends a request's context as plain data::
+The language server (its cross-file context service) sends a request's context as plain data::
 
     {"repo": "name", "path": "the/file/being/edited.py", "comment": "#", "budget": 512,
      "chunks": [{"path": "pkg/util.py", "text": "def helper(a, b):\\n    ..."}, ...]}

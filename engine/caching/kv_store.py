@@ -36,7 +36,7 @@ STAT_NAMES = ("kv_segment_hits", "kv_segment_misses", "kv_evictions", "kv_docume
 
 def session_of(doc_id: str) -> str:
     """The client session a document id belongs to: ids are "<session>\\x00<uri>" where sessions share
-    the engine (lsp_server/transports.py), a bare URI otherwise."""
+    the engine (the LSP server's transports), a bare URI otherwise."""
     return doc_id.partition("\x00")[0] if "\x00" in doc_id else ""
 
 

@@ -1,7 +1,7 @@
 """``fimble serve``: check the options, load the engine, run the daemon (engine/serve/daemon.py).
 
 Every option is range-checked before the model loads; a bad one is one line, exit status 2
-(lsp_server/cli.py prints FimbleError that way).
+(the LSP server's command line prints FimbleError that way).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``WSEngine``: a ``fimble serve`` daemon as an engine, with ``EngineProcess``'s API.
 
 ``fimble lsp --engine ws://HOST:PORT`` uses it in place of the engine child process
-(lsp_server/engine_host.py picks it). Same calls (submit, prewarm, forget, counters, close)
+(the LSP server's engine host picks it). Same calls (submit, prewarm, forget, counters, close)
 and the same supervision surface (``alive``, ``last_heard``, ``ping``, ``stalled_for``,
 ``abandon``, ``kill``, ``error``), so the host's watchdog and restart path work unchanged:
 when the daemon goes away, open requests end with a clear error, the host reports it and
