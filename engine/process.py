@@ -109,7 +109,7 @@ def progress_reporter(send: Callable[[dict], None]) -> Callable[[str, int, int],
 
 def run_engine(engine: Any, send: Callable[[dict], None]) -> int:
     """Answer stdin's messages with ``engine`` (its decode loop in this, the main, thread) until stdin closes."""
-    if hasattr(engine, "progress"):  # a LocalEngine (engine/local.py); other engines report nothing
+    if hasattr(engine, "progress"):  # the schedulers (engine/scheduler.py); an engine a benchmark builds may not report
         engine.progress = progress_reporter(send)
     send({"op": "ready", "info": engine.info()})
     host = MessageHost(engine, send)  # engine/host_loop.py: the op set, as fimble serve's sessions answer it

@@ -331,7 +331,7 @@ class Scheduler(Unwatched):
                     for key in self.background.forget(doc_id):
                         self.store.forget(key)
                     self._publish_kv()
-        keep = []
+        keep, started = [], False
         for arrival, request, stream in self._held:
             key = request.document_id or ""
             if stream.cancelled:  # cancelled while waiting: answer now, without a pass
@@ -353,7 +353,10 @@ class Scheduler(Unwatched):
                 if ready_only:
                     self.counts.add("sched_admitted_early")
                 self.rounds.start(request, stream, request_steps(self, request, stream), key)
+                started = True
         self._held = keep
+        if started and self.max_active == 1 and not self.rounds.active:  # (it ended at once: refused, cancelled)
+            self._publish_kv()
         self._gauges()
 
     def _built(self, request: CompletionRequest) -> bool:
