@@ -1,10 +1,12 @@
 """``fimble serve``: one engine daemon shared by many editors.
 
 Modules:
-- ``protocol``: the wire format (engine/process.py's msgpack messages over websockets, a
+- ``protocol``: the wire format (engine/wire.py's msgpack messages over websockets, a
   version handshake first), limits and request checking.
-- ``scheduler``: ``ServeEngine``, a LocalEngine that steps every active sequence each round
-  (continuous batching at step granularity; round-robin where a batch cannot run).
+- ``scheduler``: ``ServeEngine``, the scheduler of engine/scheduler.py stepping every active sequence each round
+  (continuous batching at step granularity; round-robin where a batch cannot run); ``slot_passes``: its slotted
+  CUDA-graph rounds.
+- ``session``: one websocket session, answered by engine/host_loop.py's host loop.
 - ``batched``: one target forward over many sequences with their own caches and lengths.
 - ``daemon``: ``EngineDaemon``, the listeners (websocket sessions, the OpenAI HTTP API) on one port.
 - ``openai_http``: ``POST /v1/completions`` (FIM ``suffix``, SSE ``stream``).
