@@ -182,10 +182,8 @@ class Scheduler(Unwatched):
         self._queue.put(("forget", document_id))
 
     def complete(self, request: CompletionRequest) -> CompletionResult:
-        """Blocking convenience: run a request to the end (call from outside an event loop).
-
-        Without a worker thread the request runs right here, in the caller's thread.
-        """
+        """Blocking convenience: run a request to the end (call from outside an event loop); without a worker
+        thread it runs right here, in the caller's thread."""
         stream = self.submit(request)
         if self._worker is None:
             self.run_pending()
@@ -333,14 +331,14 @@ class Scheduler(Unwatched):
                     self._publish_kv()
         keep, started = [], False
         for arrival, request, stream in self._held:
-            key = request.document_id or ""
+            key, built = request.document_id or "", id(request) in self._plans
             if stream.cancelled:  # cancelled while waiting: answer now, without a pass
                 self.built_ahead(request)
                 with self._lock:
                     self._waiting -= 1
                 self.finish(stream, "", "cancelled", 0, {"queue_ms": 0.0})
-            elif key in busy or len(self.rounds.active) >= self.max_active or (ready_only and not self._built(request)):
-                if not ready_only and key in busy and not self._built(request):
+            elif key in busy or len(self.rounds.active) >= self.max_active or (ready_only and not built):
+                if not ready_only and key in busy and not built:
                     self._build_ahead(request)
                 keep.append((arrival, request, stream))
             elif any(d == key and a < arrival for a, d in self._forgets):
@@ -358,9 +356,6 @@ class Scheduler(Unwatched):
         if started and self.max_active == 1 and not self.rounds.active:  # (it ended at once: refused, cancelled)
             self._publish_kv()
         self._gauges()
-
-    def _built(self, request: CompletionRequest) -> bool:
-        return id(request) in self._plans
 
     def _build_ahead(self, request: CompletionRequest) -> None:
         try:
@@ -385,6 +380,5 @@ class Scheduler(Unwatched):
         with self._lock:
             return self._waiting > 0
 
-    def _publish_kv(self) -> None:
-        """Publish the store's figures for counters(), which other threads call while the worker runs."""
+    def _publish_kv(self) -> None:  # the store's figures, for counters() (other threads call it while we run)
         self.counts.publish(self.store.summary())
