@@ -104,6 +104,11 @@ class ServeEngine(Scheduler):
         """The SlotGraphs of slotted rounds (None without)."""
         return self.passes.slots
 
+    @slots.setter
+    def slots(self, slots) -> None:
+        """Another SlotGraphs for the slotted rounds (bench/serve_host.py: one whose device step is simulated)."""
+        self.passes.slots = slots
+
     def info(self) -> dict:
         return {
             **super().info(),
