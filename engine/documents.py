@@ -33,7 +33,7 @@ class DocumentPrompts:
         self.target, self.store, self.counters = target, store, counters
         self.prompts = PromptBuilder(target)
         self.cold_window = cold  # engine/caching/cold_window.py
-        self.anchored_layout = anchored  # off only to measure it (bench/typing.py)
+        self.anchored_layout = anchored  # off only to measure it (bench/lsp_typing.py)
         # Prompt tokens a second: the load-time probe's, then a running mean of timed prefills (None: unknown
         # until one is timed; the cold window waits for it).
         self.prefill_rate: float | None = None

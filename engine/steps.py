@@ -65,7 +65,7 @@ def request_steps(eng, request: CompletionRequest, stream: CompletionStream) -> 
     if served is not request:
         # The full prompt fills when the user leaves the engine a moment (a pre-warm). A chunk of it before
         # each cold answer was tried: it filled a spot within ~40 keystrokes, but the chunk's time on every
-        # answer cut the pauses with text within 1 s from 66% to 38% (bench/typing.py, default model).
+        # answer cut the pauses with text within 1 s from 66% to 38% (bench/lsp_typing.py, default model).
         eng.background.later(request)
         request = served
     prompt, heal, constrained = plan.ids, plan.heal, plan.constrained

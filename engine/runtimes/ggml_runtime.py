@@ -7,7 +7,7 @@ calls the compact runtime answers (``new_cache``, ``runtime(tokens, cache, start
 ``cache.rollback``, ``cache.length``/``max_len``).
 
 Why: the compact torch step pays per-op dispatch on every forward pass; llama.cpp's one
-``llama_decode`` per step runs the whole graph in C (bench/engine.py figures in the commit).
+``llama_decode`` per step runs the whole graph in C (bench/vs_transformers.py figures in the commit).
 A HF folder is exported once to a cached GGUF (engine/runtimes/gguf_export.py; f32, or q8_0 with
 ``FIMBLE_QUANT=int8``) under ``~/.cache/fimble/gguf`` (or ``$FIMBLE_CACHE_DIR``); a GGUF file is
 loaded as it is, tokenizer and FIM template from its metadata (engine/runtimes/gguf_loader.py).
