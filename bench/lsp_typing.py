@@ -154,6 +154,7 @@ class Trace:
     before: str  # the document before the cursor: up to the end of the line above the span
     typed: str  # "\n" + the span (each line starts with Enter + its indentation)
     after: str  # the document after the cursor: "\n" + the rest of the file
+    path: str = ""  # the file typed (opened under its own URI where a workspace folder is sent)
 
 
 def build_trace(path: Path, chars: int) -> Trace:
@@ -173,7 +174,7 @@ def build_trace(path: Path, chars: int) -> Trace:
         typed, after = "\n" + span[:-1], "\n" + rest
     else:
         typed, after = "\n" + span, rest
-    return Trace(path.name, start + 1, end - start, before[:-1], typed, after)
+    return Trace(path.name, start + 1, end - start, before[:-1], typed, after, str(path.resolve()))
 
 
 def key_at(typed: str, p: int) -> str:
@@ -564,7 +565,9 @@ async def _run_session(rpc: Any, s: Session, proc: Any, traces: list[Trace], arg
     rpc.notify("initialized", {})
     docs = []
     for i, tr in enumerate(traces):
-        uri = f"file:///bench/typing/{i}/{tr.name}"
+        # With a workspace folder, the file's own URI (imports resolve beside it, as in the editor); else a
+        # made-up one, so nothing on disk is read
+        uri = Path(tr.path).as_uri() if args.root and tr.path else f"file:///bench/typing/{i}/{tr.name}"
         docs.append(Doc(uri, tr.before + tr.after, len(tr.before)))
     # -- cold: the first request as soon as initialize returns, again until text comes -----
     d0 = docs[0]
