@@ -5,7 +5,7 @@
 
 A draft made by the first k of the target's layers (then its final norm and tied head) shares the
 tokenizer and the shallow layers' KV. For FIM prompts built from files held out of training
-(harness/cursor_sets.py), teacher-forced over each middle: the share of positions where the
+(bench/harness/cursor_sets.py), teacher-forced over each middle: the share of positions where the
 k-layer argmax equals the full model's (the per-token acceptance a of greedy drafting). With
 gamma drafted tokens per step, expected tokens per verify step = (1 - a^(gamma+1)) / (1 - a), and
 the cost of a step in full-model passes is about 1 + gamma * k / L (a verify of gamma+1 tokens
@@ -52,7 +52,7 @@ def fim_cases(rows: list[dict], tok, n: int, seed: int) -> list[tuple[list[int],
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from harness.cursor_sets import load_held_out
+    from bench.harness.cursor_sets import load_held_out
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=REPO / "models" / "fimble-smollm2")

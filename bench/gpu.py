@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from bench.harness.prompts import fim_prompts
+from bench.harness.random_models import SHAPES, random_model, weight_bytes
 from engine.api import CompletionRequest
 from engine.decoding.drafters import ModelDrafter, NgramDrafter
 from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
@@ -64,8 +66,6 @@ from engine.runtimes.cuda_graphs import (
     eager_runtime,
     key_bucket,
 )
-from harness.prompts import fim_prompts
-from harness.random_models import SHAPES, random_model, weight_bytes
 
 DEV = "cuda"
 DTYPE = torch.bfloat16

@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from bench import gpu as gb  # copy bandwidth, batched streams, decode
+from bench.harness.prompts import fim_prompts
+from bench.harness.random_models import SHAPES, random_model, weight_bytes
 from engine.api import CompletionRequest
 from engine.decoding.drafters import NgramDrafter
 from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
@@ -61,8 +63,6 @@ from engine.runtimes.cuda_graphs import (
     key_bucket,
 )
 from engine.serve.batched import Forward, batched_forward
-from harness.prompts import fim_prompts
-from harness.random_models import SHAPES, random_model, weight_bytes
 
 DEV, DTYPE = gb.DEV, gb.DTYPE
 # cuBLAS projections on 16-row passes (the default); Triton projections; before (cuBLAS's own choices per shape)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from bench.harness.random_models import random_model, weight_bytes
 from engine.runtimes.cuda_graphs import GraphRuntime, key_bucket
-from harness.random_models import random_model, weight_bytes
 
 
 def main() -> None:

@@ -223,7 +223,7 @@ def context_line_problems(rows: list[dict]) -> list[Problem]:
 
 def block_body_problems(rows: list[dict]) -> list[Problem]:
     """One multi-line problem per program: a compound statement's whole body inside the solution."""
-    from harness.cursor_sets import block_body_spans
+    from bench.harness.cursor_sets import block_body_spans
 
     programs: dict[str, dict] = {}
     for r in rows:
@@ -309,7 +309,7 @@ def random_span_x2_problems(rows: list[dict]) -> list[Problem]:
 
 def held_out_problems(langs_dir: Path | None, python_file: Path | None, per_kind: int = 1) -> list[Problem]:
     """Cursors in files held out of training, per language (no tests: exact match, edit similarity)."""
-    from harness.cursor_sets import held_out_cursors, load_held_out
+    from bench.harness.cursor_sets import held_out_cursors, load_held_out
 
     out = []
     for row in load_held_out(langs_dir, python_file):

@@ -1,7 +1,7 @@
 """CPU runtimes side by side under fimble's engine: compact torch (f32) against ggml (llama.cpp kernels,
 f32 and q8_0), plain and auto (n-gram + draft model) speculative decoding.
 
-Same prompts as bench/vs_transformers.py (harness/prompts.py ``mixed_prompts``: HumanEval infilling and cursors in
+Same prompts as bench/vs_transformers.py (bench/harness/prompts.py ``mixed_prompts``: HumanEval infilling and cursors in
 stdlib files), greedy, exactly --tokens new tokens each (no early stop), runtimes interleaved per prompt, one thread
 each by default.
 Checks that each runtime's auto output equals its own plain output. ``--fixed`` adds "fixed" rows: auto
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
+from bench.harness.prompts import mixed_prompts
 from engine.api import CompletionRequest
 from engine.decoding.drafters import ModelDrafter, NgramDrafter
 from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
 from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 from engine.local import LocalEngine
-from harness.prompts import mixed_prompts
 
 VARIANTS = {"compact f32": ("compact", "none"), "ggml f32": ("ggml", "none"), "ggml q8_0": ("ggml", "int8")}
 

@@ -18,7 +18,7 @@ passes buys. Both daemons run with 1 torch thread (the default).
     python -m bench.serve_load --json out.json      # 1, 8, 32, 64
     python -m bench.serve_load --device cuda --shape 1.5B --levels 1,8,32 --no-peer   # the GPU scale-out bar
 
-``--shape`` (CUDA): the daemon serves a random-weight bf16 model of that Qwen2.5 shape (harness/random_models.py:
+``--shape`` (CUDA): the daemon serves a random-weight bf16 model of that Qwen2.5 shape (bench/harness/random_models.py:
 0.5B, 1.5B, 7B) with the embedded target's tokenizer and FIM template, no draft model
 (n-gram drafts only). The model's vocabulary rows past the tokenizer's are zeroed in ``lm_head`` (same
 matmul, never the argmax), so every token decodes. Random weights: the text is noise and acceptance of
@@ -235,15 +235,15 @@ async def editor(
 
 
 def shape_engine(shape: str, device: str, batch: bool, max_active: int, warm_graphs: bool, attention: str):
-    """A ServeEngine on a random-weight model of a Qwen2.5 shape (harness/random_models.py; its line to stderr)."""
+    """A ServeEngine on a random-weight model of a Qwen2.5 shape (bench/harness/random_models.py; a line to stderr)."""
     from dataclasses import replace
 
     import torch
 
+    from bench.harness.random_models import random_model
     from engine.loader import DEFAULT_TARGET, load_model
     from engine.runtimes.cuda_graphs import GraphRuntime
     from engine.serve.scheduler import ServeEngine
-    from harness.random_models import random_model
 
     if device != "cuda":
         raise SystemExit("--shape needs --device cuda (the shapes are built on CUDA, bf16)")

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.raw_lsp import (  # the raw stdio client and the documents
+from bench.harness.raw_lsp import (  # the raw stdio client and the documents
     Pinger,
     RawServer,
     big_line_document,

@@ -63,7 +63,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from harness.llamacpp_peer import LlamaServer, LlamaWorker, find_server, read_completion
+from bench.harness.llamacpp_peer import LlamaServer, LlamaWorker, find_server, read_completion
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
+from bench.harness.prompts import mixed_prompts
 from engine.api import CompletionRequest
 from engine.decoding.drafters import ModelDrafter, NgramDrafter
 from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
 from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 from engine.local import LocalEngine
-from harness.prompts import mixed_prompts
 
 
 def sync(device: str) -> None:

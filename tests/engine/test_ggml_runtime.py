@@ -14,6 +14,7 @@ import torch
 from conftest import DRAFT_DIR, TARGET_DIR
 from lossless_check import compare_drafters
 
+from bench.harness.prompts import fim_prompts
 from engine.api import CompletionRequest
 from engine.errors import ModelLoadError
 from engine.loader import load_model
@@ -21,7 +22,6 @@ from engine.local import LocalEngine
 from engine.options import DecodeOptions
 from engine.runtimes.ggml_lib import unavailable_reason
 from engine.runtimes.gguf_export import export_gguf
-from harness.prompts import fim_prompts
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no llama.cpp library: {REASON}")

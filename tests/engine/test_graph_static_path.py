@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from bench.harness.prompts import fim_prompts
 from engine.api import CompletionRequest
 from engine.decoding.drafters import ModelDrafter, NgramDrafter
 from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
@@ -21,7 +22,6 @@ from engine.runtimes.cuda_graphs import (
     key_bucket,
     maybe_wrap,
 )
-from harness.prompts import fim_prompts
 
 
 def _decode(runtime, draft_runtime, prompt, drafter, tokens=16):

@@ -13,10 +13,10 @@ import torch
 from conftest import DRAFT_DIR, TARGET_DIR
 from lossless_check import compare_drafters
 
+from bench.harness.prompts import fim_prompts
 from engine.errors import ModelLoadError
 from engine.loader import load_model
 from engine.runtimes.quant import Int8Linear
-from harness.prompts import fim_prompts
 
 N_PROMPTS = 200 if os.environ.get("FIMBLE_SLOW") else 16
 

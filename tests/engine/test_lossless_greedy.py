@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from lossless_check import TIE_TOLERANCE, compare_drafters, decode, first_difference, is_tie
 
+from bench.harness.prompts import fim_prompts, pinned_tie_prompt
 from engine.api import CompletionRequest
 from engine.decoding.drafters import ModelDrafter, NgramDrafter
 from engine.local import LocalEngine
-from harness.prompts import fim_prompts, pinned_tie_prompt
 
 N_PROMPTS = 200
 

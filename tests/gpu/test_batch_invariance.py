@@ -43,9 +43,9 @@ def _copy(dst, src):
 
 
 def _models():
+    from bench.harness.random_models import random_model
     from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
     from engine.runtimes.cuda_graphs import eager_runtime
-    from harness.random_models import random_model
 
     yield "embedded target", eager_runtime(load_model(DEFAULT_TARGET, device="cuda", dtype=torch.bfloat16).runtime)
     yield "embedded draft", eager_runtime(load_model(DEFAULT_DRAFT, device="cuda", dtype=torch.bfloat16).runtime)
@@ -152,13 +152,13 @@ def test_batched_rows_equal_alone():
 
 
 def test_embedded_pair_speculative_equals_plain():
+    from bench.harness.prompts import fim_prompts
     from engine.api import CompletionRequest
     from engine.decoding.drafters import ModelDrafter, NgramDrafter
     from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
     from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
     from engine.local import LocalEngine
     from engine.runtimes.cuda_graphs import GraphRuntime, eager_runtime
-    from harness.prompts import fim_prompts
 
     target = load_model(DEFAULT_TARGET, device="cuda", dtype=torch.bfloat16)
     draft = load_model(DEFAULT_DRAFT, device="cuda", dtype=torch.bfloat16)

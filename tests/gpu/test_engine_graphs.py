@@ -29,10 +29,10 @@ def _engine(graphs: bool):
 
 
 def test_engine_with_graphs_answers_like_without():
+    from bench.harness.prompts import fim_prompts
     from engine.api import CompletionRequest
     from engine.options import DecodeOptions
     from engine.runtimes.cuda_graphs import GraphRuntime
-    from harness.prompts import fim_prompts
 
     with_graphs, target = _engine(True)
     without, plain_target = _engine(False)

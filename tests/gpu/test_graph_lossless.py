@@ -47,12 +47,12 @@ def _margins(a, b, i):
 
 
 def test_graph_greedy_equals_eager_greedy():
+    from bench.harness.prompts import fim_prompts
     from engine.api import CompletionRequest
     from engine.decoding.drafters import ModelDrafter, NgramDrafter
     from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
     from engine.local import LocalEngine
     from engine.runtimes.cuda_graphs import GraphRuntime, eager_runtime
-    from harness.prompts import fim_prompts
 
     target = load_model(DEFAULT_TARGET, device="cuda", dtype=torch.bfloat16)
     draft = load_model(DEFAULT_DRAFT, device="cuda", dtype=torch.bfloat16)

@@ -28,10 +28,10 @@ MIN_IDENTICAL = 0.8
 
 
 def test_batched_scheduler_on_cuda_matches_unbatched():
+    from bench.harness.prompts import fim_prompts
     from engine.api import CompletionRequest, DecodeOptions
     from engine.local import open_engine
     from engine.serve.scheduler import ServeEngine
-    from harness.prompts import fim_prompts
 
     plain = open_engine(REPO / "models" / "fimble-target", REPO / "models" / "fimble-draft", device="cuda")
     try:

@@ -2,7 +2,7 @@
 
 1. Pass level, embedded target (fp32): one replayed batched graph over several slots gives each sequence's
    logits as the eager model does (relative error, argmax) and leaves a bystander slot's keys alone.
-2. The 1.5B shape (random bf16 weights, harness/random_models.py): N_STREAMS sequences fed the same tokens,
+2. The 1.5B shape (random bf16 weights, bench/harness/random_models.py): N_STREAMS sequences fed the same tokens,
    every step one replay of the slot graph, against each run alone by the eager model: argmax differences
    only at near ties, logits close; free-running greedy identity printed.
 3. Scheduler, embedded pair: N_PROMPTS requests at once through ServeEngine (slotted graph rounds) against
@@ -71,8 +71,8 @@ def test_slot_graph_greedy_decode_1p5b_matches_eager():
     directly. Every argmax difference must be a near tie the numeric difference explains (the reference's
     top-2 margin at most twice the row's largest logit difference); the free-running greedy outputs are
     printed too (random weights give near-flat logits, so they part early at such ties)."""
+    from bench.harness.random_models import random_model
     from engine.runtimes.cuda_graphs import GraphRuntime, SlotGraphs
-    from harness.random_models import random_model
 
     model = random_model("1.5B")
     single = GraphRuntime(model, max_caches=N_STREAMS + 1)  # the per-sequence graphs: today's accepted path
@@ -151,10 +151,10 @@ def test_slot_graph_greedy_decode_1p5b_matches_eager():
 
 
 def test_slotted_scheduler_on_cuda_matches_unbatched():
+    from bench.harness.prompts import fim_prompts
     from engine.api import CompletionRequest, DecodeOptions
     from engine.local import open_engine
     from engine.serve.scheduler import ServeEngine
-    from harness.prompts import fim_prompts
 
     plain = open_engine(REPO / "models" / "fimble-target", REPO / "models" / "fimble-draft", device="cuda")
     try:

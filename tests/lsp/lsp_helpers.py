@@ -14,7 +14,7 @@ from typing import Any
 from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient, client_capabilities
 
-from harness.raw_lsp import SERVER_CMD, SERVER_ENV  # the same server command and model as the raw client
+from bench.harness.raw_lsp import SERVER_CMD, SERVER_ENV  # the same server command and model as the raw client
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENTS = ["visual-studio-code", "neovim"]

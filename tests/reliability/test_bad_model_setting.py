@@ -26,9 +26,9 @@ from safetensors.torch import load_file, save_file
 from test_busy_supervision import _Healthy, _Notices, _settle
 
 import lsp_server.engine_host as engine_host
+from bench.harness.raw_lsp import SERVER_ENV, RawServer
 from engine.errors import ModelLoadError
 from engine.loader import check_device
-from harness.raw_lsp import SERVER_ENV, RawServer
 from lsp_server.settings import Settings
 
 URI = "file:///bad-model/w.py"

@@ -17,10 +17,10 @@ import torch
 from conftest import build_tiny_model
 from safetensors.torch import load_file, save_file
 
+from bench.harness.raw_lsp import SERVER_ENV, RawServer
 from engine.errors import ModelLoadError
 from engine.loader import load_model
 from engine.runtimes.weights_check import bad_probe, bad_weight
-from harness.raw_lsp import SERVER_ENV, RawServer
 
 
 @pytest.fixture(scope="module")

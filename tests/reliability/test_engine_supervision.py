@@ -16,7 +16,7 @@ import time
 import pytest
 
 import lsp_server.engine_host as engine_host
-from harness.raw_lsp import SERVER_ENV, Pinger, RawServer, kill_engine
+from bench.harness.raw_lsp import SERVER_ENV, Pinger, RawServer, kill_engine
 from lsp_server.settings import Settings
 
 URI = "file:///supervised/demo.py"

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lsp_server.documents as documents
-from harness.raw_lsp import Pinger, RawServer, big_line_document, lone_cr_document, type_and_ask
+from bench.harness.raw_lsp import Pinger, RawServer, big_line_document, lone_cr_document, type_and_ask
 from lsp_server.documents import Document, split_lines, syntax_text
 from lsp_server.shaping.syntax import lexer
 from lsp_server.shaping.syntax.context import classify

@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 from rel_helpers import SERVER_CMD, Listener, TcpClient, server_env
 
+from bench.harness.raw_lsp import SERVER_ENV, RawServer
 from engine.liveness import read_proc
-from harness.raw_lsp import SERVER_ENV, RawServer
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN = REPO / "models" / "qwen2.5-coder-0.5b" / "qwen2.5-coder-0.5b-instruct-q8_0.gguf"

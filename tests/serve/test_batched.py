@@ -10,11 +10,11 @@ import pytest
 import torch
 from serve_helpers import wait_for
 
+from bench.harness.prompts import fim_prompts
 from engine.api import CompletionRequest, DecodeOptions
 from engine.local import LocalEngine
 from engine.serve.batched import Forward, batched_forward
 from engine.serve.scheduler import ServeEngine
-from harness.prompts import fim_prompts
 
 N_PROMPTS = 5
 MAX_TOKENS = 20

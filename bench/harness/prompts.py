@@ -13,7 +13,7 @@ import random
 import sysconfig
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # bench/harness/ -> the repository
 CORPUS = REPO / "tests" / "data" / "lossless_corpus"
 HUMANEVAL = REPO.parent / "shared" / "data" / "humaneval-infilling" / "HumanEval-SingleLineInfilling.jsonl.gz"
 REAL_FILES = ["json/encoder.py", "textwrap.py", "argparse.py", "csv.py", "dataclasses.py", "difflib.py"]

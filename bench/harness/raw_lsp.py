@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # bench/harness/ -> the repository
 SERVER_CMD = [sys.executable, "-m", "lsp_server", "lsp"]
 
 
