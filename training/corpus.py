@@ -51,12 +51,13 @@ def iter_python_files(roots: list[Path]) -> Iterator[Path]:
                 yield real
 
 
-def read_source(path: Path) -> str | None:
+def read_source(path: Path, min_chars: int = MIN_CHARS, max_chars: int = MAX_CHARS) -> str | None:
+    """The file's UTF-8 text, or None for an unreadable, binary, too small or too large one."""
     try:
         raw = path.read_bytes()
     except OSError:
         return None
-    if not MIN_CHARS <= len(raw) <= MAX_CHARS or b"\0" in raw:
+    if not min_chars <= len(raw) <= max_chars or b"\0" in raw:
         return None
     try:
         return raw.decode("utf-8")

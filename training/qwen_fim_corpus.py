@@ -78,17 +78,10 @@ def looks_generated(text: str) -> bool:
 
 
 def _read(path: Path) -> str | None:
-    try:
-        raw = path.read_bytes()
-    except OSError:
-        return None
-    if not MIN_CHARS <= len(raw) <= MAX_CHARS or b"\0" in raw:
-        return None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return None if looks_generated(text) else text
+    from training.corpus import read_source
+
+    text = read_source(path, MIN_CHARS, MAX_CHARS)
+    return None if text is None or looks_generated(text) else text
 
 
 def candidates(roots: list[Path] | None) -> tuple[list[tuple[str, Path]], dict]:
