@@ -60,17 +60,42 @@ SITE = Path(sysconfig.get_paths()["purelib"])
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 NPM = Path("/usr/lib/node_modules/npm")
 # Packages with many modules that import each other; the less famous first (a model has memorised less of them).
-PY_PACKAGES = ["pygls", "pytest_lsp", "cattrs", "referencing", "jsonschema", "markdown_it", "python_discovery",
-               "distlib", "gguf", "anyio", "h11", "httpx2", "hypothesis", "rich", "huggingface_hub", "pip/_internal",
-               "packaging", "aiohttp"]
+PY_PACKAGES = [
+    "pygls",
+    "pytest_lsp",
+    "cattrs",
+    "referencing",
+    "jsonschema",
+    "markdown_it",
+    "python_discovery",
+    "distlib",
+    "gguf",
+    "anyio",
+    "h11",
+    "httpx2",
+    "hypothesis",
+    "rich",
+    "huggingface_hub",
+    "pip/_internal",
+    "packaging",
+    "aiohttp",
+]
 STDLIB_PACKAGES = ["asyncio", "email", "importlib", "concurrent/futures", "logging", "json", "http", "xml/etree"]
 MAX_FILE_CHARS = 60_000
 MAX_LINE_CHARS = 110
 PER_PACKAGE = 4  # cases per package at most (round-robin over packages: many codebases, not one)
 MODES = ("alone", "neighbours", "unrelated", "workspace")
 # languages ["*"]: JavaScript too with a model whose fimble.json lists Python only (the embedded one)
-SETTINGS = {"prefetch": False, "prewarm": False, "maxLines": 1, "maxTokens": 48, "streaming": False,
-            "engineThreads": 1, "debounceMs": 0, "languages": ["*"]}
+SETTINGS = {
+    "prefetch": False,
+    "prewarm": False,
+    "maxLines": 1,
+    "maxTokens": 48,
+    "streaming": False,
+    "engineThreads": 1,
+    "debounceMs": 0,
+    "languages": ["*"],
+}
 
 
 @dataclass
@@ -139,7 +164,7 @@ def _py_module_file(pkg_root: Path, pkg_name: str, importer: Path, module: str |
 def _balanced_call(rest: str) -> bool:
     """``rest`` starts with ``name(``, has an argument, and closes that call on the line."""
     i = rest.index("(")
-    if rest[i + 1:i + 2] == ")":
+    if rest[i + 1 : i + 2] == ")":
         return False
     depth = 0
     for ch in rest[i:]:
@@ -182,8 +207,13 @@ def python_cases(package_dir: Path, source: str, rng: random.Random) -> list[Cas
                 last_import = max(last_import, node.end_lineno or 0)
         calls: dict[str, list[tuple[int, int]]] = {}  # name -> (line, byte column) of its calls, in order
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in imported \
-                    and node.lineno == node.end_lineno and node.args:
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in imported
+                and node.lineno == node.end_lineno
+                and node.args
+            ):
                 calls.setdefault(node.func.id, []).append((node.lineno - 1, node.col_offset))
         for name, mod_file in imported.items():
             for i, byte_col in sorted(calls.get(name, [])):
@@ -195,8 +225,20 @@ def python_cases(package_dir: Path, source: str, rng: random.Random) -> list[Cas
                 others = _unrelated(files, modules, name, rng)
                 if others is None:
                     break
-                out.append(Case("python", source, str(f), str(mod_file), others, name, i, col, rest.rstrip(),
-                                [str(pkg_root.parent)]))
+                out.append(
+                    Case(
+                        "python",
+                        source,
+                        str(f),
+                        str(mod_file),
+                        others,
+                        name,
+                        i,
+                        col,
+                        rest.rstrip(),
+                        [str(pkg_root.parent)],
+                    )
+                )
                 break  # the first use of each name in each file
     return out
 
@@ -215,21 +257,27 @@ def _js_file(importer: Path, spec: str) -> Path | None:
 
 def _js_defines(text: str, name: str) -> bool:
     n = re.escape(name)
-    pattern = (rf"(function\*?\s+{n}\s*\(|(const|let|var)\s+{n}\s*=|class\s+{n}\b"
-               rf"|^\s*(async\s+)?{n}\s*\([^)]*\)\s*\{{)")
+    pattern = (
+        rf"(function\*?\s+{n}\s*\(|(const|let|var)\s+{n}\s*=|class\s+{n}\b"
+        rf"|^\s*(async\s+)?{n}\s*\([^)]*\)\s*\{{)"
+    )
     return re.search(pattern, text, re.M) is not None
 
 
 def js_cases(lib_dir: Path, source: str, rng: random.Random) -> list[Case]:
-    files = sorted(p for p in lib_dir.rglob("*.js") if p.stat().st_size < MAX_FILE_CHARS and "node_modules" not in
-                   p.relative_to(lib_dir).parts)
+    files = sorted(
+        p
+        for p in lib_dir.rglob("*.js")
+        if p.stat().st_size < MAX_FILE_CHARS and "node_modules" not in p.relative_to(lib_dir).parts
+    )
     out: list[Case] = []
     for f in files:
         text = _read(f)
         lines = text.splitlines()
         imported: dict[str, Path] = {}
-        modules = {f} | {p for s in re.findall(r"require\(\s*['\"](\.\.?/[^'\"]+)['\"]", text)
-                         if (p := _js_file(f, s)) is not None}
+        modules = {f} | {
+            p for s in re.findall(r"require\(\s*['\"](\.\.?/[^'\"]+)['\"]", text) if (p := _js_file(f, s)) is not None
+        }
         for m in _REQUIRE.finditer(text):
             mod_file = _js_file(f, m.group(2))
             if mod_file is None:
@@ -243,17 +291,33 @@ def js_cases(lib_dir: Path, source: str, rng: random.Random) -> list[Case]:
             pat = re.compile(rf"(?<![\w.$]){re.escape(name)}\(")
             for i, line in enumerate(lines):
                 m = pat.search(line)
-                if m is None or "require(" in line or len(line) > MAX_LINE_CHARS \
-                        or line.lstrip().startswith(("//", "*")):
+                if (
+                    m is None
+                    or "require(" in line
+                    or len(line) > MAX_LINE_CHARS
+                    or line.lstrip().startswith(("//", "*"))
+                ):
                     continue
-                rest = line[m.start():]
+                rest = line[m.start() :]
                 if not _balanced_call(rest) or "`" in line or any(line.count(q) % 2 for q in "'\""):
                     continue  # (a template or string literal around it: not code)
                 others = _unrelated(files, modules, name, rng)
                 if others is None:
                     break
-                out.append(Case("javascript", source, str(f), str(mod_file), others, name, i, m.start(),
-                                rest.rstrip(), [str(lib_dir)]))
+                out.append(
+                    Case(
+                        "javascript",
+                        source,
+                        str(f),
+                        str(mod_file),
+                        others,
+                        name,
+                        i,
+                        m.start(),
+                        rest.rstrip(),
+                        [str(lib_dir)],
+                    )
+                )
                 break
     return out
 
@@ -280,16 +344,18 @@ def licence_of(source: str) -> str:
 
 
 def _python_dirs() -> list[tuple[Path, str]]:
-    return [(SITE / n, n) for n in PY_PACKAGES if (SITE / n).is_dir()] + \
-        [(STDLIB / n, f"stdlib:{n}") for n in STDLIB_PACKAGES if (STDLIB / n).is_dir()]
+    return [(SITE / n, n) for n in PY_PACKAGES if (SITE / n).is_dir()] + [
+        (STDLIB / n, f"stdlib:{n}") for n in STDLIB_PACKAGES if (STDLIB / n).is_dir()
+    ]
 
 
 def _js_dirs() -> list[tuple[Path, str]]:
     if not NPM.is_dir():
         return []
     out = [(NPM / "lib", f"npm:{NPM}")]
-    for pkg in sorted((NPM / "node_modules").glob("*/package.json")) + sorted((NPM / "node_modules").glob(
-            "@*/*/package.json")):
+    for pkg in sorted((NPM / "node_modules").glob("*/package.json")) + sorted(
+        (NPM / "node_modules").glob("@*/*/package.json")
+    ):
         if (pkg.parent / "lib").is_dir():
             out.append((pkg.parent / "lib", f"npm:{pkg.parent}"))
     return out
@@ -338,15 +404,29 @@ class Server:
     async def start(self, settings: dict, folders: list[str] | None = None) -> None:
         cmd = [sys.executable, "-m", "lsp_server", "lsp"] + (["--debug"] if self.debug else [])
         self.proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=self.log, env=self.env,
-            cwd=str(REPO), limit=1 << 26)
+            *cmd,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=self.log,
+            env=self.env,
+            cwd=str(REPO),
+            limit=1 << 26,
+        )
         self.rpc = RpcClient(self.proc)
-        await self.rpc.call("initialize", {
-            "processId": os.getpid(), "rootUri": None,
-            "workspaceFolders": [{"uri": Path(f).as_uri(), "name": Path(f).name} for f in folders or []] or None,
-            "capabilities": {"general": {"positionEncodings": ["utf-16"]},
-                             "textDocument": {"inlineCompletion": {"dynamicRegistration": True}}},
-            "initializationOptions": settings}, timeout=120)
+        await self.rpc.call(
+            "initialize",
+            {
+                "processId": os.getpid(),
+                "rootUri": None,
+                "workspaceFolders": [{"uri": Path(f).as_uri(), "name": Path(f).name} for f in folders or []] or None,
+                "capabilities": {
+                    "general": {"positionEncodings": ["utf-16"]},
+                    "textDocument": {"inlineCompletion": {"dynamicRegistration": True}},
+                },
+                "initializationOptions": settings,
+            },
+            timeout=120,
+        )
         self.rpc.notify("initialized", {})
         t0 = time.perf_counter()
         while (await self.stats())["engine"].get("state") != "ready":  # the model loaded
@@ -360,8 +440,10 @@ class Server:
 
     def open(self, path: str, text: str, lang: str) -> str:
         uri = Path(path).as_uri()
-        self.rpc.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": language_id(lang),
-                                                                  "version": 1, "text": text}})
+        self.rpc.notify(
+            "textDocument/didOpen",
+            {"textDocument": {"uri": uri, "languageId": language_id(lang), "version": 1, "text": text}},
+        )
         return uri
 
     def close(self, uri: str) -> None:
@@ -378,9 +460,15 @@ class Server:
             await asyncio.sleep(0.05)
 
     async def complete(self, uri: str, line: int, char: int, invoked: bool = True) -> str:
-        res = await self.rpc.call("textDocument/inlineCompletion", {
-            "textDocument": {"uri": uri}, "position": {"line": line, "character": char},
-            "context": {"triggerKind": 1 if invoked else 2}}, timeout=600)
+        res = await self.rpc.call(
+            "textDocument/inlineCompletion",
+            {
+                "textDocument": {"uri": uri},
+                "position": {"line": line, "character": char},
+                "context": {"triggerKind": 1 if invoked else 2},
+            },
+            timeout=600,
+        )
         items = (res or {}).get("items") or []
         return items[0]["insertText"] if items else ""
 
@@ -388,8 +476,14 @@ class Server:
         if not self.debug:
             return []
         rings = await self.rpc.call("fimble/debug/context", {"uri": uri}, timeout=60)
-        return next(([f"{c} ({s:.2f})" for c, s in zip(r["chunks"], r["scores"], strict=True)]
-                     for r in rings or [] if r["uri"] == uri), [])
+        return next(
+            (
+                [f"{c} ({s:.2f})" for c, s in zip(r["chunks"], r["scores"], strict=True)]
+                for r in rings or []
+                if r["uri"] == uri
+            ),
+            [],
+        )
 
     async def stop(self) -> None:
         if self.proc is None:
@@ -411,7 +505,7 @@ def utf16(s: str) -> int:
 def case_document(case: Case) -> tuple[str, int, int]:
     """The target file with the line's rest removed, and the cursor (line, UTF-16 column)."""
     lines = Path(case.target).read_text(encoding="utf-8").split("\n")
-    head = lines[case.line][:case.col]
+    head = lines[case.line][: case.col]
     lines[case.line] = head
     return "\n".join(lines), case.line, utf16(head)
 
@@ -445,16 +539,25 @@ async def run_case(srv: Server, case: Case, mode: str) -> dict:
     for u in uris:
         srv.close(u)
     definer = os.path.relpath(case.definer, os.path.commonpath([case.definer, case.target]))
-    return {"mode": mode, **score(got, case.expected), "ms": ms, "ring": ring,
-            "definer_in_ring": any(definer in c or Path(case.definer).name in c for c in ring),
-            "context_tokens": after.get("context_tokens", 0) - before.get("context_tokens", 0),
-            "prefilled": after.get("tokens_prefilled", 0) - before.get("tokens_prefilled", 0)}
+    return {
+        "mode": mode,
+        **score(got, case.expected),
+        "ms": ms,
+        "ring": ring,
+        "definer_in_ring": any(definer in c or Path(case.definer).name in c for c in ring),
+        "context_tokens": after.get("context_tokens", 0) - before.get("context_tokens", 0),
+        "prefilled": after.get("tokens_prefilled", 0) - before.get("tokens_prefilled", 0),
+    }
 
 
 async def quality(args: argparse.Namespace, env: dict, cases: list[Case], out: dict) -> None:
     modes = [m for m in args.modes if m != "workspace"]
-    settings = {**SETTINGS, "crossFileBudget": args.budget, "prefixChars": args.prefix_chars,
-                "suffixChars": args.suffix_chars}
+    settings = {
+        **SETTINGS,
+        "crossFileBudget": args.budget,
+        "prefixChars": args.prefix_chars,
+        "suffixChars": args.suffix_chars,
+    }
     env = {**env, "FIMBLE_COLD_WINDOW": "off", "FIMBLE_REQUEST_BUDGET_S": "300"}
     results: list[list[dict]] = [[] for _ in cases]
     if modes:
@@ -483,16 +586,27 @@ async def quality(args: argparse.Namespace, env: dict, cases: list[Case], out: d
 def _progress(i: int, cases: list[Case], rs: list[dict]) -> None:
     c = cases[i]
     marks = " ".join(f"{r['mode'][:5]}={'Y' if r['exact'] else '.'}{r['edit']:.2f}" for r in rs)
-    print(f"  [{i + 1}/{len(cases)}] {c.lang[:2]} {c.source[:40]:40s} {c.name[:24]:24s} {marks}", file=sys.stderr,
-          flush=True)
+    print(
+        f"  [{i + 1}/{len(cases)}] {c.lang[:2]} {c.source[:40]:40s} {c.name[:24]:24s} {marks}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 # -- keystroke cost -------------------------------------------------------------------------------------
 async def keystrokes(args: argparse.Namespace, env: dict, cases: list[Case], out: dict) -> None:
     """Per keystroke after a session's first completion: prompt tokens evaluated, answer time; context off/on."""
-    settings = {"prefetch": True, "prewarm": True, "maxLines": 1, "maxTokens": 48, "engineThreads": 1,
-                "languages": ["*"], "crossFileBudget": args.budget, "prefixChars": args.prefix_chars,
-                "suffixChars": args.suffix_chars}
+    settings = {
+        "prefetch": True,
+        "prewarm": True,
+        "maxLines": 1,
+        "maxTokens": 48,
+        "engineThreads": 1,
+        "languages": ["*"],
+        "crossFileBudget": args.budget,
+        "prefixChars": args.prefix_chars,
+        "suffixChars": args.suffix_chars,
+    }
     rows: dict[str, dict] = {}
     srv = Server(env, args, debug=False)
     await srv.start(settings)
@@ -503,8 +617,10 @@ async def keystrokes(args: argparse.Namespace, env: dict, cases: list[Case], out
             row: dict = {"first_prefill": [], "first_ms": [], "key_prefill": [], "key_ms": [], "context_tokens": []}
             for case in cases:
                 text, line, char = case_document(case)
-                uris = [srv.open(p, Path(p).read_text(encoding="utf-8", errors="replace"), case.lang)
-                        for p in [case.definer, *case.unrelated]]
+                uris = [
+                    srv.open(p, Path(p).read_text(encoding="utf-8", errors="replace"), case.lang)
+                    for p in [case.definer, *case.unrelated]
+                ]
                 uri = srv.open(case.target, text, case.lang)
                 uris.append(uri)
                 srv.cursor(uri, line, char)
@@ -518,13 +634,24 @@ async def keystrokes(args: argparse.Namespace, env: dict, cases: list[Case], out
                 row["first_prefill"].append(c1.get("tokens_prefilled", 0) - c0.get("tokens_prefilled", 0))
                 row["context_tokens"].append(c1.get("context_tokens", 0) - c0.get("context_tokens", 0))
                 version, col = 1, char
-                for ch in case.expected[:args.keys]:
+                for ch in case.expected[: args.keys]:
                     version += 1
                     k0 = (await srv.stats())["engine"]["counters"]
-                    srv.rpc.notify("textDocument/didChange", {
-                        "textDocument": {"uri": uri, "version": version},
-                        "contentChanges": [{"range": {"start": {"line": line, "character": col},
-                                                      "end": {"line": line, "character": col}}, "text": ch}]})
+                    srv.rpc.notify(
+                        "textDocument/didChange",
+                        {
+                            "textDocument": {"uri": uri, "version": version},
+                            "contentChanges": [
+                                {
+                                    "range": {
+                                        "start": {"line": line, "character": col},
+                                        "end": {"line": line, "character": col},
+                                    },
+                                    "text": ch,
+                                }
+                            ],
+                        },
+                    )
                     col += utf16(ch)
                     t0 = time.perf_counter()
                     await srv.complete(uri, line, col, invoked=False)
@@ -536,8 +663,11 @@ async def keystrokes(args: argparse.Namespace, env: dict, cases: list[Case], out
                     srv.close(u)
                 await asyncio.sleep(0.5)
             rows["on" if on else "off"] = row
-            print(f"  keystrokes, context {'on' if on else 'off'}: prefill/key {_mean(row['key_prefill']):.1f}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  keystrokes, context {'on' if on else 'off'}: prefill/key {_mean(row['key_prefill']):.1f}",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         await srv.stop()
     out["keystrokes"] = rows
@@ -552,9 +682,15 @@ async def loop_blocking(args: argparse.Namespace, env: dict, out: dict) -> None:
 
     async def ping() -> float:
         t0 = time.perf_counter()
-        await srv.rpc.call("textDocument/inlineCompletion", {  # an unknown document: answered at once, empty
-            "textDocument": {"uri": "file:///nowhere.py"}, "position": {"line": 0, "character": 0},
-            "context": {"triggerKind": 1}}, timeout=120)
+        await srv.rpc.call(
+            "textDocument/inlineCompletion",
+            {  # an unknown document: answered at once, empty
+                "textDocument": {"uri": "file:///nowhere.py"},
+                "position": {"line": 0, "character": 0},
+                "context": {"triggerKind": 1},
+            },
+            timeout=120,
+        )
         return (time.perf_counter() - t0) * 1e3
 
     try:
@@ -576,11 +712,18 @@ async def loop_blocking(args: argparse.Namespace, env: dict, out: dict) -> None:
         c1 = (await srv.stats())["counters"]
     finally:
         await srv.stop()
-    out["loop"] = {"base_p50_ms": percentile(base, 0.5), "base_max_ms": max(base), "pings": len(pings),
-                   "p50_ms": percentile(pings, 0.5), "p99_ms": percentile(pings, 0.99), "max_ms": max(pings),
-                   "work_s": work_s, "slices": c1.get("context_yields", 0) - c0.get("context_yields", 0),
-                   "indexed_docs": c1.get("context_indexed_docs", 0),
-                   "slice_max_ms": c1.get("context_slice_max_us", 0) / 1e3}
+    out["loop"] = {
+        "base_p50_ms": percentile(base, 0.5),
+        "base_max_ms": max(base),
+        "pings": len(pings),
+        "p50_ms": percentile(pings, 0.5),
+        "p99_ms": percentile(pings, 0.99),
+        "max_ms": max(pings),
+        "work_s": work_s,
+        "slices": c1.get("context_yields", 0) - c0.get("context_yields", 0),
+        "indexed_docs": c1.get("context_indexed_docs", 0),
+        "slice_max_ms": c1.get("context_slice_max_us", 0) / 1e3,
+    }
 
 
 # -- the report ------------------------------------------------------------------------------------------
@@ -593,8 +736,9 @@ def summarize(out: dict) -> dict:
     for c in out.get("cases", []):
         for r in c["results"]:
             for lang in (c["lang"], "all"):
-                row = table.setdefault(lang, {}).setdefault(r["mode"], {"n": 0, "exact": 0, "edit": 0.0, "ctx": 0,
-                                                                         "definer": 0, "with_ctx": 0})
+                row = table.setdefault(lang, {}).setdefault(
+                    r["mode"], {"n": 0, "exact": 0, "edit": 0.0, "ctx": 0, "definer": 0, "with_ctx": 0}
+                )
                 row["n"] += 1
                 row["with_ctx"] += r["context_tokens"] > 0
                 row["exact"] += r["exact"]
@@ -606,66 +750,88 @@ def summarize(out: dict) -> dict:
 
 def print_report(out: dict, args: argparse.Namespace) -> None:
     table = summarize(out)
-    print(f"bench/crossfile.py  model {out['model']}  commit {out['commit']}  budget {args.budget} tokens  "
-          f"windows {args.prefix_chars}/{args.suffix_chars} chars")
-    print(f"engine threads 1 (engineThreads); server process tree: {out.get('threads', '-')} OS threads per process; "
-          f"{os.cpu_count()} CPU cores; "
-          f"load average {out['load_avg_start'][0]:.2f} at start, {out.get('load_avg_end', [float('nan')])[0]:.2f} "
-          f"at end; wall {out.get('wall_s', 0):.0f} s")
+    print(
+        f"bench/crossfile.py  model {out['model']}  commit {out['commit']}  budget {args.budget} tokens  "
+        f"windows {args.prefix_chars}/{args.suffix_chars} chars"
+    )
+    print(
+        f"engine threads 1 (engineThreads); server process tree: {out.get('threads', '-')} OS threads per process; "
+        f"{os.cpu_count()} CPU cores; "
+        f"load average {out['load_avg_start'][0]:.2f} at start, {out.get('load_avg_end', [float('nan')])[0]:.2f} "
+        f"at end; wall {out.get('wall_s', 0):.0f} s"
+    )
     print("sources (read at run time, not copied into the repository):")
     for src, lic in sorted(out.get("sources", {}).items()):
         print(f"  {src}: {lic}")
     print()
-    print("(exact: the answer's first line equals the rest of the line; edit sim: difflib ratio; ctx tok: the engine's "
-          "context tokens per prompt; with ctx: share of prompts with any; def in ctx: share whose ring held the "
-          "defining module's code)")
-    print(f"{'language':10s} {'mode':11s} {'n':>4s} {'exact':>7s} {'edit sim':>9s} {'ctx tok':>8s} {'with ctx':>9s} "
-          f"{'def in ctx':>10s}")
+    print(
+        "(exact: the answer's first line equals the rest of the line; edit sim: difflib ratio; ctx tok: the engine's "
+        "context tokens per prompt; with ctx: share of prompts with any; def in ctx: share whose ring held the "
+        "defining module's code)"
+    )
+    print(
+        f"{'language':10s} {'mode':11s} {'n':>4s} {'exact':>7s} {'edit sim':>9s} {'ctx tok':>8s} {'with ctx':>9s} "
+        f"{'def in ctx':>10s}"
+    )
     for lang, modes in table.items():
         for mode in MODES:
             r = modes.get(mode)
             if r is None:
                 continue
             n = r["n"]
-            print(f"{lang:10s} {mode:11s} {n:4d} {r['exact'] / n:7.3f} {r['edit'] / n:9.3f} {r['ctx'] / n:8.0f} "
-                  f"{r['with_ctx'] / n:9.2f} {r['definer'] / n:10.2f}")
+            print(
+                f"{lang:10s} {mode:11s} {n:4d} {r['exact'] / n:7.3f} {r['edit'] / n:9.3f} {r['ctx'] / n:8.0f} "
+                f"{r['with_ctx'] / n:9.2f} {r['definer'] / n:10.2f}"
+            )
     for lang, modes in table.items():
         a, nb, un = modes.get("alone"), modes.get("neighbours"), modes.get("unrelated")
         if a and nb:
             ratio = (nb["exact"] / a["exact"]) if a["exact"] else float("inf")
-            print(f"gain {lang}: exact {a['exact']}/{a['n']} -> {nb['exact']}/{nb['n']} ({ratio:.2f}x), edit "
-                  f"{a['edit'] / a['n']:.3f} -> {nb['edit'] / nb['n']:.3f}"
-                  + (f"; unrelated only: exact {un['exact']}/{un['n']}, edit {un['edit'] / un['n']:.3f}" if un else ""))
+            print(
+                f"gain {lang}: exact {a['exact']}/{a['n']} -> {nb['exact']}/{nb['n']} ({ratio:.2f}x), edit "
+                f"{a['edit'] / a['n']:.3f} -> {nb['edit'] / nb['n']:.3f}"
+                + (f"; unrelated only: exact {un['exact']}/{un['n']}, edit {un['edit'] / un['n']:.3f}" if un else "")
+            )
     ks = out.get("keystrokes")
     if ks:
         print()
-        print(f"keystrokes after the first completion ({len(ks['off']['key_prefill'])} keys, "
-              f"{args.keystroke_cases} cases, neighbours open, editor defaults):")
-        print(f"{'context':8s} {'prefill/key mean':>17s} {'max':>5s} {'answer ms p50':>14s} {'p90':>7s} "
-              f"{'first: prefill':>15s} {'first ms':>9s} {'ctx tok':>8s}")
+        print(
+            f"keystrokes after the first completion ({len(ks['off']['key_prefill'])} keys, "
+            f"{args.keystroke_cases} cases, neighbours open, editor defaults):"
+        )
+        print(
+            f"{'context':8s} {'prefill/key mean':>17s} {'max':>5s} {'answer ms p50':>14s} {'p90':>7s} "
+            f"{'first: prefill':>15s} {'first ms':>9s} {'ctx tok':>8s}"
+        )
         for k in ("off", "on"):
             r = ks[k]
-            print(f"{k:8s} {_mean(r['key_prefill']):17.1f} {max(r['key_prefill'] or [0]):5d} "
-                  f"{percentile(r['key_ms'], 0.5) or 0:14.0f} {percentile(r['key_ms'], 0.9) or 0:7.0f} "
-                  f"{_mean(r['first_prefill']):15.0f} {_mean(r['first_ms']):9.0f} {_mean(r['context_tokens']):8.0f}")
+            print(
+                f"{k:8s} {_mean(r['key_prefill']):17.1f} {max(r['key_prefill'] or [0]):5d} "
+                f"{percentile(r['key_ms'], 0.5) or 0:14.0f} {percentile(r['key_ms'], 0.9) or 0:7.0f} "
+                f"{_mean(r['first_prefill']):15.0f} {_mean(r['first_ms']):9.0f} {_mean(r['context_tokens']):8.0f}"
+            )
     lp = out.get("loop")
     if lp:
         print()
-        print(f"event loop, 50 open documents of 1 MB (embedded model): the context's work took {lp['work_s']:.1f} s "
-              f"in "
-              f"{lp['slices']} slices ({lp['indexed_docs']} documents indexed; longest slice "
-              f"{lp.get('slice_max_ms', float('nan')):.1f} ms of CPU); a cheap request meanwhile was answered "
-              f"in p50 {lp['p50_ms']:.1f} ms, p99 {lp['p99_ms']:.1f} ms, max {lp['max_ms']:.1f} ms over {lp['pings']} "
-              f"requests (before: p50 {lp['base_p50_ms']:.1f} ms, max {lp['base_max_ms']:.1f} ms)")
+        print(
+            f"event loop, 50 open documents of 1 MB (embedded model): the context's work took {lp['work_s']:.1f} s "
+            f"in "
+            f"{lp['slices']} slices ({lp['indexed_docs']} documents indexed; longest slice "
+            f"{lp.get('slice_max_ms', float('nan')):.1f} ms of CPU); a cheap request meanwhile was answered "
+            f"in p50 {lp['p50_ms']:.1f} ms, p99 {lp['p99_ms']:.1f} ms, max {lp['max_ms']:.1f} ms over {lp['pings']} "
+            f"requests (before: p50 {lp['base_p50_ms']:.1f} ms, max {lp['base_max_ms']:.1f} ms)"
+        )
     print()
     heads = []
     for lang, modes in table.items():
         a, nb, un = modes.get("alone"), modes.get("neighbours"), modes.get("unrelated")
         if a and nb:
             ratio = f"{nb['exact'] / a['exact']:.2f}x" if a["exact"] else "inf"
-            heads.append(f"{lang} exact {a['exact'] / a['n']:.3f} -> {nb['exact'] / nb['n']:.3f} ({ratio}), edit "
-                         f"{a['edit'] / a['n']:.3f} -> {nb['edit'] / nb['n']:.3f}"
-                         + (f", unrelated {un['exact'] / un['n']:.3f}/{un['edit'] / un['n']:.3f}" if un else ""))
+            heads.append(
+                f"{lang} exact {a['exact'] / a['n']:.3f} -> {nb['exact'] / nb['n']:.3f} ({ratio}), edit "
+                f"{a['edit'] / a['n']:.3f} -> {nb['edit'] / nb['n']:.3f}"
+                + (f", unrelated {un['exact'] / un['n']:.3f}/{un['edit'] / un['n']:.3f}" if un else "")
+            )
     if ks:
         heads.append(f"prefill/key off {_mean(ks['off']['key_prefill']):.1f} on {_mean(ks['on']['key_prefill']):.1f}")
     print("HEADLINE: " + "; ".join(heads))
@@ -673,8 +839,12 @@ def print_report(out: dict, args: argparse.Namespace) -> None:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "?"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "?"
+        )
     except (OSError, subprocess.SubprocessError):
         return "?"
 
@@ -685,12 +855,15 @@ async def main_async(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     cases = build_cases(args.cases, args.seed, args.langs) if args.cases else []
     out["sources"] = {c.source: licence_of(c.source) for c in cases}
-    print(f"{len(cases)} cases ({', '.join(f'{lang} {sum(c.lang == lang for c in cases)}' for lang in args.langs)})",
-          file=sys.stderr, flush=True)
+    print(
+        f"{len(cases)} cases ({', '.join(f'{lang} {sum(c.lang == lang for c in cases)}' for lang in args.langs)})",
+        file=sys.stderr,
+        flush=True,
+    )
     if cases:
         await quality(args, env, cases, out)
     if args.keystroke_cases:
-        await keystrokes(args, env, cases[:args.keystroke_cases], out)
+        await keystrokes(args, env, cases[: args.keystroke_cases], out)
     if args.loop:
         await loop_blocking(args, env, out)
     out["wall_s"] = time.perf_counter() - t0
@@ -700,8 +873,11 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None,
-                    help="default (what a user gets; the default without --quick), embedded (with --quick), or a path")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="default (what a user gets; the default without --quick), embedded (with --quick), or a path",
+    )
     ap.add_argument("--cases", type=int, default=30, help="cases per language")
     ap.add_argument("--langs", nargs="+", default=["python", "javascript"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)

@@ -39,8 +39,11 @@ def fim_cases(rows: list[dict], tok, n: int, seed: int) -> list[tuple[list[int],
             continue
         a = rng.randrange(5, len(lines) - 15)
         b = a + rng.randint(3, 10)
-        pre, mid, suf = "\n".join(lines[max(0, a - 40):a]) + "\n", "\n".join(lines[a:b]), "\n" + "\n".join(
-            lines[b:b + 20])
+        pre, mid, suf = (
+            "\n".join(lines[max(0, a - 40) : a]) + "\n",
+            "\n".join(lines[a:b]),
+            "\n" + "\n".join(lines[b : b + 20]),
+        )
         enc = [tok.encode(x, add_special_tokens=False) for x in (suf, pre, mid)]
         seq = [ids["<|fim_suf|>"], *enc[0], ids["<|fim_pre|>"], *enc[1], ids["<|fim_mid|>"]]
         out.append((seq + enc[2], len(seq)))
@@ -74,10 +77,10 @@ def main() -> None:
     with torch.no_grad():
         for seq, mid in cases:
             out = model(input_ids=torch.tensor([seq]), output_hidden_states=True)
-            final = out.logits[0, mid - 1:-1].argmax(-1)
+            final = out.logits[0, mid - 1 : -1].argmax(-1)
             total += final.numel()
             for k in exits:
-                h = model.model.norm(out.hidden_states[k][0, mid - 1:-1])
+                h = model.model.norm(out.hidden_states[k][0, mid - 1 : -1])
                 agree[k] += int((model.lm_head(h).argmax(-1) == final).sum())
     table = []
     for k in exits:
@@ -85,20 +88,34 @@ def main() -> None:
         for gamma in (2, 4, 6):
             per_step = (1 - a ** (gamma + 1)) / (1 - a) if a < 1 else gamma + 1
             cost = 1 + gamma * k / layers
-            table.append({"exit_layer": k, "acceptance": a, "gamma": gamma, "tokens_per_step": per_step,
-                          "cost_in_full_passes": cost, "est_speedup": per_step / cost})
+            table.append(
+                {
+                    "exit_layer": k,
+                    "acceptance": a,
+                    "gamma": gamma,
+                    "tokens_per_step": per_step,
+                    "cost_in_full_passes": cost,
+                    "est_speedup": per_step / cost,
+                }
+            )
     load = os.getloadavg()
-    print(f"model {args.model.name}: {layers} layers, {len(cases)} FIM middles, {total} positions; "
-          f"threads {torch.get_num_threads()}, load average {load[0]:.1f}")
+    print(
+        f"model {args.model.name}: {layers} layers, {len(cases)} FIM middles, {total} positions; "
+        f"threads {torch.get_num_threads()}, load average {load[0]:.1f}"
+    )
     print(f"{'exit k':>6s} {'accept':>7s} {'gamma':>5s} {'tok/step':>8s} {'cost':>6s} {'speed-up':>8s}")
     for r in table:
-        print(f"{r['exit_layer']:6d} {r['acceptance']:7.3f} {r['gamma']:5d} {r['tokens_per_step']:8.2f} "
-              f"{r['cost_in_full_passes']:6.2f} {r['est_speedup']:8.2f}")
+        print(
+            f"{r['exit_layer']:6d} {r['acceptance']:7.3f} {r['gamma']:5d} {r['tokens_per_step']:8.2f} "
+            f"{r['cost_in_full_passes']:6.2f} {r['est_speedup']:8.2f}"
+        )
     best = max(table, key=lambda r: r["est_speedup"])
     if args.json:
         args.json.write_text(json.dumps({"cases": len(cases), "positions": total, "rows": table}, indent=1))
-    print(f"headline: best early exit k={best['exit_layer']} gamma={best['gamma']}: acceptance "
-          f"{best['acceptance']:.3f}, estimated {best['est_speedup']:.2f}x plain decoding (peer: plain = 1.00x)")
+    print(
+        f"headline: best early exit k={best['exit_layer']} gamma={best['gamma']}: acceptance "
+        f"{best['acceptance']:.3f}, estimated {best['est_speedup']:.2f}x plain decoding (peer: plain = 1.00x)"
+    )
 
 
 if __name__ == "__main__":

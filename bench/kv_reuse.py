@@ -125,8 +125,13 @@ def statement_rows(text: str) -> tuple[list[int], list[int]]:
                 row = node.start_point.row
                 first = node.children[0] if node.children else None
                 one_line = node.end_point.row == row and lines[row].strip() == node.text.decode()
-                if (one_line and node.start_point.column > 0 and first is not None and first.type != "string"
-                        and not lines[row].rstrip().endswith("\\")):
+                if (
+                    one_line
+                    and node.start_point.column > 0
+                    and first is not None
+                    and first.type != "string"
+                    and not lines[row].rstrip().endswith("\\")
+                ):
                     anywhere.add(row)
                     if inside:
                         in_func.add(row)
@@ -235,8 +240,9 @@ def _places(label, name, text, n, full, n_edits, min_typing_chars) -> DocFile | 
         if row is None:
             return None
         edit_rows.append(row)
-    jump_row = nearest([r for r in in_func if r < typing_row and not lines[r].strip().startswith("return")],
-                       0.5 * nlines)
+    jump_row = nearest(
+        [r for r in in_func if r < typing_row and not lines[r].strip().startswith("return")], 0.5 * nlines
+    )
     if jump_row is None:
         return None
     return DocFile(label, name, text, n, full, typing_row, edit_rows, jump_row, len(defs))
@@ -254,8 +260,9 @@ class Step:
     info: dict = field(default_factory=dict)
 
 
-def build_steps(files: list[DocFile], n_typing: int, n_jump_keys: int, n_switches: int,
-                jump_labels: set[str]) -> list[Step]:
+def build_steps(
+    files: list[DocFile], n_typing: int, n_jump_keys: int, n_switches: int, jump_labels: set[str]
+) -> list[Step]:
     steps: list[Step] = []
     for f in files:
         text = f.text
@@ -268,8 +275,9 @@ def build_steps(files: list[DocFile], n_typing: int, n_jump_keys: int, n_switche
         cur = start + indent
         steps.append(Step(f, "typing", True, base, cur))
         for k in range(1, min(n_typing, len(content)) + 1):
-            steps.append(Step(f, "typing", False, base[:cur] + content[:k] + base[cur:], cur + k,
-                              info={"typed": content[:k]}))
+            steps.append(
+                Step(f, "typing", False, base[:cur] + content[:k] + base[cur:], cur + k, info={"typed": content[:k]})
+            )
         # jump: from the working cursor to the end of a middle line, then Enter (auto-indent)
         # and that line's own text typed again
         work = f.working_cursor
@@ -281,9 +289,10 @@ def build_steps(files: list[DocFile], n_typing: int, n_jump_keys: int, n_switche
             typed = "\n" + jline[: len(jline) - len(jline.lstrip())]
             for k in range(n_jump_keys):
                 if k > 0:
-                    typed += jline.strip()[k - 1: k]
-                steps.append(Step(f, "jump-keys", False, text[:at] + typed + text[at:], at + len(typed),
-                                  info={"typed": typed}))
+                    typed += jline.strip()[k - 1 : k]
+                steps.append(
+                    Step(f, "jump-keys", False, text[:at] + typed + text[at:], at + len(typed), info={"typed": typed})
+                )
         # mid-edit: one line in the middle gets a trailing comment; request at the working cursor.
         # Warm at the original text before each edit and once after the last, so every cache
         # ends holding the file's working state (the switch trace starts from there).
@@ -292,8 +301,9 @@ def build_steps(files: list[DocFile], n_typing: int, n_jump_keys: int, n_switche
             steps.append(warm)
             at = f.line_end(row)
             edited = text[:at] + EDIT_COMMENT + text[at:]
-            steps.append(Step(f, "mid-edit", False, edited, work + len(EDIT_COMMENT), base=warm,
-                              info={"edited_row": row}))
+            steps.append(
+                Step(f, "mid-edit", False, edited, work + len(EDIT_COMMENT), base=warm, info={"edited_row": row})
+            )
         steps.append(Step(f, "mid-edit", True, text, work))
     # file switch: round robin over the files at their working cursors; the last one warmed is
     # files[-1], so the first switch leaves it
@@ -307,8 +317,10 @@ def build_steps(files: list[DocFile], n_typing: int, n_jump_keys: int, n_switche
 class Runner:
     def __init__(self, base: LocalEngine, max_tokens: int):
         psm = dataclasses.replace(base.target, template=TEMPLATES["fimble-psm"])
-        self.engines = {s: base if s == "none" else LocalEngine(psm if s == "psm" else base.target, None,
-                                                                 start_thread=False) for s in SETUPS}
+        self.engines = {
+            s: base if s == "none" else LocalEngine(psm if s == "psm" else base.target, None, start_thread=False)
+            for s in SETUPS
+        }
         self.opts = DecodeOptions(max_tokens=max_tokens, drafter="none")
         self._lines: dict[str, list[int]] = {}
 
@@ -324,8 +336,15 @@ class Runner:
         else:  # none uses the same segment lines as exact: the same truncation, so the same prompt
             doc_id, lines = f"{setup}:{step.file.name}", self.seg_lines(step.text)
             reuse = "exact" if setup == "psm" else setup
-        return CompletionRequest(step.text[: step.cursor], step.text[step.cursor:], options=self.opts,
-                                 document_id=doc_id, segment_lines=lines, reuse=reuse, truncate=True)
+        return CompletionRequest(
+            step.text[: step.cursor],
+            step.text[step.cursor :],
+            options=self.opts,
+            document_id=doc_id,
+            segment_lines=lines,
+            reuse=reuse,
+            truncate=True,
+        )
 
     def run(self, step: Step) -> dict[str, CompletionResult]:
         out = {}
@@ -343,8 +362,13 @@ class Runner:
         new = plan.ids
         diff = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
         seg = next(s for s in plan.segments if s.start <= diff < s.end)
-        return {"first_diff": diff, "segment_start": seg.start, "segment_tokens": seg.length,
-                "bound": len(new) - seg.start, "tokens_after_diff": len(new) - diff}
+        return {
+            "first_diff": diff,
+            "segment_start": seg.start,
+            "segment_tokens": seg.length,
+            "bound": len(new) - seg.start,
+            "tokens_after_diff": len(new) - diff,
+        }
 
 
 def summarise(events: list[dict]) -> list[dict]:
@@ -362,16 +386,23 @@ def summarise(events: list[dict]) -> list[dict]:
             rs = [e[setup] for e in evs]
             pre = statistics.mean(r["prefilled"] for r in rs)
             ttft = statistics.median(r["ttft_ms"] for r in rs)
-            rows.append({
-                "file": file, "trace": trace, "setup": setup, "events": len(rs),
-                "prompt_tokens": statistics.mean(r["prompt"] for r in rs),
-                "prefilled_mean": pre, "shifted_mean": statistics.mean(r["shifted"] for r in rs),
-                "ttft_p50_ms": ttft, "ttft_mean_ms": statistics.mean(r["ttft_ms"] for r in rs),
-                "truncated_max": max(r["truncated"] for r in rs),
-                "prefill_vs_none": pre / base_pre if base_pre else None,
-                "ttft_vs_none": ttft / base_ttft if base_ttft else None,
-                "text_differs_from_none": sum(r["text"] != e["none"]["text"] for r, e in zip(rs, evs, strict=True)),
-            })
+            rows.append(
+                {
+                    "file": file,
+                    "trace": trace,
+                    "setup": setup,
+                    "events": len(rs),
+                    "prompt_tokens": statistics.mean(r["prompt"] for r in rs),
+                    "prefilled_mean": pre,
+                    "shifted_mean": statistics.mean(r["shifted"] for r in rs),
+                    "ttft_p50_ms": ttft,
+                    "ttft_mean_ms": statistics.mean(r["ttft_ms"] for r in rs),
+                    "truncated_max": max(r["truncated"] for r in rs),
+                    "prefill_vs_none": pre / base_pre if base_pre else None,
+                    "ttft_vs_none": ttft / base_ttft if base_ttft else None,
+                    "text_differs_from_none": sum(r["text"] != e["none"]["text"] for r, e in zip(rs, evs, strict=True)),
+                }
+            )
     return rows
 
 
@@ -381,8 +412,9 @@ def fmt(x, spec: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="1k and 4k files, short traces, jump on 1k only: under a minute on 2 cores")
+    ap.add_argument(
+        "--quick", action="store_true", help="1k and 4k files, short traces, jump on 1k only: under a minute on 2 cores"
+    )
     ap.add_argument("--json", type=Path, help="write all rows, criteria and per-event stats here")
     ap.add_argument("--typing", type=int, help="characters typed in the typing trace (30; quick 5)")
     ap.add_argument("--edits", type=int, help="mid-file one-line edits (5; quick 2)")
@@ -407,9 +439,11 @@ def main() -> None:
     print("files (Python stdlib, target-model tokens):")
     for f in files:
         trim = f"trimmed from {f.full_tokens}" if f.tokens != f.full_tokens else "whole file"
-        print(f"  {f.label}: {f.name:20s} {f.tokens:5d} tokens ({trim}), {len(f.lines)} lines, "
-              f"{f.defs} top-level defs; typing line {f.typing_row + 1}, edits at lines "
-              f"{', '.join(str(r + 1) for r in f.edit_rows)}, jump to line {f.jump_row + 1}")
+        print(
+            f"  {f.label}: {f.name:20s} {f.tokens:5d} tokens ({trim}), {len(f.lines)} lines, "
+            f"{f.defs} top-level defs; typing line {f.typing_row + 1}, edits at lines "
+            f"{', '.join(str(r + 1) for r in f.edit_rows)}, jump to line {f.jump_row + 1}"
+        )
     runner = Runner(base, args.max_tokens)
     # First-call costs (allocator, kernels) are paid once here, on a throwaway document.
     warm = CompletionRequest(files[0].text[:2000], "", options=runner.opts, document_id="_warm", reuse="none")
@@ -429,22 +463,32 @@ def main() -> None:
         ev = {"file": step.file.label, "trace": step.trace, **step.info}
         for setup, r in results.items():
             st = r.stats
-            ev[setup] = {"prefilled": st["prefilled_tokens"], "reused": st["reused_tokens"],
-                         "shifted": st["shifted_tokens"], "ttft_ms": st["first_token_ms"],
-                         "prompt": st["prompt_tokens"], "truncated": st["truncated_tokens"], "text": r.text,
-                         "prompt_ms": st["prompt_ms"]}
+            ev[setup] = {
+                "prefilled": st["prefilled_tokens"],
+                "reused": st["reused_tokens"],
+                "shifted": st["shifted_tokens"],
+                "ttft_ms": st["first_token_ms"],
+                "prompt": st["prompt_tokens"],
+                "truncated": st["truncated_tokens"],
+                "text": r.text,
+                "prompt_ms": st["prompt_ms"],
+            }
         if step.trace == "mid-edit":
             ev["bound"] = runner.edit_bound(step)
         events.append(ev)
         print(f"  event {len(events)}/{n_events} {step.file.label} {step.trace}", file=sys.stderr, flush=True)
     rows = summarise(events)
 
-    print(f"\nkv_reuse: {len(events)} events, greedy, {args.max_tokens} new tokens, no drafter, "
-          f"device {args.device}, cpu threads={torch.get_num_threads()} of {os.cpu_count()} cores, "
-          f"load avg {load_start:.1f} -> "
-          f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}")
-    head = (f"{'file':4s} {'trace':9s} {'setup':5s} {'n':>3s} {'prompt':>6s} {'prefill/ev':>10s} {'shifted':>7s} "
-            f"{'TTFT p50':>9s} {'x none pre':>10s} {'x none TTFT':>11s} {'trunc':>5s} {'text!=none':>10s}")
+    print(
+        f"\nkv_reuse: {len(events)} events, greedy, {args.max_tokens} new tokens, no drafter, "
+        f"device {args.device}, cpu threads={torch.get_num_threads()} of {os.cpu_count()} cores, "
+        f"load avg {load_start:.1f} -> "
+        f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}"
+    )
+    head = (
+        f"{'file':4s} {'trace':9s} {'setup':5s} {'n':>3s} {'prompt':>6s} {'prefill/ev':>10s} {'shifted':>7s} "
+        f"{'TTFT p50':>9s} {'x none pre':>10s} {'x none TTFT':>11s} {'trunc':>5s} {'text!=none':>10s}"
+    )
     print(head)
     print("-" * len(head))
     prev = None
@@ -452,10 +496,12 @@ def main() -> None:
         if prev is not None and (r["file"], r["trace"]) != prev:
             print()
         prev = (r["file"], r["trace"])
-        print(f"{r['file']:4s} {r['trace']:9s} {r['setup']:5s} {r['events']:3d} {r['prompt_tokens']:6.0f} "
-              f"{r['prefilled_mean']:10.1f} {r['shifted_mean']:7.0f} {r['ttft_p50_ms']:7.1f}ms "
-              f"{fmt(r['prefill_vs_none'], '10.3f')} {fmt(r['ttft_vs_none'], '11.3f')} {r['truncated_max']:5d} "
-              f"{r['text_differs_from_none']:10d}")
+        print(
+            f"{r['file']:4s} {r['trace']:9s} {r['setup']:5s} {r['events']:3d} {r['prompt_tokens']:6.0f} "
+            f"{r['prefilled_mean']:10.1f} {r['shifted_mean']:7.0f} {r['ttft_p50_ms']:7.1f}ms "
+            f"{fmt(r['prefill_vs_none'], '10.3f')} {fmt(r['ttft_vs_none'], '11.3f')} {r['truncated_max']:5d} "
+            f"{r['text_differs_from_none']:10d}"
+        )
 
     # -- criteria ---------------------------------------------------------------------------
     def row(file, trace, setup):
@@ -468,13 +514,17 @@ def main() -> None:
     per_file = {f.label: row(f.label, "typing", "exact")["prefilled_mean"] for f in files}
     crit["typing_tokens_per_keystroke_exact_per_file"] = per_file
     ok = crit["typing_tokens_per_keystroke_exact"] <= TYPING_TARGET_TOKENS
-    print(f"  typing, exact: {crit['typing_tokens_per_keystroke_exact']:.2f} tokens prefilled per keystroke "
-          f"({', '.join(f'{k} {v:.2f}' for k, v in per_file.items())}; target <= {TYPING_TARGET_TOKENS:g}) "
-          f"{'PASS' if ok else 'FAIL'}")
+    print(
+        f"  typing, exact: {crit['typing_tokens_per_keystroke_exact']:.2f} tokens prefilled per keystroke "
+        f"({', '.join(f'{k} {v:.2f}' for k, v in per_file.items())}; target <= {TYPING_TARGET_TOKENS:g}) "
+        f"{'PASS' if ok else 'FAIL'}"
+    )
     psm_typing = statistics.mean(e["psm"]["prefilled"] for e in events if e["trace"] == "typing")
     crit["typing_tokens_per_keystroke_psm"] = psm_typing
-    print(f"  prompt layout: typing prefills {crit['typing_tokens_per_keystroke_exact']:.2f} tokens/keystroke "
-          f"suffix-first (SPM, the default for the embedded models) vs {psm_typing:.1f} prefix-first (PSM)")
+    print(
+        f"  prompt layout: typing prefills {crit['typing_tokens_per_keystroke_exact']:.2f} tokens/keystroke "
+        f"suffix-first (SPM, the default for the embedded models) vs {psm_typing:.1f} prefix-first (PSM)"
+    )
     mids = [e for e in events if e["file"] == "4k" and e["trace"] == "mid-edit"]
     within = sum(e["exact"]["prefilled"] <= e["bound"]["bound"] for e in mids)
     crit["mid_edit_4k"] = {
@@ -484,40 +534,57 @@ def main() -> None:
         "shift_prefilled_mean": statistics.mean(e["shift"]["prefilled"] for e in mids),
         "shift_shifted_mean": statistics.mean(e["shift"]["shifted"] for e in mids),
         "edited_segment_tokens_mean": statistics.mean(e["bound"]["segment_tokens"] for e in mids),
-        "per_edit": [{"row": e["edited_row"] + 1, **e["bound"], "exact": e["exact"]["prefilled"],
-                      "shift": e["shift"]["prefilled"], "lcp": e["lcp"]["prefilled"]} for e in mids],
+        "per_edit": [
+            {
+                "row": e["edited_row"] + 1,
+                **e["bound"],
+                "exact": e["exact"]["prefilled"],
+                "shift": e["shift"]["prefilled"],
+                "lcp": e["lcp"]["prefilled"],
+            }
+            for e in mids
+        ],
     }
     m = crit["mid_edit_4k"]
-    print(f"  4k mid-edit, exact: recomputes {m['exact_prefilled_mean']:.0f} tokens; bound (edited segment start "
-          f"-> cursor) {m['bound_mean']:.0f}; within bound {m['exact_within_bound']} "
-          f"{'PASS' if within == len(mids) else 'FAIL'}")
-    print(f"  4k mid-edit, shift: recomputes {m['shift_prefilled_mean']:.1f} tokens, moves "
-          f"{m['shift_shifted_mean']:.0f} (edited segment {m['edited_segment_tokens_mean']:.0f} tokens)")
+    print(
+        f"  4k mid-edit, exact: recomputes {m['exact_prefilled_mean']:.0f} tokens; bound (edited segment start "
+        f"-> cursor) {m['bound_mean']:.0f}; within bound {m['exact_within_bound']} "
+        f"{'PASS' if within == len(mids) else 'FAIL'}"
+    )
+    print(
+        f"  4k mid-edit, shift: recomputes {m['shift_prefilled_mean']:.1f} tokens, moves "
+        f"{m['shift_shifted_mean']:.0f} (edited segment {m['edited_segment_tokens_mean']:.0f} tokens)"
+    )
     for e in crit["mid_edit_4k"]["per_edit"]:
-        print(f"    line {e['row']}: first diff at {e['first_diff']}, segment [{e['segment_start']}, "
-              f"+{e['segment_tokens']}), bound {e['bound']}; exact {e['exact']}, shift {e['shift']}, "
-              f"lcp {e['lcp']}")
+        print(
+            f"    line {e['row']}: first diff at {e['first_diff']}, segment [{e['segment_start']}, "
+            f"+{e['segment_tokens']}), bound {e['bound']}; exact {e['exact']}, shift {e['shift']}, "
+            f"lcp {e['lcp']}"
+        )
     ratios = {}
     for setup in ("exact", "shift", "lcp", "none"):
         ratios[setup] = row("4k", "mid-edit", setup)["ttft_p50_ms"] / row("4k", "typing", setup)["ttft_p50_ms"]
     crit["mid_edit_4k_ttft_over_typing"] = ratios
-    print(f"  4k mid-edit TTFT / steady typing TTFT: shift {ratios['shift']:.2f}x (target <= "
-          f"{MID_EDIT_TARGET_RATIO:g}x) {'PASS' if ratios['shift'] <= MID_EDIT_TARGET_RATIO else 'FAIL'}, "
-          f"exact {ratios['exact']:.2f}x, lcp {ratios['lcp']:.2f}x, none {ratios['none']:.2f}x")
+    print(
+        f"  4k mid-edit TTFT / steady typing TTFT: shift {ratios['shift']:.2f}x (target <= "
+        f"{MID_EDIT_TARGET_RATIO:g}x) {'PASS' if ratios['shift'] <= MID_EDIT_TARGET_RATIO else 'FAIL'}, "
+        f"exact {ratios['exact']:.2f}x, lcp {ratios['lcp']:.2f}x, none {ratios['none']:.2f}x"
+    )
     mismatch = sum(e["exact"]["text"] != e["none"]["text"] for e in events)
     shift_diff = sum(e["shift"]["text"] != e["none"]["text"] for e in events)
     crit["exact_text_mismatches"] = mismatch
     crit["shift_text_differs"] = shift_diff
-    print(f"  exact output == no-cache output: {len(events) - mismatch}/{len(events)} events "
-          f"{'PASS' if mismatch == 0 else 'FAIL'}; shift differs on {shift_diff}/{len(events)} (informational)")
+    print(
+        f"  exact output == no-cache output: {len(events) - mismatch}/{len(events)} events "
+        f"{'PASS' if mismatch == 0 else 'FAIL'}; shift differs on {shift_diff}/{len(events)} (informational)"
+    )
     sw = [e for e in events if e["trace"] == "switch"]
     sw_pre = sum(e["exact"]["prefilled"] for e in sw) / sum(e["none"]["prefilled"] for e in sw)
     sw_ttft = statistics.median(e["exact"]["ttft_ms"] for e in sw) / statistics.median(e["none"]["ttft_ms"] for e in sw)
     lcp_pre = sum(e["lcp"]["prefilled"] for e in sw) / sum(e["none"]["prefilled"] for e in sw)
     crit["switch_exact_prefill_vs_none"], crit["switch_exact_ttft_vs_none"] = sw_pre, sw_ttft
     crit["switch_lcp_prefill_vs_none"] = lcp_pre
-    print(f"  file switch, exact: {sw_pre:.3f}x the no-cache prefill, TTFT {sw_ttft:.3f}x (lcp prefill "
-          f"{lcp_pre:.2f}x)")
+    print(f"  file switch, exact: {sw_pre:.3f}x the no-cache prefill, TTFT {sw_ttft:.3f}x (lcp prefill {lcp_pre:.2f}x)")
     counters = {s: runner.engines[s].counters() for s in SETUPS}
     work = ", ".join(f"{s} {c['completed']} requests/{c['tokens_prefilled']} tokens" for s, c in counters.items())
     wall = time.perf_counter() - t_start
@@ -525,19 +592,53 @@ def main() -> None:
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        env = {"torch": torch.__version__, "device": args.device,
-               "threads": torch.get_num_threads(), "python": platform.python_version(),
-               "machine": platform.machine(), "cpu_count": os.cpu_count(), "load_avg_start": load_start,
-               "load_avg_end": os.getloadavg()[0], "model": base.info(), "quick": q, "wall_s": wall,
-               "max_tokens": args.max_tokens, "stdlib": str(stdlib_dir())}
-        file_info = [{"label": f.label, "name": f.name, "tokens": f.tokens, "file_tokens": f.full_tokens,
-                      "lines": len(f.lines), "top_level_defs": f.defs, "typing_line": f.typing_row + 1,
-                      "edit_lines": [r + 1 for r in f.edit_rows], "jump_line": f.jump_row + 1} for f in files]
-        args.json.write_text(json.dumps({"env": env, "files": file_info, "rows": rows, "criteria": crit,
-                                         "counters": counters, "events": events}, indent=1))
-    print(f"kv_reuse: typing {crit['typing_tokens_per_keystroke_exact']:.1f} tok/keystroke (exact); 4k mid-edit "
-          f"TTFT {ratios['exact']:.1f}x typing (exact), {ratios['shift']:.1f}x (shift); file switch "
-          f"{sw_pre:.2f}x of no-cache prefill, TTFT {sw_ttft:.2f}x (exact); exact output mismatches {mismatch}")
+        env = {
+            "torch": torch.__version__,
+            "device": args.device,
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "load_avg_start": load_start,
+            "load_avg_end": os.getloadavg()[0],
+            "model": base.info(),
+            "quick": q,
+            "wall_s": wall,
+            "max_tokens": args.max_tokens,
+            "stdlib": str(stdlib_dir()),
+        }
+        file_info = [
+            {
+                "label": f.label,
+                "name": f.name,
+                "tokens": f.tokens,
+                "file_tokens": f.full_tokens,
+                "lines": len(f.lines),
+                "top_level_defs": f.defs,
+                "typing_line": f.typing_row + 1,
+                "edit_lines": [r + 1 for r in f.edit_rows],
+                "jump_line": f.jump_row + 1,
+            }
+            for f in files
+        ]
+        args.json.write_text(
+            json.dumps(
+                {
+                    "env": env,
+                    "files": file_info,
+                    "rows": rows,
+                    "criteria": crit,
+                    "counters": counters,
+                    "events": events,
+                },
+                indent=1,
+            )
+        )
+    print(
+        f"kv_reuse: typing {crit['typing_tokens_per_keystroke_exact']:.1f} tok/keystroke (exact); 4k mid-edit "
+        f"TTFT {ratios['exact']:.1f}x typing (exact), {ratios['shift']:.1f}x (shift); file switch "
+        f"{sw_pre:.2f}x of no-cache prefill, TTFT {sw_ttft:.2f}x (exact); exact output mismatches {mismatch}"
+    )
 
 
 if __name__ == "__main__":

@@ -118,10 +118,20 @@ def _measure(p: Problem, prefix: str, suffix: str, opts, doc: str, reuse: str) -
     _forget(doc)
     s = result.stats
     score = shape_and_score(p, result.text, shape=False)
-    return {"text": result.text, "shown": score["shown"], "pass": score["pass"], "exact": score["exact"],
-            "edit_sim": score["edit_sim"], "finish": result.finish_reason, "tokens": result.tokens, "ms": ms,
-            "prompt_tokens": s["prompt_tokens"], "prefilled": s["prefilled_tokens"], "shifted": s["shifted_tokens"],
-            "first_token_ms": s["first_token_ms"]}
+    return {
+        "text": result.text,
+        "shown": score["shown"],
+        "pass": score["pass"],
+        "exact": score["exact"],
+        "edit_sim": score["edit_sim"],
+        "finish": result.finish_reason,
+        "tokens": result.tokens,
+        "ms": ms,
+        "prompt_tokens": s["prompt_tokens"],
+        "prefilled": s["prefilled_tokens"],
+        "shifted": s["shifted_tokens"],
+        "first_token_ms": s["first_token_ms"],
+    }
 
 
 def run_problem(job: tuple[int, Problem, tuple[str, ...]]) -> list[dict]:
@@ -143,8 +153,9 @@ def run_problem(job: tuple[int, Problem, tuple[str, ...]]) -> list[dict]:
     return out
 
 
-def run_all(problems: list[Problem], scenarios: tuple[str, ...], procs: int, model: str | None,
-            budget_s: float | None = None) -> list[dict]:
+def run_all(
+    problems: list[Problem], scenarios: tuple[str, ...], procs: int, model: str | None, budget_s: float | None = None
+) -> list[dict]:
     """Records of every problem, or with ``budget_s`` of those done by then (sets interleaved at random)."""
     jobs = [(i, p, scenarios) for i, p in enumerate(problems)]
     if budget_s is not None:  # what finishes in time is then a random sample of every set
@@ -189,7 +200,7 @@ def mcnemar_p(b: int, c: int) -> float:
     n = b + c
     if n == 0:
         return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2 ** n
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
     return min(1.0, 2 * tail)
 
 
@@ -205,42 +216,59 @@ def summarize(rs: list[dict]) -> dict:
     shift_only = sum(1 for r in rs if r["shift"]["pass"] and not r["recompute"]["pass"])
     out: dict = {"problems": n}
     for mode in MODES:
-        out[mode] = {"pass@1": mean(mode, "pass"), "exact_match": mean(mode, "exact"),
-                     "edit_sim": mean(mode, "edit_sim"), "prefilled": mean(mode, "prefilled"),
-                     "shifted": mean(mode, "shifted"), "first_token_ms": mean(mode, "first_token_ms"),
-                     "ms": mean(mode, "ms")}
-    out.update({
-        "prompt_tokens": mean("recompute", "prompt_tokens"),
-        "warm_prompt_tokens": sum(r["warm_prompt_tokens"] for r in rs) / n,
-        "agreement": sum(r["shift"]["text"] == r["recompute"]["text"] for r in rs) / n,
-        "shown_agreement": sum(r["shift"]["shown"] == r["recompute"]["shown"] for r in rs) / n,
-        "similarity": sum(difflib.SequenceMatcher(None, r["shift"]["text"], r["recompute"]["text"]).ratio()
-                          for r in rs) / n,
-        "moved": sum(1 for r in rs if r["shift"]["shifted"]),  # the rest had nothing to shift
-        "agreement_moved": (sum(r["shift"]["text"] == r["recompute"]["text"] for r in rs if r["shift"]["shifted"])
-                            / max(1, sum(1 for r in rs if r["shift"]["shifted"]))),
-        "shifted_share": sum(r["shift"]["shifted"] for r in rs) / max(1, sum(r["shift"]["prompt_tokens"] for r in rs)),
-        "exact_mismatches": sum(r["exact"]["text"] != r["recompute"]["text"] for r in rs),
-        "pass_delta": mean("shift", "pass") - mean("recompute", "pass"),
-        "recompute_only_pass": rec_only, "shift_only_pass": shift_only,
-        "mcnemar_p": mcnemar_p(rec_only, shift_only),
-    })
+        out[mode] = {
+            "pass@1": mean(mode, "pass"),
+            "exact_match": mean(mode, "exact"),
+            "edit_sim": mean(mode, "edit_sim"),
+            "prefilled": mean(mode, "prefilled"),
+            "shifted": mean(mode, "shifted"),
+            "first_token_ms": mean(mode, "first_token_ms"),
+            "ms": mean(mode, "ms"),
+        }
+    out.update(
+        {
+            "prompt_tokens": mean("recompute", "prompt_tokens"),
+            "warm_prompt_tokens": sum(r["warm_prompt_tokens"] for r in rs) / n,
+            "agreement": sum(r["shift"]["text"] == r["recompute"]["text"] for r in rs) / n,
+            "shown_agreement": sum(r["shift"]["shown"] == r["recompute"]["shown"] for r in rs) / n,
+            "similarity": sum(
+                difflib.SequenceMatcher(None, r["shift"]["text"], r["recompute"]["text"]).ratio() for r in rs
+            )
+            / n,
+            "moved": sum(1 for r in rs if r["shift"]["shifted"]),  # the rest had nothing to shift
+            "agreement_moved": (
+                sum(r["shift"]["text"] == r["recompute"]["text"] for r in rs if r["shift"]["shifted"])
+                / max(1, sum(1 for r in rs if r["shift"]["shifted"]))
+            ),
+            "shifted_share": sum(r["shift"]["shifted"] for r in rs)
+            / max(1, sum(r["shift"]["prompt_tokens"] for r in rs)),
+            "exact_mismatches": sum(r["exact"]["text"] != r["recompute"]["text"] for r in rs),
+            "pass_delta": mean("shift", "pass") - mean("recompute", "pass"),
+            "recompute_only_pass": rec_only,
+            "shift_only_pass": shift_only,
+            "mcnemar_p": mcnemar_p(rec_only, shift_only),
+        }
+    )
     return out
 
 
 def print_table(labels: list[tuple[str, str]], stats: list[dict]) -> None:
-    print(f"\n{'set':12s} {'scenario':11s} {'n':>5s} | {'pass@1 rec':>10s} {'exact':>6s} {'shift':>6s} | "
-          f"{'EM rec':>6s} {'shift':>6s} | {'agree':>6s} {'sim':>5s} {'ex!=rec':>7s} | "
-          f"{'rec+':>4s} {'sh+':>4s} {'p':>5s} | {'prefill rec':>11s} {'exact':>6s} {'shift':>6s} {'shifted':>7s} | "
-          f"{'1st ms rec':>10s} {'shift':>6s}")
+    print(
+        f"\n{'set':12s} {'scenario':11s} {'n':>5s} | {'pass@1 rec':>10s} {'exact':>6s} {'shift':>6s} | "
+        f"{'EM rec':>6s} {'shift':>6s} | {'agree':>6s} {'sim':>5s} {'ex!=rec':>7s} | "
+        f"{'rec+':>4s} {'sh+':>4s} {'p':>5s} | {'prefill rec':>11s} {'exact':>6s} {'shift':>6s} {'shifted':>7s} | "
+        f"{'1st ms rec':>10s} {'shift':>6s}"
+    )
     for (s, sc), st in zip(labels, stats, strict=True):
         r, e, h = st["recompute"], st["exact"], st["shift"]
-        print(f"{s:12s} {sc:11s} {st['problems']:5d} | {r['pass@1']:10.3f} {e['pass@1']:6.3f} {h['pass@1']:6.3f} | "
-              f"{r['exact_match']:6.3f} {h['exact_match']:6.3f} | {100 * st['agreement']:5.1f}% "
-              f"{st['similarity']:5.3f} {st['exact_mismatches']:7d} | "
-              f"{st['recompute_only_pass']:4d} {st['shift_only_pass']:4d} {st['mcnemar_p']:5.2f} | "
-              f"{r['prefilled']:11.1f} {e['prefilled']:6.1f} {h['prefilled']:6.1f} {h['shifted']:7.1f} | "
-              f"{r['first_token_ms']:10.1f} {h['first_token_ms']:6.1f}")
+        print(
+            f"{s:12s} {sc:11s} {st['problems']:5d} | {r['pass@1']:10.3f} {e['pass@1']:6.3f} {h['pass@1']:6.3f} | "
+            f"{r['exact_match']:6.3f} {h['exact_match']:6.3f} | {100 * st['agreement']:5.1f}% "
+            f"{st['similarity']:5.3f} {st['exact_mismatches']:7d} | "
+            f"{st['recompute_only_pass']:4d} {st['shift_only_pass']:4d} {st['mcnemar_p']:5.2f} | "
+            f"{r['prefilled']:11.1f} {e['prefilled']:6.1f} {h['prefilled']:6.1f} {h['shifted']:7.1f} | "
+            f"{r['first_token_ms']:10.1f} {h['first_token_ms']:6.1f}"
+        )
     print("rec+ / sh+: problems passing only with recompute / only with shift; p: exact McNemar on those.")
 
 
@@ -248,10 +276,13 @@ def report(records: list[dict], meta: dict, json_path: Path | None, with_records
     """Tables, JSON and headline from the per-problem records."""
     sets = [x for x in SETS if any(r["set"] == x for r in records)]
     scenarios = [x for x in SCENARIOS if any(r["scenario"] == x for r in records)]
-    results: dict = {**meta, "scenarios": scenarios,
-                     "problems": {s: len({r["task_id"] for r in records if r["set"] == s}) for s in sets},
-                     "options": "bench/quality.py raw variant (greedy, max_tokens 96, max_lines 1 for single-line)",
-                     "sets": {}}
+    results: dict = {
+        **meta,
+        "scenarios": scenarios,
+        "problems": {s: len({r["task_id"] for r in records if r["set"] == s}) for s in sets},
+        "options": "bench/quality.py raw variant (greedy, max_tokens 96, max_lines 1 for single-line)",
+        "sets": {},
+    }
     labels, stats = [], []
     for s in sets:
         for sc in scenarios:
@@ -260,16 +291,34 @@ def report(records: list[dict], meta: dict, json_path: Path | None, with_records
                 results["sets"].setdefault(s, {})[sc] = summarize(rs)
                 labels.append((s, sc))
                 stats.append(results["sets"][s][sc])
-    mismatches = [{"set": r["set"], "task_id": r["task_id"], "scenario": r["scenario"],
-                   "recompute": r["recompute"]["text"], "exact": r["exact"]["text"],
-                   "exact_prefilled": r["exact"]["prefilled"], "prompt_tokens": r["recompute"]["prompt_tokens"]}
-                  for r in records if r["exact"]["text"] != r["recompute"]["text"]]
+    mismatches = [
+        {
+            "set": r["set"],
+            "task_id": r["task_id"],
+            "scenario": r["scenario"],
+            "recompute": r["recompute"]["text"],
+            "exact": r["exact"]["text"],
+            "exact_prefilled": r["exact"]["prefilled"],
+            "prompt_tokens": r["recompute"]["prompt_tokens"],
+        }
+        for r in records
+        if r["exact"]["text"] != r["recompute"]["text"]
+    ]
     results["exact_mismatches"] = mismatches
     results["disagreements"] = [
-        {"set": r["set"], "task_id": r["task_id"], "scenario": r["scenario"], "shifted": r["shift"]["shifted"],
-         "recompute": r["recompute"]["text"], "shift": r["shift"]["text"],
-         "pass": [r["recompute"]["pass"], r["shift"]["pass"]], "exact": [r["recompute"]["exact"], r["shift"]["exact"]]}
-        for r in records if r["shift"]["text"] != r["recompute"]["text"]]
+        {
+            "set": r["set"],
+            "task_id": r["task_id"],
+            "scenario": r["scenario"],
+            "shifted": r["shift"]["shifted"],
+            "recompute": r["recompute"]["text"],
+            "shift": r["shift"]["text"],
+            "pass": [r["recompute"]["pass"], r["shift"]["pass"]],
+            "exact": [r["recompute"]["exact"], r["shift"]["exact"]],
+        }
+        for r in records
+        if r["shift"]["text"] != r["recompute"]["text"]
+    ]
     print_table(labels, stats)
     if mismatches:
         print(f"\nexact != recompute ({len(mismatches)}):")
@@ -285,8 +334,10 @@ def report(records: list[dict], meta: dict, json_path: Path | None, with_records
         first = got[next(iter(got))]
         shift = " ".join(f"{sc} {st['shift']['pass@1']:.3f}" for sc, st in got.items())
         agree = " ".join(f"{sc} {100 * st['agreement']:.1f}%" for sc, st in got.items())
-        heads.append(f"{s} (n={first['problems']}) pass@1 recompute {first['recompute']['pass@1']:.3f}, "
-                     f"shift {shift} (agreement {agree})")
+        heads.append(
+            f"{s} (n={first['problems']}) pass@1 recompute {first['recompute']['pass@1']:.3f}, "
+            f"shift {shift} (agreement {agree})"
+        )
     total = sum(st["problems"] for st in stats)
     print(f"kv_shift_quality: {'; '.join(heads)}; exact != recompute {len(mismatches)}/{total}")
 
@@ -299,14 +350,26 @@ def main() -> None:
     ap.add_argument("--limit", type=int, help="problems per set, a fixed random sample (default: all; 20 with --quick)")
     ap.add_argument("--model")
     ap.add_argument("--data", type=Path, default=DATA)
-    ap.add_argument("--procs", type=int, default=min(2, os.cpu_count() or 1),
-                    help="worker processes, one engine and one torch thread each (the tests run in the worker)")
-    ap.add_argument("--time-budget", type=float, metavar="S",
-                    help="stop after S seconds and report the problems done (a random sample: sets interleaved)")
+    ap.add_argument(
+        "--procs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="worker processes, one engine and one torch thread each (the tests run in the worker)",
+    )
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="S",
+        help="stop after S seconds and report the problems done (a random sample: sets interleaved)",
+    )
     ap.add_argument("--json", type=Path, help="summary, exact mismatches and shift/recompute disagreements")
     ap.add_argument("--records", action="store_true", help="--json also holds every per-problem record")
-    ap.add_argument("--rereport", type=Path, metavar="JSON",
-                    help="no model: tables, headline and --json again from an earlier --json --records file")
+    ap.add_argument(
+        "--rereport",
+        type=Path,
+        metavar="JSON",
+        help="no model: tables, headline and --json again from an earlier --json --records file",
+    )
     args = ap.parse_args()
 
     if args.rereport:
@@ -320,11 +383,19 @@ def main() -> None:
     limit = args.limit or (20 if args.quick else None)
     t0 = time.time()
     problems = load_problems(sets, args.data, limit)
-    print(f"kv_shift_quality: {len(problems)} problems, scenarios {', '.join(scenarios)}, {args.procs} procs",
-          file=sys.stderr, flush=True)
+    print(
+        f"kv_shift_quality: {len(problems)} problems, scenarios {', '.join(scenarios)}, {args.procs} procs",
+        file=sys.stderr,
+        flush=True,
+    )
     records = run_all(problems, scenarios, args.procs, args.model, args.time_budget)
-    meta = {"seconds": time.time() - t0, "procs": args.procs, "limit": limit, "time_budget_s": args.time_budget,
-            "problems_asked": {s: sum(1 for p in problems if p.set == s) for s in sets}}
+    meta = {
+        "seconds": time.time() - t0,
+        "procs": args.procs,
+        "limit": limit,
+        "time_budget_s": args.time_budget,
+        "problems_asked": {s: sum(1 for p in problems if p.set == s) for s in sets},
+    }
     report(records, meta, args.json, args.records)
 
 

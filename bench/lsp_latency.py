@@ -165,10 +165,12 @@ class RunResult:
 async def run_trace(rpc: RpcClient, trace: Trace, args: argparse.Namespace, out: RunResult, index: int) -> None:
     uri = f"file:///bench/{index}/{trace.name}"
     version = 1
-    rpc.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": "python", "version": version,
-                                                         "text": trace.before + trace.after}})
+    rpc.notify(
+        "textDocument/didOpen",
+        {"textDocument": {"uri": uri, "languageId": "python", "version": version, "text": trace.before + trace.after}},
+    )
     line = trace.before.count("\n")
-    col = utf16_len(trace.before[trace.before.rfind("\n") + 1:])
+    col = utf16_len(trace.before[trace.before.rfind("\n") + 1 :])
     by_id: dict[int, Req] = {}
 
     def on_note(method: str, params: Any, t: float) -> None:
@@ -188,8 +190,10 @@ async def run_trace(rpc: RpcClient, trace: Trace, args: argparse.Namespace, out:
     rpc.on_notification = on_note
 
     def ask() -> Req:
-        rid, fut = rpc.request("textDocument/inlineCompletion", {
-            "textDocument": {"uri": uri}, "position": {"line": line, "character": col}, "context": {"triggerKind": 2}})
+        rid, fut = rpc.request(
+            "textDocument/inlineCompletion",
+            {"textDocument": {"uri": uri}, "position": {"line": line, "character": col}, "context": {"triggerKind": 2}},
+        )
         req = Req(rid, time.perf_counter())
         by_id[rid] = req
 
@@ -199,6 +203,7 @@ async def run_trace(rpc: RpcClient, trace: Trace, args: argparse.Namespace, out:
             items = (msg.get("result") or {}).get("items") or []
             if items and items[0].get("insertText"):
                 req.see(items[0]["insertText"], msg["_t"], req.cached)
+
         fut.add_done_callback(done)
         req.future = fut
         return req
@@ -218,10 +223,18 @@ async def run_trace(rpc: RpcClient, trace: Trace, args: argparse.Namespace, out:
             pending.cancelled_by_client = True
         version += 1
         t_key = time.perf_counter()
-        rpc.notify("textDocument/didChange", {
-            "textDocument": {"uri": uri, "version": version},
-            "contentChanges": [{"range": {"start": {"line": line, "character": col},
-                                          "end": {"line": line, "character": col}}, "text": ch}]})
+        rpc.notify(
+            "textDocument/didChange",
+            {
+                "textDocument": {"uri": uri, "version": version},
+                "contentChanges": [
+                    {
+                        "range": {"start": {"line": line, "character": col}, "end": {"line": line, "character": col}},
+                        "text": ch,
+                    }
+                ],
+            },
+        )
         if ch == "\n":
             line, col = line + 1, 0
         else:
@@ -247,8 +260,11 @@ def summarize(res: RunResult) -> dict:
     reqs = res.requests
     # First delta: requests that got text; those overtaken before any text count as infinite.
     got = [r for r in reqs if r.t_first is not None]
-    overtaken = [r for r in reqs if r.t_first is None and (r.cancelled_by_client or r.finish in
-                                                           ("stale", "superseded", "cancelled"))]
+    overtaken = [
+        r
+        for r in reqs
+        if r.t_first is None and (r.cancelled_by_client or r.finish in ("stale", "superseded", "cancelled"))
+    ]
     empty = len(reqs) - len(got) - len(overtaken)
     first = [(r.t_first - r.t_sent) * 1e3 for r in got] + [math.inf] * len(overtaken)
     from_key = [(r.t_first - r.t_key) * 1e3 for r in got] + [math.inf] * len(overtaken)
@@ -264,14 +280,23 @@ def summarize(res: RunResult) -> dict:
         return {"n": len(values), **{f"p{int(q * 100)}": percentile(values, q) for q in (0.5, 0.95, 0.99)}}
 
     return {
-        "requests": len(reqs), "with_text": len(got), "overtaken_before_text": len(overtaken), "empty": empty,
-        "first_delta_ms": row(first), "keystroke_to_first_delta_ms": row(from_key), "first_line_ms": row(line),
+        "requests": len(reqs),
+        "with_text": len(got),
+        "overtaken_before_text": len(overtaken),
+        "empty": empty,
+        "first_delta_ms": row(first),
+        "keystroke_to_first_delta_ms": row(from_key),
+        "first_line_ms": row(line),
         "full_completion_ms": row(full),
-        "served_from_cache": len(cached) / len(got) if got else 0.0, "cache_first_delta_ms": row(cache_first),
-        "tokens_generated": gen, "tokens_never_shown": never,
+        "served_from_cache": len(cached) / len(got) if got else 0.0,
+        "cache_first_delta_ms": row(cache_first),
+        "tokens_generated": gen,
+        "tokens_never_shown": never,
         "never_shown_fraction": never / gen if gen else 0.0,
-        "server_latency_ms": res.server_stats.get("latency_ms", {}), "engine": res.server_stats.get("engine", {}),
-        "traces": res.traces, "seconds": res.seconds,
+        "server_latency_ms": res.server_stats.get("latency_ms", {}),
+        "engine": res.server_stats.get("engine", {}),
+        "traces": res.traces,
+        "seconds": res.seconds,
     }
 
 
@@ -283,18 +308,24 @@ def fmt(v: float | None) -> str:
 
 def print_table(s: dict) -> None:
     print(f"{'metric':<26}{'n':>6}{'p50':>10}{'p95':>10}{'p99':>10}")
-    for label, key in (("time to first delta (ms)", "first_delta_ms"),
-                       ("keystroke to first delta", "keystroke_to_first_delta_ms"),
-                       ("time to first line (ms)", "first_line_ms"),
-                       ("time to full completion", "full_completion_ms"),
-                       ("first delta, cache hits", "cache_first_delta_ms")):
+    for label, key in (
+        ("time to first delta (ms)", "first_delta_ms"),
+        ("keystroke to first delta", "keystroke_to_first_delta_ms"),
+        ("time to first line (ms)", "first_line_ms"),
+        ("time to full completion", "full_completion_ms"),
+        ("first delta, cache hits", "cache_first_delta_ms"),
+    ):
         r = s[key]
         print(f"{label:<26}{r['n']:>6}{fmt(r['p50']):>10}{fmt(r['p95']):>10}{fmt(r['p99']):>10}")
-    print(f"requests {s['requests']}: with text {s['with_text']}, overtaken by typing before any text "
-          f"{s['overtaken_before_text']}, empty {s['empty']}")
+    print(
+        f"requests {s['requests']}: with text {s['with_text']}, overtaken by typing before any text "
+        f"{s['overtaken_before_text']}, empty {s['empty']}"
+    )
     print(f"served from type-through cache: {s['served_from_cache']:.1%} of answered requests")
-    print(f"tokens generated {s['tokens_generated']}, never shown {s['tokens_never_shown']} "
-          f"({s['never_shown_fraction']:.1%})")
+    print(
+        f"tokens generated {s['tokens_generated']}, never shown {s['tokens_never_shown']} "
+        f"({s['never_shown_fraction']:.1%})"
+    )
     stages = s["server_latency_ms"]
     if stages:
         parts = [f"{k} {fmt(v.get('p50'))}/{fmt(v.get('p95'))}" for k, v in stages.items() if v.get("count")]
@@ -310,19 +341,31 @@ async def bench(args: argparse.Namespace) -> dict:
     files = [Path(f) if Path(f).is_file() else STDLIB / f for f in args.files]
     traces = [build_trace(f, args.chars) for f in files]
     cmd = [sys.executable, "-m", "lsp_server", "lsp"]
-    proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                env=env, cwd=str(REPO), limit=1 << 24)
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, cwd=str(REPO), limit=1 << 24
+    )
     rpc = RpcClient(proc)
     res = RunResult(traces=[f"{t.name}: {len(t.typed)} chars" for t in traces])
     t0 = time.perf_counter()
     try:
-        await rpc.call("initialize", {
-            "processId": os.getpid(), "rootUri": None,
-            "capabilities": {"general": {"positionEncodings": ["utf-16"]},
-                             "textDocument": {"inlineCompletion": {}, "synchronization": {}}},
-            "initializationOptions": {"streaming": True, "maxTokens": args.max_tokens, "maxLines": args.max_lines,
-                                      "tokenHealing": args.heal, "prefetch": not args.no_prefetch},
-        })
+        await rpc.call(
+            "initialize",
+            {
+                "processId": os.getpid(),
+                "rootUri": None,
+                "capabilities": {
+                    "general": {"positionEncodings": ["utf-16"]},
+                    "textDocument": {"inlineCompletion": {}, "synchronization": {}},
+                },
+                "initializationOptions": {
+                    "streaming": True,
+                    "maxTokens": args.max_tokens,
+                    "maxLines": args.max_lines,
+                    "tokenHealing": args.heal,
+                    "prefetch": not args.no_prefetch,
+                },
+            },
+        )
         rpc.notify("initialized", {})
         while (st := await rpc.call("fimble/stats", None))["engine"]["state"] == "starting":
             await asyncio.sleep(0.2)
@@ -372,11 +415,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"summary": s, "args": vars(args)}, indent=2, default=str))
     fd = s["first_delta_ms"]
     ok = fd["p50"] is not None and fd["p50"] <= TARGET_P50_MS and (fd["p95"] or math.inf) <= TARGET_P95_MS
-    print(f"first delta p50 {fmt(fd['p50'])} ms, p95 {fmt(fd['p95'])} ms over {fd['n']} requests "
-          f"(target p50 <= {TARGET_P50_MS:.0f}, p95 <= {TARGET_P95_MS:.0f}: {'met' if ok else 'NOT met'})")
+    print(
+        f"first delta p50 {fmt(fd['p50'])} ms, p95 {fmt(fd['p95'])} ms over {fd['n']} requests "
+        f"(target p50 <= {TARGET_P50_MS:.0f}, p95 <= {TARGET_P95_MS:.0f}: {'met' if ok else 'NOT met'})"
+    )
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

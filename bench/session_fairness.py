@@ -35,8 +35,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_MS = 250.0
-INIT = {"processId": None, "rootUri": None, "capabilities": {},
-        "initializationOptions": {"preload": False}}
+INIT = {"processId": None, "rootUri": None, "capabilities": {}, "initializationOptions": {"preload": False}}
 
 PINGER = r"""
 import asyncio, json, sys, time
@@ -104,6 +103,7 @@ class Attacker:
             self.r, self.w = await asyncio.open_connection("127.0.0.1", self.port, limit=1 << 28)
         else:
             from websockets.asyncio.client import connect
+
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
             self.ws = await connect(f"ws://127.0.0.1:{self.port}/", max_size=None, additional_headers=headers)
         opts = dict(INIT["initializationOptions"], **({"token": self.token} if self.token else {}))
@@ -146,15 +146,25 @@ class Attacker:
 
 
 def open_msg(uri: str, text: str) -> dict:
-    return {"jsonrpc": "2.0", "method": "textDocument/didOpen",
-            "params": {"textDocument": {"uri": uri, "languageId": "python", "version": 1, "text": text}}}
+    return {
+        "jsonrpc": "2.0",
+        "method": "textDocument/didOpen",
+        "params": {"textDocument": {"uri": uri, "languageId": "python", "version": 1, "text": text}},
+    }
 
 
 def change_msg(uri: str, version: int, edits: list[tuple[int, int, str]]) -> dict:
-    return {"jsonrpc": "2.0", "method": "textDocument/didChange", "params": {
-        "textDocument": {"uri": uri, "version": version},
-        "contentChanges": [{"range": {"start": {"line": ln, "character": ch}, "end": {"line": ln, "character": ch}},
-                            "text": t} for ln, ch, t in edits]}}
+    return {
+        "jsonrpc": "2.0",
+        "method": "textDocument/didChange",
+        "params": {
+            "textDocument": {"uri": uri, "version": version},
+            "contentChanges": [
+                {"range": {"start": {"line": ln, "character": ch}, "end": {"line": ln, "character": ch}}, "text": t}
+                for ln, ch, t in edits
+            ],
+        },
+    }
 
 
 BASE = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(1000))
@@ -174,6 +184,7 @@ def attacks(quick: bool) -> dict[str, Any]:
     def insert(size: int) -> Any:
         async def run(a: Attacker, v: int) -> None:
             await a.send_many([change_msg("file:///w/base.py", v, [(5, 0, "y = 2\n" * (size // 6))])])
+
         return run
 
     async def stats_burst(a: Attacker, v: int) -> None:
@@ -184,7 +195,8 @@ def attacks(quick: bool) -> dict[str, Any]:
     if not quick:
         out["didChange inserting 5 MB"] = insert(5_000_000)
     out["didChange inserting 10 MB" if not quick else "didChange inserting 1 MB"] = insert(
-        10_000_000 if not quick else 1_000_000)
+        10_000_000 if not quick else 1_000_000
+    )
     out[f"{stats_n:,} fimble/stats in one write"] = stats_burst
 
     async def huge_change(a: Attacker, v: int) -> None:  # under the 16 MiB limit: refused by its JSON structure
@@ -229,12 +241,14 @@ async def run(scheme: str, quick: bool) -> list[dict]:
     server = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO)
     try:
         port, token = wait_listening(Path(log.name), server)
-        pinger = subprocess.Popen([sys.executable, "-c", PINGER, str(port), scheme, token or ""],
-                                  stdout=subprocess.PIPE, text=True, cwd=REPO)
+        pinger = subprocess.Popen(
+            [sys.executable, "-c", PINGER, str(port), scheme, token or ""], stdout=subprocess.PIPE, text=True, cwd=REPO
+        )
         assert pinger.stdout is not None
         assert pinger.stdout.readline().strip() == "ready"
         lines: list[str] = []
         import threading
+
         threading.Thread(target=lambda: lines.extend(iter(pinger.stdout.readline, "")), daemon=True).start()
         a = Attacker(scheme, port, token)
         await a.connect()
@@ -266,9 +280,16 @@ async def run(scheme: str, quick: bool) -> list[dict]:
             t2 = time.time()
             floor = pings_between(lines, t0, t1)
             hit = pings_between(lines, t1, t2)
-            rows.append({"attack": name, "attack_s": round(t2 - t1 - 0.3, 2), "outcome": outcome,
-                         "worst_wait_ms": round(max(hit, default=0.0), 1),
-                         "ordinary_worst_ms": round(max(floor, default=0.0), 1), "pings": len(hit)})
+            rows.append(
+                {
+                    "attack": name,
+                    "attack_s": round(t2 - t1 - 0.3, 2),
+                    "outcome": outcome,
+                    "worst_wait_ms": round(max(hit, default=0.0), 1),
+                    "ordinary_worst_ms": round(max(floor, default=0.0), 1),
+                    "pings": len(hit),
+                }
+            )
         pinger.kill()
         return rows
     finally:
@@ -307,24 +328,32 @@ def main() -> None:
     args = p.parse_args()
     EXTRA.extend(args.server_arg)
     results = {}
-    for scheme in (["tcp", "ws"] if args.transport == "both" else [args.transport]):
+    for scheme in ["tcp", "ws"] if args.transport == "both" else [args.transport]:
         results[scheme] = asyncio.run(run(scheme, args.quick))
     load = os.getloadavg()
-    print(f"fimble lsp sessions, pinger every 20 ms in its own process; load {load[0]:.2f} {load[1]:.2f}; "
-          f"{os.cpu_count()} CPUs")
-    print(f"{'transport':9} {'attack':38} {'outcome':17} {'attack s':>8} {'worst wait ms':>13} "
-          f"{'ordinary ms':>11} {'ratio':>6}")
+    print(
+        f"fimble lsp sessions, pinger every 20 ms in its own process; load {load[0]:.2f} {load[1]:.2f}; "
+        f"{os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'transport':9} {'attack':38} {'outcome':17} {'attack s':>8} {'worst wait ms':>13} "
+        f"{'ordinary ms':>11} {'ratio':>6}"
+    )
     worst = 0.0
     for scheme, rows in results.items():
         for r in rows:
             ratio = r["worst_wait_ms"] / max(r["ordinary_worst_ms"], 1.0)
             worst = max(worst, r["worst_wait_ms"])
-            print(f"{scheme:9} {r['attack']:38} {r['outcome']:17} {r['attack_s']:8.2f} {r['worst_wait_ms']:13.1f} "
-                  f"{r['ordinary_worst_ms']:11.1f} {ratio:6.1f}")
+            print(
+                f"{scheme:9} {r['attack']:38} {r['outcome']:17} {r['attack_s']:8.2f} {r['worst_wait_ms']:13.1f} "
+                f"{r['ordinary_worst_ms']:11.1f} {ratio:6.1f}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"load": load, "results": results}, indent=1))
-    print(f"headline: worst wait of another session during any attack {worst:.0f} ms "
-          f"(target <= {TARGET_MS:.0f} ms): {'met' if worst <= TARGET_MS else 'NOT met'}")
+    print(
+        f"headline: worst wait of another session during any attack {worst:.0f} ms "
+        f"(target <= {TARGET_MS:.0f} ms): {'met' if worst <= TARGET_MS else 'NOT met'}"
+    )
 
 
 if __name__ == "__main__":

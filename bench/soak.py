@@ -45,8 +45,14 @@ def read_config(path):
 
 
 '''
-LINES = ["def total(values):", "for key in sorted(config):", "print(key, config[key])",
-         "return [x * 2 for x in values]", "if __name__ == \"__main__\":", "with open(path) as f:"]
+LINES = [
+    "def total(values):",
+    "for key in sorted(config):",
+    "print(key, config[key])",
+    "return [x * 2 for x in values]",
+    'if __name__ == "__main__":',
+    "with open(path) as f:",
+]
 OPTIONS = {"preload": True, "maxTokens": 16, "maxLines": 1, "streaming": False}
 
 
@@ -106,8 +112,13 @@ class Client:
     async def open(self, uri: str, text: str) -> None:
         await self.call("initialize", {"processId": None, "capabilities": {}, "initializationOptions": OPTIONS})
         self.send({"jsonrpc": "2.0", "method": "initialized", "params": {}})
-        self.send({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {
-            "textDocument": {"uri": uri, "languageId": "python", "version": 1, "text": text}}})
+        self.send(
+            {
+                "jsonrpc": "2.0",
+                "method": "textDocument/didOpen",
+                "params": {"textDocument": {"uri": uri, "languageId": "python", "version": 1, "text": text}},
+            }
+        )
 
 
 class Typist:
@@ -122,20 +133,53 @@ class Typist:
         c = self.client
         for ch in text:
             self.version += 1
-            c.send({"jsonrpc": "2.0", "method": "textDocument/didChange", "params": {
-                "textDocument": {"uri": self.uri, "version": self.version},
-                "contentChanges": [{"range": {"start": {"line": self.line, "character": self._col},
-                                              "end": {"line": self.line, "character": self._col}}, "text": ch}]}})
+            c.send(
+                {
+                    "jsonrpc": "2.0",
+                    "method": "textDocument/didChange",
+                    "params": {
+                        "textDocument": {"uri": self.uri, "version": self.version},
+                        "contentChanges": [
+                            {
+                                "range": {
+                                    "start": {"line": self.line, "character": self._col},
+                                    "end": {"line": self.line, "character": self._col},
+                                },
+                                "text": ch,
+                            }
+                        ],
+                    },
+                }
+            )
             self._col += 1
-            await c.call("textDocument/inlineCompletion", {
-                "textDocument": {"uri": self.uri}, "position": {"line": self.line, "character": self._col},
-                "context": {"triggerKind": 2}})
+            await c.call(
+                "textDocument/inlineCompletion",
+                {
+                    "textDocument": {"uri": self.uri},
+                    "position": {"line": self.line, "character": self._col},
+                    "context": {"triggerKind": 2},
+                },
+            )
             await asyncio.sleep(self.interval)
         self.version += 1
-        c.send({"jsonrpc": "2.0", "method": "textDocument/didChange", "params": {
-            "textDocument": {"uri": self.uri, "version": self.version},
-            "contentChanges": [{"range": {"start": {"line": self.line, "character": self._col},
-                                          "end": {"line": self.line, "character": self._col}}, "text": "\n"}]}})
+        c.send(
+            {
+                "jsonrpc": "2.0",
+                "method": "textDocument/didChange",
+                "params": {
+                    "textDocument": {"uri": self.uri, "version": self.version},
+                    "contentChanges": [
+                        {
+                            "range": {
+                                "start": {"line": self.line, "character": self._col},
+                                "end": {"line": self.line, "character": self._col},
+                            },
+                            "text": "\n",
+                        }
+                    ],
+                },
+            }
+        )
         self.line += 1
         self._col = 0
         stats = await c.call("fimble/stats", None)
@@ -168,8 +212,15 @@ def rss_mib(pid: int) -> float:
 
 async def start_tcp(env: dict) -> tuple[asyncio.subprocess.Process, int]:
     # --no-token: a local benchmark's own listener (a token is required by default, engine/auth.py)
-    proc = await asyncio.create_subprocess_exec(*SERVER_CMD, "--tcp", "127.0.0.1:0", "--no-token", env=env,
-                                                stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        *SERVER_CMD,
+        "--tcp",
+        "127.0.0.1:0",
+        "--no-token",
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
     assert proc.stderr is not None
     while line := await proc.stderr.readline():
         if line.startswith(b"fimble: listening on "):
@@ -193,8 +244,13 @@ async def run(args: argparse.Namespace) -> dict:
     env = dict(os.environ)
     load_start = os.getloadavg()
     tcp, port = await start_tcp(env)
-    stdio = await asyncio.create_subprocess_exec(*SERVER_CMD, env=env, stdin=asyncio.subprocess.PIPE,
-                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    stdio = await asyncio.create_subprocess_exec(
+        *SERVER_CMD,
+        env=env,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
     peer = Typist(Client("stdio", stdio.stdout, stdio.stdin), "file:///soak/stdio.py", args.interval_ms)
     await peer.client.open(peer.uri, BASE)
     typists = []
@@ -212,7 +268,7 @@ async def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     rounds = []
     for r in range(args.rounds):  # interleaved per prompt: the peer types the line, then all N sessions
-        line = LINES[r % len(LINES)][:args.chars]
+        line = LINES[r % len(LINES)][: args.chars]
         p0 = time.perf_counter()
         await peer.type_line(line)
         p1 = time.perf_counter()
@@ -227,16 +283,29 @@ async def run(args: argparse.Namespace) -> dict:
     lat_tcp = [x for t in typists for x in t.client.latencies]
     lat_peer = peer.client.latencies
     return {
-        "clients": args.clients, "rounds": args.rounds, "interval_ms": args.interval_ms, "wall_s": round(wall, 1),
-        "tcp": {"requests": sum(t.client.requests for t in typists), "answered": len(lat_tcp),
-                "errors": sum(t.client.errors for t in typists),
-                "misrouted": sum(t.client.misrouted + t.wrong_document for t in typists),
-                "p50_ms": round(pct(lat_tcp, 50), 1), "p95_ms": round(pct(lat_tcp, 95), 1),
-                "rss_mib": [round(rss0["tcp"]), round(rss1["tcp"])], "server_alive": tcp_alive},
-        "stdio": {"requests": peer.client.requests, "answered": len(lat_peer), "errors": peer.client.errors,
-                  "misrouted": peer.client.misrouted + peer.wrong_document,
-                  "p50_ms": round(pct(lat_peer, 50), 1), "p95_ms": round(pct(lat_peer, 95), 1),
-                  "rss_mib": [round(rss0["stdio"]), round(rss1["stdio"])]},
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "interval_ms": args.interval_ms,
+        "wall_s": round(wall, 1),
+        "tcp": {
+            "requests": sum(t.client.requests for t in typists),
+            "answered": len(lat_tcp),
+            "errors": sum(t.client.errors for t in typists),
+            "misrouted": sum(t.client.misrouted + t.wrong_document for t in typists),
+            "p50_ms": round(pct(lat_tcp, 50), 1),
+            "p95_ms": round(pct(lat_tcp, 95), 1),
+            "rss_mib": [round(rss0["tcp"]), round(rss1["tcp"])],
+            "server_alive": tcp_alive,
+        },
+        "stdio": {
+            "requests": peer.client.requests,
+            "answered": len(lat_peer),
+            "errors": peer.client.errors,
+            "misrouted": peer.client.misrouted + peer.wrong_document,
+            "p50_ms": round(pct(lat_peer, 50), 1),
+            "p95_ms": round(pct(lat_peer, 95), 1),
+            "rss_mib": [round(rss0["stdio"]), round(rss1["stdio"])],
+        },
         "rounds_detail": rounds,
         "threads": {"cpus": os.cpu_count(), "engine_threads": 1, "asyncio": "one event loop per server"},
         "load_average": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]},
@@ -255,23 +324,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.clients, args.rounds, args.chars = 3, 2, 8
     res = asyncio.run(run(args))
-    print(f"{'transport':<10} {'sessions':>8} {'requests':>8} {'answered':>8} {'errors':>6} {'misrouted':>9} "
-          f"{'p50 ms':>8} {'p95 ms':>8} {'RSS MiB (start->end)':>21}")
+    print(
+        f"{'transport':<10} {'sessions':>8} {'requests':>8} {'answered':>8} {'errors':>6} {'misrouted':>9} "
+        f"{'p50 ms':>8} {'p95 ms':>8} {'RSS MiB (start->end)':>21}"
+    )
     for name, sessions in (("tcp", res["clients"]), ("stdio", 1)):
         r = res[name]
-        print(f"{name:<10} {sessions:>8} {r['requests']:>8} {r['answered']:>8} {r['errors']:>6} {r['misrouted']:>9} "
-              f"{r['p50_ms']:>8} {r['p95_ms']:>8} {r['rss_mib'][0]:>10} -> {r['rss_mib'][1]:<8}")
-    print(f"threads: {res['threads']['cpus']} CPUs, engine threads {res['threads']['engine_threads']}; "
-          f"load average start {res['load_average']['start']}, end {res['load_average']['end']}; "
-          f"wall {res['wall_s']} s")
+        print(
+            f"{name:<10} {sessions:>8} {r['requests']:>8} {r['answered']:>8} {r['errors']:>6} {r['misrouted']:>9} "
+            f"{r['p50_ms']:>8} {r['p95_ms']:>8} {r['rss_mib'][0]:>10} -> {r['rss_mib'][1]:<8}"
+        )
+    print(
+        f"threads: {res['threads']['cpus']} CPUs, engine threads {res['threads']['engine_threads']}; "
+        f"load average start {res['load_average']['start']}, end {res['load_average']['end']}; "
+        f"wall {res['wall_s']} s"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     t, s = res["tcp"], res["stdio"]
     ratio = t["p50_ms"] / s["p50_ms"] if s["p50_ms"] else float("nan")
-    print(f"soak: {res['clients']} TCP sessions typing x {res['rounds']} lines: {t['requests']} requests, "
-          f"{t['errors']} errors, {t['misrouted']} misrouted, p50 {t['p50_ms']} ms = {ratio:.2f}x one stdio "
-          f"session ({s['p50_ms']} ms), server RSS {t['rss_mib'][0]} -> {t['rss_mib'][1]} MiB, "
-          f"server alive: {t['server_alive']}")
+    print(
+        f"soak: {res['clients']} TCP sessions typing x {res['rounds']} lines: {t['requests']} requests, "
+        f"{t['errors']} errors, {t['misrouted']} misrouted, p50 {t['p50_ms']} ms = {ratio:.2f}x one stdio "
+        f"session ({s['p50_ms']} ms), server RSS {t['rss_mib'][0]} -> {t['rss_mib'][1]} MiB, "
+        f"server alive: {t['server_alive']}"
+    )
     return 0 if t["errors"] == 0 and t["misrouted"] == 0 and t["server_alive"] else 1
 
 

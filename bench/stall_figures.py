@@ -75,8 +75,13 @@ def measure(server: RawServer, name: str, make, keys: str) -> dict:
             col += 1
             server.wait(server.inline(uri, line, col), 300)
     server.notify("textDocument/didClose", {"textDocument": {"uri": uri}})
-    return {"case": name, "chars": len(text), "open_block_s": opening.max_block, "typing_block_s": typing.max_block,
-            "pings": len(opening.latencies) + len(typing.latencies)}
+    return {
+        "case": name,
+        "chars": len(text),
+        "open_block_s": opening.max_block,
+        "typing_block_s": typing.max_block,
+        "pings": len(opening.latencies) + len(typing.latencies),
+    }
 
 
 def recovery(quick: bool) -> dict:
@@ -98,8 +103,12 @@ def recovery(quick: bool) -> dict:
         after_kill = time.perf_counter() - t1
         got_text = bool((first.get("result") or {}).get("items"))
         shown = [m["message"] for m in server.messages("window/showMessage")]
-        result = {"cold_start_s": cold, "sigkill_to_next_completion_s": after_kill, "answer_had_text": got_text,
-                  "message": shown[-1] if shown else None}
+        result = {
+            "cold_start_s": cold,
+            "sigkill_to_next_completion_s": after_kill,
+            "answer_had_text": got_text,
+            "message": shown[-1] if shown else None,
+        }
         if not quick:
             pid = engine_pid(server)
             os.kill(pid, signal.SIGSTOP)
@@ -140,22 +149,39 @@ def main() -> int:
     print(f"{'document':36} {'chars':>9} {'open max':>9} {'typing max':>11} {'peer typing':>12} {'ratio':>6}")
     for row, peer in rows:
         ratio = row["typing_block_s"] / max(peer["typing_block_s"], 1e-3)
-        print(f"{row['case']:36} {row['chars']:>9,} {row['open_block_s'] * 1e3:>7.0f}ms "
-              f"{row['typing_block_s'] * 1e3:>9.0f}ms {peer['typing_block_s'] * 1e3:>10.0f}ms {ratio:>6.1f}")
-    print(f"engine cold start {rec['cold_start_s']:.2f} s; SIGKILL -> next completion "
-          f"{rec['sigkill_to_next_completion_s']:.2f} s (text: {rec['answer_had_text']}); message: {rec['message']!r}")
+        print(
+            f"{row['case']:36} {row['chars']:>9,} {row['open_block_s'] * 1e3:>7.0f}ms "
+            f"{row['typing_block_s'] * 1e3:>9.0f}ms {peer['typing_block_s'] * 1e3:>10.0f}ms {ratio:>6.1f}"
+        )
+    print(
+        f"engine cold start {rec['cold_start_s']:.2f} s; SIGKILL -> next completion "
+        f"{rec['sigkill_to_next_completion_s']:.2f} s (text: {rec['answer_had_text']}); message: {rec['message']!r}"
+    )
     if "sigstop_to_answer_s" in rec:
         print(f"SIGSTOP -> answer of the waiting request {rec['sigstop_to_answer_s']:.2f} s (stall timeout 6 s)")
-    print(f"engine threads 1 (server default); load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end; "
-          f"{os.cpu_count()} cores")
+    print(
+        f"engine threads 1 (server default); load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end; "
+        f"{os.cpu_count()} cores"
+    )
     worst = max(max(r["open_block_s"], r["typing_block_s"]) for r, _ in rows)
-    print(f"HEADLINE: worst event-loop block {worst * 1e3:.0f} ms (target {TARGET_BLOCK_S * 1e3:.0f} ms); "
-          f"SIGKILL recovery {rec['sigkill_to_next_completion_s']:.2f} s vs cold start {rec['cold_start_s']:.2f} s "
-          f"(ratio {rec['sigkill_to_next_completion_s'] / rec['cold_start_s']:.2f})")
+    print(
+        f"HEADLINE: worst event-loop block {worst * 1e3:.0f} ms (target {TARGET_BLOCK_S * 1e3:.0f} ms); "
+        f"SIGKILL recovery {rec['sigkill_to_next_completion_s']:.2f} s vs cold start {rec['cold_start_s']:.2f} s "
+        f"(ratio {rec['sigkill_to_next_completion_s'] / rec['cold_start_s']:.2f})"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": [{"doc": r, "peer": p} for r, p in rows], "recovery": rec,
-                                               "load_avg_start": load_start, "load_avg_end": load_end,
-                                               "quick": args.quick}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "rows": [{"doc": r, "peer": p} for r, p in rows],
+                    "recovery": rec,
+                    "load_avg_start": load_start,
+                    "load_avg_end": load_end,
+                    "quick": args.quick,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -407,8 +407,12 @@ def print_run(run: dict) -> None:
             f"{', '.join(run['typing_files'])}; fimble and llama-server outputs identical "
             f"{ident['identical']}/{ident['compared']}"
         )
-        for name in ("fimble", run.get("server_row", "llama-server + draft"), "fimble, LSP prompt (healing)",
-                     STOCK_INFILL):
+        for name in (
+            "fimble",
+            run.get("server_row", "llama-server + draft"),
+            "fimble, LSP prompt (healing)",
+            STOCK_INFILL,
+        ):
             r = keys.get(name)
             if r is None:
                 continue

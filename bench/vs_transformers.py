@@ -50,10 +50,11 @@ def run_hf(hf, prompt, n, device, **kwargs) -> tuple[list[int], float]:
     ids = torch.tensor([prompt], device=device)
     sync(device)
     t0 = time.perf_counter()
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                      do_sample=False, **kwargs)
+    out = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs
+    )
     sync(device)
-    return out[0, len(prompt):].tolist(), time.perf_counter() - t0
+    return out[0, len(prompt) :].tolist(), time.perf_counter() - t0
 
 
 def prefill_ms(target, hf, length: int, device: str, repeats: int) -> tuple[float, float]:
@@ -139,31 +140,53 @@ def main() -> None:
     table = []
     for name, r in rows.items():
         tps = r["tokens"] / r["seconds"]
-        table.append({"method": name, "tokens_per_s": tps, "ratio_vs_hf_plain": tps / base,
-                      "ratio_vs_best_hf_speculative": tps / fastest_hf,
-                      "mean_accepted_per_step": statistics.mean(r["accepted"]) if r["accepted"] else None,
-                      "identical_to_hf_plain": f"{r['identical']}/{len(prompts)}"})
+        table.append(
+            {
+                "method": name,
+                "tokens_per_s": tps,
+                "ratio_vs_hf_plain": tps / base,
+                "ratio_vs_best_hf_speculative": tps / fastest_hf,
+                "mean_accepted_per_step": statistics.mean(r["accepted"]) if r["accepted"] else None,
+                "identical_to_hf_plain": f"{r['identical']}/{len(prompts)}",
+            }
+        )
     pre = {n: prefill_ms(target, hf, n, dev, 3 if args.quick else 5) for n in (512, 2048)}
 
-    print(f"\nfimble engine bench: {len(prompts)} prompts, {n_tokens} new tokens each, greedy, {dev}, "
-          f"threads={torch.get_num_threads()}")
-    print(f"{'method':28s} {'tok/s':>8s} {'x HF plain':>10s} {'x best HF spec':>14s} {'acc/step':>9s} "
-          f"{'identical':>9s}")
+    print(
+        f"\nfimble engine bench: {len(prompts)} prompts, {n_tokens} new tokens each, greedy, {dev}, "
+        f"threads={torch.get_num_threads()}"
+    )
+    print(
+        f"{'method':28s} {'tok/s':>8s} {'x HF plain':>10s} {'x best HF spec':>14s} {'acc/step':>9s} {'identical':>9s}"
+    )
     for row in table:
         acc = f"{row['mean_accepted_per_step']:.2f}" if row["mean_accepted_per_step"] else "-"
-        print(f"{row['method']:28s} {row['tokens_per_s']:8.1f} {row['ratio_vs_hf_plain']:10.2f} "
-              f"{row['ratio_vs_best_hf_speculative']:14.2f} {acc:>9s} {row['identical_to_hf_plain']:>9s}")
+        print(
+            f"{row['method']:28s} {row['tokens_per_s']:8.1f} {row['ratio_vs_hf_plain']:10.2f} "
+            f"{row['ratio_vs_best_hf_speculative']:14.2f} {acc:>9s} {row['identical_to_hf_plain']:>9s}"
+        )
     for n, (ours, theirs) in pre.items():
         print(f"prefill {n:5d} tokens: fimble {ours:7.1f} ms   HF forward {theirs:7.1f} ms")
     best = max((r for r in table if r["method"].startswith("fimble spec")), key=lambda r: r["tokens_per_s"])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"device": dev, "prompts": len(prompts), "new_tokens": n_tokens,
-                                         "methods": table, "prefill_ms": {str(k): {"fimble": v[0], "hf": v[1]}
-                                                                          for k, v in pre.items()}}, indent=1))
-    print(f"headline: {best['method']} {best['ratio_vs_hf_plain']:.2f}x HF plain generate, "
-          f"{best['ratio_vs_best_hf_speculative']:.2f}x the best HF speculative, outputs identical "
-          f"{best['identical_to_hf_plain']}")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": dev,
+                    "prompts": len(prompts),
+                    "new_tokens": n_tokens,
+                    "methods": table,
+                    "prefill_ms": {str(k): {"fimble": v[0], "hf": v[1]} for k, v in pre.items()},
+                },
+                indent=1,
+            )
+        )
+    print(
+        f"headline: {best['method']} {best['ratio_vs_hf_plain']:.2f}x HF plain generate, "
+        f"{best['ratio_vs_best_hf_speculative']:.2f}x the best HF speculative, outputs identical "
+        f"{best['identical_to_hf_plain']}"
+    )
 
 
 if __name__ == "__main__":

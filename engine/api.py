@@ -17,8 +17,16 @@ from typing import Protocol
 from engine.errors import error_from_name
 from engine.options import DecodeOptions
 
-__all__ = ["CompletionRequest", "Delta", "CompletionResult", "CompletionStream", "DecodeOptions", "Engine",
-           "Supervised", "Unwatched"]
+__all__ = [
+    "CompletionRequest",
+    "Delta",
+    "CompletionResult",
+    "CompletionStream",
+    "DecodeOptions",
+    "Engine",
+    "Supervised",
+    "Unwatched",
+]
 
 
 @dataclass
@@ -76,9 +84,13 @@ class CompletionResult:
 class CompletionStream:
     """Deltas of one request, readable from asyncio (``async for``) or a thread (``for``)."""
 
-    def __init__(self, request_id: int, loop: asyncio.AbstractEventLoop | None,
-                 on_delta: Callable[[Delta], None] | None = None,
-                 on_cancel: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        request_id: int,
+        loop: asyncio.AbstractEventLoop | None,
+        on_delta: Callable[[Delta], None] | None = None,
+        on_cancel: Callable[[], None] | None = None,
+    ):
         self.id = request_id
         self._cancel = threading.Event()
         self._on_delta, self._on_cancel = on_delta, on_cancel

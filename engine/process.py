@@ -144,16 +144,30 @@ def serve(args: argparse.Namespace) -> int:
         if not args.serve:
             from engine.local import open_engine
 
-            return open_engine(args.model, args.draft, device=args.device, template=args.template,
-                               trust_remote_code=args.trust_remote_code, use_draft=not args.no_draft,
-                               start_thread=False, kv_budget_bytes=budget)
+            return open_engine(
+                args.model,
+                args.draft,
+                device=args.device,
+                template=args.template,
+                trust_remote_code=args.trust_remote_code,
+                use_draft=not args.no_draft,
+                start_thread=False,
+                kv_budget_bytes=budget,
+            )
         from engine.serve.scheduler import open_serve_engine
 
         sys.setswitchinterval(SWITCH_INTERVAL_S)
 
-        engine = open_serve_engine(args.model, args.draft, device=args.device, use_draft=not args.no_draft,
-                                   batch=not args.no_batch, max_active=args.max_active, kv_budget_bytes=budget,
-                                   threads=args.threads or None)
+        engine = open_serve_engine(
+            args.model,
+            args.draft,
+            device=args.device,
+            use_draft=not args.no_draft,
+            batch=not args.no_batch,
+            max_active=args.max_active,
+            kv_budget_bytes=budget,
+            threads=args.threads or None,
+        )
         # CUDA: capture the batched rounds' graphs before the first keystroke (progress on stderr, which the
         # daemon's process shares).
         engine.warm_graphs(lambda line: print(line, file=sys.stderr, flush=True))
@@ -161,8 +175,11 @@ def serve(args: argparse.Namespace) -> int:
 
     # The parent's log level (FIMBLE_LOG, fimble serve's --log-level default), on this process's stderr.
     level = getattr(logging, os.environ.get("FIMBLE_LOG", "WARNING").upper(), logging.WARNING)
-    logging.basicConfig(level=level if isinstance(level, int) else logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=level if isinstance(level, int) else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     return serve_built(build)
 
 
@@ -170,10 +187,20 @@ def serve(args: argparse.Namespace) -> int:
 class EngineProcess(MessageClient):
     """An ``Engine`` whose model runs in a child process, spoken to over its stdin/stdout (engine/wire_client.py)."""
 
-    def __init__(self, model: str | Path | None = None, draft: str | Path | None = None, *,
-                 device: str = "cpu", template: str | None = None, no_draft: bool = False,
-                 trust_remote_code: bool = False, startup_timeout: float = 120.0, kv_budget_mb: int = 0,
-                 extra_args: tuple[str, ...] = (), command: list[str] | None = None):
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        draft: str | Path | None = None,
+        *,
+        device: str = "cpu",
+        template: str | None = None,
+        no_draft: bool = False,
+        trust_remote_code: bool = False,
+        startup_timeout: float = 120.0,
+        kv_budget_mb: int = 0,
+        extra_args: tuple[str, ...] = (),
+        command: list[str] | None = None,
+    ):
         """``extra_args``: more of engine.process's flags (``--serve`` ...); ``command``: a whole command line to
         run instead (one that ends in ``serve_built``, e.g. a benchmark's engine)."""
         cmd = [sys.executable, "-m", "engine.process", "--device", device, *extra_args]
@@ -291,8 +318,9 @@ class EngineProcess(MessageClient):
             self._proc.kill()
         except OSError:
             pass
-        threading.Thread(target=_reap, args=(self._proc, REAP_TIMEOUT_S), name="fimble-engine-reaper",
-                         daemon=True).start()
+        threading.Thread(
+            target=_reap, args=(self._proc, REAP_TIMEOUT_S), name="fimble-engine-reaper", daemon=True
+        ).start()
 
     def close(self) -> None:
         self._send({"op": "close"})
@@ -354,8 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--template")
     ap.add_argument("--no-draft", action="store_true")
     ap.add_argument("--trust-remote-code", action="store_true")
-    ap.add_argument("--kv-budget-mb", type=int, default=0,
-                    help="KV cache memory budget in MiB for all documents (0: the engine's default per device)")
+    ap.add_argument(
+        "--kv-budget-mb",
+        type=int,
+        default=0,
+        help="KV cache memory budget in MiB for all documents (0: the engine's default per device)",
+    )
     ap.add_argument("--serve", action="store_true", help="fimble serve's engine: many requests stepped together")
     ap.add_argument("--max-active", type=int, default=64, help="--serve: sequences stepped together")
     ap.add_argument("--no-batch", action="store_true", help="--serve: round-robin instead of batched passes")

@@ -54,13 +54,23 @@ from engine.remote_spec import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KINDS", "RemoteEngine", "RemoteError", "RemoteSpec", "check_spec", "open_remote", "parse_engine",
-           "read_token", "template_for_model"]
+__all__ = [
+    "KINDS",
+    "RemoteEngine",
+    "RemoteError",
+    "RemoteSpec",
+    "check_spec",
+    "open_remote",
+    "parse_engine",
+    "read_token",
+    "template_for_model",
+]
 
 MAX_LINE = 1 << 20  # one SSE line; a longer one is a malformed stream
 MAX_TEXT = 1 << 20  # completion text per request
 MAX_ERROR_BODY = 64 << 10
 _POOL = 4  # idle keep-alive connections kept
+
 
 class RemoteError(FimbleError):
     """One request to the remote engine failed; the message is one line naming the server."""

@@ -43,10 +43,26 @@ from engine.rounds import Rounds
 from engine.runner import PassRunner
 from engine.steps import request_steps
 
-COUNTER_NAMES = ("submitted", "completed", "cancelled", "failed", "decode_steps", "tokens_generated",
-                 "tokens_prefilled", "tokens_reused", "tokens_shifted", "tokens_prewarmed", "prewarms_done",
-                 "prewarms_preempted", "prewarms_failed", "anchored_prompts", "cold_prompts",
-                 "reanchors_skipped", "context_prompts", "context_tokens")
+COUNTER_NAMES = (
+    "submitted",
+    "completed",
+    "cancelled",
+    "failed",
+    "decode_steps",
+    "tokens_generated",
+    "tokens_prefilled",
+    "tokens_reused",
+    "tokens_shifted",
+    "tokens_prewarmed",
+    "prewarms_done",
+    "prewarms_preempted",
+    "prewarms_failed",
+    "anchored_prompts",
+    "cold_prompts",
+    "reanchors_skipped",
+    "context_prompts",
+    "context_tokens",
+)
 SCHED_COUNTERS = (
     "sched_rounds",
     "sched_passes",
@@ -94,9 +110,17 @@ class Scheduler(Unwatched):
     # the host's watchdog gives a long prefill the time it needs instead of killing it as stuck.
     progress: Callable[[str, int, int], None] | None = None
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, *, policy: Policy,
-                 threads: int | None = None, start_thread: bool = True, kv_budget_bytes: int | None = None,
-                 passes: Callable[[Counters], PassRunner] | None = None):
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel | None = None,
+        *,
+        policy: Policy,
+        threads: int | None = None,
+        start_thread: bool = True,
+        kv_budget_bytes: int | None = None,
+        passes: Callable[[Counters], PassRunner] | None = None,
+    ):
         if target.template is None:
             raise FimbleError(f"model {target.name} has no fill-in-the-middle tokens; pass a template name")
         if draft is not None and draft.vocab_size != target.vocab_size:
@@ -108,16 +132,26 @@ class Scheduler(Unwatched):
         self._threads = threads
         self.counts = Counters(COUNTER_NAMES + SCHED_COUNTERS)
         device = target.runtime.device
-        self.store = KVStore(target.runtime, draft.runtime if draft else None, target.max_len,
-                             kv_budget_bytes or default_budget_bytes(device))
-        self.documents = DocumentPrompts(target, self.store, self.counts, anchored=policy.anchored and
-                                         switch("FIMBLE_ANCHORED_LAYOUT"), cold=policy.cold and
-                                         switch("FIMBLE_COLD_WINDOW"))
+        self.store = KVStore(
+            target.runtime,
+            draft.runtime if draft else None,
+            target.max_len,
+            kv_budget_bytes or default_budget_bytes(device),
+        )
+        self.documents = DocumentPrompts(
+            target,
+            self.store,
+            self.counts,
+            anchored=policy.anchored and switch("FIMBLE_ANCHORED_LAYOUT"),
+            cold=policy.cold and switch("FIMBLE_COLD_WINDOW"),
+        )
         self.prompts = self.documents.prompts
-        self.background = Background(self.documents, draft.runtime if draft else None, self.counts,
-                                     self._completion_waiting)
-        self.passes = (passes or (lambda c: PassRunner(target.runtime, draft.runtime if draft else None, c,
-                                                       batched=False)))(self.counts)
+        self.background = Background(
+            self.documents, draft.runtime if draft else None, self.counts, self._completion_waiting
+        )
+        self.passes = (
+            passes or (lambda c: PassRunner(target.runtime, draft.runtime if draft else None, c, batched=False))
+        )(self.counts)
         self.model_drafter = ModelDrafter(draft.runtime, 0) if draft else None
         self.ngram_drafter = NgramDrafter()
         # Prompt lookup remembers recent completions; with session drafters one per client session, so one user's
@@ -207,9 +241,15 @@ class Scheduler(Unwatched):
 
     def info(self) -> dict:
         t = self.target
-        return {"model": t.name, "backend": t.backend, "template": t.template.name if t.template else None,
-                "draft": self.draft.name if self.draft else None, "context": t.max_len, "vocab": t.vocab_size,
-                "kv_budget_bytes": self.store.budget}
+        return {
+            "model": t.name,
+            "backend": t.backend,
+            "template": t.template.name if t.template else None,
+            "draft": self.draft.name if self.draft else None,
+            "context": t.max_len,
+            "vocab": t.vocab_size,
+            "kv_budget_bytes": self.store.budget,
+        }
 
     def counters(self) -> dict:
         return self.counts.snapshot()

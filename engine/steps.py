@@ -81,8 +81,16 @@ def request_steps(eng, request: CompletionRequest, stream: CompletionStream) -> 
         reuse, runs, shifted = docs.reuse(doc, plan, request.reuse)
         own = eng.passes.take_slot(doc)
         prefilled = sum(b - a for a, b in runs) if runs is not None else len(prompt) - reuse
-        decoder = SpeculativeDecoder(target.runtime, doc.target, target.stop_ids, opt, drafter, ngram,
-                                     heal if constrained else "", target.token_index if constrained else None)
+        decoder = SpeculativeDecoder(
+            target.runtime,
+            doc.target,
+            target.stop_ids,
+            opt,
+            drafter,
+            ngram,
+            heal if constrained else "",
+            target.token_index if constrained else None,
+        )
         decoder.host_tokens = own is not None  # slotted: blocks go to the device once per round
         if drafter is not None:
             drafter.bind(doc.draft, doc.draft_ids)
@@ -118,17 +126,29 @@ def request_steps(eng, request: CompletionRequest, stream: CompletionStream) -> 
         ngram.remember(decoder.output)
     t_end = time.perf_counter()
     s = decoder.stats
-    stats = {"prompt_tokens": len(prompt), "reused_tokens": len(prompt) - prefilled,
-             "prefilled_tokens": prefilled, "shifted_tokens": shifted, "truncated_tokens": plan.truncated,
-             "prompt_ms": (t_prompt - t0) * 1e3, "first_token_ms": (t_first - t0) * 1e3,
-             "total_ms": (t_end - t0) * 1e3, "new_tokens": len(decoder.output), "steps": s.steps,
-             "drafted": s.drafted, "accepted": s.accepted, "mean_accepted": s.mean_accepted,
-             "context_tokens": plan.context_tokens, "context_chunks": plan.context_chunks}
+    stats = {
+        "prompt_tokens": len(prompt),
+        "reused_tokens": len(prompt) - prefilled,
+        "prefilled_tokens": prefilled,
+        "shifted_tokens": shifted,
+        "truncated_tokens": plan.truncated,
+        "prompt_ms": (t_prompt - t0) * 1e3,
+        "first_token_ms": (t_first - t0) * 1e3,
+        "total_ms": (t_end - t0) * 1e3,
+        "new_tokens": len(decoder.output),
+        "steps": s.steps,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "mean_accepted": s.mean_accepted,
+        "context_tokens": plan.context_tokens,
+        "context_chunks": plan.context_chunks,
+    }
     eng.finish(stream, text[:shown], reason or "stop", len(decoder.output), stats)
 
 
-def _prefill(eng, decoder: SpeculativeDecoder, doc, prompt: list[int], pos: int, slotted: bool,
-             stream: CompletionStream) -> Generator[object, object, list[int] | None]:
+def _prefill(
+    eng, decoder: SpeculativeDecoder, doc, prompt: list[int], pos: int, slotted: bool, stream: CompletionStream
+) -> Generator[object, object, list[int] | None]:
     """The prompt from ``pos`` on, a chunk per pass while more than PREFILL_TAIL tokens are left, then the
     rest in the answer's own pass with the heal draft; its first tokens. None once ``stream`` is cancelled
     between two chunks (``doc`` then says what the cache holds)."""
@@ -157,8 +177,9 @@ def _prefill(eng, decoder: SpeculativeDecoder, doc, prompt: list[int], pos: int,
             return None
 
 
-def _decode(eng, decoder: SpeculativeDecoder, stream: CompletionStream, first: list[int], heal: str,
-            constrained: bool) -> Generator[object, object, tuple[str, int, str | None]]:
+def _decode(
+    eng, decoder: SpeculativeDecoder, stream: CompletionStream, first: list[int], heal: str, constrained: bool
+) -> Generator[object, object, tuple[str, int, str | None]]:
     """Stream text until a stop, the end of decoding or a cancel; (text, shown, reason).
 
     With the scheduler's ``overlap``, a step's text is streamed while the next step's pass runs (at STREAM_NOW);

@@ -49,14 +49,19 @@ def request_from_dict(d: dict) -> CompletionRequest:
     if "stop" in opts:
         opts["stop"] = tuple(opts["stop"])
     lines = d.get("segment_lines")
-    return CompletionRequest(prefix=d.get("prefix", ""), suffix=d.get("suffix", ""),
-                             options=DecodeOptions(**opts), document_id=d.get("document_id"),
-                             segment_lines=None if lines is None else [int(x) for x in lines],
-                             reuse=str(d.get("reuse", "exact")),
-                             truncate=bool(d.get("truncate", False)), heal=bool(d.get("heal", True)),
-                             cold_window=bool(d.get("cold_window", False)),
-                             background=bool(d.get("background", False)),
-                             context=_context(d.get("context")))
+    return CompletionRequest(
+        prefix=d.get("prefix", ""),
+        suffix=d.get("suffix", ""),
+        options=DecodeOptions(**opts),
+        document_id=d.get("document_id"),
+        segment_lines=None if lines is None else [int(x) for x in lines],
+        reuse=str(d.get("reuse", "exact")),
+        truncate=bool(d.get("truncate", False)),
+        heal=bool(d.get("heal", True)),
+        cold_window=bool(d.get("cold_window", False)),
+        background=bool(d.get("background", False)),
+        context=_context(d.get("context")),
+    )
 
 
 def _context(data: Any) -> dict | None:

@@ -53,15 +53,23 @@ def early_text(rem: str, done: bool, past_deadline: bool) -> str | None:
     if done:
         return rem.rstrip()
     if first_line_end(rem) != -1:
-        return rem[:rem.rfind("\n")].rstrip()  # complete lines only
+        return rem[: rem.rfind("\n")].rstrip()  # complete lines only
     if past_deadline and rem.strip():
         return rem
     return None
 
 
-async def wait_answer(gen: Generation, offset: int, deadline: float, at_end: bool,
-                      shows: Callable[[str], bool] | None = None, *, partial_ok: bool = True,
-                      host: EngineHost, stats: Stats) -> str:
+async def wait_answer(
+    gen: Generation,
+    offset: int,
+    deadline: float,
+    at_end: bool,
+    shows: Callable[[str], bool] | None = None,
+    *,
+    partial_ok: bool = True,
+    host: EngineHost,
+    stats: Stats,
+) -> str:
     """The text of ``gen`` past ``offset`` to answer with, once it is due (see the module's docstring).
 
     ``deadline``: earlyAnswerMs's end; ``at_end``: wait for the decode's end (answerAt "end");
@@ -75,7 +83,7 @@ async def wait_answer(gen: Generation, offset: int, deadline: float, at_end: boo
             # What it has (whole lines where fragments are not wanted and there are some); the decode goes
             # on. With nothing to show yet it waits on for the first text, up to two more budgets.
             rem = gen.text[offset:]
-            lines = "" if partial_ok else rem[:max(0, rem.rfind("\n"))]
+            lines = "" if partial_ok else rem[: max(0, rem.rfind("\n"))]
             if rem.strip() or now >= budget_end + 2 * REQUEST_BUDGET_S:
                 stats.count("request_budget_expired")
                 return (lines if lines.strip() else rem).rstrip()
@@ -100,4 +108,4 @@ def rebase(doc: Document, ctx: Context, text: str, stats: Stats) -> tuple[str, i
         stats.count("stale_dropped")
         return None
     stats.count("stale_rebased")
-    return text[len(typed):], len(typed), advance(*ctx.cursor, typed)
+    return text[len(typed) :], len(typed), advance(*ctx.cursor, typed)

@@ -67,8 +67,12 @@ def parse_change_steps(params: Any) -> Generator[None, None, Change | None]:
     if not isinstance(doc, dict) or not isinstance(changes, list):
         return None
     uri, version = doc.get("uri"), doc.get("version")
-    if not isinstance(uri, str) or not isinstance(version, int) or isinstance(version, bool) \
-            or not -2**31 <= version <= UINTEGER_MAX:
+    if (
+        not isinstance(uri, str)
+        or not isinstance(version, int)
+        or isinstance(version, bool)
+        or not -(2**31) <= version <= UINTEGER_MAX
+    ):
         return None
     edits: list[tuple[Span | None, str]] = []
     for i, item in enumerate(changes):

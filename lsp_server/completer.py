@@ -57,8 +57,14 @@ FOLLOW_UP_WITHIN_S = float(os.environ.get("FIMBLE_FOLLOW_UP_WITHIN_S", 1.5))
 
 
 class Completer:
-    def __init__(self, docs: DocumentStore, host: EngineHost, stats: Stats, telemetry: Telemetry,
-                 notify: Callable[[str, dict], None]):
+    def __init__(
+        self,
+        docs: DocumentStore,
+        host: EngineHost,
+        stats: Stats,
+        telemetry: Telemetry,
+        notify: Callable[[str, dict], None],
+    ):
         self.docs, self.host, self.stats, self.telemetry = docs, host, stats, telemetry
         self.streamer = DeltaStreamer(notify)
         self.typethrough = TypeThrough(stats, self.streamer)
@@ -67,8 +73,13 @@ class Completer:
         self._pumps: set[asyncio.Task] = set()
         # Other files' chunks before the prompt (lsp_server/context/): a ring per document, refreshed off the
         # keystroke path; a ring that changed is pre-warmed.
-        self.context = CrossFileContext(docs, stats, on_change=lambda doc, cursor, settings: self.schedule_prewarm(
-            doc, cursor, settings, delay_ms=0, exact=cursor is not None))
+        self.context = CrossFileContext(
+            docs,
+            stats,
+            on_change=lambda doc, cursor, settings: self.schedule_prewarm(
+                doc, cursor, settings, delay_ms=0, exact=cursor is not None
+            ),
+        )
         self.planner = Planner(docs, stats, self.context)
         self.warm = Prewarmer(docs, host, stats, self.planner, self.typethrough)
 
@@ -96,16 +107,23 @@ class Completer:
 
     # -- tables (for the bounded-growth check in fimble/stats) -------------------------------
     def tables(self) -> dict:
-        return {**self.typethrough.tables(), "subscriptions": len(self.streamer), "pumps": len(self._pumps),
-                "request_seq": len(self._seq), "last_edit": len(self._last_edit), **self.warm.tables(),
-                **self.context.tables()}
+        return {
+            **self.typethrough.tables(),
+            "subscriptions": len(self.streamer),
+            "pumps": len(self._pumps),
+            "request_seq": len(self._seq),
+            "last_edit": len(self._last_edit),
+            **self.warm.tables(),
+            **self.context.tables(),
+        }
 
     def pending_accounting(self) -> dict:
         return self.typethrough.pending_accounting()
 
     # -- the request: context -> type-through lookup -> plan -> submit -> stream -> finish ----
-    async def complete(self, doc: Document, cursor: tuple[int, int], settings: Settings,
-                       req: RequestInfo, *, stream: bool) -> Answer | None:
+    async def complete(
+        self, doc: Document, cursor: tuple[int, int], settings: Settings, req: RequestInfo, *, stream: bool
+    ) -> Answer | None:
         t_build = time.perf_counter()
         ctx = build_context(doc, cursor[0], cursor[1], settings.prefix_chars, settings.suffix_chars)  # context
         build_ms = (time.perf_counter() - t_build) * 1e3
@@ -131,9 +149,18 @@ class Completer:
         completion_id = self.telemetry.new_id()
         sub = None
         if stream:  # stream: deltas of the text so far, then of each change
-            sub = Subscription(gen, offset, req.request_id, req.token, completion_id, doc.uri, ctx.version,
-                               req.position, cached=cached, replace_end=stage.delta_replace_end(
-                                   doc, ctx, gen, offset, req.position, req.encoding))
+            sub = Subscription(
+                gen,
+                offset,
+                req.request_id,
+                req.token,
+                completion_id,
+                doc.uri,
+                ctx.version,
+                req.position,
+                cached=cached,
+                replace_end=stage.delta_replace_end(doc, ctx, gen, offset, req.position, req.encoding),
+            )
             self.streamer.subscribe(sub)
         text = await self._wait(doc, ctx, gen, offset, settings, req, sub)
         answer = self._finish(doc, ctx, gen, offset, text, completion_id, cached, req)  # finish
@@ -143,10 +170,19 @@ class Completer:
             self.stats.observe("cache_answer", (time.perf_counter() - req.t0) * 1e3)
         return answer
 
-    async def _wait(self, doc: Document, ctx: Context, gen: Generation, offset: int, settings: Settings,
-                    req: RequestInfo, sub: Subscription | None) -> str:
+    async def _wait(
+        self,
+        doc: Document,
+        ctx: Context,
+        gen: Generation,
+        offset: int,
+        settings: Settings,
+        req: RequestInfo,
+        sub: Subscription | None,
+    ) -> str:
         """The text to answer with, once due (lsp_server/answer.py). A cancelled request stops the decode
         unless another request or a stream uses it."""
+
         def shows(text: str) -> bool:
             """Whether an early answer shapes to something (else: wait for more text).
 
@@ -163,9 +199,16 @@ class Completer:
             gen.waiter_tasks.add(task)
         try:
             # An invoked request (the user asked) waits for whole lines or the decode's end: never a fragment.
-            return await wait_answer(gen, offset, req.t0 + settings.early_answer_ms / 1e3,
-                                     settings.answer_at == "end", shows, partial_ok=not req.invoked,
-                                     host=self.host, stats=self.stats)
+            return await wait_answer(
+                gen,
+                offset,
+                req.t0 + settings.early_answer_ms / 1e3,
+                settings.answer_at == "end",
+                shows,
+                partial_ok=not req.invoked,
+                host=self.host,
+                stats=self.stats,
+            )
         except asyncio.CancelledError:  # $/cancelRequest: stop the decode unless another request uses it
             self.stats.count("cancel_requests")
             if sub is not None:
@@ -177,8 +220,17 @@ class Completer:
             gen.waiting -= 1
             gen.waiter_tasks.discard(task)
 
-    def _finish(self, doc: Document, ctx: Context, gen: Generation, offset: int, text: str,
-                completion_id: str, cached: bool, req: RequestInfo) -> Answer | None:
+    def _finish(
+        self,
+        doc: Document,
+        ctx: Context,
+        gen: Generation,
+        offset: int,
+        text: str,
+        completion_id: str,
+        cached: bool,
+        req: RequestInfo,
+    ) -> Answer | None:
         """The answer at the document as it is now: re-based onto what was typed since, then shaped there."""
         if self.docs.get(doc.uri) is not doc:
             return None  # closed meanwhile
@@ -195,22 +247,31 @@ class Completer:
         return Answer(text, cursor, completion_id, cached, replace_cols)
 
     # -- decodes: submit and stream ----------------------------------------------------------
-    async def _start(self, ctx: Context, settings: Settings, t0: float, build_ms: float,
-                     plan: Plan) -> Generation | None:
+    async def _start(
+        self, ctx: Context, settings: Settings, t0: float, build_ms: float, plan: Plan
+    ) -> Generation | None:
         engine = await self.host.get(settings)
         if engine is None:
             self.stats.count("engine_unavailable")
             return None
         return self._submit(engine, ctx, settings, t0, build_ms, plan)
 
-    def _submit(self, engine: Any, ctx: Context, settings: Settings, t0: float, build_ms: float,
-                plan: Plan, background: bool = False) -> Generation:
+    def _submit(
+        self,
+        engine: Any,
+        ctx: Context,
+        settings: Settings,
+        t0: float,
+        build_ms: float,
+        plan: Plan,
+        background: bool = False,
+    ) -> Generation:
         if self.active is not None:
             self.active.cancel()  # one decode at a time: the newest request wins
         stream = engine.submit(self.planner.request(ctx, plan, settings, background))
         gen = Generation(ctx, stream, t0, build_ms)
         gen.shaper, gen.plan, gen.settings = plan.shaper, plan, settings
-        line_before = ctx.prefix[ctx.prefix.rfind("\n") + 1:]
+        line_before = ctx.prefix[ctx.prefix.rfind("\n") + 1 :]
         if indent.applies(line_before, ctx.suffix.split("\n", 1)[0]):
             gen.indent_fit = indent.IndentFit()  # no indentation added to the editor's (lsp_server/indent.py)
         self.typethrough.active = gen
@@ -307,8 +368,12 @@ class Completer:
         gap = now - self._last_edit.get(doc.uri, 0.0)
         if doc.uri in self._seq:  # only documents the editor asks completions for
             self._last_edit[doc.uri] = now
-            if cursor is not None and settings.prefetch and gap >= PREFETCH_MIN_GAP_S \
-                    and settings.enabled_for(doc.language_id):
+            if (
+                cursor is not None
+                and settings.prefetch
+                and gap >= PREFETCH_MIN_GAP_S
+                and settings.enabled_for(doc.language_id)
+            ):
                 self.warm.prefetch(doc, cursor, settings, self._submit)
 
     def hold(self, uri: str) -> None:
@@ -338,8 +403,15 @@ class Completer:
         if self.warm.needs_prewarm(doc, cursor):
             self.schedule_prewarm(doc, cursor, settings, exact=True)
 
-    def schedule_prewarm(self, doc: Document, cursor: tuple[int, int] | None, settings: Settings, *,
-                         delay_ms: int | None = None, exact: bool = False) -> None:
+    def schedule_prewarm(
+        self,
+        doc: Document,
+        cursor: tuple[int, int] | None,
+        settings: Settings,
+        *,
+        delay_ms: int | None = None,
+        exact: bool = False,
+    ) -> None:
         """A document event: the cross-file context's (off this path), then a pre-warm at ``cursor``
         (None: the document's end), debounced per document (lsp_server/prewarm.py, Prewarmer.schedule)."""
         self.context.touch(doc, cursor, settings)

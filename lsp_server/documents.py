@@ -99,7 +99,7 @@ def split_lines_steps(text: str) -> Generator[None, None, list[str]]:
         cut = text.find("\n", pos + SPLIT_CHUNK_CHARS)
         if cut < 0:
             break
-        piece = _split_piece(text[pos:cut + 1])
+        piece = _split_piece(text[pos : cut + 1])
         piece.pop()  # the empty line after its last break: the next piece starts there
         lines.extend(piece)
         pos = cut + 1
@@ -139,8 +139,12 @@ class SlicedParse:
     when the last is done, the edits made meanwhile are replayed onto the new trees (incrementally) and
     ``done`` gets them. A parser failure ends it without ``done``: the document stays plain text."""
 
-    def __init__(self, steps: Generator[None, None, SyntaxDocument], loop: asyncio.AbstractEventLoop,
-                 done: Callable[[SyntaxDocument | None], None]):
+    def __init__(
+        self,
+        steps: Generator[None, None, SyntaxDocument],
+        loop: asyncio.AbstractEventLoop,
+        done: Callable[[SyntaxDocument | None], None],
+    ):
         self.steps, self.loop, self.done = steps, loop, done
         self.replay: list[tuple[int, int, str]] = []  # (start byte, end byte, text) of each edit since
         self.handle: asyncio.Handle | None = loop.call_soon(self._slice)
@@ -305,7 +309,7 @@ class Document:
         if not col:
             return start
         end = buf.find(b"\n", start)
-        text = buf[start:len(buf) if end < 0 else end].decode("utf-8", errors="replace")
+        text = buf[start : len(buf) if end < 0 else end].decode("utf-8", errors="replace")
         return start + len(text[:col].encode("utf-8"))
 
     def _line_start(self, line: int) -> int | None:
@@ -358,7 +362,7 @@ class Document:
             return self.source
         pieces = []
         for i in range(0, len(self.lines), step):
-            pieces.append("".join(self.lines[i:i + step]))
+            pieces.append("".join(self.lines[i : i + step]))
             yield
         return "".join(pieces)
 
@@ -390,7 +394,7 @@ class Document:
         (l0, c0), (l1, c1) = start, end
         if l0 == l1:
             return self.lines[l0][c0:c1]
-        return self.lines[l0][c0:] + "".join(self.lines[l0 + 1:l1]) + self.lines[l1][:c1]
+        return self.lines[l0][c0:] + "".join(self.lines[l0 + 1 : l1]) + self.lines[l1][:c1]
 
     def text_from(self, start: tuple[int, int], n: int) -> str:
         """Up to ``n`` characters from ``start``."""
@@ -398,7 +402,7 @@ class Document:
         parts: list[str] = []
         got = 0
         while line < len(self.lines) and got < n:
-            piece = self.lines[line][col:col + n - got]
+            piece = self.lines[line][col : col + n - got]
             parts.append(piece)
             got += len(piece)
             line, col = line + 1, 0
@@ -409,8 +413,7 @@ class Document:
         """Replace the code-point range [start, end) with ``text``."""
         run_steps(self.apply_edit_steps(start, end, text))
 
-    def apply_edit_steps(self, start: tuple[int, int], end: tuple[int, int],
-                         text: str) -> Generator[None, None, None]:
+    def apply_edit_steps(self, start: tuple[int, int], end: tuple[int, int], text: str) -> Generator[None, None, None]:
         """``apply_edit`` in steps (it yields while splitting a large inserted text)."""
         if end < start:
             start, end = end, start
@@ -423,7 +426,7 @@ class Document:
         # A "\r" is a lone one (a "\n" in ``syntax``) or not by the char after it, so the syntax
         # edit also rewrites a "\r" just before the range, and reads the char just after it.
         cr_before = c0 == 0 and l0 > 0 and self.lines[l0 - 1].endswith("\r")
-        after = self.lines[l1][c1:c1 + 1] or (self.lines[l1 + 1][:1] if l1 + 1 < len(self.lines) else "")
+        after = self.lines[l1][c1 : c1 + 1] or (self.lines[l1 + 1][:1] if l1 + 1 < len(self.lines) else "")
         removed = len(self.text_between((l0, c0), (l1, c1)))
         head, tail = self.lines[l0][:c0], self.lines[l1][c1:]
         # Re-split a region that also covers a neighbouring lone "\r" when the edit puts a
@@ -432,16 +435,15 @@ class Document:
         if c0 == 0 and l0 > 0 and self.lines[l0 - 1].endswith("\r") and (text + tail).startswith("\n"):
             first -= 1
             head = self.lines[first]
-        if (head + text + tail).endswith("\r") and last + 1 < len(self.lines) \
-                and self.lines[last + 1].startswith("\n"):
+        if (head + text + tail).endswith("\r") and last + 1 < len(self.lines) and self.lines[last + 1].startswith("\n"):
             last += 1
             tail += self.lines[last]
         new_lines = yield from split_lines_steps(head + text + tail)
         if last + 1 < len(self.lines):
             new_lines.pop()  # the empty piece after the region's final line break: the next line starts there
         added = yield from _count_long_steps(new_lines)
-        self._long_lines += added - _count_long(self.lines[first:last + 1])
-        self.lines[first:last + 1] = new_lines
+        self._long_lines += added - _count_long(self.lines[first : last + 1])
+        self.lines[first : last + 1] = new_lines
         self.length += len(text) - removed
         self._move_window(first, l1, len(new_lines) - (last - first + 1))
         self._edits += 1
@@ -452,7 +454,7 @@ class Document:
                 yield from self._sync_all_steps(source)
             return
         new = "\r" + text if cr_before else text
-        edit = (b0 - cr_before, b1, syntax_text(new + after)[:len(new)])
+        edit = (b0 - cr_before, b1, syntax_text(new + after)[: len(new)])
         if self._anchor[1] > edit[0]:
             self._anchor = (0, 0)  # its line start moved, or its line count did: walk from the top again
         self.syntax.apply_edit(*edit)
@@ -487,7 +489,7 @@ def _count_long(lines: list[str]) -> int:
 def _count_long_steps(lines: list[str], step: int = 1 << 17) -> Generator[None, None, int]:
     n = 0
     for i in range(0, len(lines), step):
-        n += _count_long(lines[i:i + step])
+        n += _count_long(lines[i : i + step])
         if i + step < len(lines):
             yield
     return n

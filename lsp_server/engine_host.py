@@ -74,8 +74,13 @@ def _start(settings: Settings) -> Any:
         return open_remote(settings.engine_spec)
     from engine.process import EngineProcess  # imported here: pulls in torch (about a second)
 
-    return EngineProcess(settings.model, settings.draft, device=settings.device, no_draft=settings.no_draft,
-                         kv_budget_mb=settings.kv_cache_mb)
+    return EngineProcess(
+        settings.model,
+        settings.draft,
+        device=settings.device,
+        no_draft=settings.no_draft,
+        kv_budget_mb=settings.kv_cache_mb,
+    )
 
 
 def _set_threads(settings: Settings) -> None:
@@ -142,8 +147,14 @@ class SupervisedStream:
 
     def _retryable(self, got_text: bool) -> bool:
         engine = self._engine
-        return not (self.retried or got_text or self._cancelled or engine.alive() or engine.abandoned
-                    or self._host.state == "error")
+        return not (
+            self.retried
+            or got_text
+            or self._cancelled
+            or engine.alive()
+            or engine.abandoned
+            or self._host.state == "error"
+        )
 
     async def __aiter__(self):
         from engine.errors import FimbleError
@@ -198,8 +209,15 @@ class EngineHost:
         self._replacement_key: tuple | None = None
         self._rejected_key: tuple | None = None
         self._watching: Watch | None = None
-        self.supervision = {"deaths": 0, "stalls": 0, "stuck": 0, "gave_up": 0, "retried": 0,
-                            "start_deaths": 0, "busy_holds": 0}
+        self.supervision = {
+            "deaths": 0,
+            "stalls": 0,
+            "stuck": 0,
+            "gave_up": 0,
+            "retried": 0,
+            "start_deaths": 0,
+            "busy_holds": 0,
+        }
 
     def add_notice_listener(self, method: Callable[[str, str], None]) -> None:
         """``method`` (a bound method) hears of engine deaths, stalls, restarts and giving up."""
@@ -245,9 +263,15 @@ class EngineHost:
         return self._settings
 
     def info(self) -> dict:
-        return {"state": self.state, "error": self.error, "restarts": self.restarts, "supervision": self.supervision,
-                "pid": self._engine.pid if self._engine else None, "info": self._engine.info() if self._engine else {},
-                "replacing": self._replacement_key is not None}
+        return {
+            "state": self.state,
+            "error": self.error,
+            "restarts": self.restarts,
+            "supervision": self.supervision,
+            "pid": self._engine.pid if self._engine else None,
+            "info": self._engine.info() if self._engine else {},
+            "replacing": self._replacement_key is not None,
+        }
 
     def configure(self, settings: Settings) -> None:
         """Start (or restart) the engine if the model settings differ from the running one.
@@ -375,9 +399,13 @@ class EngineHost:
 
     def _watch_of(self, engine: Any) -> Watch:
         if self._watching is None or self._watching.engine is not engine:
-            limits = WatchLimits(stall_s=STALL_TIMEOUT_S, step_s=STEP_TIMEOUT_S,
-                                 prefill_s_per_token=PREFILL_S_PER_TOKEN, busy_ceiling_s=BUSY_CEILING_S,
-                                 ping_after_s=PING_AFTER_S)
+            limits = WatchLimits(
+                stall_s=STALL_TIMEOUT_S,
+                step_s=STEP_TIMEOUT_S,
+                prefill_s_per_token=PREFILL_S_PER_TOKEN,
+                busy_ceiling_s=BUSY_CEILING_S,
+                ping_after_s=PING_AFTER_S,
+            )
             self._watching = Watch(engine, limits, on_hold=self._held)
         return self._watching
 
@@ -424,9 +452,11 @@ class EngineHost:
             return
         if self._quick_failures > MAX_QUICK_FAILURES:
             self.supervision["gave_up"] += 1
-            self.error = (f"{what}; it failed {self._quick_failures} times in a row within "
-                          f"{QUICK_FAILURE_S:.0f} s of starting, so it is not restarted again. "
-                          "Check the server log, then change a model setting or restart the server")
+            self.error = (
+                f"{what}; it failed {self._quick_failures} times in a row within "
+                f"{QUICK_FAILURE_S:.0f} s of starting, so it is not restarted again. "
+                "Check the server log, then change a model setting or restart the server"
+            )
             self.notice("error", f"fimble: {self.error}")
             self._changed()
             return

@@ -43,13 +43,21 @@ class WatchLimits:
 class Watch:
     """One engine under watch. ``check()`` each tick: None (fine, or waiting on a busy engine) or a verdict."""
 
-    def __init__(self, engine: Any, limits: WatchLimits, *, clock: Callable[[], float] = time.monotonic,
-                 meter: CpuMeter | None = None, on_hold: Callable[[str, float], None] | None = None):
+    def __init__(
+        self,
+        engine: Any,
+        limits: WatchLimits,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        meter: CpuMeter | None = None,
+        on_hold: Callable[[str, float], None] | None = None,
+    ):
         self.engine, self.limits, self._clock, self._on_hold = engine, limits, clock, on_hold
         pid = engine.pid
         # A remote engine (no local pid) has no meter: messages alone decide, as before.
-        self.meter = meter if meter is not None else (
-            CpuMeter(pid, clock=clock) if isinstance(pid, int) and pid > 0 else None)
+        self.meter = (
+            meter if meter is not None else (CpuMeter(pid, clock=clock) if isinstance(pid, int) and pid > 0 else None)
+        )
         self._since = clock()  # watching since (again, after a late tick)
         self._ping_at: float | None = None  # the first ping not answered yet
         self._last_ping = float("-inf")

@@ -28,7 +28,7 @@ def follow_up_context(doc: Document, gen: Generation, prefix_chars: int, suffix_
     typed = typed_since(doc, gen.ctx)
     if typed is None or not gen.text.startswith(typed):
         return None
-    text = gen.text[len(typed):]
+    text = gen.text[len(typed) :]
     if not text.strip() or gen.ctx.window != doc.window:
         return None
     line, col = advance(*gen.ctx.cursor, typed)
@@ -36,9 +36,15 @@ def follow_up_context(doc: Document, gen: Generation, prefix_chars: int, suffix_
     replaced = gen.replace_cols or 0
     if len(prefix) > prefix_chars or col + replaced > len(doc.line_text(line)):
         return None
-    return Context(uri=doc.uri, version=doc.version, doc_length=doc.length + len(text) - replaced,
-                   window=gen.ctx.window, cursor=advance(line, col, text), prefix=prefix,
-                   suffix=suffix_text(doc, line, col + replaced, suffix_chars))
+    return Context(
+        uri=doc.uri,
+        version=doc.version,
+        doc_length=doc.length + len(text) - replaced,
+        window=gen.ctx.window,
+        cursor=advance(line, col, text),
+        prefix=prefix,
+        suffix=suffix_text(doc, line, col + replaced, suffix_chars),
+    )
 
 
 def follow_up_options(options: DecodeOptions) -> DecodeOptions:

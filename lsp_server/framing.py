@@ -62,8 +62,9 @@ async def read_opening(reader: asyncio.StreamReader) -> bytes | None:
     return head if any(o.startswith(head.lower()) for o in LSP_OPENINGS) else None
 
 
-async def read_frames(reader: asyncio.StreamReader, limits: Limits,
-                      opening: bytes = b"") -> AsyncIterator[bytes | FrameError]:
+async def read_frames(
+    reader: asyncio.StreamReader, limits: Limits, opening: bytes = b""
+) -> AsyncIterator[bytes | FrameError]:
     """Yield each message body, or a FrameError for each malformed frame; return at EOF.
 
     ``reader`` must have been made with ``limit=limits.max_header_line``; ``opening``: bytes already
@@ -116,7 +117,7 @@ async def read_frames(reader: asyncio.StreamReader, limits: Limits,
         if match is not None and match.start() > 0:
             # A header glued to the tail of a body whose Content-Length was too small (that
             # body was already answered as unparseable): a new frame starts here.
-            line = line[match.start():]
+            line = line[match.start() :]
             length, problem, oversized = None, None, 0
         name, sep, value = line.partition(b":")
         if not sep:

@@ -51,7 +51,7 @@ class IndentFit:
                 self.extra = len(pending)
                 keep = ""
             else:
-                keep = pending[self.extra:] if len(pending) >= self.extra else pending
+                keep = pending[self.extra :] if len(pending) >= self.extra else pending
             self.dropped += len(pending) - len(keep)
             out.append(keep + ch)
             self._at_line_start = False

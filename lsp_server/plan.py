@@ -53,8 +53,7 @@ class PolicySkipped(Exception):
 
 def fixed_options(settings: Settings) -> DecodeOptions:
     """The options without the syntax policy: the settings alone."""
-    return DecodeOptions(max_tokens=max(1, settings.max_tokens), drafter=settings.drafter,
-                         max_lines=settings.max_lines)
+    return DecodeOptions(max_tokens=max(1, settings.max_tokens), drafter=settings.drafter, max_lines=settings.max_lines)
 
 
 def plan_at(doc: Document, cursor: tuple[int, int], settings: Settings, *, shaped: bool = True) -> Plan:
@@ -69,9 +68,11 @@ def plan_at(doc: Document, cursor: tuple[int, int], settings: Settings, *, shape
     byte = doc.byte_offset(*cursor)
     cursor_ctx = classify(doc.syntax, byte)
     decision = decide(doc.syntax, byte, doc.language_id, settings.policy, context=cursor_ctx)
-    opts = decision.to_options(drafter=settings.drafter,
-                               max_tokens=min(decision.max_tokens, max(1, settings.max_tokens)),
-                               max_lines=cap_line_limit(decision.line_limit, settings.max_lines))
+    opts = decision.to_options(
+        drafter=settings.drafter,
+        max_tokens=min(decision.max_tokens, max(1, settings.max_tokens)),
+        max_lines=cap_line_limit(decision.line_limit, settings.max_lines),
+    )
     shaper = stage.decode_shaper(doc, byte, cursor_ctx) if shaped else None
     return Plan(opts, shaper, None, decision)
 
@@ -88,8 +89,9 @@ class Planner:
         """The document's key in the engine: its URI, under the session's namespace when shared."""
         return f"{self.engine_ns}\x00{uri}" if self.engine_ns else uri
 
-    def plan(self, doc: Document, ctx: Context, settings: Settings, *,
-             prefetch: bool = False, prewarm: bool = False) -> Plan:
+    def plan(
+        self, doc: Document, ctx: Context, settings: Settings, *, prefetch: bool = False, prewarm: bool = False
+    ) -> Plan:
         """The plan for a decode at ``ctx``'s cursor: options, shaper, segment lines.
 
         Call it while ``doc`` is at ``ctx.version``. A ``prewarm`` plan has no shaper and is not
@@ -114,10 +116,17 @@ class Planner:
             return plan
         decision = plan.decision
         assert decision is not None
-        self.last_policy = {"uri": ctx.uri, "version": ctx.version, "cursor": list(ctx.cursor),
-                            "language": doc.syntax.language_id, "context": decision.context,
-                            "midLine": decision.mid_line, "plainText": decision.plain_text, "prefetch": prefetch,
-                            "options": dataclasses.asdict(plan.options)}
+        self.last_policy = {
+            "uri": ctx.uri,
+            "version": ctx.version,
+            "cursor": list(ctx.cursor),
+            "language": doc.syntax.language_id,
+            "context": decision.context,
+            "midLine": decision.mid_line,
+            "plainText": decision.plain_text,
+            "prefetch": prefetch,
+            "options": dataclasses.asdict(plan.options),
+        }
         self.stats.count(f"policy_{decision.context}")
         return plan
 
@@ -133,8 +142,16 @@ class Planner:
         """The engine request for ``ctx``: one code path for completions, prefetches, follow-ups and pre-warms."""
         from engine.api import CompletionRequest  # loaded by the engine host already
 
-        return CompletionRequest(clean(ctx.prefix), clean(ctx.suffix), options=plan.options,
-                                 document_id=self.engine_doc_id(ctx.uri),
-                                 segment_lines=plan.segment_lines, reuse=settings.reuse, truncate=True,
-                                 heal=settings.token_healing, cold_window=True, background=background,
-                                 context=self.context.for_request(ctx.uri, self.docs.get(ctx.uri), settings))
+        return CompletionRequest(
+            clean(ctx.prefix),
+            clean(ctx.suffix),
+            options=plan.options,
+            document_id=self.engine_doc_id(ctx.uri),
+            segment_lines=plan.segment_lines,
+            reuse=settings.reuse,
+            truncate=True,
+            heal=settings.token_healing,
+            cold_window=True,
+            background=background,
+            context=self.context.for_request(ctx.uri, self.docs.get(ctx.uri), settings),
+        )

@@ -45,8 +45,7 @@ def clamp(doc: Document, cursor: tuple[int, int] | None) -> tuple[int, int]:
 
 
 class Prewarmer:
-    def __init__(self, docs: DocumentStore, host: EngineHost, stats: Stats, planner: Planner,
-                 typethrough: TypeThrough):
+    def __init__(self, docs: DocumentStore, host: EngineHost, stats: Stats, planner: Planner, typethrough: TypeThrough):
         self.docs, self.host, self.stats, self.planner, self.typethrough = docs, host, stats, planner, typethrough
         # Pending pre-warms by URI: a timer (debounce), or a task waiting for the engine to start.
         self._pending: dict[str, asyncio.TimerHandle | asyncio.Task] = {}
@@ -98,8 +97,15 @@ class Prewarmer:
             return False
         return True
 
-    def schedule(self, doc: Document, cursor: tuple[int, int] | None, settings: Settings, *,
-                 delay_ms: int | None = None, exact: bool = False) -> None:
+    def schedule(
+        self,
+        doc: Document,
+        cursor: tuple[int, int] | None,
+        settings: Settings,
+        *,
+        delay_ms: int | None = None,
+        exact: bool = False,
+    ) -> None:
         """Pre-warm ``doc``'s KV cache for a completion at ``cursor`` (None: the document's end).
 
         Runs ``delay_ms`` (default: prewarmDelayMs) from now, debounced per document: the next
@@ -121,14 +127,16 @@ class Prewarmer:
         delay = settings.prewarm_delay_ms if delay_ms is None else delay_ms
         cursor = clamp(doc, cursor)
         self._pending[doc.uri] = asyncio.get_running_loop().call_later(
-            delay / 1e3, self._due, doc.uri, cursor, settings, exact)
+            delay / 1e3, self._due, doc.uri, cursor, settings, exact
+        )
         self._warm_at[doc.uri] = (doc.version, cursor)
 
     def _due(self, uri: str, cursor: tuple[int, int], settings: Settings, exact: bool) -> None:
         self._pending.pop(uri, None)
         if self.planner.context.pending:  # its ring may change the prompt's head: pre-warm the prompt it leads to
             self._pending[uri] = asyncio.get_running_loop().call_later(
-                CONTEXT_WAIT_S, self._due, uri, cursor, settings, exact)
+                CONTEXT_WAIT_S, self._due, uri, cursor, settings, exact
+            )
             return
         engine = self.host.ready_engine()
         if engine is not None:
@@ -140,6 +148,7 @@ class Prewarmer:
             def done(t: asyncio.Task, uri: str = uri) -> None:
                 if self._pending.get(uri) is t:
                     del self._pending[uri]
+
             task.add_done_callback(done)
 
     async def _when_ready(self, uri: str, cursor: tuple[int, int], settings: Settings, exact: bool) -> None:
@@ -154,8 +163,9 @@ class Prewarmer:
         if exact:
             skip = self._warm_at.get(uri) != (doc.version, cursor)  # a decode elsewhere since: the user is there
         else:  # a decode at this version already filled the cache
-            skip = any(g.ctx.version == doc.version and g.t_first is not None
-                       for g in self.typethrough.generations(uri))
+            skip = any(
+                g.ctx.version == doc.version and g.t_first is not None for g in self.typethrough.generations(uri)
+            )
         if skip:
             self.stats.count("prewarms_skipped")
             return

@@ -71,7 +71,7 @@ def _prefix(doc: Document, window: tuple[int, int], line: int, col: int, limit: 
 
 def suffix_text(doc: Document, line: int, col: int, limit: int) -> str:
     """The rest of the cursor's line and whole following lines, up to ``limit`` characters."""
-    first = doc.lines[line][col:col + limit]
+    first = doc.lines[line][col : col + limit]
     parts = [first]
     total = len(first)
     for i in range(line + 1, len(doc.lines)):
@@ -89,8 +89,15 @@ def build_context(doc: Document, line: int, col: int, prefix_chars: int, suffix_
     if prefix is None:
         doc.window = _choose_window(doc, line, col, prefix_chars // 2)
         prefix = _prefix(doc, doc.window, line, col, prefix_chars) or ""
-    return Context(uri=doc.uri, version=doc.version, doc_length=doc.length, window=doc.window,
-                   cursor=(line, col), prefix=prefix, suffix=suffix_text(doc, line, col, suffix_chars))
+    return Context(
+        uri=doc.uri,
+        version=doc.version,
+        doc_length=doc.length,
+        window=doc.window,
+        cursor=(line, col),
+        prefix=prefix,
+        suffix=suffix_text(doc, line, col, suffix_chars),
+    )
 
 
 def typed_since(doc: Document, ctx: Context) -> str | None:
@@ -106,4 +113,4 @@ def typed_since(doc: Document, ctx: Context) -> str | None:
     cur = doc.text_from(ctx.window, n + delta + len(ctx.suffix))
     if len(cur) != n + delta + len(ctx.suffix) or not cur.startswith(ctx.prefix) or not cur.endswith(ctx.suffix):
         return None
-    return cur[n:n + delta]
+    return cur[n : n + delta]

@@ -188,8 +188,13 @@ class FimbleProtocol(LanguageServerProtocol):
         if stats is not None:
             stats.count("dropped_messages")
         if n <= LOGGED_PER_KIND:
-            log.warning("%s%s", what, " (further ones are counted in fimble/stats, and logged at 10, 100, 1000, ...)"
-                        if n == LOGGED_PER_KIND else "")
+            log.warning(
+                "%s%s",
+                what,
+                " (further ones are counted in fimble/stats, and logged at 10, 100, 1000, ...)"
+                if n == LOGGED_PER_KIND
+                else "",
+            )
         elif n >= 10 and str(n).rstrip("0") == "1":
             log.warning("%s: %d in this session", what, n)
 
@@ -236,8 +241,9 @@ class FimbleProtocol(LanguageServerProtocol):
             self.send_error(None, PARSE_ERROR, "Parse error: the message is not valid JSON")
         elif isinstance(data, list):
             # LSP has no batches. JSON-RPC 2.0 lets us answer one: an error per element.
-            errors = [_error(_id_of(item), INVALID_REQUEST, "Invalid Request: batches are not supported")
-                      for item in data] or [_error(None, INVALID_REQUEST, "Invalid Request: empty batch")]
+            errors = [
+                _error(_id_of(item), INVALID_REQUEST, "Invalid Request: batches are not supported") for item in data
+            ] or [_error(None, INVALID_REQUEST, "Invalid Request: empty batch")]
             self._send_data(errors)
         else:
             try:
@@ -310,8 +316,10 @@ class FimbleProtocol(LanguageServerProtocol):
     def _send_response(self, msg_id: Any, result: Any = None, error: Any = None) -> None:  # type: ignore[override]
         """Error responses lose pygls' traceback and exception text: those go to the log only."""
         if error is not None and (error.code == JsonRpcInternalError.CODE or error.data is not None):
-            error = types.ResponseError(code=error.code, message=INTERNAL_ERROR_MESSAGE
-                                        if error.code == JsonRpcInternalError.CODE else error.message)
+            error = types.ResponseError(
+                code=error.code,
+                message=INTERNAL_ERROR_MESSAGE if error.code == JsonRpcInternalError.CODE else error.message,
+            )
         super()._send_response(msg_id, result, error)
 
     def _execute_handler(self, msg_id, handler, callback, args=None, kwargs=None):  # type: ignore[override]

@@ -17,8 +17,20 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 
 # A top-level node starts a logical block when its type names a definition ...
-_BLOCK_WORDS = ("function", "class", "method", "definition", "impl", "struct", "interface", "enum", "module",
-                "declaration", "trait", "namespace")
+_BLOCK_WORDS = (
+    "function",
+    "class",
+    "method",
+    "definition",
+    "impl",
+    "struct",
+    "interface",
+    "enum",
+    "module",
+    "declaration",
+    "trait",
+    "namespace",
+)
 # ... and is not one of these (imports and comments belong to whatever follows them).
 _NOT_BLOCK_WORDS = ("import", "comment", "expression", "package")
 _NOT_BLOCK_TYPES = frozenset({"use_declaration", "using_declaration"})  # Rust / C++ imports

@@ -44,16 +44,30 @@ class FimbleServer(LanguageServer):
     this session's documents reach the engine under ``session_id`` (Completer.engine_doc_id).
     """
 
-    def __init__(self, defaults: Settings | None = None, host: EngineHost | None = None, *,
-                 session_id: str = "", debug: bool = False):
-        super().__init__("fimble", VERSION, protocol_cls=FimbleProtocol,
-                         text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
+    def __init__(
+        self,
+        defaults: Settings | None = None,
+        host: EngineHost | None = None,
+        *,
+        session_id: str = "",
+        debug: bool = False,
+    ):
+        super().__init__(
+            "fimble",
+            VERSION,
+            protocol_cls=FimbleProtocol,
+            text_document_sync_kind=types.TextDocumentSyncKind.Incremental,
+        )
         self.docs = DocumentStore()
         self.shared_engine = host is not None
         self.host = host or EngineHost()
-        self.model = SessionModel(defaults or Settings.from_env(), self.host, shared_engine=self.shared_engine,
-                                  show=lambda kind, text: self.window_show_message(types.ShowMessageParams(kind, text)),
-                                  notify=self.protocol.notify)
+        self.model = SessionModel(
+            defaults or Settings.from_env(),
+            self.host,
+            shared_engine=self.shared_engine,
+            show=lambda kind, text: self.window_show_message(types.ShowMessageParams(kind, text)),
+            notify=self.protocol.notify,
+        )
         self.session_id = session_id
         self.debug = debug  # fimble/debug/document answers only then
         self.closer: Callable[[int], None] | None = None  # set by the transport: ends this session
@@ -90,8 +104,11 @@ class FimbleServer(LanguageServer):
             self.stats.count("language_disabled")
             if doc.language_id not in self._skipped_languages:
                 self._skipped_languages.add(doc.language_id)
-                log.info("no completions for language %r: not in the enabled languages %s (setting `languages`)",
-                         doc.language_id, list(self.settings.effective_languages or ()))
+                log.info(
+                    "no completions for language %r: not in the enabled languages %s (setting `languages`)",
+                    doc.language_id,
+                    list(self.settings.effective_languages or ()),
+                )
             return None
         try:
             return doc, doc.to_cp(pos.line, pos.character, self.encoding)
@@ -105,8 +122,9 @@ class FimbleServer(LanguageServer):
         pos = params.get("position") if isinstance(params, dict) else None
         uri = td.get("uri") if isinstance(td, dict) else None
         line, char = (pos.get("line"), pos.get("character")) if isinstance(pos, dict) else (None, None)
-        if not isinstance(uri, str) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                                               for v in (line, char)):
+        if not isinstance(uri, str) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (line, char)
+        ):
             self.protocol.log_dropped("cursor", f"{CURSOR_METHOD}: bad params ignored")
             self.stats.count("cursor_invalid")
             return None
@@ -158,8 +176,11 @@ class FimbleServer(LanguageServer):
         log.error("internal error (%s): %s", getattr(source, "__name__", source), type(error).__name__)
         if type(error).__name__ not in self._reported_internal:
             self._reported_internal.add(type(error).__name__)  # once each: every keystroke would be noise
-            self.window_show_message(types.ShowMessageParams(
-                types.MessageType.Error, "fimble: internal error (details are in the server log)"))
+            self.window_show_message(
+                types.ShowMessageParams(
+                    types.MessageType.Error, "fimble: internal error (details are in the server log)"
+                )
+            )
 
     def end_session(self, code: int) -> None:
         """`exit`: the transport closes this session (stdio: the process ends with ``code``)."""
@@ -182,8 +203,9 @@ class FimbleServer(LanguageServer):
     def _change_steps(self, params: Any, heavy: bool) -> Generator[None, None, None]:
         change = yield from parse_change_steps(params)
         if change is None:
-            self.protocol.log_dropped("didChange", "dropped a textDocument/didChange message whose params do not "
-                                                   "fit the LSP types")
+            self.protocol.log_dropped(
+                "didChange", "dropped a textDocument/didChange message whose params do not fit the LSP types"
+            )
             return
         doc = self.docs.get(change.uri)
         if doc is None:
@@ -226,8 +248,12 @@ class FimbleServer(LanguageServer):
         """A document over MAX_DOCUMENT_CHARS is not kept: say so once a session, count every one."""
         self.stats.count("documents_too_large")
         if self.stats.counters["documents_too_large"] == 1:
-            self.window_show_message(types.ShowMessageParams(
-                types.MessageType.Info, f"fimble: no completions in documents over {MAX_DOCUMENT_CHARS:,} characters"))
+            self.window_show_message(
+                types.ShowMessageParams(
+                    types.MessageType.Info,
+                    f"fimble: no completions in documents over {MAX_DOCUMENT_CHARS:,} characters",
+                )
+            )
         log.info("a document over %d characters is not kept", MAX_DOCUMENT_CHARS)
 
     def close_session(self) -> None:
@@ -242,15 +268,22 @@ class FimbleServer(LanguageServer):
         for future in list(self.protocol._request_futures.values()):
             future.cancel()
 
-    async def answer(self, uri: str, pos: types.Position, token: Any, invoked: bool, *,
-                     stream: bool) -> tuple[Document, Answer] | None:
+    async def answer(
+        self, uri: str, pos: types.Position, token: Any, invoked: bool, *, stream: bool
+    ) -> tuple[Document, Answer] | None:
         t0 = time.perf_counter()
         target = self.cursor(uri, pos)
         if target is None:
             return None
         doc, cursor = target
-        req = RequestInfo(self.protocol.msg_id, token, {"line": pos.line, "character": pos.character}, t0, invoked,
-                          encoding=self.encoding)
+        req = RequestInfo(
+            self.protocol.msg_id,
+            token,
+            {"line": pos.line, "character": pos.character},
+            t0,
+            invoked,
+            encoding=self.encoding,
+        )
         answer = await self.completer.complete(doc, cursor, self.settings, req, stream=stream)
         self.model.report_engine_error()
         if answer is not None and self.model.first_latency_ms is None and self.host.state == "ready":
@@ -259,8 +292,9 @@ class FimbleServer(LanguageServer):
         return None if answer is None else (doc, answer)
 
 
-def create_server(defaults: Settings | None = None, host: EngineHost | None = None, *, session_id: str = "",
-                  debug: bool = False) -> FimbleServer:
+def create_server(
+    defaults: Settings | None = None, host: EngineHost | None = None, *, session_id: str = "", debug: bool = False
+) -> FimbleServer:
     ls = FimbleServer(defaults, host, session_id=session_id, debug=debug)
     _register(ls)
     return ls
@@ -268,6 +302,7 @@ def create_server(defaults: Settings | None = None, host: EngineHost | None = No
 
 def _register(ls: FimbleServer) -> None:
     """Every handler takes the server as ``ls`` (pygls injects it by that name)."""
+
     @ls.feature(types.INITIALIZE)
     def initialize(ls: FimbleServer, params: types.InitializeParams) -> None:
         ls.apply_settings(params.initialization_options)
@@ -335,23 +370,25 @@ def _register(ls: FimbleServer) -> None:
     async def inline_completion(ls: FimbleServer, params: types.InlineCompletionParams) -> types.InlineCompletionList:
         ls.stats.count("requests_inline")
         invoked = params.context.trigger_kind == types.InlineCompletionTriggerKind.Invoked
-        got = await ls.answer(params.text_document.uri, params.position, params.work_done_token, invoked,
-                              stream=ls.settings.streaming)
+        got = await ls.answer(
+            params.text_document.uri, params.position, params.work_done_token, invoked, stream=ls.settings.streaming
+        )
         if got is None:
             return types.InlineCompletionList(items=[])
         doc, answer = got
         pos = ls.client_position(doc, answer.cursor)
         item = types.InlineCompletionItem(
-            insert_text=answer.text, range=types.Range(pos, ls.replace_end(doc, answer)),
-            command=types.Command(title="Accept completion", command=ACCEPT_COMMAND, arguments=[answer.completion_id]))
+            insert_text=answer.text,
+            range=types.Range(pos, ls.replace_end(doc, answer)),
+            command=types.Command(title="Accept completion", command=ACCEPT_COMMAND, arguments=[answer.completion_id]),
+        )
         return types.InlineCompletionList(items=[item])
 
     @ls.feature(types.TEXT_DOCUMENT_COMPLETION, types.CompletionOptions(resolve_provider=False))
     async def completion(ls: FimbleServer, params: types.CompletionParams) -> types.CompletionList:
         ls.stats.count("requests_completion")
         invoked = params.context is None or params.context.trigger_kind == types.CompletionTriggerKind.Invoked
-        got = await ls.answer(params.text_document.uri, params.position, params.work_done_token, invoked,
-                              stream=False)
+        got = await ls.answer(params.text_document.uri, params.position, params.work_done_token, invoked, stream=False)
         if got is None:
             return types.CompletionList(is_incomplete=True, items=[])
         doc, answer = got
@@ -363,10 +400,15 @@ def _register(ls: FimbleServer) -> None:
         new_text = word + answer.text
         label = new_text.strip().splitlines()[0][:80] if new_text.strip() else new_text
         item = types.CompletionItem(
-            label=label, kind=types.CompletionItemKind.Text, detail="fimble", sort_text="0", filter_text=new_text,
+            label=label,
+            kind=types.CompletionItemKind.Text,
+            detail="fimble",
+            sort_text="0",
+            filter_text=new_text,
             insert_text_format=types.InsertTextFormat.PlainText,
             text_edit=types.TextEdit(range=types.Range(start, end), new_text=new_text),
-            command=types.Command(title="Accept completion", command=ACCEPT_COMMAND, arguments=[answer.completion_id]))
+            command=types.Command(title="Accept completion", command=ACCEPT_COMMAND, arguments=[answer.completion_id]),
+        )
         # Incomplete: the client asks again as the user types, and type-through answers that.
         return types.CompletionList(is_incomplete=True, items=[item])
 
@@ -393,16 +435,26 @@ def _register(ls: FimbleServer) -> None:
         snap["tokens"] = {k: ls.stats.counters[k] for k in ("tokens_generated", "tokens_shown", "tokens_never_shown")}
         snap["tokens"].update(ls.completer.pending_accounting())
         snap["tables"] = {
-            "documents": len(ls.docs), "pygls_request_futures": len(ls.protocol._request_futures),
-            "pygls_result_types": len(ls.protocol._result_types), "telemetry_items": len(ls.telemetry),
-            "asyncio_tasks": len(asyncio.all_tasks()), **ls.completer.tables(),
+            "documents": len(ls.docs),
+            "pygls_request_futures": len(ls.protocol._request_futures),
+            "pygls_result_types": len(ls.protocol._result_types),
+            "telemetry_items": len(ls.telemetry),
+            "asyncio_tasks": len(asyncio.all_tasks()),
+            **ls.completer.tables(),
         }
-        snap["settings"] = {"streaming": ls.settings.streaming, "maxLines": ls.settings.max_lines,
-                            "maxTokens": ls.settings.max_tokens, "model": ls.settings.model,
-                            "encoding": ls.encoding, "policy": ls.settings.policy,
-                            "kvCacheMB": ls.settings.kv_cache_mb, "kvShiftReuse": ls.settings.kv_shift_reuse,
-                            "prewarm": ls.settings.prewarm, "prewarmDelayMs": ls.settings.prewarm_delay_ms,
-                            "languages": None if (langs := ls.settings.effective_languages) is None else list(langs)}
+        snap["settings"] = {
+            "streaming": ls.settings.streaming,
+            "maxLines": ls.settings.max_lines,
+            "maxTokens": ls.settings.max_tokens,
+            "model": ls.settings.model,
+            "encoding": ls.encoding,
+            "policy": ls.settings.policy,
+            "kvCacheMB": ls.settings.kv_cache_mb,
+            "kvShiftReuse": ls.settings.kv_shift_reuse,
+            "prewarm": ls.settings.prewarm,
+            "prewarmDelayMs": ls.settings.prewarm_delay_ms,
+            "languages": None if (langs := ls.settings.effective_languages) is None else list(langs),
+        }
         snap["lastPolicy"] = ls.completer.last_policy
         snap["pacing"] = {"deferred": ls.pacer.deferred, "paused": ls.pacer.paused}  # lsp_server/pacing.py
         if ls.peers is not None:  # all sessions of this listener: counts only, nothing of their content
@@ -415,8 +467,13 @@ def _register(ls: FimbleServer) -> None:
         doc = ls.docs.get(uri) if isinstance(uri, str) else None
         if doc is None:
             return None
-        return {"uri": doc.uri, "version": doc.version, "text": doc.source, "lines": len(doc.lines),
-                "length": doc.length}
+        return {
+            "uri": doc.uri,
+            "version": doc.version,
+            "text": doc.source,
+            "lines": len(doc.lines),
+            "length": doc.length,
+        }
 
     def debug_context(ls: FimbleServer, params: Any) -> list[dict]:
         """Each document's cross-file context ring: where its chunks come from (lsp_server/context/)."""

@@ -26,8 +26,15 @@ STATUS_METHOD = "fimble/status"
 
 
 class SessionModel:
-    def __init__(self, defaults: Settings, host: EngineHost, *, shared_engine: bool,
-                 show: Callable[[types.MessageType, str], None], notify: Callable[[str, dict], None]):
+    def __init__(
+        self,
+        defaults: Settings,
+        host: EngineHost,
+        *,
+        shared_engine: bool,
+        show: Callable[[types.MessageType, str], None],
+        notify: Callable[[str, dict], None],
+    ):
         self.defaults = defaults  # CLI flags / environment
         self.settings = defaults
         self.host = host
@@ -73,11 +80,20 @@ class SessionModel:
         """fimble/status's params: the engine's state for the editor's status line."""
         state = {"starting": "loading"}.get(self.host.state, self.host.state)
         error = (self.public_engine_error() or "unknown error").splitlines()[0][:300] if state == "error" else None
-        message = {"loading": f"loading model {self.model_name}", "ready": f"model {self.model_name} ready",
-                   "stopped": "model not loaded yet", "error": error}[state]
+        message = {
+            "loading": f"loading model {self.model_name}",
+            "ready": f"model {self.model_name} ready",
+            "stopped": "model not loaded yet",
+            "error": error,
+        }[state]
         langs = self.settings.effective_languages
-        return {"state": state, "message": message, "model": self.model_name,
-                "languages": None if langs is None else list(langs), "firstLatencyMs": self.first_latency_ms}
+        return {
+            "state": state,
+            "message": message,
+            "model": self.model_name,
+            "languages": None if langs is None else list(langs),
+            "firstLatencyMs": self.first_latency_ms,
+        }
 
     def publish_status(self) -> None:
         """Send fimble/status if the client is initialized and what it says changed."""
@@ -98,14 +114,25 @@ class SessionModel:
         oracle of which paths exist on its machine (the CLI's own messages stay specific).
         """
         if self.shared_engine and s.engine_key() != self.settings.engine_key():
-            problems.append("model, draft, noDraft, device, engineThreads, kvCacheMB: set by the server's "
-                            "command line while it serves several connections; keeping them")
-            return dataclasses.replace(s, **{k: getattr(self.settings, k) for k in (
-                "model", "draft", "no_draft", "device", "engine_threads", "kv_cache_mb")})
+            problems.append(
+                "model, draft, noDraft, device, engineThreads, kvCacheMB: set by the server's "
+                "command line while it serves several connections; keeping them"
+            )
+            return dataclasses.replace(
+                s,
+                **{
+                    k: getattr(self.settings, k)
+                    for k in ("model", "draft", "no_draft", "device", "engine_threads", "kv_cache_mb")
+                },
+            )
         for key, attr in (("model", "model"), ("draft", "draft")):
             path = getattr(s, attr)
-            if path and path != getattr(self.settings, attr) and path != getattr(self.defaults, attr) \
-                    and not usable_model_folder(path):
+            if (
+                path
+                and path != getattr(self.settings, attr)
+                and path != getattr(self.defaults, attr)
+                and not usable_model_folder(path)
+            ):
                 problems.append(f"{key}: {MODEL_UNUSABLE}")
                 s = dataclasses.replace(s, **{attr: getattr(self.settings, attr)})
         return s
@@ -114,15 +141,19 @@ class SessionModel:
         """The engine's error as a client may see it (see _checked_engine_settings)."""
         if not self.host.error:
             return None
-        if (self.settings.model or None) != (self.defaults.model or None) or \
-                (self.settings.draft or None) != (self.defaults.draft or None):
+        if (self.settings.model or None) != (self.defaults.model or None) or (self.settings.draft or None) != (
+            self.defaults.draft or None
+        ):
             return MODEL_UNUSABLE  # a folder the client chose: the details are in the log
         return self.host.error
 
     def engine_notice(self, level: str, message: str) -> None:
         """The engine host's supervision news, shown as it happens (lsp_server/engine_host.py)."""
-        kinds = {"error": types.MessageType.Error, "warning": types.MessageType.Warning,
-                 "rejected": types.MessageType.Error}
+        kinds = {
+            "error": types.MessageType.Error,
+            "warning": types.MessageType.Warning,
+            "rejected": types.MessageType.Error,
+        }
         kind = kinds.get(level, types.MessageType.Info)
         if level == "rejected":
             message = self._rejected_settings(message)
@@ -142,12 +173,15 @@ class SessionModel:
             self.model_name = info.name
             self.settings = dataclasses.replace(self.settings, model_languages=info.languages)
             self.publish_status()
-        chosen = (self.settings.model or None) != (self.defaults.model or None) or \
-            (self.settings.draft or None) != (self.defaults.draft or None)
+        chosen = (self.settings.model or None) != (self.defaults.model or None) or (self.settings.draft or None) != (
+            self.defaults.draft or None
+        )
         if chosen and not reason.startswith(("device ", "unknown device")):
             reason = MODEL_UNUSABLE
-        return f"fimble: the new model settings did not load ({reason.splitlines()[0][:300]}); " \
-               f"keeping the model that was running ({self.model_name})"
+        return (
+            f"fimble: the new model settings did not load ({reason.splitlines()[0][:300]}); "
+            f"keeping the model that was running ({self.model_name})"
+        )
 
     def report_engine_error(self) -> None:
         """Tell the user once per distinct engine error (every keystroke would be noise)."""

@@ -19,14 +19,32 @@ from lsp_server.shaping.policy import check_overrides  # no torch
 log = logging.getLogger(__name__)
 
 _WIRE = {  # wire name -> attribute
-    "model": "model", "draft": "draft", "noDraft": "no_draft", "device": "device", "drafter": "drafter",
-    "maxLines": "max_lines", "maxTokens": "max_tokens", "debounceMs": "debounce_ms",
-    "earlyAnswerMs": "early_answer_ms", "enable": "enable", "streaming": "streaming",
-    "prefixChars": "prefix_chars", "suffixChars": "suffix_chars", "preload": "preload", "answerAt": "answer_at",
-    "engineThreads": "engine_threads", "prefetch": "prefetch", "tokenHealing": "token_healing",
-    "policy": "policy", "kvCacheMB": "kv_cache_mb", "kvShiftReuse": "kv_shift_reuse", "prewarm": "prewarm",
-    "prewarmDelayMs": "prewarm_delay_ms", "languages": "languages",
-    "crossFileContext": "cross_file_context", "crossFileSources": "cross_file_sources",
+    "model": "model",
+    "draft": "draft",
+    "noDraft": "no_draft",
+    "device": "device",
+    "drafter": "drafter",
+    "maxLines": "max_lines",
+    "maxTokens": "max_tokens",
+    "debounceMs": "debounce_ms",
+    "earlyAnswerMs": "early_answer_ms",
+    "enable": "enable",
+    "streaming": "streaming",
+    "prefixChars": "prefix_chars",
+    "suffixChars": "suffix_chars",
+    "preload": "preload",
+    "answerAt": "answer_at",
+    "engineThreads": "engine_threads",
+    "prefetch": "prefetch",
+    "tokenHealing": "token_healing",
+    "policy": "policy",
+    "kvCacheMB": "kv_cache_mb",
+    "kvShiftReuse": "kv_shift_reuse",
+    "prewarm": "prewarm",
+    "prewarmDelayMs": "prewarm_delay_ms",
+    "languages": "languages",
+    "crossFileContext": "cross_file_context",
+    "crossFileSources": "cross_file_sources",
     "crossFileBudget": "cross_file_budget",
 }
 CROSS_FILE_SOURCES = ("openFiles", "imports", "recentEdits")  # lsp_server/context/service.py
@@ -34,9 +52,16 @@ _CHOICES = {"drafter": ("auto", "model", "ngram", "none"), "answer_at": ("line",
 # Integer settings: (lowest, highest). Why bounds at all: 10**400 ms overflowed float
 # conversions in every request, and a debounce of 10**12 ms left requests unanswered.
 _RANGES = {
-    "max_lines": (0, 1000), "max_tokens": (0, 4096), "debounce_ms": (0, 2_000), "early_answer_ms": (0, 10_000),
-    "prefix_chars": (0, 1_000_000), "suffix_chars": (0, 1_000_000), "engine_threads": (0, 1024),
-    "kv_cache_mb": (0, 1 << 20), "prewarm_delay_ms": (0, 60_000), "cross_file_budget": (0, 4096),
+    "max_lines": (0, 1000),
+    "max_tokens": (0, 4096),
+    "debounce_ms": (0, 2_000),
+    "early_answer_ms": (0, 10_000),
+    "prefix_chars": (0, 1_000_000),
+    "suffix_chars": (0, 1_000_000),
+    "engine_threads": (0, 1024),
+    "kv_cache_mb": (0, 1 << 20),
+    "prewarm_delay_ms": (0, 60_000),
+    "cross_file_budget": (0, 4096),
 }
 # Upper bounds of the policy override fields that lsp_server/shaping/policy.py checks only from below.
 _POLICY_MAX = {"temperature": 10.0, "gamma": 64, "max_gamma": 64, "max_tokens": 4096, "max_lines": 1000}
@@ -116,8 +141,15 @@ class Settings:
 
     def engine_key(self) -> tuple:
         """Settings whose change needs a new engine process."""
-        return (self.model, self.draft, self.no_draft, self.device, self.engine_threads, self.kv_cache_mb,
-                self.engine_spec)
+        return (
+            self.model,
+            self.draft,
+            self.no_draft,
+            self.device,
+            self.engine_threads,
+            self.kv_cache_mb,
+            self.engine_spec,
+        )
 
     @property
     def reuse(self) -> str:
@@ -158,8 +190,11 @@ class Settings:
             if attr is None:
                 continue  # other tools' settings share the object
             if attr == "languages":  # a list of language ids; null: follow the model
-                if value is None or (isinstance(value, list) and len(value) <= 256
-                                     and all(isinstance(v, str) and 0 < len(v) <= 64 for v in value)):
+                if value is None or (
+                    isinstance(value, list)
+                    and len(value) <= 256
+                    and all(isinstance(v, str) and 0 < len(v) <= 64 for v in value)
+                ):
                     changes["languages"] = None if value is None else tuple(dict.fromkeys(value))
                 else:
                     problems.append("languages: expected a list of language ids or null; keeping the previous value")
@@ -168,8 +203,10 @@ class Settings:
                 if isinstance(value, list) and len(value) <= 16 and all(v in CROSS_FILE_SOURCES for v in value):
                     changes[attr] = tuple(dict.fromkeys(value))
                 else:
-                    problems.append(f"crossFileSources: expected a list of {', '.join(CROSS_FILE_SOURCES)}; "
-                                    "keeping the previous value")
+                    problems.append(
+                        f"crossFileSources: expected a list of {', '.join(CROSS_FILE_SOURCES)}; "
+                        "keeping the previous value"
+                    )
                 continue
             if attr == "policy":  # replaces the previous overrides whole; null or {} clears them
                 bad = _policy_over_max(value) or check_overrides(value)  # first: 10**400 overflows float()
@@ -180,8 +217,9 @@ class Settings:
                 continue
             ok = _check(types[attr], value)
             if ok is None or (attr in _CHOICES and ok not in _CHOICES[attr]) or not _fits(attr, ok):
-                problems.append(f"{key}: {_expected(attr, types[attr])}, got {_shown(value)}; "
-                                f"keeping {_shown(getattr(self, attr))}")
+                problems.append(
+                    f"{key}: {_expected(attr, types[attr])}, got {_shown(value)}; keeping {_shown(getattr(self, attr))}"
+                )
                 continue
             if attr in _RANGES:
                 low, high = _RANGES[attr]

@@ -52,9 +52,15 @@ class Histogram:
         r = lambda v: None if v is None else round(v, 3)  # noqa: E731
         # The histogram itself: [upper bound in ms (null: above the last bound), count] for non-empty buckets.
         buckets = [[r(BOUNDS_MS[i]) if i < len(BOUNDS_MS) else None, c] for i, c in enumerate(self.counts) if c]
-        return {"count": self.n, "mean": r(self.total / self.n if self.n else None), "p50": r(self.quantile(0.5)),
-                "p95": r(self.quantile(0.95)), "p99": r(self.quantile(0.99)), "max": r(self.max if self.n else None),
-                "buckets": buckets}
+        return {
+            "count": self.n,
+            "mean": r(self.total / self.n if self.n else None),
+            "p50": r(self.quantile(0.5)),
+            "p95": r(self.quantile(0.95)),
+            "p99": r(self.quantile(0.99)),
+            "max": r(self.max if self.n else None),
+            "buckets": buckets,
+        }
 
 
 class Stats:
@@ -74,22 +80,37 @@ class Stats:
         lookups = hits + c["prefetch_hits"] + c["misses"]
         return {
             "latency_ms": {s: h.summary() for s, h in self.latency.items()},
-            "cache": {"typethrough_hits": c["typethrough_hits"], "inflight_hits": c["inflight_hits"],
-                      "prefetch_hits": c["prefetch_hits"], "misses": c["misses"],
-                      # type-through only: a prefetch hit is the model working for this very keystroke
-                      "hit_rate": round(hits / lookups, 4) if lookups else None},
+            "cache": {
+                "typethrough_hits": c["typethrough_hits"],
+                "inflight_hits": c["inflight_hits"],
+                "prefetch_hits": c["prefetch_hits"],
+                "misses": c["misses"],
+                # type-through only: a prefetch hit is the model working for this very keystroke
+                "hit_rate": round(hits / lookups, 4) if lookups else None,
+            },
             "counters": dict(sorted(c.items())),
         }
 
 
 # fimble/stats "kvCache": wire name -> the engine counter it reports (engine/local.py, engine/caching/kv_store.py).
 KV_CACHE_FIELDS = (
-    ("bytes", "kv_bytes"), ("budgetBytes", "kv_budget_bytes"), ("documents", "kv_documents"),
-    ("segments", "kv_segments"), ("tokens", "kv_tokens"), ("hits", "kv_segment_hits"),
-    ("misses", "kv_segment_misses"), ("evictions", "kv_evictions"), ("documentsEvicted", "kv_documents_evicted"),
-    ("grows", "kv_grows"), ("borrowedTokens", "kv_borrowed_tokens"), ("prefilledTokens", "tokens_prefilled"),
-    ("reusedTokens", "tokens_reused"), ("shiftedTokens", "tokens_shifted"), ("prewarmedTokens", "tokens_prewarmed"),
-    ("prewarmsDone", "prewarms_done"), ("prewarmsPreempted", "prewarms_preempted"),
+    ("bytes", "kv_bytes"),
+    ("budgetBytes", "kv_budget_bytes"),
+    ("documents", "kv_documents"),
+    ("segments", "kv_segments"),
+    ("tokens", "kv_tokens"),
+    ("hits", "kv_segment_hits"),
+    ("misses", "kv_segment_misses"),
+    ("evictions", "kv_evictions"),
+    ("documentsEvicted", "kv_documents_evicted"),
+    ("grows", "kv_grows"),
+    ("borrowedTokens", "kv_borrowed_tokens"),
+    ("prefilledTokens", "tokens_prefilled"),
+    ("reusedTokens", "tokens_reused"),
+    ("shiftedTokens", "tokens_shifted"),
+    ("prewarmedTokens", "tokens_prewarmed"),
+    ("prewarmsDone", "prewarms_done"),
+    ("prewarmsPreempted", "prewarms_preempted"),
 )
 
 

@@ -69,7 +69,7 @@ class DeltaStreamer:
                 del self._by_uri[sub.uri]
         # Ended early (edit, newer request, cancel): repeat what the client has, add nothing.
         upto = None if sub.gen.done and reason == sub.gen.finish_reason else sub.offset + max(sub.sent, 0)
-        self._send(sub, sub.gen.text[sub.offset:upto], True, reason)
+        self._send(sub, sub.gen.text[sub.offset : upto], True, reason)
 
     def end_document(self, uri: str, reason: str) -> None:
         for sub in list(self._by_uri.get(uri, ())):
@@ -80,7 +80,7 @@ class DeltaStreamer:
         if gen.done:
             self.end(sub, gen.finish_reason or "stop")
             return
-        text = gen.text[sub.offset:]
+        text = gen.text[sub.offset :]
         if len(text) > sub.sent and text:
             self._send(sub, text, False, None)
 
@@ -88,9 +88,16 @@ class DeltaStreamer:
         sub.sent = len(text)
         sub.gen.shown = max(sub.gen.shown, sub.offset + len(text))
         params = {
-            "requestId": sub.request_id, "token": sub.token, "completionId": sub.completion_id, "uri": sub.uri,
-            "version": sub.version, "position": sub.position, "text": text, "done": done,
-            "finishReason": reason, "cached": sub.cached,
+            "requestId": sub.request_id,
+            "token": sub.token,
+            "completionId": sub.completion_id,
+            "uri": sub.uri,
+            "version": sub.version,
+            "position": sub.position,
+            "text": text,
+            "done": done,
+            "finishReason": reason,
+            "cached": sub.cached,
         }
         if sub.replace_end is not None:
             params["replaceEnd"] = sub.replace_end(text, done)

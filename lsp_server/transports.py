@@ -55,7 +55,7 @@ SERVER_BUSY = -32000  # ... and one over --max-sessions
 
 
 def parse_address(text: str) -> tuple[str, int]:
-    """"HOST:PORT", ":PORT" or "PORT" -> (host, port); the host defaults to loopback."""
+    """ "HOST:PORT", ":PORT" or "PORT" -> (host, port); the host defaults to loopback."""
     host, _, port = text.rpartition(":")
     host = host.strip("[]") or DEFAULT_HOST
     try:
@@ -111,8 +111,11 @@ class Sessions:
 
     def tables(self) -> dict:
         """For fimble/stats: how many sessions are live, and their documents together."""
-        return {"sessions": len(self.live), "sessionsOpened": self.opened,
-                "documents": sum(len(ls.docs) for ls in self.live)}
+        return {
+            "sessions": len(self.live),
+            "sessionsOpened": self.opened,
+            "documents": sum(len(ls.docs) for ls in self.live),
+        }
 
     def _engine_changed(self) -> None:
         for ls in list(self.live):
@@ -230,8 +233,9 @@ def _tcp_token_ok(payload: bytes, token: str) -> tuple[bool, Any]:
     return data.get("method") == "initialize" and auth.token_matches(token, given), msg_id
 
 
-async def _tcp_admit(frames: AsyncIterator[bytes | FrameError], opts: ListenOptions,
-                     writer: asyncio.StreamWriter) -> bytes | None:
+async def _tcp_admit(
+    frames: AsyncIterator[bytes | FrameError], opts: ListenOptions, writer: asyncio.StreamWriter
+) -> bytes | None:
     """Token mode: the connection's first message if it is an ``initialize`` carrying the token. Anything else is
     answered UNAUTHORIZED (nothing at all if no message came in time) and the connection closed: None."""
     try:
@@ -242,19 +246,32 @@ async def _tcp_admit(frames: AsyncIterator[bytes | FrameError], opts: ListenOpti
     ok, msg_id = (False, None) if isinstance(first, FrameError) else _tcp_token_ok(first, opts.token or "")
     if ok and isinstance(first, bytes):
         return first
-    body = json.dumps({"jsonrpc": "2.0", "id": msg_id, "error": {
-        "code": UNAUTHORIZED, "message": "Unauthorized: initialize with initializationOptions.token set to the "
-                                         "server's token"}}).encode()
+    body = json.dumps(
+        {
+            "jsonrpc": "2.0",
+            "id": msg_id,
+            "error": {
+                "code": UNAUTHORIZED,
+                "message": "Unauthorized: initialize with initializationOptions.token set to the server's token",
+            },
+        }
+    ).encode()
     writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
     writer.close()  # after the error is written
     return None
 
 
-async def _tcp_session(sessions: Sessions, opts: ListenOptions, reader: asyncio.StreamReader,
-                       writer: asyncio.StreamWriter) -> None:
+async def _tcp_session(
+    sessions: Sessions, opts: ListenOptions, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
     if sessions.full:
-        body = json.dumps({"jsonrpc": "2.0", "id": None, "error": {
-            "code": SERVER_BUSY, "message": f"Server busy: {sessions.max_sessions} sessions are open"}}).encode()
+        body = json.dumps(
+            {
+                "jsonrpc": "2.0",
+                "id": None,
+                "error": {"code": SERVER_BUSY, "message": f"Server busy: {sessions.max_sessions} sessions are open"},
+            }
+        ).encode()
         writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
         writer.close()
         return
@@ -307,7 +324,7 @@ async def _serve_tcp(sessions: Sessions, host: str, port: int, opts: ListenOptio
         try:
             await _tcp_session(sessions, opts, reader, writer)
         except asyncio.CancelledError:  # the server stops: end quietly (on 3.11 asyncio logs a cancelled
-            writer.transport.abort()    # handler task's "exception" with a traceback)
+            writer.transport.abort()  # handler task's "exception" with a traceback)
 
     try:
         server = await asyncio.start_server(on_connect, host, port, limit=opts.limits.max_header_line)
@@ -324,10 +341,12 @@ async def _serve_tcp(sessions: Sessions, host: str, port: int, opts: ListenOptio
 
 def _init_deadline(ls: FimbleServer, opts: ListenOptions, close: Any) -> asyncio.TimerHandle:
     """Close a connection that has not sent `initialize` in time: idle ones must not hold session slots."""
+
     def check() -> None:
         if ls.protocol.phase == "new":
             log.warning("closing a connection that sent no initialize within %.0f s", opts.init_timeout)
             close()
+
     return asyncio.get_running_loop().call_later(opts.init_timeout, check)
 
 
@@ -375,16 +394,20 @@ async def _ws_session(sessions: Sessions, ws: Any, opts: ListenOptions) -> None:
 
 def _ws_gate(opts: ListenOptions, sessions: Sessions) -> Any:
     """websockets' process_request hook: refuse a handshake without a loopback Host or the token."""
+
     def check(connection: Any, request: Any) -> Any:
         hosts = request.headers.get_all("Host")
         if opts.loopback and (len(hosts) > 1 or not auth.loopback_host_header(hosts[0] if hosts else None)):
             return connection.respond(HTTPStatus.FORBIDDEN, "Host header is not a loopback name\n")
-        if opts.token is not None and not (auth.token_matches(opts.token, auth.bearer(request.headers))
-                                           or auth.token_matches(opts.token, auth.query_token(request.path))):
+        if opts.token is not None and not (
+            auth.token_matches(opts.token, auth.bearer(request.headers))
+            or auth.token_matches(opts.token, auth.query_token(request.path))
+        ):
             return connection.respond(HTTPStatus.UNAUTHORIZED, "a token is required\n")
         if sessions.full:
             return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "too many sessions\n")
         return None
+
     return check
 
 
@@ -396,8 +419,15 @@ async def _serve_ws(sessions: Sessions, host: str, port: int, opts: ListenOption
 
     # origins: None stands for "no Origin header" (editors, scripts); browsers always send one.
     try:
-        listening = serve(handler, host, port, max_size=opts.limits.max_message, origins=[None, *opts.allow_origins],
-                          process_request=_ws_gate(opts, sessions), server_header=None)
+        listening = serve(
+            handler,
+            host,
+            port,
+            max_size=opts.limits.max_message,
+            origins=[None, *opts.allow_origins],
+            process_request=_ws_gate(opts, sessions),
+            server_header=None,
+        )
         server = await listening.__aenter__()
     except OSError as exc:
         raise _bind_error(host, port, exc) from None
@@ -426,16 +456,23 @@ def _announce(scheme: str, sockets: Any, opts: ListenOptions) -> list[Path]:
         try:
             published.append(auth.publish_token(port, opts.token))
         except OSError as exc:  # the listener still works: clients pass the token themselves
-            print(f"fimble: could not write the token file ({exc.strerror or exc}): clients need the token",
-                  file=sys.stderr, flush=True)
+            print(
+                f"fimble: could not write the token file ({exc.strerror or exc}): clients need the token",
+                file=sys.stderr,
+                flush=True,
+            )
             continue
-        print(f"fimble: token file: {published[-1]} (only you can read it; removed at exit)",
-              file=sys.stderr, flush=True)
+        print(
+            f"fimble: token file: {published[-1]} (only you can read it; removed at exit)", file=sys.stderr, flush=True
+        )
     for sock in sockets:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        print(f"fimble: listening on {scheme}://{shown}:{port}" + (" (token required)" if opts.token else ""),
-              file=sys.stderr, flush=True)
+        print(
+            f"fimble: listening on {scheme}://{shown}:{port}" + (" (token required)" if opts.token else ""),
+            file=sys.stderr,
+            flush=True,
+        )
     return published
 
 
@@ -494,8 +531,9 @@ async def _until_stopped(run: Coroutine[Any, Any, None], host: EngineHost) -> in
     return _signal_status(stopped[0]) if stopped else 0
 
 
-def serve(defaults: Settings, tcp: str | None = None, ws: str | None = None, *,
-          options: ListenOptions = ListenOptions()) -> int:
+def serve(
+    defaults: Settings, tcp: str | None = None, ws: str | None = None, *, options: ListenOptions = ListenOptions()
+) -> int:
     """Run the server on the chosen transport until it ends; the process's exit status."""
     if not tcp and not ws:
         return start_stdio(create_server(defaults, debug=options.debug), options.limits)

@@ -39,8 +39,11 @@ class TypeThrough:
         self.recent: OrderedDict[str, deque[Generation]] = OrderedDict()  # finished, most recent document last
 
     def tables(self) -> dict:
-        return {"recent_docs": len(self.recent), "recent_generations": sum(len(d) for d in self.recent.values()),
-                "active": 0 if self.active is None else 1}
+        return {
+            "recent_docs": len(self.recent),
+            "recent_generations": sum(len(d) for d in self.recent.values()),
+            "active": 0 if self.active is None else 1,
+        }
 
     def attach(self, ctx: Context) -> Hit | None:
         """A request at ``ctx``: the generation that answers it, counted by kind, or None (a miss)."""
@@ -66,10 +69,10 @@ class TypeThrough:
                 continue
             if len(ctx.prefix) < len(a.prefix) or not ctx.prefix.startswith(a.prefix):
                 continue
-            typed = ctx.prefix[len(a.prefix):]
+            typed = ctx.prefix[len(a.prefix) :]
             if not gen.text.startswith(typed):
                 continue
-            if gen.done and not gen.text[len(typed):].strip():
+            if gen.done and not gen.text[len(typed) :].strip():
                 continue  # typed through all of it: ask the model for more
             return gen, len(typed)
         return None
@@ -81,8 +84,12 @@ class TypeThrough:
         decode) arrives only at that task's next step; messages read in the same chunk are handled
         first. A request arriving in between must not attach to a decode that is being cancelled."""
         tasks = gen.waiter_tasks
-        return (not gen.done and bool(tasks) and all(t.cancelling() for t in tasks)
-                and self.streamer.live(gen) <= len(tasks))
+        return (
+            not gen.done
+            and bool(tasks)
+            and all(t.cancelling() for t in tasks)
+            and self.streamer.live(gen) <= len(tasks)
+        )
 
     def generations(self, uri: str) -> list[Generation]:
         """Every generation kept for ``uri``, the running one included."""

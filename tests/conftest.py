@@ -30,14 +30,30 @@ DRAFT_DIR = REPO / "models" / "fimble-draft"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def build_tiny_model(folder: Path, model_type: str = "llama", vocab_size: int = 8192, seed: int = 0,
-                     with_tokenizer: bool = True, **overrides) -> Path:
+def build_tiny_model(
+    folder: Path,
+    model_type: str = "llama",
+    vocab_size: int = 8192,
+    seed: int = 0,
+    with_tokenizer: bool = True,
+    **overrides,
+) -> Path:
     """A random Llama/Qwen2/Mistral folder in HF format. initializer_range ~1 keeps outputs varied."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-               initializer_range=1.0, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0)
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=1.0,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        bos_token_id=0,
+    )
     cfg.update(overrides)
     config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)

@@ -22,8 +22,10 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_engine_imports_nothing_from_the_lsp_server():
-    offenders = {str(p.relative_to(REPO)): sorted(m for m in imported_modules(p) if m.split(".")[0] == "lsp_server")
-                 for p in (REPO / "engine").rglob("*.py")}
+    offenders = {
+        str(p.relative_to(REPO)): sorted(m for m in imported_modules(p) if m.split(".")[0] == "lsp_server")
+        for p in (REPO / "engine").rglob("*.py")
+    }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 

@@ -27,10 +27,8 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.scale = alpha / rank
-        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, dtype=torch.float32,
-                                               device=base.weight.device))
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=torch.float32,
-                                               device=base.weight.device))
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, dtype=torch.float32, device=base.weight.device))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=torch.float32, device=base.weight.device))
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -39,8 +37,9 @@ class LoRALinear(nn.Module):
         low = x @ self.lora_a.to(dtype).t()
         # One GEMM with the add and the scale in its epilogue: the separate "low * scale" and
         # "y + ..." passes each moved a full (tokens x out) tensor, for 210 layers, in training.
-        out = torch.addmm(y.reshape(-1, y.shape[-1]), low.reshape(-1, low.shape[-1]),
-                          self.lora_b.to(y.dtype).t(), alpha=self.scale)
+        out = torch.addmm(
+            y.reshape(-1, y.shape[-1]), low.reshape(-1, low.shape[-1]), self.lora_b.to(y.dtype).t(), alpha=self.scale
+        )
         return out.view(y.shape)
 
 
@@ -58,8 +57,15 @@ def attach(model: nn.Module, rank: int, alpha: float) -> dict[str, LoRALinear]:
     return wrapped
 
 
-def export(wrapped: dict[str, LoRALinear], embed_rows: dict[int, torch.Tensor], rank: int, alpha: float,
-           folder: Path, meta: dict, full: dict[str, torch.Tensor] | None = None) -> None:
+def export(
+    wrapped: dict[str, LoRALinear],
+    embed_rows: dict[int, torch.Tensor],
+    rank: int,
+    alpha: float,
+    folder: Path,
+    meta: dict,
+    full: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Save adapter.safetensors (A, B in bf16; FIM rows in fp32) and adapter.json.
 
     ``full``: small base tensors trained whole (the RMSNorm weights), stored in fp32 as
@@ -80,8 +86,9 @@ def export(wrapped: dict[str, LoRALinear], embed_rows: dict[int, torch.Tensor], 
     tmp = folder / (ADAPTER_FILE + ".tmp")
     save_file(tensors, str(tmp))
     tmp.replace(folder / ADAPTER_FILE)
-    (folder / ADAPTER_META).write_text(json.dumps({**meta, "rank": rank, "alpha": alpha, "targets": TARGETS,
-                                                   "embed_row_ids": ids}, indent=1))
+    (folder / ADAPTER_META).write_text(
+        json.dumps({**meta, "rank": rank, "alpha": alpha, "targets": TARGETS, "embed_row_ids": ids}, indent=1)
+    )
 
 
 def merge_state_dict(state: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
@@ -103,7 +110,7 @@ def merge_state_dict(state: dict[str, torch.Tensor], folder: Path) -> dict[str, 
         out[weight_key] = (w.float() + scale * (b @ a)).to(w.dtype)
         merged += 1
     for key in [k for k in tensors if k.startswith(FULL_PREFIX)]:
-        name = key[len(FULL_PREFIX):]
+        name = key[len(FULL_PREFIX) :]
         if name not in out or out[name].shape != tensors[key].shape:
             raise ValueError(f"adapter tensor {name} does not match the base")
         out[name] = tensors[key].to(out[name].dtype)
@@ -150,5 +157,5 @@ def load_into(wrapped: dict[str, LoRALinear], folder: Path, model: nn.Module | N
                 ids = torch.tensor(meta["embed_row_ids"], device=emb.device)
                 emb[ids] = tensors["embed_rows"].to(emb.device, emb.dtype)
             for key in [k for k in tensors if k.startswith(FULL_PREFIX)]:
-                state[key[len(FULL_PREFIX):]].copy_(tensors[key])
+                state[key[len(FULL_PREFIX) :]].copy_(tensors[key])
     return meta

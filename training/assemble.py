@@ -18,8 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "fimble-smollm2"
-BUILT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-               "tokenizer_config.json")
+BUILT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 STAMP = "built_from.json"
@@ -59,8 +58,9 @@ def assemble(model: Path, base: Path) -> Path:
     cfg = json.loads((base / "config.json").read_text())
     cfg.update(eos_token_id=[ids["<|endoftext|>"], cfg.get("eos_token_id", 2)], dtype="bfloat16")
     (model / "config.json").write_text(json.dumps(cfg, indent=1))
-    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg["eos_token_id"],
-                                                              "do_sample": False}, indent=1))
+    (model / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": cfg["eos_token_id"], "do_sample": False}, indent=1)
+    )
     state = load_file(str(base / "model.safetensors"))
     merged = merge_state_dict(state, model)
     merged.pop("lm_head.weight", None)  # tied to the embedding

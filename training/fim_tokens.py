@@ -15,8 +15,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-RENAMES = {"<jupyter_start>": "<|fim_pre|>", "<jupyter_text>": "<|fim_suf|>", "<jupyter_code>": "<|fim_mid|>",
-           "<jupyter_output>": "<|fim_pad|>"}
+RENAMES = {
+    "<jupyter_start>": "<|fim_pre|>",
+    "<jupyter_text>": "<|fim_suf|>",
+    "<jupyter_code>": "<|fim_mid|>",
+    "<jupyter_output>": "<|fim_pad|>",
+}
 FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, FIM_PAD = RENAMES.values()
 EOT = "<|endoftext|>"  # ends every training sample, so it ends completions (engine/loader.py stop ids)
 
@@ -47,8 +51,15 @@ def write_fim_tokenizer(base: Path, dest: Path) -> dict[str, int]:
     for key in ("is_local", "local_files_only", "chat_template"):
         cfg.pop(key, None)
     # Completions end at <|endoftext|>, the token every FIM sample ends with.
-    cfg.update(eos_token=EOT, pad_token=FIM_PAD, bos_token=None, add_bos_token=False,
-               model_max_length=8192, clean_up_tokenization_spaces=False)
+    cfg.update(
+        eos_token=EOT,
+        pad_token=FIM_PAD,
+        bos_token=None,
+        add_bos_token=False,
+        model_max_length=8192,
+        clean_up_tokenization_spaces=False,
+    )
     (dest / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1), encoding="utf-8")
-    return {t["content"]: t["id"] for t in data["added_tokens"] if t["content"] in RENAMES.values() or
-            t["content"] == EOT}
+    return {
+        t["content"]: t["id"] for t in data["added_tokens"] if t["content"] in RENAMES.values() or t["content"] == EOT
+    }

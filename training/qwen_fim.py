@@ -30,9 +30,15 @@ ADAPTER_FILE, ADAPTER_META = "adapter.safetensors", "adapter.json"
 ADAPTER_SHA256 = "ac85d1bc26d1074caa48a1b1419e5fb2d831313ec661e24e13005724010d9e7d"
 FIM_OUT_NAME = "qwen2.5-coder-0.5b-fim-q8_0.gguf"
 # Hugging Face projection name -> GGUF tensor name inside ``blk.N.``.
-HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def gguf_name(hf_module: str) -> str:
@@ -82,8 +88,9 @@ def load_deltas(folder: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def build(source: Path, dest: Path, adapter: Path = ADAPTER_DIR, expected_sha256: str | None = None,
-          progress_every: int = 50) -> Path:
+def build(
+    source: Path, dest: Path, adapter: Path = ADAPTER_DIR, expected_sha256: str | None = None, progress_every: int = 50
+) -> Path:
     """Write ``dest``: ``source`` re-quantised to q8_0 (training/fetch_qwen.py) with the adapter merged in."""
     from training.fetch_qwen import requantise
 
@@ -97,8 +104,11 @@ def main() -> None:
     ap.add_argument("--source", type=Path, required=True, help="the joined registry GGUF (any quantisation)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--adapter", type=Path, default=ADAPTER_DIR)
-    ap.add_argument("--any-digest", action="store_true",
-                    help="merge an adapter that is not the pinned one (a freshly trained one, to evaluate it)")
+    ap.add_argument(
+        "--any-digest",
+        action="store_true",
+        help="merge an adapter that is not the pinned one (a freshly trained one, to evaluate it)",
+    )
     args = ap.parse_args()
     expected = sha256_file(args.adapter / ADAPTER_FILE) if args.any_digest else None
     print(build(args.source, args.out, args.adapter, expected))

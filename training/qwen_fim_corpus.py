@@ -23,11 +23,28 @@ from pathlib import Path
 
 from training.corpus import HumanEvalFilter, normalized_hash
 
-SUFFIXES = {".py": "python", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp", ".cxx": "cpp", ".hpp": "cpp",
-            ".hh": "cpp", ".cuh": "cpp", ".js": "javascript", ".mjs": "javascript", ".ts": "typescript",
-            ".go": "go", ".rs": "rust", ".java": "java"}
-PERMISSIVE = re.compile(r"\b(MIT|BSD|Apache|PSF|Python Software Foundation|ISC|Unlicense|zlib|HPND|CC0|"
-                        r"Public Domain|0BSD)\b", re.I)
+SUFFIXES = {
+    ".py": "python",
+    ".c": "c",
+    ".h": "c",
+    ".cc": "cpp",
+    ".cpp": "cpp",
+    ".cxx": "cpp",
+    ".hpp": "cpp",
+    ".hh": "cpp",
+    ".cuh": "cpp",
+    ".js": "javascript",
+    ".mjs": "javascript",
+    ".ts": "typescript",
+    ".go": "go",
+    ".rs": "rust",
+    ".java": "java",
+}
+PERMISSIVE = re.compile(
+    r"\b(MIT|BSD|Apache|PSF|Python Software Foundation|ISC|Unlicense|zlib|HPND|CC0|"
+    r"Public Domain|0BSD)\b",
+    re.I,
+)
 RESTRICTIVE = re.compile(r"(GPL|MPL|Mozilla|EPL|Eclipse|Proprietary|NVIDIA|Commercial|CC-BY-NC|SSPL|BUSL)", re.I)
 MIN_CHARS, MAX_CHARS = 300, 200_000
 HELD_SHARE = 0.02
@@ -155,7 +172,17 @@ def gather(roots: list[Path] | None, humaneval_dir: Path, seed: int, procs: int,
     chars = Counter()
     for lang, _p, t in train:
         chars[lang] += len(t)
-    return train, held, {"files_seen": len(items), **stats, "kept": len(kept), "held_out": len(held),
-                         "train_files": dict(per_lang), "train_chars": dict(chars),
-                         "held_out_files": dict(Counter(lang for lang, _p, _t in held)),
-                         "licences": licences}
+    return (
+        train,
+        held,
+        {
+            "files_seen": len(items),
+            **stats,
+            "kept": len(kept),
+            "held_out": len(held),
+            "train_files": dict(per_lang),
+            "train_chars": dict(chars),
+            "held_out_files": dict(Counter(lang for lang, _p, _t in held)),
+            "licences": licences,
+        },
+    )

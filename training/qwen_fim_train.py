@@ -58,8 +58,16 @@ def prompt_model(gguf_path: Path):
     cfg, _arch = _config(reader, gguf_path)
     tok, tokens = _tokenizer(reader, gguf_path)
     template, stops = _template(reader, tokens)
-    return LoadedModel(name=gguf_path.stem, folder=gguf_path.parent, runtime=None, tokenizer=tok, template=template,
-                       stop_ids=stops, max_len=cfg.max_position_embeddings, _vocab=tok.get_vocab())
+    return LoadedModel(
+        name=gguf_path.stem,
+        folder=gguf_path.parent,
+        runtime=None,
+        tokenizer=tok,
+        template=template,
+        stop_ids=stops,
+        max_len=cfg.max_position_embeddings,
+        _vocab=tok.get_vocab(),
+    )
 
 
 # -- cursors ------------------------------------------------------------------------------------------
@@ -111,7 +119,7 @@ def choose_cut(text: str, rng: random.Random) -> Cut | None:
     pre, mid, suf = text[:a], text[a:b], text[b:]
     if len(pre) > PREFIX_CHARS:
         cut = pre.find("\n", len(pre) - PREFIX_CHARS)
-        pre = pre[cut + 1:] if 0 <= cut < len(pre) - 1 else pre[-PREFIX_CHARS:]
+        pre = pre[cut + 1 :] if 0 <= cut < len(pre) - 1 else pre[-PREFIX_CHARS:]
     suf = suf[:SUFFIX_CHARS]
     if not pre.strip() and not suf.strip():
         return None
@@ -127,13 +135,21 @@ def _context(others: list[tuple[str, str]], rng: random.Random) -> dict | None:
         lines = text.split("\n")
         a = rng.randrange(len(lines))
         short = "/".join(Path(path).parts[-2:])  # as a workspace-relative path reads
-        chunks.append({"path": short, "text": "\n".join(lines[a:a + rng.randint(5, 40)])})
+        chunks.append({"path": short, "text": "\n".join(lines[a : a + rng.randint(5, 40)])})
     return {"repo": "project", "path": "src/current", "comment": "#", "budget": 512, "chunks": chunks}
 
 
-def sample_ids(builder, model, text: str, path: str, rng: random.Random, others: list[tuple[str, str]],
-               eot: int, anchor_share: float = 0.2,
-               context_share: float = 0.2) -> tuple[list[int], list[int], str] | None:
+def sample_ids(
+    builder,
+    model,
+    text: str,
+    path: str,
+    rng: random.Random,
+    others: list[tuple[str, str]],
+    eot: int,
+    anchor_share: float = 0.2,
+    context_share: float = 0.2,
+) -> tuple[list[int], list[int], str] | None:
     """(prompt ids, target ids ending in EOT, kind) for one cursor in ``text``, or None."""
     from engine.api import CompletionRequest
     from engine.caching.prompt_plan import _lines_up
@@ -155,7 +171,7 @@ def sample_ids(builder, model, text: str, path: str, rng: random.Random, others:
     shown = _shown_prefix(builder, model, req, plan, anchor)
     if shown is None or not cut.prefix.startswith(shown):
         return None
-    target_text = cut.prefix[len(shown):] + cut.middle
+    target_text = cut.prefix[len(shown) :] + cut.middle
     target = model.encode(target_text) + [eot]
     if len(target) > 160:
         return None
@@ -205,7 +221,7 @@ def build_samples(gguf: Path, files: list[tuple[str, str]], seed: int, per_file:
     jobs = []
     step = 50
     for k in range(0, len(files), step):
-        batch = files[k:k + step]
+        batch = files[k : k + step]
         others = [files[rng.randrange(len(files))] for _ in range(6)]
         jobs.append((seed * 1_000_003 + k, batch, per_file, others))
     out = []
@@ -250,10 +266,18 @@ def load_base(gguf: Path, device: str):
     reader = open_reader(gguf)
     cfg, arch = _config(reader, gguf)
     state = _hf_state(reader, cfg, arch)
-    hf = Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                     num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                     num_key_value_heads=cfg.num_kv_heads, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-                     max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings)
+    hf = Qwen2Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+    )
     model = Qwen2ForCausalLM(hf)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
@@ -344,8 +368,10 @@ def main() -> None:
     xs, ys = pack(samples, args.seq_len, pad)
     hx, hy = pack(held_samples, args.seq_len, pad)
     n_target = int((ys != -100).sum())
-    log(f"{len(samples)} samples {kinds}, {xs.shape[0]} rows of {args.seq_len}, {n_target} target tokens; "
-        f"held-out {len(held_samples)} samples; data ready after {time.time() - t0:.0f}s")
+    log(
+        f"{len(samples)} samples {kinds}, {xs.shape[0]} rows of {args.seq_len}, {n_target} target tokens; "
+        f"held-out {len(held_samples)} samples; data ready after {time.time() - t0:.0f}s"
+    )
 
     model = load_base(args.gguf, device)
     log(f"base loaded after {time.time() - t0:.0f}s")
@@ -357,7 +383,7 @@ def main() -> None:
         losses = []
         for k in range(0, min(len(hx_t), 64), 8):
             with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-                losses.append(masked_loss(model, hx_t[k:k + 8].long(), hy_t[k:k + 8]).item())
+                losses.append(masked_loss(model, hx_t[k : k + 8].long(), hy_t[k : k + 8]).item())
         model.train()
         return float(np.mean(losses)) if losses else float("nan")
 
@@ -370,8 +396,11 @@ def main() -> None:
     xs_t, ys_t = torch.from_numpy(xs).to(device), torch.from_numpy(ys).to(device)
     gen = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(xs_t), generator=gen)
-    meta = {"base": "Qwen2.5-Coder-0.5B-Instruct, the registry GGUF (training/fetch_qwen.py SOURCE_SHA256)",
-            "seed": args.seed, "targets": list(lora.TARGETS)}
+    meta = {
+        "base": "Qwen2.5-Coder-0.5B-Instruct, the registry GGUF (training/fetch_qwen.py SOURCE_SHA256)",
+        "seed": args.seed,
+        "targets": list(lora.TARGETS),
+    }
     total, step, cursor, tokens_seen = args.steps, 0, 0, 0
     start = last_print = last_ckpt = time.time()
     curve = []
@@ -381,17 +410,22 @@ def main() -> None:
         if total is None and step == 20:
             per = (time.time() - probe_t) / 15
             total = max(21, int(args.budget_seconds / per))
-            log(f"{per * 1000:.0f} ms/step -> {total} steps ({total * args.batch / max(1, len(xs_t)):.2f} epochs; "
-                f"replay with --steps {total})")
+            log(
+                f"{per * 1000:.0f} ms/step -> {total} steps ({total * args.batch / max(1, len(xs_t)):.2f} epochs; "
+                f"replay with --steps {total})"
+            )
         horizon = total or 10**9
         frac = min(1.0, (step - args.warmup) / max(1, horizon - args.warmup))
-        lr = args.lr * (step + 1) / args.warmup if step < args.warmup else \
-            args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        lr = (
+            args.lr * (step + 1) / args.warmup
+            if step < args.warmup
+            else args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        )
         for g in opt.param_groups:
             g["lr"] = lr
         if cursor + args.batch > len(order):
             order, cursor = torch.randperm(len(xs_t), generator=gen), 0
-        idx = order[cursor:cursor + args.batch].to(device)
+        idx = order[cursor : cursor + args.batch].to(device)
         cursor += args.batch
         x, y = xs_t[idx].long(), ys_t[idx]
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
@@ -408,19 +442,32 @@ def main() -> None:
         if now - last_print > 15 or step == total:
             last_print = now
             curve.append((step, round(loss.item(), 4)))
-            log(f"step {step}/{total or '?'} loss {loss.item():.3f} lr {lr:.2e} "
-                f"{tokens_seen / (now - start) / 1e3:.0f}k tok/s elapsed {now - start:.0f}s")
+            log(
+                f"step {step}/{total or '?'} loss {loss.item():.3f} lr {lr:.2e} "
+                f"{tokens_seen / (now - start) / 1e3:.0f}k tok/s elapsed {now - start:.0f}s"
+            )
         if now - last_ckpt > args.checkpoint_seconds:
             last_ckpt = now
             export(wrapped, args.rank, args.alpha, args.out / "checkpoint", {**meta, "steps": step})
     train_s = time.time() - start
     tuned_held = held_loss()
     export(wrapped, args.rank, args.alpha, args.out / "adapter", {**meta, "steps": step, "tokens_seen": tokens_seen})
-    report = {"corpus": corpus, "samples": len(samples), "kinds": kinds, "rows": int(xs.shape[0]),
-              "target_tokens": n_target, "steps": step, "batch": args.batch, "seq_len": args.seq_len,
-              "tokens_seen": tokens_seen, "train_seconds": train_s, "held_out_target_loss_base": base_held,
-              "held_out_target_loss_tuned": tuned_held, "loss_curve": curve,
-              "args": {k: str(v) for k, v in vars(args).items()}}
+    report = {
+        "corpus": corpus,
+        "samples": len(samples),
+        "kinds": kinds,
+        "rows": int(xs.shape[0]),
+        "target_tokens": n_target,
+        "steps": step,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "tokens_seen": tokens_seen,
+        "train_seconds": train_s,
+        "held_out_target_loss_base": base_held,
+        "held_out_target_loss_tuned": tuned_held,
+        "loss_curve": curve,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     (args.out / "training_report.json").write_text(json.dumps(report, indent=1))
     log(f"done: {step} steps in {train_s:.0f}s; held-out target loss {base_held:.4f} -> {tuned_held:.4f}")
 

@@ -30,11 +30,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a dry ru
 
 # Sized on the 2-core CPU machine with engine/runtimes/compact.py (see models/MODEL_CARD.md):
 # the largest shape that decodes >= 150 tok/s and prefills 512 tokens in <= 150 ms.
-TARGET_SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                    num_attention_heads=8, num_key_value_heads=2)
+TARGET_SHAPE = dict(
+    hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2
+)
 # About 10x fewer parameters than the target, same tokenizer.
-DRAFT_SHAPE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=3,
-                   num_attention_heads=3, num_key_value_heads=1)
+DRAFT_SHAPE = dict(
+    hidden_size=192, intermediate_size=512, num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1
+)
 
 
 def log(msg: str) -> None:
@@ -54,9 +56,12 @@ def train_tokenizer(texts: list[str], seed: int, sample_chars: int = 60_000_000)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(sample, trainer=trainer)
     return tok
 
@@ -65,9 +70,14 @@ def wrap_tokenizer(tok):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOT, pad_token=EOT, bos_token=None, unk_token=None,
+        tokenizer_object=tok,
+        eos_token=EOT,
+        pad_token=EOT,
+        bos_token=None,
+        unk_token=None,
         additional_special_tokens=[t for t in SPECIAL_TOKENS if t != EOT],
-        model_max_length=4096, clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
     )
 
 
@@ -82,8 +92,11 @@ def tokenize_stream(tok, texts: list[str], seed: int) -> tuple[np.ndarray, dict]
     pieces = []
     for s in samples:
         pieces.extend((s.prefix, s.middle, s.suffix))
-    encoded = tok.encode_batch_fast(pieces, add_special_tokens=False) if hasattr(tok, "encode_batch_fast") \
+    encoded = (
+        tok.encode_batch_fast(pieces, add_special_tokens=False)
+        if hasattr(tok, "encode_batch_fast")
         else tok.encode_batch(pieces, add_special_tokens=False)
+    )
     out: list[int] = []
     modes = {"plain": 0, "psm": 0, "spm": 0}
     for i, s in enumerate(samples):
@@ -96,9 +109,18 @@ def tokenize_stream(tok, texts: list[str], seed: int) -> tuple[np.ndarray, dict]
 def make_config(shape: dict, eot_id: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=4096, rope_theta=10000.0,
-                       rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=eot_id,
-                       eos_token_id=eot_id, pad_token_id=eot_id, hidden_act="silu", **shape)
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=eot_id,
+        eos_token_id=eot_id,
+        pad_token_id=eot_id,
+        hidden_act="silu",
+        **shape,
+    )
 
 
 def batches(stream: torch.Tensor, batch: int, gen: torch.Generator):
@@ -125,16 +147,24 @@ def held_out_loss(model, stream: torch.Tensor, seed: int, n_batches: int = 20, b
     return float(np.mean(losses))
 
 
-def train_model(name: str, config, train_stream, held_stream, seed: int, budget_s: float,
-                fixed_steps: int | None, batch: int, peak_lr: float) -> tuple[object, dict]:
+def train_model(
+    name: str,
+    config,
+    train_stream,
+    held_stream,
+    seed: int,
+    budget_s: float,
+    fixed_steps: int | None,
+    batch: int,
+    peak_lr: float,
+) -> tuple[object, dict]:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(DEVICE)
     params = sum(p.numel() for p in model.parameters())
     log(f"{name}: {params / 1e6:.2f}M parameters, batch {batch}x{SEQ_LEN}, budget {budget_s:.0f}s")
-    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=DEVICE == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1, fused=DEVICE == "cuda")
     gen = torch.Generator().manual_seed(seed)
     data = batches(train_stream, batch, gen)
     warmup, probe = 100, 20
@@ -170,14 +200,24 @@ def train_model(name: str, config, train_stream, held_stream, seed: int, budget_
             losses.append((step, loss.item()))
             elapsed = time.time() - start
             tps = step * batch * SEQ_LEN / elapsed
-            log(f"{name}: step {step}/{total or '?'} loss {loss.item():.3f} lr {lr:.2e} "
-                f"{tps / 1e3:.0f}k tok/s elapsed {elapsed:.0f}s")
+            log(
+                f"{name}: step {step}/{total or '?'} loss {loss.item():.3f} lr {lr:.2e} "
+                f"{tps / 1e3:.0f}k tok/s elapsed {elapsed:.0f}s"
+            )
     train_loss = float(np.mean([v for _, v in losses[-3:]]))
     held = held_out_loss(model, held_stream, seed)
-    stats = {"parameters": params, "steps": step, "batch_tokens": batch * SEQ_LEN,
-             "tokens_seen": step * batch * SEQ_LEN, "final_train_loss": train_loss,
-             "held_out_loss": held, "seconds": time.time() - start, "loss_curve": losses,
-             "peak_lr": peak_lr, "seed": seed}
+    stats = {
+        "parameters": params,
+        "steps": step,
+        "batch_tokens": batch * SEQ_LEN,
+        "tokens_seen": step * batch * SEQ_LEN,
+        "final_train_loss": train_loss,
+        "held_out_loss": held,
+        "seconds": time.time() - start,
+        "loss_curve": losses,
+        "peak_lr": peak_lr,
+        "seed": seed,
+    }
     log(f"{name}: done, train loss {train_loss:.3f}, held-out loss {held:.3f}")
     return model, stats
 
@@ -202,7 +242,7 @@ def pack(folder: Path, dest: Path, part_bytes: int = 15 * 2**20) -> None:
     data = buf.getvalue()
     dest.mkdir(parents=True, exist_ok=True)
     for i in range(0, len(data), part_bytes):
-        (dest / f"{folder.name}.tar.part{i // part_bytes:02d}").write_bytes(data[i:i + part_bytes])
+        (dest / f"{folder.name}.tar.part{i // part_bytes:02d}").write_bytes(data[i : i + part_bytes])
     log(f"packed {folder.name}: {len(data) / 2**20:.1f} MiB into {dest}")
 
 
@@ -213,8 +253,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target-seconds", type=float, default=270)
     ap.add_argument("--draft-seconds", type=float, default=60)
-    ap.add_argument("--deadline-seconds", type=float,
-                    help="split what is left of this wall-clock budget after data prep 80/20 between the models")
+    ap.add_argument(
+        "--deadline-seconds",
+        type=float,
+        help="split what is left of this wall-clock budget after data prep 80/20 between the models",
+    )
     ap.add_argument("--target-steps", type=int)
     ap.add_argument("--draft-steps", type=int)
     ap.add_argument("--batch", type=int, default=32)
@@ -253,9 +296,17 @@ def main() -> None:
     log(f"data ready after {time.time() - t0:.0f}s")
 
     tokenizer = wrap_tokenizer(tok)
-    report = {"corpus": corpus_stats, "train_files": len(train_texts), "held_out_files": len(held_texts),
-              "train_stream": train_info, "held_out_stream": held_info, "chars_per_token": chars / len(train_np),
-              "seq_len": SEQ_LEN, "vocab_size": VOCAB_SIZE, "seed": args.seed}
+    report = {
+        "corpus": corpus_stats,
+        "train_files": len(train_texts),
+        "held_out_files": len(held_texts),
+        "train_stream": train_info,
+        "held_out_stream": held_info,
+        "chars_per_token": chars / len(train_np),
+        "seq_len": SEQ_LEN,
+        "vocab_size": VOCAB_SIZE,
+        "seed": args.seed,
+    }
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.deadline_seconds:
         left = args.deadline_seconds - (time.time() - t0) - 60  # eval, saving and packing
@@ -265,8 +316,9 @@ def main() -> None:
         ("target", TARGET_SHAPE, args.target_seconds, args.target_steps, 1.5e-3),
         ("draft", DRAFT_SHAPE, args.draft_seconds, args.draft_steps, 3e-3),
     ):
-        model, stats = train_model(name, make_config(shape, eot_id), train_stream, held_stream,
-                                   args.seed, budget, steps, args.batch, lr)
+        model, stats = train_model(
+            name, make_config(shape, eot_id), train_stream, held_stream, args.seed, budget, steps, args.batch, lr
+        )
         report[name] = stats
         save_model(model, tokenizer, args.out / f"fimble-{name}", eot_id)
         (args.out / "training_report.json").write_text(json.dumps(report, indent=1))

@@ -42,8 +42,9 @@ def block_body_spans(text: str, start: int, end: int) -> list[tuple[int, int]]:
         if not lines[j].strip() or body_indent <= indent:
             continue
         k = j
-        while k + 1 < len(lines) and (not lines[k + 1].strip() or
-                                      len(lines[k + 1]) - len(lines[k + 1].lstrip()) > indent):
+        while k + 1 < len(lines) and (
+            not lines[k + 1].strip() or len(lines[k + 1]) - len(lines[k + 1].lstrip()) > indent
+        ):
             k += 1
         while k > j and not lines[k].strip():
             k -= 1
@@ -116,6 +117,12 @@ def held_out_cursors(row: dict, per_kind: int, rng: random.Random) -> list[dict]
     out = []
     for kind, spans in cands.items():
         for a, b in rng.sample(spans, min(per_kind, len(spans))):
-            out.append({"kind": kind, "prefix": text[max(0, a - WINDOW_BEFORE):a], "middle": text[a:b],
-                        "suffix": text[b:b + WINDOW_AFTER]})
+            out.append(
+                {
+                    "kind": kind,
+                    "prefix": text[max(0, a - WINDOW_BEFORE) : a],
+                    "middle": text[a:b],
+                    "suffix": text[b : b + WINDOW_AFTER],
+                }
+            )
     return out

@@ -32,7 +32,7 @@ def fim_prompts(n: int, seed: int = 0, window: int = 1200) -> list[tuple[str, st
             cut = line_start + len(text[line_start:cut]) - len(text[line_start:cut].lstrip())
         end = text.find("\n", cut)
         end = len(text) if end == -1 else end
-        out.append((text[max(0, cut - window): cut], text[end: end + window // 3]))
+        out.append((text[max(0, cut - window) : cut], text[end : end + window // 3]))
     return out
 
 
@@ -56,5 +56,5 @@ def mixed_prompts(n: int, seed: int) -> list[tuple[str, str, str]]:
     while len(out) < n:
         text = rng.choice(texts)
         cut = text.find("\n", rng.randrange(1000, len(text) - 1000)) + 1
-        out.append(("file", text[max(0, cut - 1500): cut], text[cut: cut + 500]))
+        out.append(("file", text[max(0, cut - 1500) : cut], text[cut : cut + 500]))
     return out

@@ -48,8 +48,14 @@ class RawServer:
 
     def __init__(self, env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
         self._stderr = open(os.environ.get("RAW_SERVER_STDERR", os.devnull), "ab")  # noqa: SIM115 (closed in close)
-        self.proc = subprocess.Popen(SERVER_CMD + list(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._stderr, env=env or SERVER_ENV, cwd=REPO)
+        self.proc = subprocess.Popen(
+            SERVER_CMD + list(args),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=env or SERVER_ENV,
+            cwd=REPO,
+        )
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._cond = threading.Condition()
@@ -137,23 +143,34 @@ class RawServer:
         opts = {"maxTokens": 16, "maxLines": 2}
         opts.update(options or {})
         caps = {"textDocument": {"inlineCompletion": {}}, "window": {"showMessage": {}}}
-        self.call("initialize", {"processId": os.getpid(), "rootUri": None, "capabilities": caps,
-                                 "initializationOptions": opts}, timeout)
+        self.call(
+            "initialize",
+            {"processId": os.getpid(), "rootUri": None, "capabilities": caps, "initializationOptions": opts},
+            timeout,
+        )
         self.notify("initialized", {})
 
     def open(self, uri: str, text: str, language: str = "python") -> None:
-        self.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": language, "version": 1,
-                                                              "text": text}})
+        self.notify(
+            "textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": language, "version": 1, "text": text}}
+        )
 
     def change(self, uri: str, version: int, start: tuple[int, int], end: tuple[int, int], text: str) -> None:
         rng = {"start": {"line": start[0], "character": start[1]}, "end": {"line": end[0], "character": end[1]}}
-        self.notify("textDocument/didChange", {"textDocument": {"uri": uri, "version": version},
-                                               "contentChanges": [{"range": rng, "text": text}]})
+        self.notify(
+            "textDocument/didChange",
+            {"textDocument": {"uri": uri, "version": version}, "contentChanges": [{"range": rng, "text": text}]},
+        )
 
     def inline(self, uri: str, line: int, character: int) -> int:
-        return self.request("textDocument/inlineCompletion", {
-            "textDocument": {"uri": uri}, "position": {"line": line, "character": character},
-            "context": {"triggerKind": 1}})
+        return self.request(
+            "textDocument/inlineCompletion",
+            {
+                "textDocument": {"uri": uri},
+                "position": {"line": line, "character": character},
+                "context": {"triggerKind": 1},
+            },
+        )
 
     def stats(self, timeout: float = 30.0) -> dict:
         return self.call("fimble/stats", {}, timeout)["result"]
@@ -235,8 +252,9 @@ def lone_cr_document(n_funcs: int = 25_000) -> tuple[str, tuple[int, int]]:
     return text, (len(lines) - 2, len(lines[-2]))
 
 
-def type_and_ask(server: RawServer, uri: str, cursor: tuple[int, int], keys: str, timeout: float,
-                 version: int = 1) -> tuple[int, list[dict]]:
+def type_and_ask(
+    server: RawServer, uri: str, cursor: tuple[int, int], keys: str, timeout: float, version: int = 1
+) -> tuple[int, list[dict]]:
     """Type ``keys`` at ``cursor`` one per keystroke, each followed by an inline completion request.
 
     Returns the last version and the responses (each must come within ``timeout`` seconds).

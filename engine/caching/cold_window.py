@@ -48,8 +48,14 @@ def cold_request(request: CompletionRequest) -> CompletionRequest | None:
         segment_lines = [n - first for n in request.segment_lines if n >= first]
     # No cross-file context (engine/caching/context_prompt.py) in the cold prompt: its up to 512 tokens
     # before the file made the small prompt as costly as the full one, so no cold answer was served.
-    return dataclasses.replace(request, prefix=prefix[start:], suffix=suffix[:end], context=None,
-                               document_id=(request.document_id or "") + COLD_KEY, segment_lines=segment_lines)
+    return dataclasses.replace(
+        request,
+        prefix=prefix[start:],
+        suffix=suffix[:end],
+        context=None,
+        document_id=(request.document_id or "") + COLD_KEY,
+        segment_lines=segment_lines,
+    )
 
 
 def _line_start(text: str, line: int) -> int:

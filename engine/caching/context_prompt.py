@@ -92,9 +92,13 @@ def context_from_wire(data) -> Context | None:
         if total > MAX_CONTEXT_CHARS:
             raise ValueError(f"context chunks are over {MAX_CONTEXT_CHARS} characters")
         out.append((_text(c.get("path", ""), MAX_NAME_CHARS, "path"), text))
-    return Context(_text(data.get("repo", ""), MAX_NAME_CHARS, "repo"),
-                   _text(data.get("path", ""), MAX_NAME_CHARS, "path"),
-                   _text(data.get("comment", "#"), 16, "comment"), budget, tuple(out))
+    return Context(
+        _text(data.get("repo", ""), MAX_NAME_CHARS, "repo"),
+        _text(data.get("path", ""), MAX_NAME_CHARS, "path"),
+        _text(data.get("comment", "#"), 16, "comment"),
+        budget,
+        tuple(out),
+    )
 
 
 def header_texts(fmt: RepoFormat, ctx: Context) -> list[tuple[str | None, str, str]]:

@@ -63,8 +63,9 @@ def plan_shift(old: list[Piece], new: list[Piece], exact: int) -> tuple[list[Mov
     return moves, runs
 
 
-def _pick(old: list[Piece], by_key: dict[bytes, list[int]], used: set[int], prev: int | None,
-          piece: Piece) -> int | None:
+def _pick(
+    old: list[Piece], by_key: dict[bytes, list[int]], used: set[int], prev: int | None, piece: Piece
+) -> int | None:
     """The old piece to reuse: the one after the previous match if it fits (keeps runs whole), else the first free."""
     if prev is not None and prev + 1 < len(old) and prev + 1 not in used and old[prev + 1].key == piece.key:
         return prev + 1

@@ -30,8 +30,14 @@ from engine.errors import FimbleError
 ALLOC_STEP = 256  # cache capacities are multiples of this many tokens
 MIN_BORROW_TOKENS = 64  # borrowing from another document must save at least this much
 UNSIZED_DOCUMENTS = 8  # documents kept for runtimes whose caches cannot be sized (transformers)
-STAT_NAMES = ("kv_segment_hits", "kv_segment_misses", "kv_evictions", "kv_documents_evicted", "kv_grows",
-              "kv_borrowed_tokens")
+STAT_NAMES = (
+    "kv_segment_hits",
+    "kv_segment_misses",
+    "kv_evictions",
+    "kv_documents_evicted",
+    "kv_grows",
+    "kv_borrowed_tokens",
+)
 
 
 def session_of(doc_id: str) -> str:
@@ -86,7 +92,7 @@ class DocumentKV:
         self.exact_len = min(self.exact_len, length)
         self.target.length = min(self.target.length, length)
         self.segments = [s for s in self.segments if s.end <= length]
-        self.pieces = self.pieces[:bisect.bisect_right([p.start + p.length for p in self.pieces], length)]
+        self.pieces = self.pieces[: bisect.bisect_right([p.start + p.length for p in self.pieces], length)]
 
 
 class KVStore:
@@ -97,8 +103,10 @@ class KVStore:
         # Compact caches can be sized and copied; transformers' caches cannot (one full-size cache each).
         self.sizable = self.bpt > 0
         if self.sizable and budget_bytes < max_len * self.bpt:
-            raise FimbleError(f"KV cache budget of {budget_bytes >> 20} MiB is below one context window "
-                              f"({max_len * self.bpt >> 20} MiB for {max_len} tokens)")
+            raise FimbleError(
+                f"KV cache budget of {budget_bytes >> 20} MiB is below one context window "
+                f"({max_len * self.bpt >> 20} MiB for {max_len} tokens)"
+            )
         self.budget = budget_bytes
         self.docs: dict[str, DocumentKV] = {}
         self._chains: dict[bytes, tuple[str, int]] = {}  # chain key -> (document, segment end)
@@ -112,9 +120,14 @@ class KVStore:
     def summary(self) -> dict:
         # a document's cold-window cache (engine/caching/cold_window.py) is part of that document
         documents = sum(1 for key in self.docs if not key.endswith(COLD_KEY))
-        return {"kv_bytes": self.bytes_used(), "kv_budget_bytes": self.budget, "kv_documents": documents,
-                "kv_segments": sum(len(d.segments) for d in self.docs.values()),
-                "kv_tokens": sum(len(d.ids) for d in self.docs.values()), **self.stats}
+        return {
+            "kv_bytes": self.bytes_used(),
+            "kv_budget_bytes": self.budget,
+            "kv_documents": documents,
+            "kv_segments": sum(len(d.segments) for d in self.docs.values()),
+            "kv_tokens": sum(len(d.ids) for d in self.docs.values()),
+            **self.stats,
+        }
 
     # -- documents --------------------------------------------------------------------
     def open(self, doc_id: str, need: int) -> DocumentKV:
@@ -124,8 +137,9 @@ class KVStore:
         if doc is None:
             cap = self._capacity_for(need)
             self._make_room(cap * self.bpt)
-            doc = DocumentKV(doc_id, self.target_rt.new_cache(cap),
-                             self.draft_rt.new_cache(cap) if self.draft_rt else None)
+            doc = DocumentKV(
+                doc_id, self.target_rt.new_cache(cap), self.draft_rt.new_cache(cap) if self.draft_rt else None
+            )
             self.docs[doc_id] = doc
         elif doc.capacity < need:
             cap = self._capacity_for(need)
@@ -164,8 +178,13 @@ class KVStore:
         best: tuple[str, int] | None = None
         for seg in plan.segments:
             found = self._chains.get(seg.chain)
-            if found is None or found[1] != seg.end or found[0] == doc.doc_id or found[0] not in self.docs \
-                    or session_of(found[0]) != session_of(doc.doc_id):  # never across client sessions
+            if (
+                found is None
+                or found[1] != seg.end
+                or found[0] == doc.doc_id
+                or found[0] not in self.docs
+                or session_of(found[0]) != session_of(doc.doc_id)
+            ):  # never across client sessions
                 break
             best = found
         if best is None or best[1] < have + MIN_BORROW_TOKENS:
@@ -250,7 +269,7 @@ class KVStore:
         doc.target = _copied(self.target_rt, doc.target, cap)
         if doc.draft is not None:
             doc.draft = _copied(self.draft_rt, doc.draft, cap)
-            doc.draft_ids = doc.draft_ids[:doc.draft.length]
+            doc.draft_ids = doc.draft_ids[: doc.draft.length]
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:

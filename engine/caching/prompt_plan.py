@@ -206,8 +206,9 @@ class PromptBuilder:
         head = self._part(head_text, prefix_text.count("\n"), lines)
         if template.prefix_only:  # no FIM tokens (engine/fim.py PREFIX_ONLY): the suffix goes unused
             if not prefix.size:
-                raise PromptError("empty prompt: this model completes from the text before the cursor only, "
-                                  "and there is none")
+                raise PromptError(
+                    "empty prompt: this model completes from the text before the cursor only, and there is none"
+                )
             suffix = _Part()
         else:
             suffix = self._part(request.suffix, request.prefix.count("\n"), lines)
@@ -222,8 +223,10 @@ class PromptBuilder:
         total = prefix.size + suffix.size
         if total > budget:
             if not request.truncate:
-                raise PromptError(f"prompt of {total + head.size} tokens does not fit the model's context of "
-                                  f"{m.max_len} with {request.options.max_tokens} new tokens")
+                raise PromptError(
+                    f"prompt of {total + head.size} tokens does not fit the model's context of "
+                    f"{m.max_len} with {request.options.max_tokens} new tokens"
+                )
             _keep_leading(suffix, min(suffix.size, budget // 4))
             _drop_leading(prefix, prefix.size - (budget - suffix.size), stride=max(256, budget // 8))
         plan = self._assemble(prefix, suffix, head, heal, constrained, total - prefix.size - suffix.size, context)
@@ -270,8 +273,16 @@ class PromptBuilder:
         self._context_memo = (ctx, _Part(list(part.tokens), list(part.starts)), chunks)
         return part, chunks
 
-    def _assemble(self, prefix: _Part, suffix: _Part, head: _Part, heal: str, constrained: bool,
-                  dropped: int, context: _Part | None = None) -> PromptPlan:
+    def _assemble(
+        self,
+        prefix: _Part,
+        suffix: _Part,
+        head: _Part,
+        heal: str,
+        constrained: bool,
+        dropped: int,
+        context: _Part | None = None,
+    ) -> PromptPlan:
         m = self.model
         order: list[tuple[list[int], bool]] = []  # (piece tokens, starts a segment)
         if getattr(m.tokenizer, "add_bos_token", False) and m.tokenizer.bos_token_id is not None:
@@ -335,9 +346,12 @@ def _lines_up(prefix: str, lines: int) -> int | None:
 def anchor_fits(prefix: str, anchor: int) -> bool:
     """Whether ``anchor`` (an offset in ``prefix``) can start the text after the middle sentinel: a line
     break, with at most MAX_ANCHOR_HEAD_CHARS and MAX_ANCHOR_HEAD_LINES after it."""
-    return (0 <= anchor < len(prefix) and prefix[anchor] == "\n"
-            and len(prefix) - anchor <= MAX_ANCHOR_HEAD_CHARS
-            and prefix.count("\n", anchor) <= MAX_ANCHOR_HEAD_LINES)
+    return (
+        0 <= anchor < len(prefix)
+        and prefix[anchor] == "\n"
+        and len(prefix) - anchor <= MAX_ANCHOR_HEAD_CHARS
+        and prefix.count("\n", anchor) <= MAX_ANCHOR_HEAD_LINES
+    )
 
 
 def anchor_at(prefix: str, suffix: str, held: tuple[str, str] | None) -> int | None:

@@ -31,11 +31,11 @@ class IncrementalDetokenizer:
     def add(self, new_ids: list[int]) -> str:
         """Add tokens; return the newly final text (may be empty)."""
         self.ids.extend(new_ids)
-        before = self._decode(self.ids[self._prefix_offset: self._read_offset])
-        after = self._decode(self.ids[self._prefix_offset:])
+        before = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        after = self._decode(self.ids[self._prefix_offset :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        delta = after[len(before):]
+        delta = after[len(before) :]
         self.text += delta
         self._read_offset = len(self.ids)
         self._prefix_offset = max(0, self._read_offset - self.window)
@@ -44,7 +44,7 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end, release what is left (a genuinely invalid byte stays U+FFFD)."""
         full = self._decode(self.ids)
-        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += delta
         return delta
 

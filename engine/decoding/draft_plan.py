@@ -10,8 +10,9 @@ from engine.options import DecodeOptions
 
 
 class DraftPlan:
-    def __init__(self, runtime, options: DecodeOptions, model_drafter: ModelDrafter | None,
-                 ngram_drafter: NgramDrafter | None):
+    def __init__(
+        self, runtime, options: DecodeOptions, model_drafter: ModelDrafter | None, ngram_drafter: NgramDrafter | None
+    ):
         self.opt = options
         self.model_drafter, self.ngram_drafter = model_drafter, ngram_drafter
         self.gamma = options.gamma

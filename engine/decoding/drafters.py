@@ -53,8 +53,9 @@ class ModelDrafter:
         self.ids = list(context)
         return logits
 
-    def propose(self, context: list[int], k: int, temperature: float, top_p: float,
-                gate: float, gen: torch.Generator | None) -> Draft:
+    def propose(
+        self, context: list[int], k: int, temperature: float, top_p: float, gate: float, gen: torch.Generator | None
+    ) -> Draft:
         if temperature <= 0 and self.runtime.greedy_drafts:
             # CUDA graphs (engine/runtimes/cuda_graphs.py): the same greedy draft with one host sync, not one per token.
             tokens, self.ids = self.runtime.propose_greedy(self.cache, self.ids, context, k, gate)
@@ -131,8 +132,15 @@ class NgramDrafter:
         self._ctx, self._ctx_len = context, len(context)
         return self._ctx_buf
 
-    def propose(self, context: list[int], k: int, temperature: float = 0.0, top_p: float = 1.0,
-                gate: float = 0.0, gen: torch.Generator | None = None) -> Draft:
+    def propose(
+        self,
+        context: list[int],
+        k: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        gate: float = 0.0,
+        gen: torch.Generator | None = None,
+    ) -> Draft:
         buf = self._context_bytes(context)
         joined = self._remembered()
         # Every n-gram tried ends in the last token: where that token occurs nowhere before (most calls once the
@@ -142,7 +150,7 @@ class NgramDrafter:
         if last and not in_context and _rfind_aligned(joined, last, len(joined)) is None:
             return Draft([])
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
-            pattern = buf[-4 * n:]
+            pattern = buf[-4 * n :]
             # An occurrence must end before the last token, so that something follows it.
             found = _rfind_aligned(buf, pattern, 4 * (len(context) - 1))
             if found is not None:
@@ -169,7 +177,7 @@ def _rfind_aligned(buf: bytes, pattern: bytes, end: int) -> int | None:
 
 
 def _tokens(buf: bytes, offset: int, k: int) -> list[int]:
-    tokens = array("i", buf[offset: offset + 4 * k]).tolist()
+    tokens = array("i", buf[offset : offset + 4 * k]).tolist()
     return tokens[: tokens.index(-1)] if -1 in tokens else tokens  # a remembered completion ends at its separator
 
 

@@ -62,8 +62,9 @@ class TokenIndex:
 def token_texts(tokenizer) -> list[str]:
     """Each token id's text. One batched call into the Rust tokenizer: decoding 100k+ tokens one by one
     takes seconds (and this one call still takes about 4 s for Qwen's 151,936 on a slow CPU)."""
-    return tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=True,
-                                  clean_up_tokenization_spaces=False)
+    return tokenizer.batch_decode(
+        [[i] for i in range(len(tokenizer))], skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
 
 
 def split_heal(prefix: str, last_token_text: str | None, newline: bool = True) -> tuple[str, str, bool]:
@@ -83,9 +84,9 @@ def split_heal(prefix: str, last_token_text: str | None, newline: bool = True) -
     tail = prefix[line_start:]
     if newline and line_start > 0 and not tail.strip():
         body = prefix.rstrip()
-        trailing = prefix[len(body):]
+        trailing = prefix[len(body) :]
         if len(trailing) > MAX_NEWLINE_HEAL_CHARS:  # many blank lines: re-type from the last break only
-            trailing = prefix[line_start - 1:]
+            trailing = prefix[line_start - 1 :]
             body = prefix[: line_start - 1]
         if body and trailing.isascii() and len(trailing) <= MAX_NEWLINE_HEAL_CHARS:
             return body, trailing, True
@@ -95,8 +96,15 @@ def split_heal(prefix: str, last_token_text: str | None, newline: bool = True) -
     t = last_token_text
     # A word, or spaces after a word ("def "): a prompt that ends in a lone space token is a boundary
     # BPE training rarely shows (Qwen2.5-Coder answers "    def " with an immediate end of text).
-    if t and len(t) <= MAX_HEAL_CHARS and len(t) < len(prefix) and prefix.endswith(t) and t.isascii() \
-            and "\n" not in t and (t.strip() or tail.strip()):
+    if (
+        t
+        and len(t) <= MAX_HEAL_CHARS
+        and len(t) < len(prefix)
+        and prefix.endswith(t)
+        and t.isascii()
+        and "\n" not in t
+        and (t.strip() or tail.strip())
+    ):
         return prefix[: -len(t)], t, True
     return prefix, "", False
 
@@ -106,5 +114,5 @@ def unheal(text: str, heal: str, constrained: bool) -> str:
     if not heal:
         return text
     if constrained:
-        return text[len(heal):] if len(text) > len(heal) else ""
+        return text[len(heal) :] if len(text) > len(heal) else ""
     return text.lstrip(" \t")

@@ -207,6 +207,14 @@ def _measured_or_cached(runtime) -> VerifyCosts:
     except Exception:  # noqa: BLE001  (a runtime without scratch caches: keep drafting as before)
         return FLAT
     if parts is not None:
-        probe_cache.store("verify-costs", parts, {"rows": list(costs.rows), "rel": list(costs.relative),
-                                                  "step_s": costs.step_s, "prefill_rate": costs.prefill_rate})
+        probe_cache.store(
+            "verify-costs",
+            parts,
+            {
+                "rows": list(costs.rows),
+                "rel": list(costs.relative),
+                "step_s": costs.step_s,
+                "prefill_rate": costs.prefill_rate,
+            },
+        )
     return costs

@@ -59,9 +59,17 @@ class SpeculativeDecoder:
     # Heal drafts (prefill_draft): off only to measure against, or to compare outputs in a test.
     heal_drafts = True
 
-    def __init__(self, runtime, cache, stop_ids: set[int], options: DecodeOptions,
-                 model_drafter: ModelDrafter | None = None, ngram_drafter: NgramDrafter | None = None,
-                 forced: str = "", token_index=None):
+    def __init__(
+        self,
+        runtime,
+        cache,
+        stop_ids: set[int],
+        options: DecodeOptions,
+        model_drafter: ModelDrafter | None = None,
+        ngram_drafter: NgramDrafter | None = None,
+        forced: str = "",
+        token_index=None,
+    ):
         self.runtime, self.cache = runtime, cache
         self.stop_ids = stop_ids
         self.opt = options
@@ -105,7 +113,7 @@ class SpeculativeDecoder:
             if allowed:  # the same choice as the mask below, without masking the whole row
                 tok = constrained_argmax(logits, allowed)
                 text = self.token_index.text.get(tok, "")
-                self.forced = self.forced[len(text):] if self.forced.startswith(text) and text else ""
+                self.forced = self.forced[len(text) :] if self.forced.startswith(text) and text else ""
                 return tok
         if self.forced:
             mask = torch.full_like(logits, float("-inf"))
@@ -121,7 +129,7 @@ class SpeculativeDecoder:
             self.trace.append((tok, logits.detach().clone()))
         if self.forced:
             text = self.token_index.text.get(tok, "")
-            self.forced = self.forced[len(text):] if self.forced.startswith(text) and text else ""
+            self.forced = self.forced[len(text) :] if self.forced.startswith(text) and text else ""
         return tok
 
     def _commit(self, tokens: list[int]) -> list[int]:

@@ -35,18 +35,21 @@ class BPETokenizer:
         tok.encode_special_tokens = split_special_tokens
         return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False,
-               clean_up_tokenization_spaces: bool = False) -> str:
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False
+    ) -> str:
         if clean_up_tokenization_spaces:  # transformers' English clean-up: never asked for on code
             raise ValueError("clean_up_tokenization_spaces is not supported")
         return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False,
-                     clean_up_tokenization_spaces: bool = False) -> list[str]:
+    def batch_decode(
+        self, sequences: list[list[int]], skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False
+    ) -> list[str]:
         if clean_up_tokenization_spaces:
             raise ValueError("clean_up_tokenization_spaces is not supported")
-        return self.backend_tokenizer.decode_batch([list(s) for s in sequences],
-                                                   skip_special_tokens=skip_special_tokens)
+        return self.backend_tokenizer.decode_batch(
+            [list(s) for s in sequences], skip_special_tokens=skip_special_tokens
+        )
 
     def get_vocab(self) -> dict[str, int]:
         return self.backend_tokenizer.get_vocab(with_added_tokens=True)

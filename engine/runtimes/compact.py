@@ -125,8 +125,17 @@ class Block(nn.Module):
         self.splits = (q_dim, kv_dim, kv_dim)
         self.row_attention_max = 0  # > 0: blocks up to this many tokens attend row by row (batch-invariant)
 
-    def forward(self, x: Tensor, layer: int, cache: KVCache, start: int,
-                cos: Tensor, sin: Tensor, mask: Tensor | None, slots: Tensor | slice) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        layer: int,
+        cache: KVCache,
+        start: int,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        slots: Tensor | slice,
+    ) -> Tensor:
         cfg = self.cfg
         t = x.shape[0]
         q, k, v = self.qkv(self.attn_norm(x)).split(self.splits, dim=-1)
@@ -142,14 +151,27 @@ class Block(nn.Module):
             # Batch-invariant mode (int8, engine/runtimes/quant.py): each query row attends exactly as a
             # 1-token step at its position would, so a verify block's rows are bit-identical to
             # plain decoding's; int8 activation rounding would otherwise amplify fp32 noise.
-            attn = torch.cat([F.scaled_dot_product_attention(
-                q[:, i:i + 1].unsqueeze(0), keys[:, :start + i + 1].unsqueeze(0),
-                values[:, :start + i + 1].unsqueeze(0), enable_gqa=gqa)[0] for i in range(t)], dim=1)
+            attn = torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        q[:, i : i + 1].unsqueeze(0),
+                        keys[:, : start + i + 1].unsqueeze(0),
+                        values[:, : start + i + 1].unsqueeze(0),
+                        enable_gqa=gqa,
+                    )[0]
+                    for i in range(t)
+                ],
+                dim=1,
+            )
         else:
             attn = F.scaled_dot_product_attention(
-                q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+                q.unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
+                attn_mask=mask,
                 # A fresh prefill is plainly causal: the fused kernel needs no mask tensor.
-                is_causal=mask is None and t > 1, enable_gqa=gqa,
+                is_causal=mask is None and t > 1,
+                enable_gqa=gqa,
             )[0]
         x = x + self.o_proj(attn.transpose(0, 1).reshape(t, -1))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
@@ -207,8 +229,7 @@ class CompactTransformer(nn.Module):
         self._rope_len = length
 
     @torch.inference_mode()
-    def forward(self, tokens: Tensor, cache: KVCache, start: int | None = None,
-                num_logits: int = 1) -> Tensor:
+    def forward(self, tokens: Tensor, cache: KVCache, start: int | None = None, num_logits: int = 1) -> Tensor:
         """Run ``tokens`` (1-D) at positions ``start..``; return logits of the last ``num_logits``.
 
         ``start`` defaults to ``cache.length``: appending. The cache's length becomes
@@ -235,7 +256,7 @@ class CompactTransformer(nn.Module):
             x = layer(x, i, cache, start, cos, sin, mask, slice(start, end))
         cache.length = end
         num_logits = min(num_logits, t)
-        return self.lm_head(self.norm(x[t - num_logits:])).float()
+        return self.lm_head(self.norm(x[t - num_logits :])).float()
 
     def _use_invariant(self, tokens: Tensor) -> bool:
         if self.invariant is None:
@@ -272,18 +293,22 @@ class CompactTransformer(nn.Module):
 
 # HF parameter names -> ours. q/k/v and gate/up are fused after loading.
 def _convert_hf_state(hf: dict[str, Tensor], cfg: CompactConfig) -> dict[str, Tensor]:
-    out: dict[str, Tensor] = {"embed.weight": hf["model.embed_tokens.weight"],
-                              "norm.weight": hf["model.norm.weight"]}
-    out["lm_head.weight"] = hf["model.embed_tokens.weight"] if cfg.tie_word_embeddings \
+    out: dict[str, Tensor] = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    out["lm_head.weight"] = (
+        hf["model.embed_tokens.weight"]
+        if cfg.tie_word_embeddings
         else hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    )
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         out[f"layers.{i}.qkv.weight"] = torch.cat(
-            [hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"]])
+            [hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"]]
+        )
         if cfg.attention_bias:
             out[f"layers.{i}.qkv.bias"] = torch.cat(
-                [hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"]])
+                [hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"]]
+            )
         out[f"layers.{i}.o_proj.weight"] = hf[a + "o_proj.weight"]
         m = p + "mlp."
         out[f"layers.{i}.gate_up.weight"] = torch.cat([hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
@@ -308,16 +333,21 @@ def _read_safetensors(folder: Path) -> dict[str, Tensor]:
     return state
 
 
-def load_compact(folder: Path, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> CompactTransformer:
+def load_compact(
+    folder: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> CompactTransformer:
     cfg_dict = json.loads((folder / "config.json").read_text())
     cfg = CompactConfig.from_hf_dict(cfg_dict)
     return compact_from_hf_state(cfg, _read_safetensors(folder), folder, dtype, device)
 
 
-def compact_from_hf_state(cfg: CompactConfig, state: dict[str, Tensor], source: object,
-                          dtype: torch.dtype = torch.float32,
-                          device: str | torch.device = "cpu") -> CompactTransformer:
+def compact_from_hf_state(
+    cfg: CompactConfig,
+    state: dict[str, Tensor],
+    source: object,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> CompactTransformer:
     """Build the runtime from HF-named tensors (a safetensors folder, or a GGUF mapped to HF names)."""
     folder = source
     try:
@@ -346,5 +376,12 @@ def param_count(cfg: CompactConfig) -> int:
     return v * d + cfg.num_layers * per_layer + d + head
 
 
-__all__ = ["CompactConfig", "CompactTransformer", "KVCache", "compact_from_hf_state", "load_compact", "param_count",
-           "SUPPORTED_MODEL_TYPES"]
+__all__ = [
+    "CompactConfig",
+    "CompactTransformer",
+    "KVCache",
+    "compact_from_hf_state",
+    "load_compact",
+    "param_count",
+    "SUPPORTED_MODEL_TYPES",
+]

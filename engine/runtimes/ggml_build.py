@@ -125,8 +125,9 @@ def run(cmd: list[str], *, cwd: Path | None = None, env: dict | None = None, log
 
 def fetch_sdist(work: Path, log: Path) -> Path:
     pip = [sys.executable, "-m", "pip"]
-    run([*pip, "download", "-q", "--no-deps", "--no-binary", ":all:", f"{PACKAGE}=={VERSION}", "-d", str(work)],
-        log=log)
+    run(
+        [*pip, "download", "-q", "--no-deps", "--no-binary", ":all:", f"{PACKAGE}=={VERSION}", "-d", str(work)], log=log
+    )
     sdist = work / SDIST
     digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
     if digest != SDIST_SHA256:

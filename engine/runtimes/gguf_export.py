@@ -66,10 +66,16 @@ def export_gguf(folder: str | Path, out: str | Path, qtype: str = "f32", pre: st
     arch = GGUF_ARCH.get(cfg.get("model_type"))
     if arch is None:
         raise ModelLoadError(f"cannot export model_type {cfg.get('model_type')!r} to GGUF")
-    qt = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-          "q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+    qt = {
+        "f32": gguf.GGMLQuantizationType.F32,
+        "f16": gguf.GGMLQuantizationType.F16,
+        "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    }[qtype]
+    file_type = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    }[qtype]
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads

@@ -25,8 +25,10 @@ GGUF_MAGIC = b"GGUF"
 # byte-level regex; a string is the split pattern llama.cpp uses for that name (llama-vocab.cpp), applied
 # before byte-level mapping, as the model's Hugging Face tokenizer.json does. Tests check each against
 # llama.cpp's own tokenizer on code.
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 SUPPORTED_PRE: dict[str, str | None] = {"gpt-2": None, "gpt2": None, "default": None, "qwen2": QWEN2_SPLIT}
 
 
@@ -77,13 +79,17 @@ def _tokenizer(reader, path: Path):
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:  # NFC as the model's own tokenizer.json does (llama.cpp skips it: equal on text already in NFC)
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     # Control (3) and user-defined (4) tokens are whole tokens, never split by BPE.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types, strict=False) if ty in (3, 4)])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=False) if ty in (3, 4)]
+    )
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return BPETokenizer(tok, int(eos) if eos is not None else None), tokens
 
@@ -93,8 +99,11 @@ def _template(reader, tokens: list[str]) -> tuple[FimTemplate | None, set[int]]:
     ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("fim_pre", "fim_suf", "fim_mid")]
     if None in ids:  # older files: prefix/suffix/middle
         ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("prefix", "suffix", "middle")]
-    stops = {int(v) for k in ("eos", "eot", "fim_pad", "fim_rep", "fim_sep")
-             if (v := _field(reader, f"tokenizer.ggml.{k}_token_id")) is not None}
+    stops = {
+        int(v)
+        for k in ("eos", "eot", "fim_pad", "fim_rep", "fim_sep")
+        if (v := _field(reader, f"tokenizer.ggml.{k}_token_id")) is not None
+    }
     if None in ids:  # files converted without fim ids (Qwen2.5-Coder's often are): the sentinels by name
         named = detect_template(set(tokens))
         if named is None:
@@ -128,9 +137,13 @@ def _config(reader, path: Path) -> tuple[CompactConfig, str]:
         raise ModelLoadError(f"{path.name}: GGUF has no token_embd.weight")
     vocab = int(embd.shape[-1]) if len(embd.shape) > 1 else len(_field(reader, "tokenizer.ggml.tokens"))
     cfg = CompactConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")), num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv") or heads), head_dim=head_dim,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv") or heads),
+        head_dim=head_dim,
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base") or 10000.0),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(get("context_length")),
@@ -143,14 +156,25 @@ def _config(reader, path: Path) -> tuple[CompactConfig, str]:
 def _hf_state(reader, cfg: CompactConfig, arch: str) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
-    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
-    per_layer = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
-                 "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
-                 "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-                 "attn_v.bias": "self_attn.v_proj.bias", "attn_output.weight": "self_attn.o_proj.weight",
-                 "ffn_norm.weight": "post_attention_layernorm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
-                 "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+    names = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    per_layer = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_q.bias": "self_attn.q_proj.bias",
+        "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    }
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name.startswith("blk."):
@@ -210,6 +234,12 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu
     except Exception as exc:  # a GGUF with missing or malformed entries
         raise ModelLoadError(f"{path.name} is a malformed GGUF file: {type(exc).__name__}: {exc}") from None
     runtime = compact_from_hf_state(cfg, state, path.name, dtype, device)
-    notice = None if template else (f"model {path.name} has no fill-in-the-middle tokens: completing from the "
-                                    "text before the cursor only (the text after it is not used)")
+    notice = (
+        None
+        if template
+        else (
+            f"model {path.name} has no fill-in-the-middle tokens: completing from the "
+            "text before the cursor only (the text after it is not used)"
+        )
+    )
     return GGUFModel(runtime, tokenizer, template, stops, cfg.max_position_embeddings, notice)

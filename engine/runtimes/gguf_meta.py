@@ -57,7 +57,7 @@ class _Cursor:
         n = self.take("Q")
         if self.pos + n > len(self.data):
             raise GGUFFormatError("header ends early")
-        raw = self.data[self.pos:self.pos + n]
+        raw = self.data[self.pos : self.pos + n]
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 

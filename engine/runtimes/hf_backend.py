@@ -59,9 +59,13 @@ class HFModel:
         end = start + tokens.shape[0]
         if end > cache.max_len:
             raise ValueError(f"sequence of {end} tokens exceeds the context of {cache.max_len}")
-        out = self.model(input_ids=tokens[None].to(self.device), past_key_values=cache.inner, use_cache=True,
-                         logits_to_keep=min(num_logits, tokens.shape[0]),
-                         cache_position=torch.arange(start, end, device=self.device))
+        out = self.model(
+            input_ids=tokens[None].to(self.device),
+            past_key_values=cache.inner,
+            use_cache=True,
+            logits_to_keep=min(num_logits, tokens.shape[0]),
+            cache_position=torch.arange(start, end, device=self.device),
+        )
         cache.inner = out.past_key_values
         cache.length = end
         return out.logits[0].float()

@@ -79,8 +79,9 @@ def _path(kind: str, parts: tuple[str, ...]) -> Path:
     return probe_dir() / f"{kind}-{key(kind, parts)}.json"
 
 
-def load(kind: str, parts: tuple[str, ...], read: Callable[[dict], Any],
-         max_bytes: int = MAX_ENTRY_BYTES) -> Any | None:
+def load(
+    kind: str, parts: tuple[str, ...], read: Callable[[dict], Any], max_bytes: int = MAX_ENTRY_BYTES
+) -> Any | None:
     """``read(entry)`` of the stored entry, or None where there is none or it fails ``read``'s checks
     (``read`` raises on anything it does not accept)."""
     if not enabled():

@@ -1,7 +1,6 @@
 """Slotted rounds for fimble serve on CUDA (engine/serve/slot_passes.py): running sequences' caches in slots of
 one batched cache, and one captured graph per round for all of their short passes."""
 
-
 from __future__ import annotations
 
 import time

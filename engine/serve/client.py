@@ -95,8 +95,11 @@ class WSEngine(MessageClient):
                 ).__enter__()
             except InvalidStatus as exc:  # the daemon answered and said no: retrying will not help
                 status = exc.response.status_code
-                what = ("a valid token (--engine-token-file; on this machine, read from its token file by "
-                        "default)") if status == 401 else f"HTTP {status}"
+                what = (
+                    ("a valid token (--engine-token-file; on this machine, read from its token file by default)")
+                    if status == 401
+                    else f"HTTP {status}"
+                )
                 raise FimbleError(f"the engine at {self.url} refused the connection: it needs {what}") from None
             except InvalidURI:
                 raise FimbleError(f"--engine {self.url!r}: not a websocket URL") from None

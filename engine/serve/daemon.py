@@ -388,8 +388,7 @@ def run_daemon(engine: Any, options: ServeOptions, announce=print) -> int:
     published = publish_token(port, options.token, announce)
     announce(
         f"fimble: serving {engine.info().get('model')} on ws://{host}:{port} "
-        f"(OpenAI API: http://{host}:{port}/v1/completions)"
-        + (" (token required)" if options.token else "")
+        f"(OpenAI API: http://{host}:{port}/v1/completions)" + (" (token required)" if options.token else "")
     )
 
     def stop(_signum: int, _frame: Any) -> None:

@@ -33,8 +33,17 @@ from engine.scheduler import SCHED_COUNTERS, Policy, Scheduler
 from engine.serve.batched import supports_batch
 from engine.steps import AWAIT, STREAM_NOW
 
-__all__ = ["AWAIT", "MAX_ACTIVE", "PREFILL_CHUNK", "SCHED_COUNTERS", "SLOT_LEN", "STREAM_INTERVAL_S", "STREAM_NOW",
-           "ServeEngine", "open_serve_engine"]
+__all__ = [
+    "AWAIT",
+    "MAX_ACTIVE",
+    "PREFILL_CHUNK",
+    "SCHED_COUNTERS",
+    "SLOT_LEN",
+    "STREAM_INTERVAL_S",
+    "STREAM_NOW",
+    "ServeEngine",
+    "open_serve_engine",
+]
 
 MAX_ACTIVE = 64  # sequences stepped together; more wait their turn
 # Prompt tokens a sequence prefills per round. A new request's prompt (often 1,000+ tokens on its
@@ -87,12 +96,28 @@ class ServeEngine(Scheduler):
         # at 32 editors it doubled tok/s (2,504 -> 5,279) while p95 first delta grew (92 -> 342 ms); whether
         # overlap (the decode loop keeping the interpreter through the GPU wait) caused the tail is not measured
         # yet, and this switch is there to measure it.
-        policy = Policy(max_active=max_active, prefill_chunk=PREFILL_CHUNK, stream_interval=STREAM_INTERVAL_S,
-                        overlap=False, session_drafters=True, background_window=False, anchored=False, cold=False,
-                        refuse_unfit=True, error_detail=False)
+        policy = Policy(
+            max_active=max_active,
+            prefill_chunk=PREFILL_CHUNK,
+            stream_interval=STREAM_INTERVAL_S,
+            overlap=False,
+            session_drafters=True,
+            background_window=False,
+            anchored=False,
+            cold=False,
+            refuse_unfit=True,
+            error_detail=False,
+        )
         # (the daemon runs serve_forever() in its main thread: CPU speed)
-        super().__init__(target, draft, policy=policy, threads=threads, start_thread=False,
-                         kv_budget_bytes=kv_budget_bytes, passes=passes)
+        super().__init__(
+            target,
+            draft,
+            policy=policy,
+            threads=threads,
+            start_thread=False,
+            kv_budget_bytes=kv_budget_bytes,
+            passes=passes,
+        )
         if overlap is None:
             asynchronous = self.slots is not None and self.slots.use_graphs
             overlap = asynchronous and os.environ.get("FIMBLE_SERVE_OVERLAP", "1") != "0"

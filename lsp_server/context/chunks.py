@@ -13,14 +13,16 @@ from dataclasses import dataclass, field
 
 _IDENT = re.compile(r"[A-Za-z_$][A-Za-z0-9_$]*")
 # Python, JavaScript and TypeScript keywords and the most common builtins: shared by every file, so noise.
-_STOP = frozenset("""
+_STOP = frozenset(
+    """
 False None True and as assert async await break class continue def del elif else except finally for from
 global if import in is lambda nonlocal not or pass raise return try while with yield self cls print len str
 int dict list set tuple object super isinstance range type bool bytes float open
 abstract any boolean case catch const constructor debugger default delete do enum export extends false
 function implements instanceof interface let new null number package private protected public readonly
 static string switch this throw true typeof undefined var void require module exports console
-""".split())
+""".split()
+)
 CHUNK_LINES = 32  # lines per chunk of an open document (llama.vim: ~32, Copilot: 60)
 CHUNK_MAX_CHARS = 2400  # a chunk of long lines ends early
 LINE_MAX_CHARS = 400  # a longer line (minified code, data) is cut: its identifiers say little

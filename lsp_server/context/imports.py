@@ -34,11 +34,27 @@ JS_EXTENSIONS = (".js", ".ts", ".tsx", ".jsx", ".mjs", ".cjs")
 MAX_PACKAGE_FILES = 12  # Go: files of a package folder read for its definitions
 _PY_FAMILY = "python"
 _FAMILIES = {
-    "python": "python", "py": "python",
-    "javascript": "js", "javascriptreact": "js", "typescript": "js", "typescriptreact": "js",
-    "js": "js", "jsx": "js", "ts": "js", "tsx": "js",
-    "go": "go", "golang": "go", "rust": "rust", "rs": "rust", "java": "java",
-    "c": "c", "cpp": "c", "c++": "c", "cuda": "c", "objective-c": "c", "objective-cpp": "c",
+    "python": "python",
+    "py": "python",
+    "javascript": "js",
+    "javascriptreact": "js",
+    "typescript": "js",
+    "typescriptreact": "js",
+    "js": "js",
+    "jsx": "js",
+    "ts": "js",
+    "tsx": "js",
+    "go": "go",
+    "golang": "go",
+    "rust": "rust",
+    "rs": "rust",
+    "java": "java",
+    "c": "c",
+    "cpp": "c",
+    "c++": "c",
+    "cuda": "c",
+    "objective-c": "c",
+    "objective-cpp": "c",
 }
 
 
@@ -96,8 +112,9 @@ def _python_import(node) -> list[Import]:
         out = []
         for child in node.children_by_field_name("name"):
             if child.type == "aliased_import":
-                out.append(Import(_text(child.child_by_field_name("name")),
-                                  binding=_text(child.child_by_field_name("alias"))))
+                out.append(
+                    Import(_text(child.child_by_field_name("name")), binding=_text(child.child_by_field_name("alias")))
+                )
             elif child.type == "dotted_name":
                 out.append(Import(_text(child), binding=_text(child)))
         return out
@@ -145,8 +162,11 @@ def _js_import(node) -> list[Import]:
             if decl.type != "variable_declarator":
                 continue
             value = decl.child_by_field_name("value")
-            if value is None or value.type != "call_expression" \
-                    or _text(value.child_by_field_name("function")) != "require":
+            if (
+                value is None
+                or value.type != "call_expression"
+                or _text(value.child_by_field_name("function")) != "require"
+            ):
                 continue
             args = value.child_by_field_name("arguments")
             source = _string_value(args.named_children[0]) if args is not None and args.named_children else None
@@ -262,8 +282,9 @@ def java_source_root(trees, doc_path: str) -> str | None:
     return None
 
 
-def module_candidates(fam: str | None, module: str, doc_path: str | None, roots: list[str],
-                      java_root: str | None = None) -> list[str]:
+def module_candidates(
+    fam: str | None, module: str, doc_path: str | None, roots: list[str], java_root: str | None = None
+) -> list[str]:
     """Paths the module may be at, most likely first (nothing is read here). Go: package folders, each
     ending in ``/`` (its files are listed where it is read)."""
     if doc_path is None:
@@ -401,8 +422,17 @@ def _rows(node, nested_types: tuple[str, ...]) -> tuple[int, ...]:
         n = stack.pop()
         if n.type in nested_types:
             sigs.append(n.start_point[0])
-        elif n.type in ("block", "class_body", "decorated_definition", "statement_block", "declaration_list",
-                        "interface_body", "enum_body", "enum_body_declarations", "field_declaration_list"):
+        elif n.type in (
+            "block",
+            "class_body",
+            "decorated_definition",
+            "statement_block",
+            "declaration_list",
+            "interface_body",
+            "enum_body",
+            "enum_body_declarations",
+            "field_declaration_list",
+        ):
             stack.extend(n.children)
     for r in sorted(set(sigs)):
         if r >= rows[-1] + 1 and len(rows) < DEF_MAX_LINES:
@@ -432,8 +462,11 @@ def extract_definitions(fam: str | None, trees) -> tuple[dict[str, Definition], 
             inner = node.child_by_field_name("definition") if node.type == "decorated_definition" else node
             if inner is not None and inner.type in ("function_definition", "class_definition"):
                 add(_text(inner.child_by_field_name("name")), node, _PY_NESTED)
-            elif node.type == "expression_statement" and node.named_children \
-                    and node.named_children[0].type == "assignment":
+            elif (
+                node.type == "expression_statement"
+                and node.named_children
+                and node.named_children[0].type == "assignment"
+            ):
                 left = node.named_children[0].child_by_field_name("left")
                 if left is not None and left.type == "identifier":
                     add(_text(left), node, _PY_NESTED)
@@ -452,7 +485,7 @@ def _merge_methods(defs: dict[str, Definition]) -> None:
     methods' signature lines, up to DEF_MAX_LINES (a type alone says little of how it is used)."""
     for key in [k for k in defs if k.startswith(_IMPL)]:
         extra = defs.pop(key)
-        name, _, member = key[len(_IMPL):].partition("\x00")
+        name, _, member = key[len(_IMPL) :].partition("\x00")
         if member.startswith("fn "):  # a Go method: its signature line only
             extra = Definition(name, (extra.start,), extra.start, extra.end)
         base = defs.get(name)
@@ -480,17 +513,29 @@ def _js_definitions(node, add) -> str | None:
             return _text(decl)
         if is_default:
             default = _text(decl.child_by_field_name("name")) or None
-    if decl.type in ("function_declaration", "generator_function_declaration", "class_declaration",
-                     "abstract_class_declaration", "interface_declaration", "type_alias_declaration",
-                     "enum_declaration"):
+    if decl.type in (
+        "function_declaration",
+        "generator_function_declaration",
+        "class_declaration",
+        "abstract_class_declaration",
+        "interface_declaration",
+        "type_alias_declaration",
+        "enum_declaration",
+    ):
         add(_text(decl.child_by_field_name("name")), outer, _JS_NESTED)
     elif decl.type in ("lexical_declaration", "variable_declaration"):
         for d in decl.named_children:
-            if d.type == "variable_declarator" and (n := d.child_by_field_name("name")) is not None \
-                    and n.type == "identifier":
+            if (
+                d.type == "variable_declarator"
+                and (n := d.child_by_field_name("name")) is not None
+                and n.type == "identifier"
+            ):
                 add(_text(n), outer, _JS_NESTED)
-    elif decl.type == "expression_statement" and decl.named_children \
-            and decl.named_children[0].type == "assignment_expression":
+    elif (
+        decl.type == "expression_statement"
+        and decl.named_children
+        and decl.named_children[0].type == "assignment_expression"
+    ):
         assign = decl.named_children[0]
         left, right = assign.child_by_field_name("left"), assign.child_by_field_name("right")
         target = _text(left)
@@ -538,15 +583,30 @@ def _rust_definitions(node) -> list[tuple[str, object, tuple[str, ...]]]:
         t = node.child_by_field_name("type")
         name = _text(t.child_by_field_name("type") if t is not None and t.type == "generic_type" else t)
         return [(f"{_IMPL}{name}\x00{node.start_point[0]}", node, _RUST_NESTED)] if name else []
-    if node.type in ("function_item", "struct_item", "enum_item", "trait_item", "type_item", "const_item",
-                     "static_item", "union_item", "mod_item", "macro_definition"):
+    if node.type in (
+        "function_item",
+        "struct_item",
+        "enum_item",
+        "trait_item",
+        "type_item",
+        "const_item",
+        "static_item",
+        "union_item",
+        "mod_item",
+        "macro_definition",
+    ):
         return [(_name(node), node, _RUST_NESTED)]
     return []
 
 
 def _java_definitions(node) -> list[tuple[str, object, tuple[str, ...]]]:
-    if node.type in ("class_declaration", "interface_declaration", "enum_declaration", "record_declaration",
-                     "annotation_type_declaration"):
+    if node.type in (
+        "class_declaration",
+        "interface_declaration",
+        "enum_declaration",
+        "record_declaration",
+        "annotation_type_declaration",
+    ):
         return [(_name(node), node, _JAVA_NESTED)]
     return []
 
@@ -572,8 +632,11 @@ def _c_definitions(node) -> list[tuple[str, object, tuple[str, ...]]]:
             if name:
                 out.append((name, node, _C_NESTED))
         spec = node.child_by_field_name("type")  # ``struct P {...} p;``: the struct too
-        if spec is not None and spec.type in ("struct_specifier", "union_specifier", "enum_specifier",
-                                              "class_specifier") and spec.child_by_field_name("body") is not None:
+        if (
+            spec is not None
+            and spec.type in ("struct_specifier", "union_specifier", "enum_specifier", "class_specifier")
+            and spec.child_by_field_name("body") is not None
+        ):
             out.append((_name(spec), node, _C_NESTED))
         return out
     if node.type in ("struct_specifier", "union_specifier", "enum_specifier", "class_specifier"):

@@ -57,8 +57,12 @@ class _DocState:
 
 
 class CrossFileContext:
-    def __init__(self, docs: DocumentStore, stats: Stats,
-                 on_change: Callable[[Document, tuple[int, int] | None, Any], None] | None = None) -> None:
+    def __init__(
+        self,
+        docs: DocumentStore,
+        stats: Stats,
+        on_change: Callable[[Document, tuple[int, int] | None, Any], None] | None = None,
+    ) -> None:
         self.docs, self.stats = docs, stats
         self.on_change = on_change  # the ring of this document at this cursor changed: pre-warm it
         self.debug = False  # `fimble lsp --debug`: log the chunks each ring holds
@@ -90,8 +94,11 @@ class CrossFileContext:
     @staticmethod
     def enabled(settings: Any) -> bool:
         # Not with a remote engine or a shared daemon: other files' text would leave this process for it.
-        return bool(getattr(settings, "cross_file_context", False)) and settings.engine_spec is None \
+        return (
+            bool(getattr(settings, "cross_file_context", False))
+            and settings.engine_spec is None
             and settings.cross_file_budget > 0
+        )
 
     # -- events (cheap: they only note what happened and arm the timer) ---------------------------------
     def touch(self, doc: Document, cursor: tuple[int, int] | None, settings: Any) -> None:
@@ -130,9 +137,17 @@ class CrossFileContext:
             chunks = [c for c in state.ring.items if c.uri != uri]
             fam = family(doc.language_id) if doc is not None else None
             repo, path = self.sources.label(uri)
-            wire = {"repo": repo, "path": path, "comment": _COMMENTS.get(fam or "", "#"),
+            wire = (
+                {
+                    "repo": repo,
+                    "path": path,
+                    "comment": _COMMENTS.get(fam or "", "#"),
                     "budget": settings.cross_file_budget,
-                    "chunks": [{"path": c.label, "text": c.text} for c in chunks]} if chunks else None
+                    "chunks": [{"path": c.label, "text": c.text} for c in chunks],
+                }
+                if chunks
+                else None
+            )
             state.wire = (key, wire)
         return state.wire[1]
 
@@ -145,10 +160,17 @@ class CrossFileContext:
 
     def debug_state(self, uri: str | None = None) -> list[dict]:
         """For ``fimble/debug/context`` (only with --debug): each ring's chunks, by where they come from."""
-        return [{"uri": u, "chunks": [c.describe() for c in s.ring.items],
-                 "scores": [round(s.scores.get(id(c), 0.0), 3) for c in s.ring.items],
-                 "tokens": s.ring.tokens, "line": s.line}
-                for u, s in self._states.items() if uri is None or u == uri]
+        return [
+            {
+                "uri": u,
+                "chunks": [c.describe() for c in s.ring.items],
+                "scores": [round(s.scores.get(id(c), 0.0), 3) for c in s.ring.items],
+                "tokens": s.ring.tokens,
+                "line": s.line,
+            }
+            for u, s in self._states.items()
+            if uri is None or u == uri
+        ]
 
     def close(self) -> None:
         if self._timer is not None:
@@ -215,9 +237,11 @@ class CrossFileContext:
             return
         edits = self.sources.edit_chunks(fam, uri) if "recentEdits" in sources else []
         state = self._states.setdefault(uri, _DocState())
-        signature = (tuple((ix.key, len(ix.chunks)) for ix in tabs),
-                     tuple((c.uri, c.start, c.end, c.name) for c, _ in imports),
-                     tuple((c.uri, c.start, c.end) for c in edits))
+        signature = (
+            tuple((ix.key, len(ix.chunks)) for ix in tabs),
+            tuple((c.uri, c.start, c.end, c.name) for c, _ in imports),
+            tuple((c.uri, c.start, c.end) for c in edits),
+        )
         jump = state.line is None or abs(line - state.line) > JUMP_LINES
         if not jump and signature == state.signature:
             return  # nothing new for this document: its ring (and the engine's cache of it) stays
@@ -248,8 +272,11 @@ class CrossFileContext:
             return
         self.stats.count("context_ring_changes")
         if self.debug:
-            log.info("cross-file context for %s: %s", uri,
-                     [f"{c.describe()} ({state.scores[id(c)]:.2f})" for c in state.ring.items] or "none")
+            log.info(
+                "cross-file context for %s: %s",
+                uri,
+                [f"{c.describe()} ({state.scores[id(c)]:.2f})" for c in state.ring.items] or "none",
+            )
         if self.on_change is not None:
             self._quiet = True
             try:

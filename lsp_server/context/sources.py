@@ -51,10 +51,26 @@ MAX_DISK_LOOKUPS = 256
 CURSOR_LINES_BEFORE, CURSOR_LINES_AFTER = 40, 10  # the text around the cursor that ranking reads
 RECENT_EDITS = 16
 EDIT_LINES = 12  # a recent edit's chunk: this many lines either side of it
-_PARSE_LANGS = {".py": "python", ".js": "javascript", ".mjs": "javascript", ".cjs": "javascript",
-                ".jsx": "javascriptreact", ".ts": "typescript", ".tsx": "typescriptreact", ".go": "go",
-                ".rs": "rust", ".java": "java", ".c": "c", ".h": "cpp", ".cc": "cpp", ".cpp": "cpp", ".cxx": "cpp",
-                ".hh": "cpp", ".hpp": "cpp", ".hxx": "cpp"}
+_PARSE_LANGS = {
+    ".py": "python",
+    ".js": "javascript",
+    ".mjs": "javascript",
+    ".cjs": "javascript",
+    ".jsx": "javascriptreact",
+    ".ts": "typescript",
+    ".tsx": "typescriptreact",
+    ".go": "go",
+    ".rs": "rust",
+    ".java": "java",
+    ".c": "c",
+    ".h": "cpp",
+    ".cc": "cpp",
+    ".cpp": "cpp",
+    ".cxx": "cpp",
+    ".hh": "cpp",
+    ".hpp": "cpp",
+    ".hxx": "cpp",
+}
 _MEMBER = {"rust": "::"}  # how a module's names are reached through its binding: ``mod.name``, Rust ``mod::name``
 
 
@@ -120,8 +136,12 @@ class Sources:
         self.recent.pop(uri, None)
 
     def tables(self) -> dict:
-        return {"context_indexed_docs": len(self.index), "context_def_files": len(self.defs),
-                "context_disk_lookups": len(self.disk), "context_recent_edits": len(self.edits)}
+        return {
+            "context_indexed_docs": len(self.index),
+            "context_def_files": len(self.defs),
+            "context_disk_lookups": len(self.disk),
+            "context_recent_edits": len(self.edits),
+        }
 
     async def tab_chunks(self, fam: str, focus: str, started: Slice) -> list[Indexed]:
         """The indexed open documents of ``fam`` other than ``focus``, most recently touched first."""
@@ -161,8 +181,11 @@ class Sources:
             chunks.append(Chunk(doc.uri, label, first, end, text, "tab", identifiers(text)))
             if started.over():
                 await started.pause()
-                if self.docs.get(doc.uri) is not doc or (doc.version, doc.length) != key \
-                        or getattr(doc, "changing", False):
+                if (
+                    self.docs.get(doc.uri) is not doc
+                    or (doc.version, doc.length) != key
+                    or getattr(doc, "changing", False)
+                ):
                     return None  # edited or closed meanwhile: indexed at a later refresh
         self.stats.count("context_indexed_docs")
         ix = Indexed(key, label, chunks)
@@ -179,12 +202,20 @@ class Sources:
             first = max(0, line - EDIT_LINES)
             text = window_text(doc.lines, first, line + EDIT_LINES + 1)
             if text.strip():
-                out.append(Chunk(uri, self.label(uri)[1], first, min(len(doc.lines), line + EDIT_LINES + 1), text,
-                                 "edit", identifiers(text)))
+                out.append(
+                    Chunk(
+                        uri,
+                        self.label(uri)[1],
+                        first,
+                        min(len(doc.lines), line + EDIT_LINES + 1),
+                        text,
+                        "edit",
+                        identifiers(text),
+                    )
+                )
         return out
 
-    async def import_chunks(self, doc: Document, fam: str, line: int,
-                             started: Slice) -> list[tuple[Chunk, bool]]:
+    async def import_chunks(self, doc: Document, fam: str, line: int, started: Slice) -> list[tuple[Chunk, bool]]:
         """Definitions of the names ``doc`` imports, each with whether it is used near the cursor."""
         syntax = doc.syntax
         if not syntax.has_tree:
@@ -234,8 +265,11 @@ class Sources:
         return wanted[:32]
 
     @staticmethod
-    def _def_chunks(module: tuple[str, str, dict[str, Definition], str | None, list[str]],
-                    wanted: list[tuple[str, str]], near: frozenset[str]) -> list[tuple[Chunk, bool]]:
+    def _def_chunks(
+        module: tuple[str, str, dict[str, Definition], str | None, list[str]],
+        wanted: list[tuple[str, str]],
+        near: frozenset[str],
+    ) -> list[tuple[Chunk, bool]]:
         uri, label, defs, default, lines = module
         out = []
         for name, local in wanted:
@@ -250,8 +284,15 @@ class Sources:
             out.append((Chunk(uri, label, d.start, d.end, text, "import", identifiers(text), d.name), used))
         return out
 
-    async def _modules(self, fam: str, module: str, doc_path: str | None, by_path: dict[str, Document],
-                       started: Slice, java_root: str | None = None) -> list[_Module]:
+    async def _modules(
+        self,
+        fam: str,
+        module: str,
+        doc_path: str | None,
+        by_path: dict[str, Document],
+        started: Slice,
+        java_root: str | None = None,
+    ) -> list[_Module]:
         """The files of the module: one (Python, JS, Rust, Java, C), or a Go package folder's files; [] where
         none is found."""
         candidates = module_candidates(fam, module, doc_path, self.roots, java_root)
@@ -283,8 +324,9 @@ class Sources:
                 out.append(found)
         return out
 
-    async def _module(self, fam: str, candidates: list[str], by_path: dict[str, Document],
-                      started: Slice) -> _Module | None:
+    async def _module(
+        self, fam: str, candidates: list[str], by_path: dict[str, Document], started: Slice
+    ) -> _Module | None:
         """(uri, label, definitions, default export, lines) of the first of ``candidates`` that is an open
         document, else a file inside the workspace folders; None where neither has one."""
         for path in candidates:

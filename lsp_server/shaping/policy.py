@@ -225,8 +225,10 @@ def check_overrides(overrides: Any) -> list[str]:
             if name not in _FIELD_TYPES:
                 problems.append(f"{key}.{name}: unknown setting; known: {', '.join(_FIELD_TYPES)}")
             elif _coerce(name, value) is None and _FIELD_TYPES[name] is tuple:  # the list is not echoed back
-                problems.append(f"{key}.{name}: bad value (expected at most {MAX_STOPS} non-empty strings of at most "
-                                f"{MAX_STOP_CHARS} characters)")
+                problems.append(
+                    f"{key}.{name}: bad value (expected at most {MAX_STOPS} non-empty strings of at most "
+                    f"{MAX_STOP_CHARS} characters)"
+                )
             elif _coerce(name, value) is None:
                 shown = repr(value)  # short
                 problems.append(f"{key}.{name}: bad value {shown if len(shown) <= 80 else shown[:77] + '...'}")

@@ -66,7 +66,7 @@ def stream_text(gen: Generation, text: str, stats: Stats) -> None:
             gen.cancel()  # generation goes no further than a closer beyond its scope
             full = gen.text + text
             gen.cut_to(stop)  # (a stop inside text already added: only after a lookahead)
-            text = full[len(gen.text):stop]
+            text = full[len(gen.text) : stop]
     if text:
         gen.add_text(text)
 
@@ -90,8 +90,9 @@ def finish_decode(gen: Generation, stats: Stats) -> None:
     gen.replace_cols = _cols(shaper.doc.bytes, shaped.replace_start, shaped.replace_end)
 
 
-def shape_answer(doc: Document, cursor: tuple[int, int], gen: Generation, start: int, text: str,
-                 stats: Stats) -> tuple[str, int]:
+def shape_answer(
+    doc: Document, cursor: tuple[int, int], gen: Generation, start: int, text: str, stats: Stats
+) -> tuple[str, int]:
     """(text to show, code points after the cursor it replaces) for ``text`` at ``cursor`` now.
 
     ``text`` is ``gen.text[start:]`` or a prefix of it. The finished decode's own shaping
@@ -122,8 +123,9 @@ def shape_answer(doc: Document, cursor: tuple[int, int], gen: Generation, start:
     return shaped.text, cols
 
 
-def delta_replace_end(doc: Document, ctx: Context, gen: Generation, offset: int, position: dict,
-                      encoding: str) -> Callable[[str, bool], dict]:
+def delta_replace_end(
+    doc: Document, ctx: Context, gen: Generation, offset: int, position: dict, encoding: str
+) -> Callable[[str, bool], dict]:
     """For deltas: text -> the end of what it replaces at the request's cursor (its ``replaceEnd``).
 
     ``position`` is the request's cursor in the client's units (``encoding``). A subscription
@@ -146,8 +148,11 @@ def delta_replace_end(doc: Document, ctx: Context, gen: Generation, offset: int,
                     cols = fit_to_line_rest(text, rest, language)[1]
                 except Exception:  # a syntax-layer bug costs the range, not the stream
                     log.exception("fitting a delta to the line's closers failed")
-        return {"line": position["line"],
-                "character": position["character"] + from_codepoints(rest, min(cols, len(rest)), encoding)}
+        return {
+            "line": position["line"],
+            "character": position["character"] + from_codepoints(rest, min(cols, len(rest)), encoding),
+        }
+
     return replace_end
 
 

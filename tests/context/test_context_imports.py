@@ -12,38 +12,48 @@ from lsp_server.context.imports import (
 )
 from lsp_server.shaping.syntax.document import SyntaxDocument
 
-PY = '''import os.path as osp
+PY = """import os.path as osp
 import pkg.tools
 from .shapes import scale_polygon as scale, area
 from ..base import Model
 from . import sibling
-'''
-JS = '''import def1, {a, b as c} from './x';
+"""
+JS = """import def1, {a, b as c} from './x';
 import * as ns from "../y/z";
 const {p, q: r} = require('./u');
 const mod = require("./v");
 const w = require('left-pad');
-'''
+"""
 
 
 def test_python_imports():
     imports = extract_imports("python", SyntaxDocument("python", PY).trees())
-    assert imports == [Import("os.path", binding="osp"), Import("pkg.tools", binding="pkg.tools"),
-                       Import(".shapes", (("scale_polygon", "scale"), ("area", "area"))),
-                       Import("..base", (("Model", "Model"),)), Import(".", (("sibling", "sibling"),))]
+    assert imports == [
+        Import("os.path", binding="osp"),
+        Import("pkg.tools", binding="pkg.tools"),
+        Import(".shapes", (("scale_polygon", "scale"), ("area", "area"))),
+        Import("..base", (("Model", "Model"),)),
+        Import(".", (("sibling", "sibling"),)),
+    ]
 
 
 def test_js_imports():
     imports = extract_imports("js", SyntaxDocument("javascript", JS).trees())
-    assert imports == [Import("./x", (("a", "a"), ("b", "c")), None, "def1"), Import("../y/z", (), "ns", None),
-                       Import("./u", (("p", "p"), ("q", "r"))), Import("./v", (), "mod", "mod"),
-                       Import("left-pad", (), "w", "w")]
+    assert imports == [
+        Import("./x", (("a", "a"), ("b", "c")), None, "def1"),
+        Import("../y/z", (), "ns", None),
+        Import("./u", (("p", "p"), ("q", "r"))),
+        Import("./v", (), "mod", "mod"),
+        Import("left-pad", (), "w", "w"),
+    ]
 
 
 def test_module_candidates():
     doc = "/w/pkg/sub/main.py"
-    assert module_candidates("python", ".shapes", doc, [])[:2] == ["/w/pkg/sub/shapes.py",
-                                                                   "/w/pkg/sub/shapes/__init__.py"]
+    assert module_candidates("python", ".shapes", doc, [])[:2] == [
+        "/w/pkg/sub/shapes.py",
+        "/w/pkg/sub/shapes/__init__.py",
+    ]
     assert module_candidates("python", "..base", doc, [])[0] == "/w/pkg/base.py"
     assert "/w/pkg/tools.py" in module_candidates("python", "pkg.tools", doc, ["/w"])
     assert "/w/lib/x.js" in module_candidates("js", "../lib/x", "/w/src/a.js", [])
@@ -64,13 +74,15 @@ def test_definitions_and_class_skeletons():
 
 
 def test_js_definitions_and_default_export():
-    src = ("export function f(a) { return a }\nclass K {}\nconst g = (x) => x;\n"
-           "module.exports.k = function (a) {};\nmodule.exports = K;\n")
+    src = (
+        "export function f(a) { return a }\nclass K {}\nconst g = (x) => x;\n"
+        "module.exports.k = function (a) {};\nmodule.exports = K;\n"
+    )
     defs, default = extract_definitions("js", SyntaxDocument("javascript", src).trees())
     assert {"f", "K", "g", "k"} <= set(defs) and default == "K"
 
 
-GO = '''package main
+GO = """package main
 
 import (
 \tu "example.com/p/util"
@@ -87,8 +99,8 @@ func (s *Store) Get(key string) int {
 }
 
 func New() *Store { return &Store{} }
-'''
-RUST = '''use crate::a::b::{C, d as e};
+"""
+RUST = """use crate::a::b::{C, d as e};
 use super::x::Y;
 use std::collections::HashMap;
 
@@ -97,24 +109,30 @@ pub struct S { x: u8 }
 impl S {
     pub fn get(&self) -> u8 { self.x }
 }
-'''
-JAVA = '''package com.x.app;
+"""
+JAVA = """package com.x.app;
 import com.x.util.Strings;
 import static com.x.util.M.f;
 import com.x.data.*;
 public class A { void m() {} }
-'''
+"""
 
 
 def test_go_rust_java_c_imports():
     assert extract_imports("go", SyntaxDocument("go", GO).trees()) == [
-        Import("example.com/p/util", binding="u"), Import("example.com/p/store", binding="store")]  # not "_"
+        Import("example.com/p/util", binding="u"),
+        Import("example.com/p/store", binding="store"),
+    ]  # not "_"
     assert extract_imports("rust", SyntaxDocument("rust", RUST).trees()) == [
-        Import("crate::a::b", (("C", "C"), ("d", "e"))), Import("super::x", (("Y", "Y"),)),
-        Import("std::collections", (("HashMap", "HashMap"),))]
+        Import("crate::a::b", (("C", "C"), ("d", "e"))),
+        Import("super::x", (("Y", "Y"),)),
+        Import("std::collections", (("HashMap", "HashMap"),)),
+    ]
     java = SyntaxDocument("java", JAVA).trees()
-    assert extract_imports("java", java) == [Import("com.x.util.Strings", (("Strings", "Strings"),)),
-                                             Import("com.x.util.M", (("M", "f"),))]  # not the wildcard
+    assert extract_imports("java", java) == [
+        Import("com.x.util.Strings", (("Strings", "Strings"),)),
+        Import("com.x.util.M", (("M", "f"),)),
+    ]  # not the wildcard
     assert java_source_root(java, "/w/src/main/java/com/x/app/A.java") == "/w/src/main/java"
     assert java_source_root(java, "/w/elsewhere/A.java") is None
     c = SyntaxDocument("c", '#include "util/x.h"\n#include <stdio.h>\n').trees()
@@ -128,8 +146,12 @@ def test_go_rust_java_c_candidates():
     assert module_candidates("rust", "super::z", "/w/src/x/y.rs", [])[0] == "/w/src/x/z.rs"
     assert module_candidates("rust", "super::z", "/w/src/x/mod.rs", [])[0] == "/w/src/z.rs"
     assert module_candidates("rust", "std::io", "/w/src/main.rs", []) == []  # another crate
-    assert module_candidates("java", "com.x.util.Strings", "/w/src/main/java/com/x/app/A.java", ["/w"],
-                             "/w/src/main/java")[0] == "/w/src/main/java/com/x/util/Strings.java"
+    assert (
+        module_candidates(
+            "java", "com.x.util.Strings", "/w/src/main/java/com/x/app/A.java", ["/w"], "/w/src/main/java"
+        )[0]
+        == "/w/src/main/java/com/x/util/Strings.java"
+    )
     assert module_candidates("c", "util/x.h", "/w/src/a.c", ["/w"]) == ["/w/src/util/x.h", "/w/util/x.h"]
     assert module_candidates("c", "../../etc/passwd", "/w/src/a.c", ["/w"]) == []
 
@@ -140,6 +162,7 @@ def test_go_methods_and_rust_impls_join_their_type():
     assert go["Store"].rows == (8, 9, 10, 12)  # the struct, then the method's signature line only
     rust, _ = extract_definitions("rust", SyntaxDocument("rust", RUST).trees())
     assert set(rust) == {"S"} and rust["S"].rows == (4, 6, 7, 8)
-    c, _ = extract_definitions("c", SyntaxDocument("c", "#define M 3\ntypedef struct P { int x; } P;\n"
-                                                        "int add(int a, int b);\n").trees())
+    c, _ = extract_definitions(
+        "c", SyntaxDocument("c", "#define M 3\ntypedef struct P { int x; } P;\nint add(int a, int b);\n").trees()
+    )
     assert {k: v.rows for k, v in c.items()} == {"M": (0,), "P": (1,), "add": (2,)}

@@ -10,12 +10,19 @@ from lsp_server.documents import DocumentStore
 from lsp_server.settings import Settings
 from lsp_server.stats import Stats
 
-RELATED = "".join(f"def parse_record_{i}(record_line, field_sep):\n    fields = record_line.split(field_sep)\n"
-                  f"    return {{'key': fields[0], 'value': fields[{i % 3}]}}\n\n" for i in range(12))
-UNRELATED = "".join(f"class Sprite{i}:\n    def draw(self, canvas, color):\n        canvas.blit(self.image, color)\n\n"
-                    for i in range(12))
-FOCUS = ("def load(path, field_sep=','):\n    out = []\n    for record_line in open(path):\n"
-         "        fields = record_line.split(field_sep)\n        out.append(parse_record_1(record_line, ")
+RELATED = "".join(
+    f"def parse_record_{i}(record_line, field_sep):\n    fields = record_line.split(field_sep)\n"
+    f"    return {{'key': fields[0], 'value': fields[{i % 3}]}}\n\n"
+    for i in range(12)
+)
+UNRELATED = "".join(
+    f"class Sprite{i}:\n    def draw(self, canvas, color):\n        canvas.blit(self.image, color)\n\n"
+    for i in range(12)
+)
+FOCUS = (
+    "def load(path, field_sep=','):\n    out = []\n    for record_line in open(path):\n"
+    "        fields = record_line.split(field_sep)\n        out.append(parse_record_1(record_line, "
+)
 
 
 async def settle(cx: CrossFileContext) -> None:
@@ -36,8 +43,9 @@ def setup(*docs: tuple[str, str], settings: Settings | None = None):
 
 
 async def test_the_related_tab_ranks_and_the_unrelated_does_not():
-    cx, _, _, s, docs, changes = setup(("file:///p/records.py", RELATED), ("file:///p/sprites.py", UNRELATED),
-                                       ("file:///p/load.py", FOCUS))
+    cx, _, _, s, docs, changes = setup(
+        ("file:///p/records.py", RELATED), ("file:///p/sprites.py", UNRELATED), ("file:///p/load.py", FOCUS)
+    )
     await settle(cx)
     ctx = cx.for_request("file:///p/load.py", docs[2], s)
     assert ctx is not None and changes == ["file:///p/load.py"]
@@ -96,7 +104,8 @@ def test_setting_validation():
     s, problems = Settings().merge({"crossFileBudget": 99_999, "crossFileSources": ["tabs"], "crossFileContext": 1})
     assert s.cross_file_budget == 4096 and s.cross_file_sources == Settings().cross_file_sources
     assert s.cross_file_context is True and len(problems) == 3
-    s, problems = Settings().merge({"crossFileBudget": 0, "crossFileSources": ["imports", "openFiles"],
-                                    "crossFileContext": False})
+    s, problems = Settings().merge(
+        {"crossFileBudget": 0, "crossFileSources": ["imports", "openFiles"], "crossFileContext": False}
+    )
     assert not problems and s.cross_file_budget == 0 and s.cross_file_sources == ("imports", "openFiles")
     assert not CrossFileContext.enabled(s)

@@ -23,11 +23,11 @@ def stdlib_source(encode, tokens: int) -> str:
         lo, hi = 0, len(ends) - 1  # the first line end with at least ``tokens`` tokens before it
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(encode(text[:ends[mid]])) >= tokens:
+            if len(encode(text[: ends[mid]])) >= tokens:
                 hi = mid
             else:
                 lo = mid + 1
-        return text[:ends[lo]]
+        return text[: ends[lo]]
     raise RuntimeError(f"no stdlib file has {tokens} tokens")
 
 

@@ -20,8 +20,9 @@ TIE_TOLERANCE = 1e-4  # relative to the logit's size; fp32 shape-dependent round
 
 def decode(target, cache, prompt, heal, drafter_name, model_drafter, ngram) -> SpeculativeDecoder:
     opts = DecodeOptions(max_tokens=MAX_TOKENS, drafter=drafter_name)
-    dec = SpeculativeDecoder(target.runtime, cache, target.stop_ids, opts, model_drafter, ngram, heal,
-                             target.token_index)
+    dec = SpeculativeDecoder(
+        target.runtime, cache, target.stop_ids, opts, model_drafter, ngram, heal, target.token_index
+    )
     dec.trace = []
     # Plain greedy is the reference: the healed text re-typed one constrained step at a time. The drafters
     # also check a heal draft with the prompt's pass (SpeculativeDecoder.prefill_draft).
@@ -67,9 +68,11 @@ class Comparison:
         return sum(self.accepted[name]) / max(1, len(self.accepted[name]))
 
     def summary(self) -> str:
-        return (f"{self.healed} healed ({self.heal_drafts_taken} heal drafts taken), x 3 drafters: "
-                f"{len(self.mismatches)} divergences, {self.ties} near ties; "
-                "mean tokens per verify step: " + ", ".join(f"{k} {self.mean_accepted(k):.2f}" for k in self.accepted))
+        return (
+            f"{self.healed} healed ({self.heal_drafts_taken} heal drafts taken), x 3 drafters: "
+            f"{len(self.mismatches)} divergences, {self.ties} near ties; "
+            "mean tokens per verify step: " + ", ".join(f"{k} {self.mean_accepted(k):.2f}" for k in self.accepted)
+        )
 
 
 def compare_drafters(target, draft, prompts: list[tuple[str, str]]) -> Comparison:

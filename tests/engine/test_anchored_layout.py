@@ -178,9 +178,15 @@ def test_the_cold_prompt_carries_no_cross_file_context(target):
 
     text = stdlib_source(target.encode, 900)
     cursor = text.index("\n", len(text) * 3 // 4) + 1
-    context = {"repo": "r", "path": "a.py", "comment": "#", "budget": 512,
-               "chunks": [{"path": "b.py", "text": "def helper(a, b):\n    return a + b\n" * 20}]}
-    full = CompletionRequest(text[:cursor], text[cursor:], options=OPTS, document_id="doc", truncate=True,
-                             cold_window=True, context=context)
+    context = {
+        "repo": "r",
+        "path": "a.py",
+        "comment": "#",
+        "budget": 512,
+        "chunks": [{"path": "b.py", "text": "def helper(a, b):\n    return a + b\n" * 20}],
+    }
+    full = CompletionRequest(
+        text[:cursor], text[cursor:], options=OPTS, document_id="doc", truncate=True, cold_window=True, context=context
+    )
     cold = cold_request(full)
     assert cold is not None and cold.context is None and full.context == context

@@ -17,8 +17,7 @@ from engine.local import LocalEngine
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lsp_server.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "lsp_server.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
@@ -36,8 +35,7 @@ def source(tmp_path):
 
 
 def test_missing_model_folder(tmp_path, source):
-    assert_one_line_error(run_cli("complete", f"{source}:2:5", "--model", str(tmp_path / "nope")),
-                          "does not exist")
+    assert_one_line_error(run_cli("complete", f"{source}:2:5", "--model", str(tmp_path / "nope")), "does not exist")
 
 
 def test_corrupt_model_folder(tmp_path, source):

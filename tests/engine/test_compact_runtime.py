@@ -23,15 +23,17 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("model_type,overrides", [
-    ("llama", {}),
-    ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
-    ("qwen2", {}),  # q/k/v biases
-    ("mistral", {"num_key_value_heads": 1}),
-])
+@pytest.mark.parametrize(
+    "model_type,overrides",
+    [
+        ("llama", {}),
+        ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+        ("qwen2", {}),  # q/k/v biases
+        ("mistral", {"num_key_value_heads": 1}),
+    ],
+)
 def test_tiny_random_models_match_transformers(tmp_path, model_type, overrides):
-    folder = build_tiny_model(tmp_path / model_type, model_type, vocab_size=300, with_tokenizer=False,
-                              **overrides)
+    folder = build_tiny_model(tmp_path / model_type, model_type, vocab_size=300, with_tokenizer=False, **overrides)
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = hf_logits(folder, ids)
     model = load_compact(folder)

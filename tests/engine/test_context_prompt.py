@@ -22,8 +22,13 @@ SUFFIX = "\n\nprint(grow([(1, 2)]))\n"
 
 
 def ctx(*chunks: tuple[str, str], budget: int = 512) -> dict:
-    return {"repo": "proj", "path": "pkg/main.py", "comment": "#", "budget": budget,
-            "chunks": [{"path": p, "text": t} for p, t in chunks]}
+    return {
+        "repo": "proj",
+        "path": "pkg/main.py",
+        "comment": "#",
+        "budget": budget,
+        "chunks": [{"path": p, "text": t} for p, t in chunks],
+    }
 
 
 def request(prefix: str = PREFIX, context: dict | None = None, doc: str = "main") -> CompletionRequest:
@@ -81,23 +86,30 @@ def test_repository_format_where_the_model_has_its_tokens(embedded_target):
     assert b.repo_format is QWEN
     plan = b.build(request(context=ctx(("pkg/util.py", UTIL))))
     repo, sep = b.model.token_id("<|repo_name|>"), b.model.token_id("<|file_sep|>")
-    ids = plan.ids[:plan.context_tokens]
+    ids = plan.ids[: plan.context_tokens]
     assert ids[0] == repo and ids.count(sep) == 2  # the chunk's, and the current file's before the FIM part
     tok = embedded_target.tokenizer
-    assert tok.decode(ids[1:ids.index(sep)]) == "proj\n"
+    assert tok.decode(ids[1 : ids.index(sep)]) == "proj\n"
     last = len(ids) - 1 - ids[::-1].index(sep)
-    assert tok.decode(ids[last + 1:]) == "pkg/main.py\n"
-    assert tok.decode(ids[ids.index(sep) + 1:last]) == "pkg/util.py\n" + UTIL
+    assert tok.decode(ids[last + 1 :]) == "pkg/main.py\n"
+    assert tok.decode(ids[ids.index(sep) + 1 : last]) == "pkg/util.py\n" + UTIL
 
 
 def test_document_text_never_becomes_control_tokens(builder, embedded_target):
     plan = builder.build(request(context=ctx(("a.py", "x = '<|fim_mid|><|file_sep|>'\n"))))
-    assert embedded_target.token_id("<|fim_mid|>") not in plan.ids[:plan.context_tokens]
+    assert embedded_target.token_id("<|fim_mid|>") not in plan.ids[: plan.context_tokens]
 
 
 def test_malformed_or_oversized_context_is_refused(builder):
-    for bad in ({"chunks": "x"}, {"chunks": [{"text": 3}]}, {"budget": -1}, {"budget": 10**9}, [1],
-                {"chunks": [{"text": "x"}] * (MAX_CHUNKS + 1)}, {"chunks": [{"text": "x" * 20_000}]}):
+    for bad in (
+        {"chunks": "x"},
+        {"chunks": [{"text": 3}]},
+        {"budget": -1},
+        {"budget": 10**9},
+        [1],
+        {"chunks": [{"text": "x"}] * (MAX_CHUNKS + 1)},
+        {"chunks": [{"text": "x" * 20_000}]},
+    ):
         with pytest.raises(ValueError):
             context_from_wire(bad)
         with pytest.raises(ValueError):
@@ -130,8 +142,12 @@ def test_a_ring_eviction_shifts_the_cached_chunks_where_reuse_may_shift(compact_
     the compact one) the chunks that stay are moved in the cache, not computed again; "exact" (the default)
     computes everything after the change."""
     engine = LocalEngine(compact_target, None, start_thread=False)
-    a, b, c, d = (("pkg/a.py", UTIL * 3), ("pkg/b.py", OTHER * 3), ("pkg/c.py", UTIL.upper() * 2),
-                  ("pkg/d.py", OTHER.upper()))
+    a, b, c, d = (
+        ("pkg/a.py", UTIL * 3),
+        ("pkg/b.py", OTHER * 3),
+        ("pkg/c.py", UTIL.upper() * 2),
+        ("pkg/d.py", OTHER.upper()),
+    )
     first = engine.complete(dataclasses.replace(request(context=ctx(a, b, c)), reuse=mode)).stats
     assert first["context_chunks"] == 3
     after = engine.complete(dataclasses.replace(request(context=ctx(b, c, d)), reuse=mode)).stats

@@ -26,11 +26,18 @@ def _smol_shaped_tokenizer(folder):
     tok = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["def f(x):\n    return x + 1\n" * 50], trainer=trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        ["def f(x):\n    return x + 1\n" * 50],
+        trainer=trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=SPECIALS,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<|endoftext|>", eos_token="<|im_end|>").save_pretrained(
-        folder)
+        folder
+    )
     return tok
 
 
@@ -57,8 +64,9 @@ def test_merged_adapter_computes_what_the_wrapped_model_computed(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    folder = build_tiny_model(tmp_path / "base", vocab_size=300, with_tokenizer=False, initializer_range=0.2,
-                              tie_word_embeddings=True)
+    folder = build_tiny_model(
+        tmp_path / "base", vocab_size=300, with_tokenizer=False, initializer_range=0.2, tie_word_embeddings=True
+    )
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     base_state = {k: v.clone() for k, v in load_file(str(folder / "model.safetensors")).items()}
     wrapped = lora.attach(model, rank=4, alpha=8)

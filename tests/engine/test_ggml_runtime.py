@@ -101,8 +101,16 @@ def test_greedy_output_equals_llamacpp_on_the_same_gguf(pair, flash, monkeypatch
 
     rt = GGMLRuntime(target.runtime.path, target.runtime.cfg, threads=1)
     assert rt.flash_attn == (flash == "on") and rt.batch_invariant
-    llm = Llama(model_path=str(rt.path), n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=1,
-                n_threads_batch=1, flash_attn=rt.flash_attn, verbose=False)
+    llm = Llama(
+        model_path=str(rt.path),
+        n_ctx=2048,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=1,
+        n_threads_batch=1,
+        flash_attn=rt.flash_attn,
+        verbose=False,
+    )
     ids = target.encode(CODE)
     for n in (300, 580, 700):  # the last ubatch of 68 and 188 rows (tinyBLAS; tiled with flash attention)
         prompt = ids[:n]

@@ -83,7 +83,7 @@ def test_bad_gguf_is_a_one_line_error(tmp_path, gguf_files):
 # whitespace before a line break, upper-case contractions, punctuation runs before line breaks.
 SPLIT_TEXTS = [
     "x = 12345 + 0x7f3\r\n\r\n    y = 'DON'T' ; z = x[1:-2]);\n\n\n",
-    "def f(a, b):  \n\treturn a//b  # 3.14159e-10\r\r\nnaïve = \"héllo wörld\"  \n  ",
+    'def f(a, b):  \n\treturn a//b  # 3.14159e-10\r\r\nnaïve = "héllo wörld"  \n  ',
     "日本語 テキスト 123abc def  \n  \u00a0 \u2028 end",
     CODE[:3000],
 ]
@@ -119,8 +119,18 @@ def test_fim_template_by_token_names_when_the_file_has_no_fim_ids():
     class Reader:
         fields = {"tokenizer.ggml.eos_token_id": Field(3)}
 
-    tokens = ["a", "b", "<|endoftext|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-              "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+    tokens = [
+        "a",
+        "b",
+        "<|endoftext|>",
+        "<|im_end|>",
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+    ]
     template, stops = _template(Reader(), tokens)
     assert template is not None and template.name == "qwen2.5-coder" and template.order == "psm"
     assert stops == {2, 3, 7, 8, 9}  # eos, <|endoftext|> and the template's own stop tokens
@@ -140,8 +150,9 @@ def test_fast_metadata_reader_equals_gguf_py(gguf_files, tmp_path):
         assert list(meta.fields) == keys
         for k in keys:
             assert meta.fields[k].contents() == ref.fields[k].contents(), k
-        assert [(t.name, t.shape) for t in meta.tensors] == [(t.name, tuple(int(x) for x in t.shape))
-                                                            for t in ref.tensors]
+        assert [(t.name, t.shape) for t in meta.tensors] == [
+            (t.name, tuple(int(x) for x in t.shape)) for t in ref.tensors
+        ]
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(gguf_files["f32"].read_bytes()[:5000])  # inside the vocabulary
     with pytest.raises(GGUFFormatError, match="ends early"):
@@ -154,8 +165,11 @@ def _hf_twin(tok):
 
     eos = tok.eos_token_id
     vocab = {i: t for t, i in tok.get_vocab().items()}
-    return PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, clean_up_tokenization_spaces=False,
-                                   eos_token=vocab[eos] if eos is not None else None)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok.backend_tokenizer,
+        clean_up_tokenization_spaces=False,
+        eos_token=vocab[eos] if eos is not None else None,
+    )
 
 
 def _gguf_paths(gguf_files) -> list:
@@ -182,9 +196,11 @@ def test_the_gguf_tokenizer_answers_as_transformers_does(gguf_files):
             assert ids == hf.encode(text, add_special_tokens=False, split_special_tokens=True)
             for skip in (False, True):
                 assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(
-                    ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+                    ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+                )
         added = tok.get_added_vocab()
         some = [[i] for i in range(0, len(tok), max(1, len(tok) // 3000))] + [[added[s]] for s in specials]
         assert tok.batch_decode(some, skip_special_tokens=True) == hf.batch_decode(
-            some, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            some, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
         assert set(tok.all_special_ids) >= set(hf.all_special_ids)

@@ -24,8 +24,10 @@ N_PROMPTS = 200 if os.environ.get("FIMBLE_SLOW") else 16
 @pytest.fixture(scope="module")
 def int8_models():
     # fbgemm int8 rows are the compact runtime's (on the ggml runtime, int8 is q8_0: test_ggml_runtime.py)
-    return (load_model(TARGET_DIR, quant="int8", runtime="compact"),
-            load_model(DRAFT_DIR, quant="int8", runtime="compact"))
+    return (
+        load_model(TARGET_DIR, quant="int8", runtime="compact"),
+        load_model(DRAFT_DIR, quant="int8", runtime="compact"),
+    )
 
 
 def test_int8_rows_are_independent_of_the_batch():
@@ -35,7 +37,7 @@ def test_int8_rows_are_independent_of_the_batch():
     x = torch.randn(7, 64)
     x[2] *= 100.0  # one loud row must not coarsen the others' quantisation
     batch = lin(x)
-    one_by_one = torch.cat([lin(x[i:i + 1]) for i in range(7)])
+    one_by_one = torch.cat([lin(x[i : i + 1]) for i in range(7)])
     assert torch.equal(batch, one_by_one)
     exact = torch.nn.functional.linear(x, weight, bias)
     assert float((batch - exact).norm() / exact.norm()) < 0.05
@@ -72,5 +74,5 @@ def test_int8_verify_block_is_bit_identical_to_steps(int8_models):
     runtime(ids[:250], cache, 0, 1)
     block = runtime(ids[250:258], cache, 250, 8)
     cache.rollback(250)
-    steps = torch.cat([runtime(ids[250 + i: 251 + i], cache, None, 1) for i in range(8)])
+    steps = torch.cat([runtime(ids[250 + i : 251 + i], cache, None, 1) for i in range(8)])
     assert torch.equal(block, steps)

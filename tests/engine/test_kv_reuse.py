@@ -35,10 +35,12 @@ def compact_engine(compact_target, compact_draft):
     return LocalEngine(compact_target, compact_draft, start_thread=False)
 
 
-def request(prefix: str, suffix: str, doc: str, reuse: str = "exact", lines: list[int] | None = None,
-            opts: DecodeOptions = OPTS) -> CompletionRequest:
-    return CompletionRequest(prefix, suffix, options=opts, document_id=doc, reuse=reuse, truncate=True,
-                             segment_lines=lines)
+def request(
+    prefix: str, suffix: str, doc: str, reuse: str = "exact", lines: list[int] | None = None, opts: DecodeOptions = OPTS
+) -> CompletionRequest:
+    return CompletionRequest(
+        prefix, suffix, options=opts, document_id=doc, reuse=reuse, truncate=True, segment_lines=lines
+    )
 
 
 def scratch(engine: LocalEngine, prefix: str, suffix: str, lines=None, opts: DecodeOptions = OPTS):
@@ -64,7 +66,7 @@ def test_segments_follow_definition_lines(engine):
     lines = definition_lines(text)
     plan = engine.prompts.build(CompletionRequest(text, "", heal=False, segment_lines=lines))
     decode = engine.target.tokenizer.decode
-    firsts = {decode(plan.ids[s.start:s.end]).lstrip("\n").split("\n")[0] for s in plan.segments}
+    firsts = {decode(plan.ids[s.start : s.end]).lstrip("\n").split("\n")[0] for s in plan.segments}
     source_lines = text.splitlines()
     assert {source_lines[n] for n in lines} <= firsts
 
@@ -100,7 +102,7 @@ def test_mid_file_edit_recompute_bounds(compact_engine):
     lines = definition_lines(text)
     cursor = text.index("\n", len(text) * 9 // 10) + 1
     edited, at, grow = _edit_middle(text)
-    new_prefix, suffix = edited[:cursor + grow], edited[cursor + grow:]
+    new_prefix, suffix = edited[: cursor + grow], edited[cursor + grow :]
     plan = engine.prompts.build(request(new_prefix, suffix, "x", lines=definition_lines(edited)))
     old_plan = engine.prompts.build(request(text[:cursor], suffix, "x", lines=lines))
     first_diff = next(i for i, (a, b) in enumerate(zip(plan.ids, old_plan.ids, strict=False)) if a != b)
@@ -109,8 +111,7 @@ def test_mid_file_edit_recompute_bounds(compact_engine):
     results = {}
     for mode in ("exact", "shift"):
         engine.complete(request(text[:cursor], suffix, "edit-" + mode, lines=lines))
-        results[mode] = engine.complete(request(new_prefix, suffix, "edit-" + mode, mode,
-                                                definition_lines(edited)))
+        results[mode] = engine.complete(request(new_prefix, suffix, "edit-" + mode, mode, definition_lines(edited)))
     ref = scratch(engine, new_prefix, suffix, definition_lines(edited))
     assert results["exact"].text == ref.text
     assert results["exact"].stats["prefilled_tokens"] <= bound
@@ -125,8 +126,15 @@ def edit_sequences(draw):
     events = []
     for _ in range(draw(st.integers(3, 6))):
         kind = draw(st.sampled_from(["type", "type", "edit", "move", "delete"]))
-        events.append((draw(st.integers(0, 2)), kind, draw(st.floats(0.05, 0.95)),
-                       draw(st.text("abc_ ()\n:", min_size=1, max_size=6)), draw(st.booleans())))
+        events.append(
+            (
+                draw(st.integers(0, 2)),
+                kind,
+                draw(st.floats(0.05, 0.95)),
+                draw(st.text("abc_ ()\n:", min_size=1, max_size=6)),
+                draw(st.booleans()),
+            )
+        )
     return events
 
 
@@ -147,7 +155,7 @@ def test_exact_reuse_equals_recompute_under_random_edits(engine, events):
         elif kind == "delete":
             at = int(len(body) * where)
             n = min(len(text), len(body) - at)
-            body = body[:at] + body[at + n:]
+            body = body[:at] + body[at + n :]
             cur = cur - min(n, max(0, cur - at)) if at < cur else cur
         else:
             cur = int(len(body) * where)
@@ -234,9 +242,16 @@ def test_transformers_backend_keeps_per_document_caches(tmp_path):
     from engine.loader import load_model
     from tests.conftest import build_tiny_model
 
-    folder = build_tiny_model(tmp_path / "sc2", model_type="starcoder2", hidden_size=64, intermediate_size=128,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                              max_position_embeddings=1024)
+    folder = build_tiny_model(
+        tmp_path / "sc2",
+        model_type="starcoder2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     model = load_model(folder)
     assert model.backend != "compact"
     engine = LocalEngine(model, None, start_thread=False)
@@ -248,4 +263,3 @@ def test_transformers_backend_keeps_per_document_caches(tmp_path):
     for i in range(UNSIZED_DOCUMENTS + 3):
         engine.complete(request(f"# {i}\n" + text, "", f"file{i}"))
     assert engine.counters()["kv_documents"] <= UNSIZED_DOCUMENTS
-

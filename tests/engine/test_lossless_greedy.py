@@ -24,8 +24,9 @@ N_PROMPTS = 200
 def test_speculative_greedy_equals_plain_greedy(embedded_target, embedded_draft):
     result = compare_drafters(embedded_target, embedded_draft, fim_prompts(N_PROMPTS, window=600))
     print(f"\n{N_PROMPTS} prompts: {result.summary()}")
-    assert not result.mismatches, f"{len(result.mismatches)} divergences not explained by a near tie: " \
-                                  f"{result.mismatches[:2]}"
+    assert not result.mismatches, (
+        f"{len(result.mismatches)} divergences not explained by a near tie: {result.mismatches[:2]}"
+    )
     # Speculation and healing must actually be exercised, or equality proves nothing.
     assert result.mean_accepted("model") > 1.3
     assert result.healed >= 20

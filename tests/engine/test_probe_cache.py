@@ -41,13 +41,15 @@ def test_a_damaged_entry_is_ignored_and_replaced(damage):
     probe_cache.store("demo", PARTS, {"answer": 42})
     (path,) = probe_cache.probe_dir().glob("demo-*.json")
     text = path.read_text()
-    path.write_text({
-        "garbage": "\x00\xff not json",
-        "truncated": text[: len(text) // 2],
-        "foreign": json.dumps({"kind": "demo", "key": "0" * 32, "value": {"answer": 7}}),
-        "wrong type": text.replace("42", '"42"'),
-        "huge": text + " " * (probe_cache.MAX_ENTRY_BYTES + 1),
-    }[damage])
+    path.write_text(
+        {
+            "garbage": "\x00\xff not json",
+            "truncated": text[: len(text) // 2],
+            "foreign": json.dumps({"kind": "demo", "key": "0" * 32, "value": {"answer": 7}}),
+            "wrong type": text.replace("42", '"42"'),
+            "huge": text + " " * (probe_cache.MAX_ENTRY_BYTES + 1),
+        }[damage]
+    )
     assert probe_cache.load("demo", PARTS, _read_answer) is None
     probe_cache.store("demo", PARTS, {"answer": 43})
     assert probe_cache.load("demo", PARTS, _read_answer) == 43

@@ -31,7 +31,7 @@ def plan(engine: LocalEngine, prefix: str, suffix: str):
 
 def after_middle(engine: LocalEngine, ids: list[int]) -> list[int]:
     mid = engine.target.token_id(engine.target.template.middle_token)
-    return ids[ids.index(mid) + 1:]
+    return ids[ids.index(mid) + 1 :]
 
 
 def test_split_line_head_cases():
@@ -85,8 +85,7 @@ def test_typing_a_line_prefills_a_few_tokens_and_matches_a_recompute(psm_engine)
     typed = "    result = compute_value(x, y)"
 
     def run(i: int, doc: str, reuse: str = "exact"):
-        req = CompletionRequest(prefix + typed[:i], suffix, options=OPTS, document_id=doc, reuse=reuse,
-                                truncate=True)
+        req = CompletionRequest(prefix + typed[:i], suffix, options=OPTS, document_id=doc, reuse=reuse, truncate=True)
         return psm_engine.complete(req)
 
     run(5, "typing")  # the line's first word: the one recompute of the suffix a new line costs

@@ -33,18 +33,31 @@ def smol_like(tmp_path_factory):
     tok = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SMOL_SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SMOL_SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([CODE], trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<|endoftext|>", eos_token="<|im_end|>",
-                                      bos_token="<|im_start|>", pad_token="<|im_end|>")
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        bos_token="<|im_start|>",
+        pad_token="<|im_end|>",
+    )
     wrapped.save_pretrained(folder)
     ids = {t: tok.token_to_id(t) for t in SMOL_SPECIALS}
-    build_tiny_model(folder, vocab_size=tok.get_vocab_size(), with_tokenizer=False,
-                     eos_token_id=ids["<|im_end|>"], bos_token_id=ids["<|im_start|>"])
+    build_tiny_model(
+        folder,
+        vocab_size=tok.get_vocab_size(),
+        with_tokenizer=False,
+        eos_token_id=ids["<|im_end|>"],
+        bos_token_id=ids["<|im_start|>"],
+    )
     # The generation config names one more end token than config.json does.
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["<|im_end|>"],
-                                                                               ids["<file_sep>"]]}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["<|im_end|>"], ids["<file_sep>"]]}))
     return folder, ids
 
 
@@ -118,7 +131,7 @@ def test_newline_healing_in_every_prompt_layout(template):
     assert (heal, constrained) == ("\n    ", True)
     newline_ids = {i for t, i in model.tokenizer.get_vocab().items() if "Ċ" in t}  # byte-level "\n"
     body = model.encode("def area(r):")
-    assert ids[ids.index(body[0]):][: len(body)] == body
+    assert ids[ids.index(body[0]) :][: len(body)] == body
     prefix_end = ids.index(body[0]) + len(body)
     assert prefix_end == len(ids) or ids[prefix_end] not in newline_ids  # no bare break ends the prefix
     result = engine.complete(CompletionRequest(prefix, suffix, DecodeOptions(max_tokens=12, max_lines=1)))

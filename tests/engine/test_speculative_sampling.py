@@ -27,8 +27,9 @@ class FixedDrafter:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    target = load_compact(build_tiny_model(root / "t", vocab_size=VOCAB, seed=1, with_tokenizer=False,
-                                           initializer_range=0.15))
+    target = load_compact(
+        build_tiny_model(root / "t", vocab_size=VOCAB, seed=1, with_tokenizer=False, initializer_range=0.15)
+    )
     # The draft is the target with noise on every weight: close enough that some drafts are
     # accepted and some rejected, so both branches of the rule are exercised.
     draft = load_compact(root / "t")
@@ -57,8 +58,16 @@ def test_sampling_matches_target_distribution(models, drafter, temperature, top_
     truth = exact_pair_distribution(target, temperature, top_p).flatten()
     cache = target.new_cache(32)
     model_drafter = ModelDrafter(draft, 32) if drafter == "model" else None
-    opts = DecodeOptions(max_tokens=2, temperature=temperature, top_p=top_p, drafter="model", gamma=3,
-                         adaptive_gamma=False, confidence_gate=0.0, seed=1234)
+    opts = DecodeOptions(
+        max_tokens=2,
+        temperature=temperature,
+        top_p=top_p,
+        drafter="model",
+        gamma=3,
+        adaptive_gamma=False,
+        confidence_gate=0.0,
+        seed=1234,
+    )
     counts = torch.zeros(VOCAB * VOCAB)
     drafted = accepted = 0
     dec = None
@@ -101,4 +110,3 @@ def test_chi_square_detects_a_wrong_sampler(models):
     keep = truth > 0
     stat = chisquare(counts[keep].numpy(), (truth[keep] / truth[keep].sum() * SAMPLES).numpy())
     assert stat.pvalue < 1e-6
-

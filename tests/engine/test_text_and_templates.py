@@ -83,14 +83,17 @@ def test_stop_rules_cut_and_hold_back():
     assert rules.safe_length("x = 1\nde") == len("x = 1")
 
 
-@pytest.mark.parametrize("name,tokens", [
-    ("fimble", ["<|fim_pre|>", "<|fim_suf|>", "<|fim_mid|>"]),
-    ("qwen2.5-coder", ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]),
-    ("starcoder2", ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]),
-    ("deepseek-coder", ["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"]),
-    ("codestral", ["[PREFIX]", "[SUFFIX]", "[MIDDLE]"]),
-    ("codellama", ["▁<PRE>", "▁<SUF>", "▁<MID>"]),
-])
+@pytest.mark.parametrize(
+    "name,tokens",
+    [
+        ("fimble", ["<|fim_pre|>", "<|fim_suf|>", "<|fim_mid|>"]),
+        ("qwen2.5-coder", ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]),
+        ("starcoder2", ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]),
+        ("deepseek-coder", ["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"]),
+        ("codestral", ["[PREFIX]", "[SUFFIX]", "[MIDDLE]"]),
+        ("codellama", ["▁<PRE>", "▁<SUF>", "▁<MID>"]),
+    ],
+)
 def test_template_detected_from_special_tokens(name, tokens):
     vocab = {"a", "b", *tokens}
     assert detect_template(vocab).name == name

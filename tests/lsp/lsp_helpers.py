@@ -70,26 +70,34 @@ def open_doc(client: LanguageClient, uri: str, text: str, language: str = "pytho
     client.text_document_did_open(types.DidOpenTextDocumentParams(types.TextDocumentItem(uri, language, version, text)))
 
 
-def change(client: LanguageClient, uri: str, version: int, start: tuple[int, int], end: tuple[int, int],
-           text: str) -> None:
+def change(
+    client: LanguageClient, uri: str, version: int, start: tuple[int, int], end: tuple[int, int], text: str
+) -> None:
     rng = types.Range(types.Position(*start), types.Position(*end))
-    client.text_document_did_change(types.DidChangeTextDocumentParams(
-        types.VersionedTextDocumentIdentifier(uri=uri, version=version),
-        [types.TextDocumentContentChangePartial(range=rng, text=text)]))
+    client.text_document_did_change(
+        types.DidChangeTextDocumentParams(
+            types.VersionedTextDocumentIdentifier(uri=uri, version=version),
+            [types.TextDocumentContentChangePartial(range=rng, text=text)],
+        )
+    )
 
 
 def inline_params(uri: str, line: int, character: int, invoked: bool = True) -> types.InlineCompletionParams:
     kind = types.InlineCompletionTriggerKind.Invoked if invoked else types.InlineCompletionTriggerKind.Automatic
-    return types.InlineCompletionParams(context=types.InlineCompletionContext(trigger_kind=kind),
-                                        text_document=types.TextDocumentIdentifier(uri),
-                                        position=types.Position(line, character))
+    return types.InlineCompletionParams(
+        context=types.InlineCompletionContext(trigger_kind=kind),
+        text_document=types.TextDocumentIdentifier(uri),
+        position=types.Position(line, character),
+    )
 
 
-async def inline(client: LanguageClient, uri: str, line: int, character: int, msg_id: Any = None,
-                 invoked: bool = True) -> Any:
+async def inline(
+    client: LanguageClient, uri: str, line: int, character: int, msg_id: Any = None, invoked: bool = True
+) -> Any:
     """Send textDocument/inlineCompletion, optionally with a chosen JSON-RPC id (to cancel it or match deltas)."""
-    return await client.protocol.send_request_async(types.TEXT_DOCUMENT_INLINE_COMPLETION,
-                                                    inline_params(uri, line, character, invoked), msg_id=msg_id)
+    return await client.protocol.send_request_async(
+        types.TEXT_DOCUMENT_INLINE_COMPLETION, inline_params(uri, line, character, invoked), msg_id=msg_id
+    )
 
 
 def plain(value: Any) -> Any:

@@ -27,12 +27,12 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 EMOJI_LINE = 'label = "😀 done"'  # 😀 is U+1F600: 2 UTF-16 units, 4 UTF-8 bytes
 
 
-@pytest_lsp.fixture(config=SERVER,
-                    params=CLIENTS, scope="module")
+@pytest_lsp.fixture(config=SERVER, params=CLIENTS, scope="module")
 async def client(request, lsp_client: LanguageClient):
     # A generic client (no streaming), small windows: the huge-file tests stay quick.
-    await lsp_client.initialize_session(init_params(request.param, {"maxTokens": 8, "streaming": False,
-                                                                    "prefixChars": 1500, "suffixChars": 500}))
+    await lsp_client.initialize_session(
+        init_params(request.param, {"maxTokens": 8, "streaming": False, "prefixChars": 1500, "suffixChars": 500})
+    )
     lsp_client.encoding = "utf-8" if request.param == "neovim" else "utf-16"  # what each set negotiates
     yield
     await lsp_client.shutdown_session()
@@ -49,8 +49,11 @@ async def _alive(client: LanguageClient) -> None:
 async def test_unknown_uri_gives_empty_result(client: LanguageClient):
     result = await inline(client, _uri(client, "never-opened.py"), 0, 0)
     assert items_of(result) == []
-    completion = await client.text_document_completion_async(types.CompletionParams(
-        text_document=types.TextDocumentIdentifier(_uri(client, "never-opened.py")), position=types.Position(0, 0)))
+    completion = await client.text_document_completion_async(
+        types.CompletionParams(
+            text_document=types.TextDocumentIdentifier(_uri(client, "never-opened.py")), position=types.Position(0, 0)
+        )
+    )
     assert completion is None or not completion.items
     change(client, _uri(client, "never-opened.py"), 3, (0, 0), (0, 0), "x")  # ignored, no crash
     await _alive(client)

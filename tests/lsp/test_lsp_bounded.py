@@ -13,11 +13,11 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 KEYSTROKES = 20_000
 
 
-@pytest_lsp.fixture(config=SERVER,
-                    params=["visual-studio-code"], scope="module")
+@pytest_lsp.fixture(config=SERVER, params=["visual-studio-code"], scope="module")
 async def client(request, lsp_client: LanguageClient):
-    await lsp_client.initialize_session(init_params(request.param, {"maxTokens": 8, "prefixChars": 1000,
-                                                                    "streaming": False}))
+    await lsp_client.initialize_session(
+        init_params(request.param, {"maxTokens": 8, "prefixChars": 1000, "streaming": False})
+    )
     yield
     await lsp_client.shutdown_session()
 

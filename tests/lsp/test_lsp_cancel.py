@@ -36,14 +36,19 @@ LONG_B_CURSOR = (LONG_B.count("\n"), 0)
 UNCAPPED = {"*": {"multiline": True, "max_lines": 0, "max_tokens": 400, "stop": []}}
 
 
-@pytest_lsp.fixture(config=SERVER,
-                    params=CLIENTS, scope="module")
+@pytest_lsp.fixture(config=SERVER, params=CLIENTS, scope="module")
 async def client(request, lsp_client: LanguageClient):
     lsp_client.deltas = Deltas(lsp_client)
     # answerAt=end: the request stays open for the whole decode, so there is something to cancel.
     # No prefetch: an edit must not start a decode of its own while we watch the counters.
-    settings = {"maxTokens": 400, "maxLines": 0, "drafter": "none", "policy": UNCAPPED, "answerAt": "end",
-                "prefetch": False}
+    settings = {
+        "maxTokens": 400,
+        "maxLines": 0,
+        "drafter": "none",
+        "policy": UNCAPPED,
+        "answerAt": "end",
+        "prefetch": False,
+    }
     await lsp_client.initialize_session(init_params(request.param, settings))
     yield
     await lsp_client.shutdown_session()
@@ -67,8 +72,10 @@ async def _until(pred, timeout: float = 20.0, step: float = 0.05) -> None:
 
 async def _decoding_stopped(client: LanguageClient, cancelled_before: int) -> dict:
     """Wait for the engine to count the cancellation, then check it takes no more steps."""
+
     async def counted() -> bool:
         return (await _counters(client))["cancelled"] > cancelled_before
+
     await _until(counted)
     first = await _counters(client)
     await asyncio.sleep(0.4)
@@ -78,8 +85,9 @@ async def _decoding_stopped(client: LanguageClient, cancelled_before: int) -> di
     return second
 
 
-async def _start_long(client: LanguageClient, uri: str, rid: str, cursor: tuple[int, int] = LONG_CURSOR
-                      ) -> asyncio.Task:
+async def _start_long(
+    client: LanguageClient, uri: str, rid: str, cursor: tuple[int, int] = LONG_CURSOR
+) -> asyncio.Task:
     task = asyncio.ensure_future(inline(client, uri, *cursor, msg_id=rid))
     await client.deltas.wait(lambda p: p["requestId"] == rid and p["text"])  # it is decoding now
     assert not task.done()
@@ -166,6 +174,7 @@ async def test_request_after_a_cancel_gets_a_decode_of_its_own(client: LanguageC
     async def second_started() -> bool:
         counters = (await stats(client))["counters"]
         return counters.get("generations", 0) >= before.get("generations", 0) + 2 or second.done()
+
     await _until(second_started)
     after = (await stats(client))["counters"]
     diff = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}

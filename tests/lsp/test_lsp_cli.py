@@ -41,11 +41,14 @@ def test_complete_shapes_as_an_editor_and_raw_does_not(tmp_path: Path):
     assert raw.stdout.startswith(shaped.stdout.rstrip("\n")) or shaped.stdout == "\n"
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--max-tokens", "0", "between 1 and 4096"),
-    ("--max-tokens", "100000", "between 1 and 4096"),
-    ("--max-lines", "-1", "between 0"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--max-tokens", "0", "between 1 and 4096"),
+        ("--max-tokens", "100000", "between 1 and 4096"),
+        ("--max-lines", "-1", "between 0"),
+    ],
+)
 def test_out_of_range_options_are_one_line_errors(tmp_path: Path, flag: str, value: str, message: str):
     f = tmp_path / "add.py"
     f.write_text(SOURCE)
@@ -53,16 +56,19 @@ def test_out_of_range_options_are_one_line_errors(tmp_path: Path, flag: str, val
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("{missing}:1:1", "no such file"),
-    ("{dir}:1:1", "is a directory"),
-    ("{file}", "expected FILE:LINE:COL"),
-    ("{file}:x:1", "must be numbers"),
-    ("{file}:0:1", "1-based"),
-    ("{file}:99:1", "past the end"),
-    ("{file}:2:99", "past its end"),
-    ("{latin1}:1:1", "not UTF-8"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("{missing}:1:1", "no such file"),
+        ("{dir}:1:1", "is a directory"),
+        ("{file}", "expected FILE:LINE:COL"),
+        ("{file}:x:1", "must be numbers"),
+        ("{file}:0:1", "1-based"),
+        ("{file}:99:1", "past the end"),
+        ("{file}:2:99", "past its end"),
+        ("{latin1}:1:1", "not UTF-8"),
+    ],
+)
 def test_bad_input_is_one_line_error(tmp_path: Path, spec: str, message: str):
     f = tmp_path / "add.py"
     f.write_text(SOURCE)

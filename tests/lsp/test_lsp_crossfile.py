@@ -44,41 +44,53 @@ GEOMETRY = '''def area_of_rectangle(width, height, *, units="cm"):
     """The area of a width x height rectangle, in square ``units``."""
     return f"{width * height} {units}^2"
 '''
-SECRET = '''def leaked_secret_function(token):
+SECRET = """def leaked_secret_function(token):
     return token
-'''
+"""
 
 
 # A package per language whose files import each other: the imported definition must reach the ring.
 OTHER_LANGUAGE_FILES = {
-    "go/util/strings.go": 'package util\n\n// Reverse returns s reversed.\nfunc Reverse(s string) string {\n'
-                          '\tr := []rune(s)\n\treturn string(r)\n}\n',
-    "go/util/strings_test.go": 'package util\n\nfunc TestOnlyHelper() {}\n',
-    "rs/src/shapes.rs": 'pub struct Circle {\n    pub radius: f64,\n}\n\nimpl Circle {\n'
-                        '    pub fn area(&self) -> f64 {\n        3.14 * self.radius * self.radius\n    }\n}\n',
-    "java/src/main/java/com/acme/util/Strings.java": 'package com.acme.util;\n\npublic class Strings {\n'
-        '    public static String padLeft(String s, int width) {\n        return String.format("%" + width + "s", s);\n'
-        '    }\n}\n',
-    "c/vec.h": '#ifndef VEC_H\n#define VEC_H\ntypedef struct { float x, y; } Vec2;\n'
-               'Vec2 vec2_add(Vec2 a, Vec2 b);\n#endif\n',
+    "go/util/strings.go": "package util\n\n// Reverse returns s reversed.\nfunc Reverse(s string) string {\n"
+    "\tr := []rune(s)\n\treturn string(r)\n}\n",
+    "go/util/strings_test.go": "package util\n\nfunc TestOnlyHelper() {}\n",
+    "rs/src/shapes.rs": "pub struct Circle {\n    pub radius: f64,\n}\n\nimpl Circle {\n"
+    "    pub fn area(&self) -> f64 {\n        3.14 * self.radius * self.radius\n    }\n}\n",
+    "java/src/main/java/com/acme/util/Strings.java": "package com.acme.util;\n\npublic class Strings {\n"
+    '    public static String padLeft(String s, int width) {\n        return String.format("%" + width + "s", s);\n'
+    "    }\n}\n",
+    "c/vec.h": "#ifndef VEC_H\n#define VEC_H\ntypedef struct { float x, y; } Vec2;\n"
+    "Vec2 vec2_add(Vec2 a, Vec2 b);\n#endif\n",
 }
 IMPORTING = {  # (file opened, language, its text, the ring entry expected: "kind name path:first-last line")
-    "go": ("go/cmd/main.go", "go",
-           'package main\n\nimport (\n\t"fmt"\n\t"example.com/proj/util"\n)\n\n'
-           'func main() {\n\tfmt.Println(util.Reverse("abc"), util.LeakedGoSecret())\n\t',
-           "import Reverse go/util/strings.go:4-7"),
-    "rust": ("rs/src/main.rs", "rust",
-             'mod shapes;\nuse crate::shapes::Circle;\n\nfn main() {\n'
-             '    let c = Circle { radius: 2.0 };\n    println!("{}", c.',
-             "import Circle rs/src/shapes.rs:1-9"),  # the struct and its impl block's methods
-    "java": ("java/src/main/java/com/acme/app/App.java", "java",
-             'package com.acme.app;\n\nimport com.acme.util.Strings;\n\n'
-             'public class App {\n    String show(String s) {\n        return Strings.',
-             "import Strings java/src/main/java/com/acme/util/Strings.java:3-7"),
-    "c": ("c/main.c", "c",
-          '#include <stdio.h>\n#include "vec.h"\n\nint main(void) {\n    Vec2 a = {1, 2};\n'
-          '    Vec2 b = vec2_add(a, a);\n    ',
-          "import vec2_add c/vec.h:4-4"),
+    "go": (
+        "go/cmd/main.go",
+        "go",
+        'package main\n\nimport (\n\t"fmt"\n\t"example.com/proj/util"\n)\n\n'
+        'func main() {\n\tfmt.Println(util.Reverse("abc"), util.LeakedGoSecret())\n\t',
+        "import Reverse go/util/strings.go:4-7",
+    ),
+    "rust": (
+        "rs/src/main.rs",
+        "rust",
+        "mod shapes;\nuse crate::shapes::Circle;\n\nfn main() {\n"
+        '    let c = Circle { radius: 2.0 };\n    println!("{}", c.',
+        "import Circle rs/src/shapes.rs:1-9",
+    ),  # the struct and its impl block's methods
+    "java": (
+        "java/src/main/java/com/acme/app/App.java",
+        "java",
+        "package com.acme.app;\n\nimport com.acme.util.Strings;\n\n"
+        "public class App {\n    String show(String s) {\n        return Strings.",
+        "import Strings java/src/main/java/com/acme/util/Strings.java:3-7",
+    ),
+    "c": (
+        "c/main.c",
+        "c",
+        '#include <stdio.h>\n#include "vec.h"\n\nint main(void) {\n    Vec2 a = {1, 2};\n'
+        "    Vec2 b = vec2_add(a, a);\n    ",
+        "import vec2_add c/vec.h:4-4",
+    ),
 }
 
 
@@ -96,7 +108,7 @@ def workspace(tmp_path_factory) -> Path:
     for rel, text in OTHER_LANGUAGE_FILES.items():
         (ws / rel).parent.mkdir(parents=True, exist_ok=True)
         (ws / rel).write_text(text)
-    (outside / "leak.go").write_text("package util\n\nfunc LeakedGoSecret() string { return \"x\" }\n")
+    (outside / "leak.go").write_text('package util\n\nfunc LeakedGoSecret() string { return "x" }\n')
     os.symlink(outside / "leak.go", ws / "go" / "util" / "leak.go")  # a link out of the workspace: not read
     return ws
 
@@ -131,8 +143,16 @@ async def _ring(client: LanguageClient, uri: str) -> list[str]:
 
 
 def _engine(snap: dict) -> dict:
-    return {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0, "context_prompts": 0, "context_tokens": 0,
-            "tokens_prefilled": 0, **snap["engine"]["counters"]}
+    return {
+        "submitted": 0,
+        "completed": 0,
+        "cancelled": 0,
+        "failed": 0,
+        "context_prompts": 0,
+        "context_tokens": 0,
+        "tokens_prefilled": 0,
+        **snap["engine"]["counters"],
+    }
 
 
 def _ended(counters: dict) -> int:
@@ -172,8 +192,10 @@ async def test_open_tab_definitions_reach_the_prompt_and_stay_while_typing(clien
 
 async def test_imports_read_from_the_workspace_folder_only(client: LanguageClient, workspace: Path):
     uri = (workspace / "pkg" / "app.py").as_uri()
-    text = ("from .geometry import area_of_rectangle\nfrom .evil import leaked_secret_function\n"
-            "from .huge import huge_function\n\n\ndef report(w, h):\n    return ")
+    text = (
+        "from .geometry import area_of_rectangle\nfrom .evil import leaked_secret_function\n"
+        "from .huge import huge_function\n\n\ndef report(w, h):\n    return "
+    )
     reads = (await stats(client))["counters"].get("context_disk_reads", 0)
     open_doc(client, uri, text)
     snap = await _settled(client)

@@ -30,8 +30,9 @@ class _Gen:
     text = ""
 
 
-def _replace_end(text: str, line_rest_doc: str, cursor: tuple[int, int], encoding: str = "utf-16",
-                 client_char: int | None = None) -> dict:
+def _replace_end(
+    text: str, line_rest_doc: str, cursor: tuple[int, int], encoding: str = "utf-16", client_char: int | None = None
+) -> dict:
     docs = DocumentStore()
     doc = docs.open("file:///t.py", line_rest_doc, 1, "python")
     ctx = build_context(doc, cursor[0], cursor[1], 4000, 1000)

@@ -10,9 +10,11 @@ from pytest_lsp import LanguageClient
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 # (capability set, encodings the client lists or None for the set's own, expected negotiated encoding)
-CASES = {"visual-studio-code": ("visual-studio-code", None, "utf-16"),
-         "neovim": ("neovim", None, "utf-8"),
-         "utf-32": ("visual-studio-code", ["utf-32", "utf-16"], "utf-32")}
+CASES = {
+    "visual-studio-code": ("visual-studio-code", None, "utf-16"),
+    "neovim": ("neovim", None, "utf-8"),
+    "utf-32": ("visual-studio-code", ["utf-32", "utf-16"], "utf-32"),
+}
 
 TEXT = "a = 'é😀x'\r\nb = '日本'\nc = 1\n"
 
@@ -21,8 +23,7 @@ def units(s: str, encoding: str) -> int:
     return {"utf-8": len(s.encode("utf-8")), "utf-16": len(s.encode("utf-16-le")) // 2, "utf-32": len(s)}[encoding]
 
 
-@pytest_lsp.fixture(config=SERVER,
-                    params=list(CASES), scope="module")
+@pytest_lsp.fixture(config=SERVER, params=list(CASES), scope="module")
 async def client(request, lsp_client: LanguageClient):
     caps, encodings, expected = CASES[request.param]
     result = await lsp_client.initialize_session(init_params(caps, {"preload": False}, encodings))

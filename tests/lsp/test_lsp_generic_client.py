@@ -35,12 +35,14 @@ BLOCK_DOC = SAMPLE.replace("        print(key, config[key])\n", "        \n")
 BLOCK_CURSOR = (BLOCK_DOC.split("\n").index("        "), len("        "))
 
 
-@pytest_lsp.fixture(config=SERVER,
-                    params=["visual-studio-code"], scope="module")
+@pytest_lsp.fixture(config=SERVER, params=["visual-studio-code"], scope="module")
 async def client(request, lsp_client: LanguageClient):
     lsp_client.deltas = Deltas(lsp_client)
-    await lsp_client.initialize_session(init_params(request.param, {
-        "streaming": False, "maxTokens": 48, "maxLines": 0, "earlyAnswerMs": 1, "prefetch": False}))
+    await lsp_client.initialize_session(
+        init_params(
+            request.param, {"streaming": False, "maxTokens": 48, "maxLines": 0, "earlyAnswerMs": 1, "prefetch": False}
+        )
+    )
     yield
     await lsp_client.shutdown_session()
 
@@ -63,7 +65,7 @@ async def test_early_answer_then_background_decode_feeds_type_through(client: La
     # Type part of the answer through: the rest comes from the cache, without the model. (Every
     # answer is validated, so the early answer may already be all the decode's shaped text.)
     line, col = BLOCK_CURSOR
-    typed = answer[:max(1, len(answer) // 2)].rstrip("\n")
+    typed = answer[: max(1, len(answer) // 2)].rstrip("\n")
     change(client, uri, 2, BLOCK_CURSOR, BLOCK_CURSOR, typed)
     for ch in typed:
         line, col = (line + 1, 0) if ch == "\n" else (line, col + 1)

@@ -54,9 +54,14 @@ async def test_answers_after_an_auto_indented_enter_start_at_the_cursor(client: 
     # A real file above, then a header and the editor's auto-indent. Before the fix every one of these
     # answered with 2-4 extra spaces (`    return x`, `  return x + y`).
     context = (REPO / "lsp_server" / "positions.py").read_text().rstrip("\n") + "\n\n\n"
-    tails = ["def read_bytes(path):\n    ", "def area(radius):\n    ",
-             "class Point:\n    def __init__(self, x, y):\n        ",
-             "def square(x):\n    ", "def mean(values):\n    ", "def main():\n    "]
+    tails = [
+        "def read_bytes(path):\n    ",
+        "def area(radius):\n    ",
+        "class Point:\n    def __init__(self, x, y):\n        ",
+        "def square(x):\n    ",
+        "def mean(values):\n    ",
+        "def main():\n    ",
+    ]
     answered = []
     for i, tail in enumerate(tails):
         text = context + tail

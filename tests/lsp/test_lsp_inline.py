@@ -32,8 +32,7 @@ BLOCK_DOC = SAMPLE.replace("    config = {}\n", "    config = {}\n    \n")
 BLOCK_CURSOR = (BLOCK_DOC.split("\n").index("    "), 4)
 
 
-@pytest_lsp.fixture(config=SERVER,
-                    params=CLIENTS, scope="module")
+@pytest_lsp.fixture(config=SERVER, params=CLIENTS, scope="module")
 async def client(request, lsp_client: LanguageClient):
     lsp_client.deltas = Deltas(lsp_client)
     await lsp_client.initialize_session(init_params(request.param))
@@ -83,8 +82,9 @@ async def test_completion_fallback_returns_one_item_with_text_edit(client: Langu
     open_doc(client, uri, text)
     line = text.splitlines().index("    config = read_con")
     col = len("    config = read_con")
-    result = await client.text_document_completion_async(types.CompletionParams(
-        text_document=types.TextDocumentIdentifier(uri), position=types.Position(line, col)))
+    result = await client.text_document_completion_async(
+        types.CompletionParams(text_document=types.TextDocumentIdentifier(uri), position=types.Position(line, col))
+    )
     assert isinstance(result, types.CompletionList)
     assert len(result.items) == 1
     edit = result.items[0].text_edit
@@ -134,13 +134,15 @@ async def test_telemetry_show_partial_accept_and_accept(client: LanguageClient):
     open_doc(client, uri, DOC)
     item = items_of(await inline(client, uri, *CURSOR))[0]
     before = (await stats(client))["counters"]
-    wire = {"insertText": item.insert_text, "command": {"title": item.command.title,
-                                                        "command": item.command.command,
-                                                        "arguments": item.command.arguments}}
+    wire = {
+        "insertText": item.insert_text,
+        "command": {"title": item.command.title, "command": item.command.command, "arguments": item.command.arguments},
+    }
     client.protocol.notify("textDocument/didShowCompletion", {"item": wire})
     client.protocol.notify("textDocument/didPartiallyAcceptCompletion", {"item": wire, "acceptedLength": 1})
-    await client.workspace_execute_command_async(types.ExecuteCommandParams(
-        command=item.command.command, arguments=item.command.arguments))
+    await client.workspace_execute_command_async(
+        types.ExecuteCommandParams(command=item.command.command, arguments=item.command.arguments)
+    )
     after = (await stats(client))["counters"]
     for name in ("shown", "partially_accepted", "accepted"):
         assert after.get(name, 0) == before.get(name, 0) + 1, name

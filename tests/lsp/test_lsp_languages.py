@@ -33,7 +33,7 @@ from engine.model_info import EMBEDDED_TARGET, read_model_info
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-GO_DOC = "package main\n\nimport \"fmt\"\n\nfunc main() {\n\tfmt.Println(\n}\n"
+GO_DOC = 'package main\n\nimport "fmt"\n\nfunc main() {\n\tfmt.Println(\n}\n'
 GO_CURSOR = (5, len("\tfmt.Println("))
 
 
@@ -85,8 +85,10 @@ async def test_advertised_languages_and_status(client: LanguageClient):
     open_doc(client, uri, UNFINISHED_DOC)
     got = items_of(await inline(client, uri, *UNFINISHED_CURSOR))
     assert got and got[0].insert_text.strip()
-    last = await _wait(lambda: client.statuses[-1]["firstLatencyMs"] is not None and client.statuses[-1],
-                       "firstLatencyMs in a fimble/status")
+    last = await _wait(
+        lambda: client.statuses[-1]["firstLatencyMs"] is not None and client.statuses[-1],
+        "firstLatencyMs in a fimble/status",
+    )
     assert last["state"] == "ready" and isinstance(last["firstLatencyMs"], int) and last["firstLatencyMs"] >= 0
     n = len(client.statuses)
     got = items_of(await inline(client, uri, *UNFINISHED_CURSOR))

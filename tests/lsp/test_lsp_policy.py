@@ -39,8 +39,7 @@ BLOCK_DOC = SAMPLE.replace("    return config\n", "    \n    return config\n")
 BLOCK_CURSOR = (BLOCK_DOC.split("\n").index("    "), 4)
 
 
-@pytest_lsp.fixture(config=SERVER,
-                    params=["visual-studio-code"], scope="module")
+@pytest_lsp.fixture(config=SERVER, params=["visual-studio-code"], scope="module")
 async def client(request, lsp_client: LanguageClient):
     await lsp_client.initialize_session(init_params(request.param, {"streaming": False, "answerAt": "end"}))
     yield
@@ -53,8 +52,8 @@ def _uri(name: str) -> str:
 
 def _apply(text: str, rng: types.Range, new: str) -> str:
     lines = text.split("\n")
-    start = sum(len(x) + 1 for x in lines[:rng.start.line]) + rng.start.character
-    end = sum(len(x) + 1 for x in lines[:rng.end.line]) + rng.end.character
+    start = sum(len(x) + 1 for x in lines[: rng.start.line]) + rng.start.character
+    end = sum(len(x) + 1 for x in lines[: rng.end.line]) + rng.end.character
     return text[:start] + new + text[end:]
 
 

@@ -14,12 +14,17 @@ from pytest_lsp import LanguageClient
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 # About 150 lines of Python: a prompt of several hundred tokens, far more than the bound below.
-DOC = "import math\n\n\n" + "".join(
-    f"def scale_{i}(values, factor={i}):\n"
-    f'    """Multiply every value by {i} and round it."""\n'
-    f"    out = [round(v * factor, {i % 4}) for v in values]\n"
-    f"    return [math.floor(v) for v in out if v > {i}]\n\n\n"
-    for i in range(25)) + "def main():\n    data = [1.5, 2.5, 3.5]\n"
+DOC = (
+    "import math\n\n\n"
+    + "".join(
+        f"def scale_{i}(values, factor={i}):\n"
+        f'    """Multiply every value by {i} and round it."""\n'
+        f"    out = [round(v * factor, {i % 4}) for v in values]\n"
+        f"    return [math.floor(v) for v in out if v > {i}]\n\n\n"
+        for i in range(25)
+    )
+    + "def main():\n    data = [1.5, 2.5, 3.5]\n"
+)
 LINES = DOC.split("\n")
 END = (len(LINES) - 1, 0)  # DOC ends with a newline: the cursor at its end is on an empty last line
 PREFILL_BOUND = 16
@@ -84,8 +89,9 @@ async def test_prewarm_after_edits_settle(client: LanguageClient):
 
 
 def _cursor(client: LanguageClient, uri: str, line: int, character: int) -> None:
-    client.protocol.notify("fimble/cursor", {"textDocument": {"uri": uri},
-                                             "position": {"line": line, "character": character}})
+    client.protocol.notify(
+        "fimble/cursor", {"textDocument": {"uri": uri}, "position": {"line": line, "character": character}}
+    )
 
 
 async def test_cursor_notification_prewarms_where_the_cursor_rests(client: LanguageClient):
@@ -129,13 +135,25 @@ async def test_stats_report_the_kv_cache_and_close_forgets(client: LanguageClien
     snap = await stats(client)
     kv = snap["kvCache"]
     assert kv["bytes"] > 0 and kv["budgetBytes"] >= kv["bytes"] and kv["documents"] >= 1, kv
-    for key in ("hits", "misses", "evictions", "segments", "tokens", "prewarmedTokens", "prewarmsDone",
-                "prefilledTokens", "reusedTokens", "hitRate", "prewarmsSent"):
+    for key in (
+        "hits",
+        "misses",
+        "evictions",
+        "segments",
+        "tokens",
+        "prewarmedTokens",
+        "prewarmsDone",
+        "prefilledTokens",
+        "reusedTokens",
+        "hitRate",
+        "prewarmsSent",
+    ):
         assert key in kv, key
     assert kv["prewarmedTokens"] > 0 and kv["hits"] > 0
     assert snap["settings"]["prewarm"] is True and snap["settings"]["kvShiftReuse"] is False
     docs = kv["documents"]
-    client.text_document_did_close(types.DidCloseTextDocumentParams(
-        types.TextDocumentIdentifier("file:///tmp/fimble-tests/prewarm/open.py")))
+    client.text_document_did_close(
+        types.DidCloseTextDocumentParams(types.TextDocumentIdentifier("file:///tmp/fimble-tests/prewarm/open.py"))
+    )
     snap = await _wait_stats(client, lambda s: s["kvCache"]["documents"] < docs, timeout=20)
     assert snap["tables"]["prewarms_pending"] == 0

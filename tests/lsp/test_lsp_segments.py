@@ -8,7 +8,7 @@ from lsp_server.segments import block_start_rows, is_block_type, segment_lines
 from lsp_server.settings import Settings
 from lsp_server.shaping.syntax.document import SyntaxDocument
 
-PY = '''import os
+PY = """import os
 # a comment
 from sys import argv
 
@@ -34,7 +34,7 @@ async def third():
 
 if __name__ == "__main__":
     first()
-'''
+"""
 
 
 def _rows(language: str, text: str) -> list[int]:
@@ -43,8 +43,11 @@ def _rows(language: str, text: str) -> list[int]:
 
 def test_python_definitions_start_blocks_at_decorators():
     lines = PY.split("\n")
-    assert _rows("python", PY) == [lines.index("@decorator"), lines.index("class Second:"),
-                                   lines.index("async def third():")]
+    assert _rows("python", PY) == [
+        lines.index("@decorator"),
+        lines.index("class Second:"),
+        lines.index("async def third():"),
+    ]
 
 
 def test_other_languages():

@@ -22,16 +22,22 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 # (document, cursor): empty, indented lines just above text the model tends to write again.
 SPOTS = [
-    ("def area(w, h):\n    if w < 0 or h < 0:\n        raise ValueError('negative size')\n    result = w * h\n"
-     "    \n    return result\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n", (4, 4)),
+    (
+        "def area(w, h):\n    if w < 0 or h < 0:\n        raise ValueError('negative size')\n    result = w * h\n"
+        "    \n    return result\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n",
+        (4, 4),
+    ),
     ("def total(xs):\n    result = 0\n    for x in xs:\n        result += x\n    \n    return result\n", (4, 4)),
 ]
 
 
 @pytest_lsp.fixture(config=SERVER, params=["visual-studio-code"], scope="module")
 async def client(request, lsp_client: LanguageClient):
-    await lsp_client.initialize_session(init_params(request.param, {
-        "streaming": True, "maxTokens": 32, "maxLines": 4, "prefetch": False, "prewarm": False}))
+    await lsp_client.initialize_session(
+        init_params(
+            request.param, {"streaming": True, "maxTokens": 32, "maxLines": 4, "prefetch": False, "prewarm": False}
+        )
+    )
     yield
     await lsp_client.shutdown_session()
 
@@ -39,8 +45,8 @@ async def client(request, lsp_client: LanguageClient):
 def retypes(doc: str, cursor: tuple[int, int], text: str) -> bool:
     lines = doc.split("\n")
     line = lines[cursor[0]]
-    after = line[cursor[1]:] + "\n" + "\n".join(lines[cursor[0] + 1:])
-    return bool(text.strip()) and suffix_overlap_cut(text, line[:cursor[1]], after) is not None
+    after = line[cursor[1] :] + "\n" + "\n".join(lines[cursor[0] + 1 :])
+    return bool(text.strip()) and suffix_overlap_cut(text, line[: cursor[1]], after) is not None
 
 
 async def _idle(client: LanguageClient) -> dict:

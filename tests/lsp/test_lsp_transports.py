@@ -14,8 +14,12 @@ import pytest
 from lsp_helpers import SERVER_CMD, SERVER_ENV
 
 TOKEN = "transports-test-token-0123456789"  # every listener requires one (engine/auth.py): given in a file
-INIT = {"processId": None, "rootUri": None, "capabilities": {"general": {"positionEncodings": ["utf-32", "utf-16"]}},
-        "initializationOptions": {"preload": False, "token": TOKEN}}
+INIT = {
+    "processId": None,
+    "rootUri": None,
+    "capabilities": {"general": {"positionEncodings": ["utf-32", "utf-16"]}},
+    "initializationOptions": {"preload": False, "token": TOKEN},
+}
 
 
 def _free_port() -> int:
@@ -26,8 +30,12 @@ def _free_port() -> int:
 
 def _spawn(flag: str, port: int, tmp_path: Path) -> subprocess.Popen:
     (tmp_path / "token").write_text(TOKEN + "\n")
-    return subprocess.Popen(SERVER_CMD + [flag, f"127.0.0.1:{port}", "--token-file", str(tmp_path / "token")],
-                            env=SERVER_ENV, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        SERVER_CMD + [flag, f"127.0.0.1:{port}", "--token-file", str(tmp_path / "token")],
+        env=SERVER_ENV,
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _msg(i: int | None, method: str, params: object) -> dict:
@@ -80,9 +88,17 @@ async def test_tcp_initialize_bad_params_and_exit(tmp_path):
         assert "fimble.acceptCompletion" in caps["executeCommandProvider"]["commands"]
         c.send(_msg(None, "initialized", {}))
         # Params that don't fit the LSP types: an InvalidParams answer, not silence.
-        c.send(_msg(2, "textDocument/inlineCompletion", {"textDocument": {"uri": "file:///x.py"},
-                                                         "position": {"line": -1, "character": "x"},
-                                                         "context": {"triggerKind": 1}}))
+        c.send(
+            _msg(
+                2,
+                "textDocument/inlineCompletion",
+                {
+                    "textDocument": {"uri": "file:///x.py"},
+                    "position": {"line": -1, "character": "x"},
+                    "context": {"triggerKind": 1},
+                },
+            )
+        )
         assert (await c.response(2))["error"]["code"] == -32602
         c.send(_msg(3, "no/such/method", {}))
         assert (await c.response(3))["error"]["code"] == -32601
@@ -133,8 +149,14 @@ async def test_websocket_uses_text_frames(tmp_path):
 
 @pytest.mark.parametrize("address", ["nonsense", "127.0.0.1:99999"])
 def test_bad_address_is_one_line_error(address):
-    r = subprocess.run(SERVER_CMD + ["--tcp", address], env=SERVER_ENV, capture_output=True, text=True, timeout=60,
-                       stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        SERVER_CMD + ["--tcp", address],
+        env=SERVER_ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 2
     assert r.stderr.startswith("fimble: ") and r.stderr.count("\n") == 1
     assert "Traceback" not in r.stderr
@@ -144,6 +166,7 @@ def test_cli_entry_point_runs():
     r = subprocess.run([sys.executable, "-m", "lsp_server", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "fimble" in r.stdout
     # No benchmark behind the product's command line (they run as python -m bench.NAME in a checkout).
-    r = subprocess.run([sys.executable, "-m", "lsp_server", "bench-lsp", "--help"], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "lsp_server", "bench-lsp", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2 and "invalid choice: 'bench-lsp'" in r.stderr

@@ -13,11 +13,25 @@ from lsp_server.prompt import build_context, typed_since
 LINE = "a😀é日b"  # 5 code points: 1, 4, 2, 3, 1 UTF-8 bytes; 😀 is 2 UTF-16 units
 
 
-@pytest.mark.parametrize("encoding, units, col", [
-    ("utf-16", 0, 0), ("utf-16", 1, 1), ("utf-16", 3, 2), ("utf-16", 4, 3), ("utf-16", 6, 5), ("utf-16", 99, 5),
-    ("utf-8", 1, 1), ("utf-8", 5, 2), ("utf-8", 7, 3), ("utf-8", 10, 4), ("utf-8", 11, 5),
-    ("utf-32", 2, 2), ("utf-32", 5, 5), ("utf-32", 7, 5),
-])
+@pytest.mark.parametrize(
+    "encoding, units, col",
+    [
+        ("utf-16", 0, 0),
+        ("utf-16", 1, 1),
+        ("utf-16", 3, 2),
+        ("utf-16", 4, 3),
+        ("utf-16", 6, 5),
+        ("utf-16", 99, 5),
+        ("utf-8", 1, 1),
+        ("utf-8", 5, 2),
+        ("utf-8", 7, 3),
+        ("utf-8", 10, 4),
+        ("utf-8", 11, 5),
+        ("utf-32", 2, 2),
+        ("utf-32", 5, 5),
+        ("utf-32", 7, 5),
+    ],
+)
 def test_to_codepoints(encoding, units, col):
     assert to_codepoints(LINE, units, encoding) == col
     if units <= {"utf-16": 6, "utf-8": 11, "utf-32": 5}[encoding]:
@@ -53,8 +67,12 @@ texts = st.lists(pieces, max_size=30).map("".join)
 
 
 @settings(max_examples=300, deadline=None)
-@given(texts, st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 40), st.integers(0, 40),
-                                 texts), max_size=8))
+@given(
+    texts,
+    st.lists(
+        st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 40), st.integers(0, 40), texts), max_size=8
+    ),
+)
 def test_edits_match_a_whole_string_reference(text, edits):
     doc = Document("u", text, language_id="python")
     ref = text
@@ -75,7 +93,7 @@ def test_edits_match_a_whole_string_reference(text, edits):
         assert doc.syntax.text == ref.replace("\r\n", "\0").replace("\r", "\n").replace("\0", "\r\n")
         for i in range(len(doc.lines)):
             for col in {0, len(doc.line_text(i)) // 2, len(doc.line_text(i))}:
-                assert doc.byte_offset(i, col) == len(ref[:_offset(ref, i, col)].encode("utf-8"))
+                assert doc.byte_offset(i, col) == len(ref[: _offset(ref, i, col)].encode("utf-8"))
 
 
 def test_prefix_window_is_stable_while_typing_and_jumps_rarely():
@@ -114,8 +132,18 @@ def test_typed_since():
 def test_settings_merge():
     from lsp_server.settings import Settings
 
-    s = Settings().merged({"fimble": {"maxLines": 2, "enable": {"markdown": False}, "drafter": "bogus",
-                                      "maxTokens": "many", "somebodyElses": 1, "model": None}})
+    s = Settings().merged(
+        {
+            "fimble": {
+                "maxLines": 2,
+                "enable": {"markdown": False},
+                "drafter": "bogus",
+                "maxTokens": "many",
+                "somebodyElses": 1,
+                "model": None,
+            }
+        }
+    )
     assert s.max_lines == 2 and s.max_tokens == 128 and s.drafter == "auto" and s.model is None
     assert s.enabled_for("python") and not s.enabled_for("markdown")
     assert not s.merged({"enable": False}).enabled_for("python")

@@ -48,19 +48,22 @@ def cursors(seed: int = 13, per_file: int = 2) -> list[tuple[str, str, tuple[int
             continue
         text = path.read_text(encoding="utf-8")
         lines = text.split("\n")
-        code = [i for i, ln in enumerate(lines) if len(ln.strip()) > 20 and ln.startswith("    ")
-                and not ln.lstrip().startswith(("#", '"', "'"))]
+        code = [
+            i
+            for i, ln in enumerate(lines)
+            if len(ln.strip()) > 20 and ln.startswith("    ") and not ln.lstrip().startswith(("#", '"', "'"))
+        ]
         rng.shuffle(code)
         mid, cut = [], []
         for i in code:
-            spots = [m.end() for m in CUT.finditer(lines[i]) if len(lines[i][:m.end()].strip()) > 4]
+            spots = [m.end() for m in CUT.finditer(lines[i]) if len(lines[i][: m.end()].strip()) > 4]
             if not spots:
                 continue
             col = rng.choice(spots)
             if col < len(lines[i]) and len(mid) < per_file:
                 mid.append((name, text, (i, col)))
             elif len(cut) < per_file:
-                short = "\n".join(lines[:i] + [lines[i][:col]] + lines[i + 1:])
+                short = "\n".join(lines[:i] + [lines[i][:col]] + lines[i + 1 :])
                 if parses(short):  # as typed so far the file still parses: an answer must keep it so
                     cut.append((name + " (cut)", short, (i, col)))
             if len(mid) == len(cut) == per_file:
@@ -71,9 +74,20 @@ def cursors(seed: int = 13, per_file: int = 2) -> list[tuple[str, str, tuple[int
 
 @pytest_lsp.fixture(config=SERVER, params=["emacs"], scope="module")
 async def client(request, lsp_client: LanguageClient):
-    await lsp_client.initialize_session(init_params(request.param, {
-        "streaming": False, "earlyAnswerMs": 0, "maxTokens": 32, "maxLines": 4, "prefetch": False,
-        "prefixChars": 2000, "suffixChars": 500}))
+    await lsp_client.initialize_session(
+        init_params(
+            request.param,
+            {
+                "streaming": False,
+                "earlyAnswerMs": 0,
+                "maxTokens": 32,
+                "maxLines": 4,
+                "prefetch": False,
+                "prefixChars": 2000,
+                "suffixChars": 500,
+            },
+        )
+    )
     yield
     await lsp_client.shutdown_session()
 
@@ -84,7 +98,7 @@ def apply(text: str, cursor: tuple[int, int], item) -> str:
     assert (rng.start.line, rng.start.character) == cursor
     assert rng.end.line == cursor[0] and rng.end.character >= cursor[1]  # (ASCII files: units are columns)
     line = lines[cursor[0]]
-    lines[cursor[0]] = line[:cursor[1]] + item.insert_text + line[rng.end.character:]
+    lines[cursor[0]] = line[: cursor[1]] + item.insert_text + line[rng.end.character :]
     return "\n".join(lines)
 
 
@@ -128,9 +142,13 @@ async def test_invoked_waits_for_a_complete_shaped_completion(client: LanguageCl
         again = items_of(await inline(client, uri, *cursor, invoked=True))
         assert again, (name, cursor, first)
         final = again[0].insert_text
-        rest = final[len(first):]
-        assert final.startswith(first) and (rest == "" or rest.lstrip(" \t").startswith("\n")), \
-            (name, cursor, first, final)
+        rest = final[len(first) :]
+        assert final.startswith(first) and (rest == "" or rest.lstrip(" \t").startswith("\n")), (
+            name,
+            cursor,
+            first,
+            final,
+        )
         checked += 1
         # An edit invalidates nothing here: the next cursor is in another document.
         change(client, uri, 2, cursor, cursor, "")

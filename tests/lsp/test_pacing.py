@@ -55,15 +55,25 @@ class Session:
 
 
 def did_open(uri: str, text: str) -> dict:
-    return {"jsonrpc": "2.0", "method": "textDocument/didOpen",
-            "params": {"textDocument": {"uri": uri, "languageId": "python", "version": 1, "text": text}}}
+    return {
+        "jsonrpc": "2.0",
+        "method": "textDocument/didOpen",
+        "params": {"textDocument": {"uri": uri, "languageId": "python", "version": 1, "text": text}},
+    }
 
 
 def did_change(uri: str, version: int, edits: list[tuple[int, int, int, int, str]]) -> dict:
-    return {"jsonrpc": "2.0", "method": "textDocument/didChange", "params": {
-        "textDocument": {"uri": uri, "version": version},
-        "contentChanges": [{"range": {"start": {"line": a, "character": b}, "end": {"line": c, "character": d}},
-                            "text": t} for a, b, c, d, t in edits]}}
+    return {
+        "jsonrpc": "2.0",
+        "method": "textDocument/didChange",
+        "params": {
+            "textDocument": {"uri": uri, "version": version},
+            "contentChanges": [
+                {"range": {"start": {"line": a, "character": b}, "end": {"line": c, "character": d}}, "text": t}
+                for a, b, c, d, t in edits
+            ],
+        },
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -86,8 +96,10 @@ async def test_a_heavy_change_lets_another_session_in_and_equals_the_light_path(
     await b.start()
     await a.feed(did_open("file:///a.py", BASE))
     rng = random.Random(7)
-    edits = [(ln, 0, ln, rng.randrange(3), rng.choice(["x", "", "y\n", "(z"])) for ln in
-             (rng.randrange(500) for _ in range(800))]
+    edits = [
+        (ln, 0, ln, rng.randrange(3), rng.choice(["x", "", "y\n", "(z"]))
+        for ln in (rng.randrange(500) for _ in range(800))
+    ]
     a_work = asyncio.ensure_future(a.feed(did_change("file:///a.py", 2, edits)))
     await asyncio.sleep(0)  # A's change has started
     assert not a_work.done()

@@ -78,8 +78,9 @@ def test_gamma_reaches_the_speculative_decoder(engine, embedded_target):
     # Without adaptation and with the gate open, every step drafts exactly gamma tokens (the
     # draft model never stops early), so drafted/steps is gamma.
     for gamma in (1, 3, 6):
-        d = decide_for_context("block_body", overrides={"*": {"gamma": gamma, "confidence_gate": 0.0,
-                                                              "max_tokens": 40, "stop": ()}})
+        d = decide_for_context(
+            "block_body", overrides={"*": {"gamma": gamma, "confidence_gate": 0.0, "max_tokens": 40, "stop": ()}}
+        )
         assert d.gamma == gamma
         s = run(engine, d, drafter="model", adaptive_gamma=False).stats
         assert s["steps"] > 1
@@ -90,18 +91,27 @@ def test_gamma_reaches_the_speculative_decoder(engine, embedded_target):
     assert s0["drafted"] == 0 and s0["accepted"] == 0 and s0["mean_accepted"] == 1.0
     # And the decoder built from a decision starts at the decided gamma.
     opts = decide_for_context("comment").to_options()
-    dec = SpeculativeDecoder(embedded_target.runtime, embedded_target.runtime.new_cache(64),
-                             embedded_target.stop_ids, opts)
+    dec = SpeculativeDecoder(
+        embedded_target.runtime, embedded_target.runtime.new_cache(64), embedded_target.stop_ids, opts
+    )
     assert dec.gamma == decide_for_context("comment").gamma == opts.gamma
 
 
 def test_confidence_gate_reaches_the_draft_model(engine):
     # A gate of 1.0 stops the draft model after its first token of every block; 0.0 never does.
     over = {"*": {"gamma": 6, "max_tokens": 30, "stop": ()}}
-    opened = run(engine, decide_for_context("block_body", overrides={"*": {**over["*"], "confidence_gate": 0.0}}),
-                 drafter="model", adaptive_gamma=False).stats
-    closed = run(engine, decide_for_context("block_body", overrides={"*": {**over["*"], "confidence_gate": 1.0}}),
-                 drafter="model", adaptive_gamma=False).stats
+    opened = run(
+        engine,
+        decide_for_context("block_body", overrides={"*": {**over["*"], "confidence_gate": 0.0}}),
+        drafter="model",
+        adaptive_gamma=False,
+    ).stats
+    closed = run(
+        engine,
+        decide_for_context("block_body", overrides={"*": {**over["*"], "confidence_gate": 1.0}}),
+        drafter="model",
+        adaptive_gamma=False,
+    ).stats
     assert closed["drafted"] <= closed["steps"] < opened["drafted"]
 
 
@@ -135,5 +145,5 @@ def test_decide_then_stream_then_shape_like_the_lsp_server(engine):
     assert "\n" not in shaped.raw
     assert shaped.context == "call_args" and shaped.replace_start == cursor
     if shaped.text:  # whatever is shown leaves the document parseable by CPython's rules
-        new = code[:cursor] + shaped.text + code[cursor:][shaped.replace_end - cursor:]
+        new = code[:cursor] + shaped.text + code[cursor:][shaped.replace_end - cursor :]
         compile(new, "<doc>", "exec")

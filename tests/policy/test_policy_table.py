@@ -111,8 +111,18 @@ def test_bad_overrides_are_reported_and_refused():
 
 
 def test_to_options_carries_every_decided_field():
-    d = PolicyDecision(context="block_body", temperature=0.3, top_p=0.9, gamma=6, max_gamma=10,
-                       confidence_gate=0.4, multiline=True, max_lines=3, stop=("\n\n", "END"), max_tokens=77)
+    d = PolicyDecision(
+        context="block_body",
+        temperature=0.3,
+        top_p=0.9,
+        gamma=6,
+        max_gamma=10,
+        confidence_gate=0.4,
+        multiline=True,
+        max_lines=3,
+        stop=("\n\n", "END"),
+        max_tokens=77,
+    )
     o = d.to_options(seed=5, drafter="model")
     assert (o.temperature, o.top_p, o.gamma, o.max_gamma, o.confidence_gate) == (0.3, 0.9, 6, 10, 0.4)
     assert (o.max_lines, o.stop, o.max_tokens, o.seed, o.drafter) == (3, ("\n\n", "END"), 77, 5, "model")

@@ -28,8 +28,11 @@ CALL_TIMEOUT = 60.0  # per call, wide: these tests assert outcomes, never speed
 
 def server_env() -> dict[str, str]:
     env = dict(os.environ)
-    if not env.get("FIMBLE_MODEL") and not (REPO / "models" / "fimble-target" / "config.json").is_file() \
-            and Path("/tmp/ftrain/fimble-target").is_dir():
+    if (
+        not env.get("FIMBLE_MODEL")
+        and not (REPO / "models" / "fimble-target" / "config.json").is_file()
+        and Path("/tmp/ftrain/fimble-target").is_dir()
+    ):
         env["FIMBLE_MODEL"] = "/tmp/ftrain/fimble-target"
         env["FIMBLE_DRAFT"] = "/tmp/ftrain/fimble-draft"
     return env
@@ -50,8 +53,9 @@ def frame(payload: dict | list | bytes) -> bytes:
 
 
 def did_open(uri: str, text: str, language: str = "python") -> dict:
-    return msg(None, "textDocument/didOpen",
-               {"textDocument": {"uri": uri, "languageId": language, "version": 1, "text": text}})
+    return msg(
+        None, "textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": language, "version": 1, "text": text}}
+    )
 
 
 class Listener:
@@ -65,8 +69,13 @@ class Listener:
         self.log = tempfile.NamedTemporaryFile(prefix="fimble-rel-", suffix=".log", delete=False)
         self.runtime_dir = tempfile.mkdtemp(prefix="fimble-rel-run-")
         env = dict(server_env(), FIMBLE_RUNTIME_DIR=self.runtime_dir)
-        self.proc = subprocess.Popen(SERVER_CMD + [flag, f"{host}:0", *extra, *(["--no-token"] if no_token else [])],
-                                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log)
+        self.proc = subprocess.Popen(
+            SERVER_CMD + [flag, f"{host}:0", *extra, *(["--no-token"] if no_token else [])],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+        )
         self.port = self._wait_port()
 
     def stderr(self) -> str:
@@ -162,6 +171,7 @@ class FrameClient(FrameReader):
         self.send(msg(None, "initialized", {}))
         return result
 
+
 class TcpClient(FrameClient):
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         super().__init__(reader)
@@ -240,8 +250,15 @@ class StdioServer(FrameClient):
     @classmethod
     async def start(cls, *extra: str) -> StdioServer:
         log = tempfile.NamedTemporaryFile(prefix="fimble-rel-", suffix=".log", delete=False)
-        proc = await asyncio.create_subprocess_exec(*SERVER_CMD, *extra, env=server_env(), stdin=subprocess.PIPE,
-                                                    stdout=subprocess.PIPE, stderr=log, limit=256 << 20)
+        proc = await asyncio.create_subprocess_exec(
+            *SERVER_CMD,
+            *extra,
+            env=server_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            limit=256 << 20,
+        )
         return cls(proc, log)
 
     def stderr(self) -> str:

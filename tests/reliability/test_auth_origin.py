@@ -52,8 +52,10 @@ async def test_websocket_token(tmp_path):
         assert await _refused(server.port) == 401
         assert await _refused(server.port, additional_headers={"Authorization": "Bearer wrong"}) == 401
         assert await _refused(server.port, path="/?token=s3cret-token-for-tests-012345678") == 401
-        for kwargs in ({"additional_headers": {"Authorization": "Bearer s3cret-token-for-tests-0123456789"}},
-                       {"path": "/?token=s3cret-token-for-tests-0123456789"}):
+        for kwargs in (
+            {"additional_headers": {"Authorization": "Bearer s3cret-token-for-tests-0123456789"}},
+            {"path": "/?token=s3cret-token-for-tests-0123456789"},
+        ):
             c = await WsClient.connect(server.port, **kwargs)
             assert "capabilities" in (await c.initialize())["result"]
             await c.close()
@@ -87,8 +89,14 @@ async def test_tcp_token_in_initialize():
 
 @pytest.mark.parametrize("flag", ["--tcp", "--ws"])
 def test_non_loopback_bind_needs_allow_remote(flag):
-    r = subprocess.run(SERVER_CMD + [flag, "0.0.0.0:0"], env=server_env(), capture_output=True, text=True,
-                       timeout=120, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        SERVER_CMD + [flag, "0.0.0.0:0"],
+        env=server_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 2 and "--allow-remote" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -108,8 +116,16 @@ async def test_logs_hold_no_document_text_without_debug(debug):
     try:
         await s.initialize()
         s.send(did_open("file:///secret.py", SECRET))
-        s.send({"jsonrpc": "2.0", "method": "textDocument/didChange", "params": {
-            "textDocument": {"uri": "file:///secret.py", "version": 2}, "contentChanges": [{"text": None}]}})
+        s.send(
+            {
+                "jsonrpc": "2.0",
+                "method": "textDocument/didChange",
+                "params": {
+                    "textDocument": {"uri": "file:///secret.py", "version": 2},
+                    "contentChanges": [{"text": None}],
+                },
+            }
+        )
         r = await s.call("fimble/debug/document", {"uri": "file:///secret.py"})
         if debug:
             assert r["result"]["text"] == SECRET
@@ -140,8 +156,11 @@ async def test_http_post_from_a_web_page_cannot_drive_a_tcp_session(path):
         lsp = frame(msg(1, "initialize", {"capabilities": {}, "initializationOptions": {"preload": False}}))
         body = b"\r\n" + lsp
         c = await TcpClient.connect(server.port)
-        c.send_raw(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain\r\n" % path.encode()
-                   + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        c.send_raw(
+            b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain\r\n" % path.encode()
+            + b"Content-Length: %d\r\n\r\n" % len(body)
+            + body
+        )
         assert await _closed_without_a_byte(c)
         for garbage in (b"GET / HTTP/1.0\r\n\r\n", b"\r\n" + lsp, b"x" * 13 + lsp, b"Content-Lxngth: 5\r\n\r\n"):
             g = await TcpClient.connect(server.port)

@@ -68,8 +68,13 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     tokenizer_link = copy("tokenizer-link")
     (tokenizer_link / "tokenizer.json").unlink()
     (tokenizer_link / "tokenizer.json").symlink_to(SYSTEM_FILE)
-    return {"good": good, "truncated": truncated, "nan": nan, "config-link": config_link,
-            "tokenizer-link": tokenizer_link}
+    return {
+        "good": good,
+        "truncated": truncated,
+        "nan": nan,
+        "config-link": config_link,
+        "tokenizer-link": tokenizer_link,
+    }
 
 
 def test_check_device_names_a_device_this_machine_lacks():
@@ -108,8 +113,9 @@ def test_bad_model_settings_are_one_message_and_the_working_engine_serves_on(fol
         server.open(URI, TEXT)
         before = _answer(server)
 
-        cases = [({"model": str(folders[name])}, name) for name in
-                 ("truncated", "nan", "config-link", "tokenizer-link")]
+        cases = [
+            ({"model": str(folders[name])}, name) for name in ("truncated", "nan", "config-link", "tokenizer-link")
+        ]
         cases.append(({"model": None, "device": "cuda:99"}, "cuda:99"))
         for n, (settings, name) in enumerate(cases, 1):
             _configure(server, {"device": "cpu", **settings})
@@ -168,8 +174,9 @@ def _starts(monkeypatch, outcomes: dict) -> list:
 
 
 async def test_the_host_keeps_the_working_engine_when_new_settings_fail(monkeypatch):
-    made = _starts(monkeypatch, {None: "ok", "/bad": ModelLoadError("/bad/model.safetensors is corrupt"),
-                                 "/good": "ok"})
+    made = _starts(
+        monkeypatch, {None: "ok", "/bad": ModelLoadError("/bad/model.safetensors is corrupt"), "/good": "ok"}
+    )
     host, notices = engine_host.EngineHost(), _Notices()
     host.add_notice_listener(notices.hear)
     working = await host.get(Settings())

@@ -127,8 +127,9 @@ def test_an_engine_that_computes_without_answering_is_held_not_killed_until_the_
     assert clock.t - 1000.0 >= LIMITS.busy_ceiling_s
 
 
-@pytest.mark.parametrize(("state", "share", "note"), [("T", 0.0, "is stopped"), ("S", 0.0, "used no CPU"),
-                                                      ("S", 0.01, "used no CPU")])
+@pytest.mark.parametrize(
+    ("state", "share", "note"), [("T", 0.0, "is stopped"), ("S", 0.0, "used no CPU"), ("S", 0.01, "used no CPU")]
+)
 def test_a_silent_engine_that_does_no_work_is_stalled(state, share, note):
     clock = Clock()
     engine, proc = Engine(clock), Proc(clock, share=share, state=state)

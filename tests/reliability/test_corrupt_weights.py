@@ -43,7 +43,7 @@ def _data_span(path: Path, name: str) -> tuple[int, int]:
     """Byte span of tensor ``name``'s data in a safetensors file."""
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     start, end = header[name]["data_offsets"]
     return 8 + n + start, 8 + n + end
 
@@ -98,7 +98,7 @@ def test_random_bytes_over_tensor_data_are_a_load_error(tiny, tmp_path, seed):
     rng = random.Random(seed)
     at = rng.randrange(start, end - 1024)
     raw = bytearray(path.read_bytes())
-    raw[at:at + 1024] = rng.randbytes(1024)  # 256 floats of garbage in the middle of a tensor
+    raw[at : at + 1024] = rng.randbytes(1024)  # 256 floats of garbage in the middle of a tensor
     path.write_bytes(bytes(raw))
     assert "corrupt" in _load_error(folder)
 
@@ -117,9 +117,15 @@ def test_garbage_that_stays_finite_is_caught_by_the_probe(tiny):
 def _ask(server: RawServer) -> list:
     """One completion request (it waits for the engine's start, which fails): its items."""
     server.open("file:///w.py", "def f(x):\n    return \n")
-    answer = server.call("textDocument/inlineCompletion", {
-        "textDocument": {"uri": "file:///w.py"}, "position": {"line": 1, "character": 11},
-        "context": {"triggerKind": 1}}, timeout=180)
+    answer = server.call(
+        "textDocument/inlineCompletion",
+        {
+            "textDocument": {"uri": "file:///w.py"},
+            "position": {"line": 1, "character": 11},
+            "context": {"triggerKind": 1},
+        },
+        timeout=180,
+    )
     return (answer.get("result") or {}).get("items", [])
 
 

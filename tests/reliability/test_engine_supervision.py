@@ -145,7 +145,6 @@ async def test_a_restart_loop_backs_off_and_gives_up_with_a_clear_error(monkeypa
     await host.close()
 
 
-
 def test_a_request_on_a_silent_engine_answers_within_its_budget():
     """The request budget (FIMBLE_REQUEST_BUDGET_S) answers before the stall watchdog acts, and the
     decode it waited on still counts nothing against the next keystroke (the loop stays free)."""
@@ -155,8 +154,9 @@ def test_a_request_on_a_silent_engine_answers_within_its_budget():
         srv.initialize()
         srv.open(URI, TEXT)
         # A 2 s budget can end the first (cold) request empty on a loaded machine; the next reuse its cache.
-        assert any(_items(srv.wait(srv.inline(URI, *CURSOR), ANSWER_TIMEOUT_S)) for _ in range(10)), \
+        assert any(_items(srv.wait(srv.inline(URI, *CURSOR), ANSWER_TIMEOUT_S)) for _ in range(10)), (
             "no completion before the stop"
+        )
         stopped = kill_engine(srv, signal.SIGSTOP)
         try:
             with Pinger(srv) as pinger:

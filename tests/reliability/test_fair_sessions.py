@@ -27,10 +27,17 @@ def tcp_debug():
 
 
 def change(uri: str, version: int, edits: list[tuple[int, int, str]]) -> dict:
-    return msg(None, "textDocument/didChange", {
-        "textDocument": {"uri": uri, "version": version},
-        "contentChanges": [{"range": {"start": {"line": ln, "character": ch}, "end": {"line": ln, "character": ch}},
-                            "text": t} for ln, ch, t in edits]})
+    return msg(
+        None,
+        "textDocument/didChange",
+        {
+            "textDocument": {"uri": uri, "version": version},
+            "contentChanges": [
+                {"range": {"start": {"line": ln, "character": ch}, "end": {"line": ln, "character": ch}}, "text": t}
+                for ln, ch, t in edits
+            ],
+        },
+    )
 
 
 async def heavy_then_probe(attacker: TcpClient, other: TcpClient, heavy: bytes, tag: str) -> None:

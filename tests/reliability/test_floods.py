@@ -73,17 +73,28 @@ async def test_100000_stop_strings_in_policy_are_refused_with_one_message():
     s = await StdioServer.start()
     try:
         await s.initialize({"policy": {"comment": {"max_tokens": 8}}})
-        s.send(msg(None, "workspace/didChangeConfiguration",
-                   {"settings": {"fimble": {"policy": {"*": {"stop": ["x"] * 100_000}}}}}))
+        s.send(
+            msg(
+                None,
+                "workspace/didChangeConfiguration",
+                {"settings": {"fimble": {"policy": {"*": {"stop": ["x"] * 100_000}}}}},
+            )
+        )
         settings = (await s.call("fimble/stats"))["result"]["settings"]
         assert settings["policy"] == {"comment": {"max_tokens": 8}}  # the previous overrides stay
-        shown = [m["params"]["message"] for m in s.seen if isinstance(m, dict)
-                 and m.get("method") == "window/showMessage"]
+        shown = [
+            m["params"]["message"] for m in s.seen if isinstance(m, dict) and m.get("method") == "window/showMessage"
+        ]
         assert len(shown) == 1 and shown[0].startswith("fimble: setting policy: ") and "stop" in shown[0], shown
         assert len(shown[0]) < 600 and "x', 'x" not in shown[0]  # one line, not the list echoed back
         # A stop list within the limits is taken.
-        s.send(msg(None, "workspace/didChangeConfiguration",
-                   {"settings": {"fimble": {"policy": {"*": {"stop": ["\n\n", "#"]}}}}}))
+        s.send(
+            msg(
+                None,
+                "workspace/didChangeConfiguration",
+                {"settings": {"fimble": {"policy": {"*": {"stop": ["\n\n", "#"]}}}}},
+            )
+        )
         settings = (await s.call("fimble/stats"))["result"]["settings"]
         assert settings["policy"] == {"*": {"stop": ["\n\n", "#"]}}
     finally:
@@ -118,13 +129,19 @@ def _edits(n: int, line: int = 1) -> dict:
 def test_the_json_structure_bound_keeps_what_editors_send_and_refuses_floods():
     """lsp_server/protocol.py structure_problem: counts, no parse. A change of 20,000 edits (the fair-sessions
     attack, which is handled) and a large document's text pass; 160,000 edits and 14 MB of arrays do not."""
-    ok = [_edits(20_000), did_open(URI, 'x = [1, "2", {3: 4}]  # \\" \\\\\n' * 400_000),
-          msg(None, "fimble/x", {"a": ["ab"] * 200_000})]
+    ok = [
+        _edits(20_000),
+        did_open(URI, 'x = [1, "2", {3: 4}]  # \\" \\\\\n' * 400_000),
+        msg(None, "fimble/x", {"a": ["ab"] * 200_000}),
+    ]
     for m in ok:
         assert structure_problem(json.dumps(m)) is None
-    refused = {"JSON strings": _edits(160_000), "outside its strings": msg(None, "fimble/x", {"a": [[]] * 3_500_000}),
-               "objects and arrays": msg(None, "fimble/x", {"s": ["ab"] * 5000, "a": [[]] * 300_000}),
-               "values": msg(None, "fimble/x", {"s": ["ab"] * 5000, "a": [1] * 300_000})}
+    refused = {
+        "JSON strings": _edits(160_000),
+        "outside its strings": msg(None, "fimble/x", {"a": [[]] * 3_500_000}),
+        "objects and arrays": msg(None, "fimble/x", {"s": ["ab"] * 5000, "a": [[]] * 300_000}),
+        "values": msg(None, "fimble/x", {"s": ["ab"] * 5000, "a": [1] * 300_000}),
+    }
     for reason, m in refused.items():
         problem = structure_problem(json.dumps(m))
         assert problem is not None and reason in problem, (reason, problem)
@@ -180,12 +197,24 @@ async def test_the_frame_after_a_large_message_sees_all_of_its_work():
         await a.initialize()
         base = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(1000))
         a.send(did_open(URI, base))
-        edits = [{"range": {"start": {"line": i % 1000, "character": 0}, "end": {"line": i % 1000, "character": 0}},
-                  "text": "x"} for i in range(20_000)]
+        edits = [
+            {
+                "range": {"start": {"line": i % 1000, "character": 0}, "end": {"line": i % 1000, "character": 0}},
+                "text": "x",
+            }
+            for i in range(20_000)
+        ]
         for version in (2, 3):
-            a.send_raw(frame(msg(None, "textDocument/didChange", {"textDocument": {"uri": URI, "version": version},
-                                                                 "contentChanges": edits}))
-                       + frame(msg(f"read-{version}", "fimble/debug/document", {"uri": URI})))
+            a.send_raw(
+                frame(
+                    msg(
+                        None,
+                        "textDocument/didChange",
+                        {"textDocument": {"uri": URI, "version": version}, "contentChanges": edits},
+                    )
+                )
+                + frame(msg(f"read-{version}", "fimble/debug/document", {"uri": URI}))
+            )
             got = (await a.response(f"read-{version}"))["result"]
             assert got["version"] == version and got["text"].startswith("x" * (20 * (version - 1)) + "def f0(x):")
     finally:

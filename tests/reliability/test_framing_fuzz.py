@@ -30,7 +30,7 @@ BAD_FRAMES = {
     "non-numeric Content-Length": b"Content-Length: lots\r\n\r\n{}",
     "huge Content-Length": b"Content-Length: 100000000000000000000000000000\r\n\r\n{}",
     "too-small Content-Length": b"Content-Length: 12\r\n\r\n" + json.dumps(msg(77, "fimble/stats")).encode(),
-    "invalid JSON": frame(b"{\"jsonrpc\": \"2.0\", \"id\": 1,"),
+    "invalid JSON": frame(b'{"jsonrpc": "2.0", "id": 1,'),
     "garbage line": b"hello there\r\n\r\n",
 }
 
@@ -70,31 +70,71 @@ async def test_fuzz_10000_messages_stdio():
         uris = [f"file:///fuzz/{n}.py" for n in range(8)]
 
         def rand_value(depth: int = 0):
-            makers = [lambda: None, lambda: True, lambda: rng.randint(-10**6, 10**6),
-                      lambda: 10**400 if rng.random() < 0.2 else -1, lambda: rng.random() * 1e308,
-                      lambda: "".join(rng.choice("ab\r\n\t\"\\\u00e9\U0001f600 ") for _ in range(8)),
-                      lambda: [rand_value(depth + 1) for _ in range(3)], lambda: {"k": rand_value(depth + 1)},
-                      lambda: {"line": rand_value(depth + 1), "character": rand_value(depth + 1)}]
+            makers = [
+                lambda: None,
+                lambda: True,
+                lambda: rng.randint(-(10**6), 10**6),
+                lambda: 10**400 if rng.random() < 0.2 else -1,
+                lambda: rng.random() * 1e308,
+                lambda: "".join(rng.choice('ab\r\n\t"\\\u00e9\U0001f600 ') for _ in range(8)),
+                lambda: [rand_value(depth + 1) for _ in range(3)],
+                lambda: {"k": rand_value(depth + 1)},
+                lambda: {"line": rand_value(depth + 1), "character": rand_value(depth + 1)},
+            ]
             return makers[rng.randrange(len(makers) if depth < 3 else 6)]()
 
         def position():
-            return {"line": rng.choice([0, 1, 5, -1, 10**400, "x"]),
-                    "character": rng.choice([0, 3, 10**6, -1, None])} if rng.random() < 0.3 else \
-                {"line": rng.randrange(4), "character": rng.randrange(12)}
+            return (
+                {"line": rng.choice([0, 1, 5, -1, 10**400, "x"]), "character": rng.choice([0, 3, 10**6, -1, None])}
+                if rng.random() < 0.3
+                else {"line": rng.randrange(4), "character": rng.randrange(12)}
+            )
 
-        setting_keys = ["maxLines", "maxTokens", "debounceMs", "earlyAnswerMs", "streaming", "prefixChars",
-                        "suffixChars", "answerAt", "drafter", "tokenHealing", "policy", "kvShiftReuse",
-                        "prewarm", "prewarmDelayMs", "prefetch", "languages"]
+        setting_keys = [
+            "maxLines",
+            "maxTokens",
+            "debounceMs",
+            "earlyAnswerMs",
+            "streaming",
+            "prefixChars",
+            "suffixChars",
+            "answerAt",
+            "drafter",
+            "tokenHealing",
+            "policy",
+            "kvShiftReuse",
+            "prewarm",
+            "prewarmDelayMs",
+            "prefetch",
+            "languages",
+        ]
         while sent["messages"] < FUZZ_MESSAGES:
             r = rng.random()
             uri = rng.choice(uris)
             if r < 0.2:  # requests of every kind, with fuzzed params; each must be answered
                 next_id += 1
-                method = rng.choice(["fimble/stats", "textDocument/inlineCompletion", "textDocument/completion",
-                                     "no/such", "fimble/debug/document", "workspace/executeCommand"])
-                params = rng.choice([None, {}, rand_value(), {"textDocument": {"uri": "file:///none.py"},
-                                                             "position": position(),
-                                                             "context": {"triggerKind": rng.choice([1, 2, 9])}}])
+                method = rng.choice(
+                    [
+                        "fimble/stats",
+                        "textDocument/inlineCompletion",
+                        "textDocument/completion",
+                        "no/such",
+                        "fimble/debug/document",
+                        "workspace/executeCommand",
+                    ]
+                )
+                params = rng.choice(
+                    [
+                        None,
+                        {},
+                        rand_value(),
+                        {
+                            "textDocument": {"uri": "file:///none.py"},
+                            "position": position(),
+                            "context": {"triggerKind": rng.choice([1, 2, 9])},
+                        },
+                    ]
+                )
                 m = msg(next_id, method, params)
                 if method == "fimble/stats" and rng.random() < 0.5:
                     m.pop("params", None)
@@ -108,47 +148,95 @@ async def test_fuzz_10000_messages_stdio():
                     chunks.append(frame(msg(None, "textDocument/didClose", {"textDocument": {"uri": uri}})))
                 else:
                     text = rand_value() if rng.random() < 0.2 else rng.choice(["a", "\n", "\r", "\r\n", "é", "😀", ""])
-                    chunks.append(frame(msg(None, "textDocument/didChange", {
-                        "textDocument": {"uri": uri, "version": rng.randrange(100)},
-                        "contentChanges": [{"range": {"start": position(), "end": position()}, "text": text}]})))
+                    chunks.append(
+                        frame(
+                            msg(
+                                None,
+                                "textDocument/didChange",
+                                {
+                                    "textDocument": {"uri": uri, "version": rng.randrange(100)},
+                                    "contentChanges": [
+                                        {"range": {"start": position(), "end": position()}, "text": text}
+                                    ],
+                                },
+                            )
+                        )
+                    )
             elif r < 0.55:
                 settings = {rng.choice(setting_keys): rand_value() for _ in range(rng.randrange(1, 4))}
                 chunks.append(frame(msg(None, "workspace/didChangeConfiguration", {"settings": {"fimble": settings}})))
             elif r < 0.65:
-                chunks.append(frame(msg(None, rng.choice(["fimble/cursor", "$/cancelRequest", "textDocument/didSave",
-                                                          "textDocument/didShowCompletion"]),
-                                        rng.choice([rand_value(), {"textDocument": {"uri": uri},
-                                                                   "position": position()}, {"id": rand_value()}]))))
+                chunks.append(
+                    frame(
+                        msg(
+                            None,
+                            rng.choice(
+                                [
+                                    "fimble/cursor",
+                                    "$/cancelRequest",
+                                    "textDocument/didSave",
+                                    "textDocument/didShowCompletion",
+                                ]
+                            ),
+                            rng.choice(
+                                [
+                                    rand_value(),
+                                    {"textDocument": {"uri": uri}, "position": position()},
+                                    {"id": rand_value()},
+                                ]
+                            ),
+                        )
+                    )
+                )
             elif r < 0.8:  # structurally wrong JSON-RPC
-                chunks.append(frame(rng.choice([
-                    b"[]", b"[1, 2]", b"null", b"42", b'"text"', b'{"jsonrpc": "1.0", "id": 1, "method": "x"}',
-                    json.dumps({"jsonrpc": "2.0", "id": rand_value(), "method": "fimble/stats"}).encode(),
-                    json.dumps({"jsonrpc": "2.0", "id": 5, "method": rand_value()}).encode(),
-                    json.dumps([msg(1, "fimble/stats"), msg(None, "initialized", {})]).encode(),
-                    b"[" * 5000 + b"]" * 5000, b'{"jsonrpc": "2.0", "id": 9, "result": null}',
-                    b'{"jsonrpc": "2.0", "id": 3, "method": "fimble/stats", "params": 7}'])))
+                chunks.append(
+                    frame(
+                        rng.choice(
+                            [
+                                b"[]",
+                                b"[1, 2]",
+                                b"null",
+                                b"42",
+                                b'"text"',
+                                b'{"jsonrpc": "1.0", "id": 1, "method": "x"}',
+                                json.dumps({"jsonrpc": "2.0", "id": rand_value(), "method": "fimble/stats"}).encode(),
+                                json.dumps({"jsonrpc": "2.0", "id": 5, "method": rand_value()}).encode(),
+                                json.dumps([msg(1, "fimble/stats"), msg(None, "initialized", {})]).encode(),
+                                b"[" * 5000 + b"]" * 5000,
+                                b'{"jsonrpc": "2.0", "id": 9, "result": null}',
+                                b'{"jsonrpc": "2.0", "id": 3, "method": "fimble/stats", "params": 7}',
+                            ]
+                        )
+                    )
+                )
             else:  # broken frames
                 body = json.dumps(msg(None, "fimble/cursor", {})).encode()
-                chunks.append(rng.choice([
-                    b"Content-Length: %d\r\n\r\n" % rng.randrange(1, len(body)) + body,
-                    b"Content-Length: %d\r\n\r\n" % (len(body) + rng.randrange(1, 40)) + body,
-                    b"Content-Length: -%d\r\n\r\n" % len(body) + body,
-                    b"Content-Length: x\r\n\r\n",
-                    b"Content-Length: 99999999999999999999\r\n\r\n",
-                    b"\r\n\r\n",
-                    b"Content-Length: 10\r\nContent-Length: 10\r\n\r\n0123456789",
-                    bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))) + b"\r\n\r\n",
-                    frame(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))),
-                    frame(b'{"jsonrpc": "2.0", "id": 1, "method": "fimble/stats", "params": {"a": "\xc3\x28"}}'),
-                    b"X-Long: " + b"z" * 70_000 + b"\r\n\r\n" if rng.random() < 0.05 else b"\r\n\r\n",
-                ]))
+                chunks.append(
+                    rng.choice(
+                        [
+                            b"Content-Length: %d\r\n\r\n" % rng.randrange(1, len(body)) + body,
+                            b"Content-Length: %d\r\n\r\n" % (len(body) + rng.randrange(1, 40)) + body,
+                            b"Content-Length: -%d\r\n\r\n" % len(body) + body,
+                            b"Content-Length: x\r\n\r\n",
+                            b"Content-Length: 99999999999999999999\r\n\r\n",
+                            b"\r\n\r\n",
+                            b"Content-Length: 10\r\nContent-Length: 10\r\n\r\n0123456789",
+                            bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))) + b"\r\n\r\n",
+                            frame(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))),
+                            frame(
+                                b'{"jsonrpc": "2.0", "id": 1, "method": "fimble/stats", "params": {"a": "\xc3\x28"}}'
+                            ),
+                            b"X-Long: " + b"z" * 70_000 + b"\r\n\r\n" if rng.random() < 0.05 else b"\r\n\r\n",
+                        ]
+                    )
+                )
             sent["messages"] += 1
         # Whatever state the last frames left: a filler completes a pending body, then a blank
         # line ends a header block, and the stream is at a frame boundary.
         chunks.append(b" " * 256 + b"\r\n\r\n")
         data = b"".join(chunks)
         for start in range(0, len(data), 1 << 16):
-            s.send_raw(data[start:start + (1 << 16)])
+            s.send_raw(data[start : start + (1 << 16)])
             await s.proc.stdin.drain()
         s.send(msg("final", "fimble/stats"))  # an id no generated message uses
         final = await s.response("final", timeout=300)
@@ -156,8 +244,10 @@ async def test_fuzz_10000_messages_stdio():
         assert s.proc.returncode is None
         answered = sum(1 for m in s.seen if isinstance(m, dict) and "id" in m and "method" not in m)
         parse_errors = sum(1 for m in s.seen if isinstance(m, dict) and m.get("error", {}).get("code") == -32700)
-        print(f"fuzz: {sent['messages']} messages ({sent['requests']} requests), {answered} answers, "
-              f"{parse_errors} parse errors, seed {SEED}")
+        print(
+            f"fuzz: {sent['messages']} messages ({sent['requests']} requests), {answered} answers, "
+            f"{parse_errors} parse errors, seed {SEED}"
+        )
         assert sent["messages"] >= FUZZ_MESSAGES and answered > sent["requests"] // 2 and parse_errors > 100
         assert not any("traceback" in json.dumps(m).lower() for m in s.seen)
         assert final["result"]["counters"]["bad_frames"] > 100
@@ -238,4 +328,3 @@ async def _send_raw_text_frame(ws, payload: bytes) -> None:
 
     async with ws.send_context():
         ws.protocol.send_frame(Frame(Opcode.TEXT, payload))
-

@@ -19,11 +19,27 @@ async def test_before_initialize_nothing_is_served_and_no_engine_starts():
     try:
         s.send(did_open(URI, "x = 1\n"))  # dropped: not initialized
         for i, method in enumerate(("fimble/stats", "textDocument/inlineCompletion", "fimble/debug/document")):
-            s.send(msg(100 + i, method, {"textDocument": {"uri": URI}, "position": {"line": 0, "character": 1},
-                                         "context": {"triggerKind": 1}, "uri": URI}))
+            s.send(
+                msg(
+                    100 + i,
+                    method,
+                    {
+                        "textDocument": {"uri": URI},
+                        "position": {"line": 0, "character": 1},
+                        "context": {"triggerKind": 1},
+                        "uri": URI,
+                    },
+                )
+            )
             assert (await s.response(100 + i))["error"]["code"] == -32002
-        s.send({"jsonrpc": "2.0", "id": 200, "method": "initialize",
-                "params": {"capabilities": {}, "initializationOptions": {"preload": False}}})
+        s.send(
+            {
+                "jsonrpc": "2.0",
+                "id": 200,
+                "method": "initialize",
+                "params": {"capabilities": {}, "initializationOptions": {"preload": False}},
+            }
+        )
         assert "capabilities" in (await s.response(200))["result"]
         s.send(msg(None, "initialized", {}))
         stats = (await s.call("fimble/stats"))["result"]
@@ -74,19 +90,36 @@ async def test_batches_params_omitted_and_null_text():
 
         s.send(did_open(URI, "keep = 1\n"))
         for text in (None, 5, ["x"], {"a": 1}):
-            s.send(msg(None, "textDocument/didChange", {"textDocument": {"uri": URI, "version": 2},
-                                                        "contentChanges": [{"text": text}]}))
-            s.send(msg(None, "textDocument/didChange", {
-                "textDocument": {"uri": URI, "version": 2},
-                "contentChanges": [{"range": {"start": {"line": 0, "character": 0},
-                                              "end": {"line": 0, "character": 0}}, "text": text}]}))
+            s.send(
+                msg(
+                    None,
+                    "textDocument/didChange",
+                    {"textDocument": {"uri": URI, "version": 2}, "contentChanges": [{"text": text}]},
+                )
+            )
+            s.send(
+                msg(
+                    None,
+                    "textDocument/didChange",
+                    {
+                        "textDocument": {"uri": URI, "version": 2},
+                        "contentChanges": [
+                            {
+                                "range": {"start": {"line": 0, "character": 0}, "end": {"line": 0, "character": 0}},
+                                "text": text,
+                            }
+                        ],
+                    },
+                )
+            )
         doc = (await s.call("fimble/debug/document", {"uri": URI}))["result"]
         assert doc["text"] == "keep = 1\n" and doc["version"] == 1  # refused, never coerced to "None"
         assert "None" not in doc["text"]
         # A request whose params have a null where a string belongs: InvalidParams, not a coerced "None".
-        r = await s.call("textDocument/inlineCompletion", {"textDocument": {"uri": None},
-                                                           "position": {"line": 0, "character": 0},
-                                                           "context": {"triggerKind": 1}})
+        r = await s.call(
+            "textDocument/inlineCompletion",
+            {"textDocument": {"uri": None}, "position": {"line": 0, "character": 0}, "context": {"triggerKind": 1}},
+        )
         assert r["error"]["code"] == -32602
     finally:
         await s.stop()

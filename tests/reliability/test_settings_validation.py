@@ -29,10 +29,21 @@ def test_out_of_range_integers_are_clamped_and_named(key, value):
     assert len(problems) == 1 and problems[0].startswith(f"{key}: ") and "using" in problems[0]
 
 
-@pytest.mark.parametrize("key,value", [("maxLines", "8"), ("debounceMs", 1.5), ("streaming", "yes"),
-                                       ("model", 5), ("device", "gpu"), ("drafter", "magic"),
-                                       ("enable", {"python": "on"}), ("earlyAnswerMs", True),
-                                       ("prefixChars", None), ("model", "x" * 5000)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("maxLines", "8"),
+        ("debounceMs", 1.5),
+        ("streaming", "yes"),
+        ("model", 5),
+        ("device", "gpu"),
+        ("drafter", "magic"),
+        ("enable", {"python": "on"}),
+        ("earlyAnswerMs", True),
+        ("prefixChars", None),
+        ("model", "x" * 5000),
+    ],
+)
 def test_wrong_types_keep_the_previous_value_and_are_named(key, value):
     before = Settings().merged({"maxLines": 3})
     s, problems = before.merge({key: value})
@@ -40,9 +51,18 @@ def test_wrong_types_keep_the_previous_value_and_are_named(key, value):
     assert len(problems) == 1 and problems[0].startswith(f"{key}: ") and "keeping" in problems[0]
 
 
-@pytest.mark.parametrize("field,value", [("temperature", 1e308), ("temperature", float("inf")),
-                                         ("max_gamma", HUGE), ("gamma", HUGE), ("top_p", HUGE),
-                                         ("max_tokens", HUGE), ("temperature", HUGE)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", 1e308),
+        ("temperature", float("inf")),
+        ("max_gamma", HUGE),
+        ("gamma", HUGE),
+        ("top_p", HUGE),
+        ("max_tokens", HUGE),
+        ("temperature", HUGE),
+    ],
+)
 def test_policy_values_that_would_break_decoding_are_refused(field, value):
     before = Settings().merged({"policy": {"comment": {"max_tokens": 8}}})
     s, problems = before.merge({"policy": {"*": {field: value}}})
@@ -59,10 +79,24 @@ async def test_huge_settings_are_named_and_requests_still_answered():
     s = await StdioServer.start()
     try:
         await s.initialize({"maxTokens": 8, "maxLines": 1})
-        s.send(msg(None, "workspace/didChangeConfiguration", {"settings": {"fimble": {
-            "earlyAnswerMs": HUGE, "debounceMs": 10**12, "policy": {"*": {"max_gamma": HUGE}}}}}))
-        s.send(msg(None, "workspace/didChangeConfiguration", {"settings": {"fimble": {
-            "policy": {"*": {"temperature": 1e308}}}}}))
+        s.send(
+            msg(
+                None,
+                "workspace/didChangeConfiguration",
+                {
+                    "settings": {
+                        "fimble": {"earlyAnswerMs": HUGE, "debounceMs": 10**12, "policy": {"*": {"max_gamma": HUGE}}}
+                    }
+                },
+            )
+        )
+        s.send(
+            msg(
+                None,
+                "workspace/didChangeConfiguration",
+                {"settings": {"fimble": {"policy": {"*": {"temperature": 1e308}}}}},
+            )
+        )
         shown = await _messages(s)
         for name in ("earlyAnswerMs", "debounceMs", "max_gamma", "temperature"):
             assert any(name in m for m in shown), (name, shown)
@@ -71,9 +105,14 @@ async def test_huge_settings_are_named_and_requests_still_answered():
         uri = "file:///s/huge.py"
         s.send(did_open(uri, "def add(a, b):\n    return a + b\n\n\nprint(add(1, "))
         # An automatic request (the debounce applies): answered, not an OverflowError, not left hanging.
-        r = await s.call("textDocument/inlineCompletion", {
-            "textDocument": {"uri": uri}, "position": {"line": 4, "character": len("print(add(1, ")},
-            "context": {"triggerKind": 2}})
+        r = await s.call(
+            "textDocument/inlineCompletion",
+            {
+                "textDocument": {"uri": uri},
+                "position": {"line": 4, "character": len("print(add(1, ")},
+                "context": {"triggerKind": 2},
+            },
+        )
         assert "result" in r, r
         assert "Traceback" not in s.stderr() or "OverflowError" not in s.stderr()
     finally:
@@ -99,8 +138,13 @@ async def test_model_path_oracle_is_closed(tmp_path):
 
         # A folder that passes the first check but does not load: the engine's own reason stays in the log.
         s.seen.clear()
-        s.send(msg(None, "workspace/didChangeConfiguration", {"settings": {"fimble": {"model": str(broken),
-                                                                                      "preload": True}}}))
+        s.send(
+            msg(
+                None,
+                "workspace/didChangeConfiguration",
+                {"settings": {"fimble": {"model": str(broken), "preload": True}}},
+            )
+        )
         for _ in range(600):
             stats = (await s.call("fimble/stats"))["result"]
             if stats["engine"]["state"] == "error":
@@ -108,9 +152,14 @@ async def test_model_path_oracle_is_closed(tmp_path):
             await asyncio.sleep(0.1)
         assert stats["engine"]["error"] == "model not found or not usable"
         s.send(did_open("file:///s/m.py", "x = "))
-        await s.call("textDocument/inlineCompletion", {"textDocument": {"uri": "file:///s/m.py"},
-                                                       "position": {"line": 0, "character": 4},
-                                                       "context": {"triggerKind": 1}})
+        await s.call(
+            "textDocument/inlineCompletion",
+            {
+                "textDocument": {"uri": "file:///s/m.py"},
+                "position": {"line": 0, "character": 4},
+                "context": {"triggerKind": 1},
+            },
+        )
         shown = await _messages(s)
         errors = [m for m in shown if "model" in m]
         assert errors and all("model not found or not usable" in m for m in errors), shown

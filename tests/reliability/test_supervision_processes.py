@@ -68,8 +68,9 @@ def test_a_taken_port_is_one_line_and_exit_status_2(flag):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([*SERVER_CMD, flag, f"127.0.0.1:{port}"], env=server_env(), capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run(
+            [*SERVER_CMD, flag, f"127.0.0.1:{port}"], env=server_env(), capture_output=True, text=True, timeout=120
+        )
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"fimble: cannot listen on 127.0.0.1:{port}: Address already in use"]
 
@@ -79,8 +80,13 @@ def test_a_taken_port_is_one_line_and_exit_status_2_for_fimble_serve():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "lsp_server", "serve", "--port", str(port)], env=server_env(),
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "lsp_server", "serve", "--port", str(port)],
+            env=server_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert done.returncode == 2
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"fimble: cannot listen on 127.0.0.1:{port}: "), lines
@@ -108,6 +114,7 @@ def test_a_stop_signal_ends_the_server_and_its_loading_engine_at_once_without_a_
     when = "starting"
     srv = Listener("--tcp")
     try:
+
         async def session() -> list[int]:
             client = await TcpClient.connect(srv.port)
             await client.initialize({"preload": True})
@@ -130,8 +137,10 @@ def test_a_stop_signal_ends_the_server_and_its_loading_engine_at_once_without_a_
 
 # -- kills while loading, zombies --------------------------------------------------------------------
 URI = "file:///supervised/loading.py"
-TEXT = "".join(f"def helper_{i}(values):\n    return sorted(values)[:{i}]\n\n\n" for i in range(40)) + \
-    "def main(paths):\n    for path in paths:\n        print(path, \n"
+TEXT = (
+    "".join(f"def helper_{i}(values):\n    return sorted(values)[:{i}]\n\n\n" for i in range(40))
+    + "def main(paths):\n    for path in paths:\n        print(path, \n"
+)
 CURSOR = (TEXT.count("\n") - 1, len("        print(path, "))
 
 
@@ -143,6 +152,7 @@ def _ready_pid(server: RawServer, not_pid: int | None = None) -> int:
     def ready() -> int | None:
         engine = _engine(server)
         return engine["pid"] if engine["state"] == "ready" and engine["pid"] not in (None, not_pid) else None
+
     return wait_for(ready, READY_TIMEOUT_S, "engine not ready")
 
 
@@ -232,18 +242,25 @@ def test_a_busy_engine_on_a_loaded_machine_is_never_restarted():
     """Limits far below what a prefill takes here (the old watchdog killed at each one): the engine's CPU
     time is what keeps it alive, so the waits are counted and the restarts are zero."""
     # The cold window off: each request waits on its whole prompt's prefill (thousands of tokens).
-    env = dict(SERVER_ENV, FIMBLE_ENGINE_STALL_S="1", FIMBLE_ENGINE_STEP_S="0.05",
-               FIMBLE_ENGINE_PREFILL_S_PER_TOKEN="0", FIMBLE_REQUEST_BUDGET_S="300", FIMBLE_COLD_WINDOW="off")
-    engine, answers = _full_session(env, {"prefixChars": 6000, "maxTokens": 16, "maxLines": 2}, 3,
-                                    READY_TIMEOUT_S)
+    env = dict(
+        SERVER_ENV,
+        FIMBLE_ENGINE_STALL_S="1",
+        FIMBLE_ENGINE_STEP_S="0.05",
+        FIMBLE_ENGINE_PREFILL_S_PER_TOKEN="0",
+        FIMBLE_REQUEST_BUDGET_S="300",
+        FIMBLE_COLD_WINDOW="off",
+    )
+    engine, answers = _full_session(env, {"prefixChars": 6000, "maxTokens": 16, "maxLines": 2}, 3, READY_TIMEOUT_S)
     assert all("result" in a for a in answers), answers
     sup = engine["supervision"]
     assert engine["restarts"] == 0 and sup["stalls"] == sup["stuck"] == sup["deaths"] == 0, engine
     assert sup["busy_holds"] >= 1, engine  # the prefills did outlast the limits: the CPU rule was what held
 
 
-@pytest.mark.skipif(os.environ.get("FIMBLE_SLOW") != "1" or not QWEN.is_file(),
-                    reason="the default model on a loaded machine takes minutes: FIMBLE_SLOW=1, model installed")
+@pytest.mark.skipif(
+    os.environ.get("FIMBLE_SLOW") != "1" or not QWEN.is_file(),
+    reason="the default model on a loaded machine takes minutes: FIMBLE_SLOW=1, model installed",
+)
 def test_the_default_model_on_a_loaded_machine_is_never_restarted():
     """Cold ~1,250-token prompts of the default model under two CPU hogs, default limits. The cold
     window (engine/caching/cold_window.py) is off, so each request waits on its whole prompt's prefill (tens of

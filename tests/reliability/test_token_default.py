@@ -64,9 +64,12 @@ async def _raw_http(port: int, data: bytes) -> bytes:
 
 def _browser_post(path: str, body: bytes, origin: str | None = EVIL) -> bytes:
     """A form POST or a no-cors fetch from a web page: text/plain, any body (here: LSP frames)."""
-    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain;charset=UTF-8\r\n" % path.encode()
-            + (b"Origin: %s\r\n" % origin.encode() if origin else b"")
-            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return (
+        b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain;charset=UTF-8\r\n" % path.encode()
+        + (b"Origin: %s\r\n" % origin.encode() if origin else b"")
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
 
 
 def _check_token_file(server: Listener) -> Path:
@@ -92,16 +95,26 @@ async def test_tcp_requires_the_token_on_loopback_and_browser_requests_never_rea
         lsp = frame(_initialize())
         # A web page's requests: a text/plain POST whose body holds LSP frames, a very long URL, a WebSocket
         # upgrade. None opens with an LSP header: closed before a session exists, nothing answered.
-        for data in (_browser_post("/", b"\r\n" + lsp), _browser_post("/" + "a" * 70_000, lsp),
-                     b"GET /?" + b"x" * 70_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: " + EVIL.encode()
-                     + b"\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"):
+        for data in (
+            _browser_post("/", b"\r\n" + lsp),
+            _browser_post("/" + "a" * 70_000, lsp),
+            b"GET /?"
+            + b"x" * 70_000
+            + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: "
+            + EVIL.encode()
+            + b"\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+        ):
             c = await TcpClient.connect(server.port)
             c.send_raw(data)
             assert await _closed_without_a_byte(c), data[:30]
         # An LSP client without the token, or with a wrong one, or the token elsewhere than initialize:
         # one error, then the connection closes.
-        for first in (_initialize(), _initialize("wrong-" + token[6:]), msg(1, "fimble/stats"),
-                      msg(1, "initialize", dict(INIT, token=token))):
+        for first in (
+            _initialize(),
+            _initialize("wrong-" + token[6:]),
+            msg(1, "fimble/stats"),
+            msg(1, "initialize", dict(INIT, token=token)),
+        ):
             c = await TcpClient.connect(server.port)
             c.send(first)
             assert (await c.response(1))["error"]["code"] == -32001
@@ -184,16 +197,26 @@ async def test_no_token_serves_loopback_without_one(flag):
         server.close()
 
 
-@pytest.mark.parametrize("command", [
-    ["lsp", "--tcp", "0.0.0.0:0", "--no-token"],
-    ["lsp", "--ws", "0.0.0.0:0", "--no-token", "--allow-remote"],
-    ["lsp", "--tcp", "127.0.0.1:0", "--no-token", "--require-token"],
-    ["serve", "--host", "0.0.0.0", "--port", "0", "--no-token"],
-    ["serve", "--host", "0.0.0.0", "--port", "0", "--no-token", "--allow-remote"],
-], ids=["lsp-tcp", "lsp-ws-allow-remote", "lsp-contradiction", "serve", "serve-allow-remote"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["lsp", "--tcp", "0.0.0.0:0", "--no-token"],
+        ["lsp", "--ws", "0.0.0.0:0", "--no-token", "--allow-remote"],
+        ["lsp", "--tcp", "127.0.0.1:0", "--no-token", "--require-token"],
+        ["serve", "--host", "0.0.0.0", "--port", "0", "--no-token"],
+        ["serve", "--host", "0.0.0.0", "--port", "0", "--no-token", "--allow-remote"],
+    ],
+    ids=["lsp-tcp", "lsp-ws-allow-remote", "lsp-contradiction", "serve", "serve-allow-remote"],
+)
 def test_no_token_is_refused_off_loopback(command):
-    r = subprocess.run([*SERVER_CMD[:-1], *command], env=server_env(), capture_output=True, text=True, timeout=120,
-                       stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [*SERVER_CMD[:-1], *command],
+        env=server_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--no-token" in r.stderr
     assert "Traceback" not in r.stderr
 

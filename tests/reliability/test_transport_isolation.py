@@ -88,8 +88,7 @@ async def test_two_websocket_sessions_are_isolated():
         await a.send(did_open("file:///a/secret.py", SECRET))
         assert (await a.call("fimble/debug/document", {"uri": "file:///a/secret.py"}))["result"]["text"] == SECRET
         intruder = await WsClient.connect(server.port)
-        assert (await intruder.call("fimble/debug/document", {"uri": "file:///a/secret.py"}))["error"]["code"] \
-            == -32002
+        assert (await intruder.call("fimble/debug/document", {"uri": "file:///a/secret.py"}))["error"]["code"] == -32002
         await intruder.initialize()
         assert (await intruder.call("fimble/debug/document", {"uri": "file:///a/secret.py"}))["result"] is None
         await intruder.close()
@@ -172,10 +171,14 @@ async def test_engine_keeps_documents_per_session_and_frees_them():
         for c in clients:
             await c.initialize({"preload": True, "maxTokens": 4, "maxLines": 1, "prewarm": False})
             c.send(did_open("file:///same.py", text))
-            r = await c.call("textDocument/inlineCompletion", {
-                "textDocument": {"uri": "file:///same.py"},
-                "position": {"line": line, "character": len("print(add(1, ")},
-                "context": {"triggerKind": 1}})
+            r = await c.call(
+                "textDocument/inlineCompletion",
+                {
+                    "textDocument": {"uri": "file:///same.py"},
+                    "position": {"line": line, "character": len("print(add(1, ")},
+                    "context": {"triggerKind": 1},
+                },
+            )
             assert "result" in r
         a, b = clients
         assert (await b.call("fimble/stats"))["result"]["kvCache"]["documents"] == 2  # not shared across sessions

@@ -361,8 +361,9 @@ def test_fimble_serves_own_openai_endpoint(tmp_path, serve_expected, monkeypatch
             bad.submit(_request()).collect()
         # without --engine-token-file, a client on this machine reads the daemon's token file for that port
         monkeypatch.setenv("FIMBLE_RUNTIME_DIR", str(tmp_path / "run"))
-        assert bad.submit(CompletionRequest(*REAL_PROMPTS[0], DecodeOptions(max_tokens=24))).collect() \
-            == serve_expected[0]
+        assert (
+            bad.submit(CompletionRequest(*REAL_PROMPTS[0], DecodeOptions(max_tokens=24))).collect() == serve_expected[0]
+        )
     finally:
         proc.terminate()
         proc.wait(30)

@@ -23,8 +23,14 @@ class ServeProcess:
     ``token="default"``: no token flag, so the daemon makes its own token (read back from its stderr);
     ``token="none"``: ``--no-token``. Its token files go to ``runtime_dir`` (a folder of its own unless given)."""
 
-    def __init__(self, *extra: str, port: int = 0, token_file: str | None = None, token: str = "file",
-                 runtime_dir: str | None = None):
+    def __init__(
+        self,
+        *extra: str,
+        port: int = 0,
+        token_file: str | None = None,
+        token: str = "file",
+        runtime_dir: str | None = None,
+    ):
         self.dir = tempfile.mkdtemp(prefix="fimble-serve-test-")
         self.runtime_dir = runtime_dir or os.path.join(self.dir, "run")
         self.token_file = token_file or os.path.join(self.dir, "token")
@@ -38,8 +44,11 @@ class ServeProcess:
             token_args = ["--no-token"] if token == "none" else []
         self.log_path = os.path.join(self.dir, "stderr.log")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, FIMBLE_DEFAULT_MODEL=os.environ.get("FIMBLE_DEFAULT_MODEL", "embedded"),
-                   FIMBLE_RUNTIME_DIR=self.runtime_dir)
+        env = dict(
+            os.environ,
+            FIMBLE_DEFAULT_MODEL=os.environ.get("FIMBLE_DEFAULT_MODEL", "embedded"),
+            FIMBLE_RUNTIME_DIR=self.runtime_dir,
+        )
         self.proc = subprocess.Popen(
             [
                 *SERVE_CMD,

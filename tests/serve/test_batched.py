@@ -223,8 +223,11 @@ def test_streamed_deltas_are_paced_but_nothing_is_lost(compact_target):
     from engine.steps import TextOut
 
     pushed = []
-    engine = SimpleNamespace(documents=SimpleNamespace(target=compact_target), stream_interval=STREAM_INTERVAL_S,
-                             counts=SimpleNamespace(add=lambda *a: None))
+    engine = SimpleNamespace(
+        documents=SimpleNamespace(target=compact_target),
+        stream_interval=STREAM_INTERVAL_S,
+        counts=SimpleNamespace(add=lambda *a: None),
+    )
     decoder = SimpleNamespace(opt=SimpleNamespace(stop=(), max_lines=0), done=False, finish_reason="length")
     stream = SimpleNamespace(push=lambda d: pushed.append(d.text))
     out = TextOut(engine, decoder, stream, "", False)

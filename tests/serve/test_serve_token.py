@@ -92,20 +92,25 @@ def test_browser_requests_without_the_token_never_reach_the_engine(daemon):
         # A form POST / no-cors fetch: text/plain, a body of LSP frames, with and without the page's Origin.
         lsp = b"Content-Length: %d\r\n\r\n" % len(LSP_INIT) + LSP_INIT
         for origin, expected in ((None, 401), (EVIL, 403)):
-            data = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain\r\n"
-                    + (b"Origin: %s\r\n" % origin.encode() if origin else b"")
-                    + b"Content-Length: %d\r\n\r\n" % len(lsp) + lsp)
+            data = (
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain\r\n"
+                + (b"Origin: %s\r\n" % origin.encode() if origin else b"")
+                + b"Content-Length: %d\r\n\r\n" % len(lsp)
+                + lsp
+            )
             code, err = status_and_json(raw(daemon.port, data))
             assert code == expected and "error" in err
         # A very long URL: a JSON 4xx, never served.
-        code, err = status_and_json(raw(daemon.port, b"GET /v1/models?" + b"a" * 70_000
-                                        + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"))
+        code, err = status_and_json(
+            raw(daemon.port, b"GET /v1/models?" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        )
         assert 400 <= code < 500 and "error" in err
         # WebSockets: none without the token; a page's (its Origin) not even with it.
         assert ws_refusal(daemon.url) == 401
         assert ws_refusal(daemon.url, origin=EVIL) in (401, 403)
-        assert ws_refusal(daemon.url, origin=EVIL, additional_headers={"Authorization": f"Bearer {daemon.token}"}) \
-            == 403
+        assert (
+            ws_refusal(daemon.url, origin=EVIL, additional_headers={"Authorization": f"Bearer {daemon.token}"}) == 403
+        )
         assert ws_refusal(f"{daemon.url}/?token={daemon.token}") == 401  # the daemon takes the header only
         after = probe.counters()
         assert after["sessions_total"] == before["sessions_total"]  # no session was opened
@@ -140,9 +145,14 @@ async def test_fimble_lsp_engine_ws_finds_the_token_file(daemon, monkeypatch):
         await server.initialize({"preload": True, "prewarm": False, "maxTokens": 4, "maxLines": 1})
         text = "def add(a, b):\n    return a"
         server.send(did_open("file:///t.py", text))
-        r = await server.call("textDocument/inlineCompletion", {
-            "textDocument": {"uri": "file:///t.py"}, "position": {"line": 1, "character": 12},
-            "context": {"triggerKind": 1}})
+        r = await server.call(
+            "textDocument/inlineCompletion",
+            {
+                "textDocument": {"uri": "file:///t.py"},
+                "position": {"line": 1, "character": 12},
+                "context": {"triggerKind": 1},
+            },
+        )
         assert "result" in r, r
         stats = (await server.call("fimble/stats"))["result"]
         assert stats["engine"]["state"] == "ready", stats["engine"]

@@ -46,10 +46,12 @@ def tiny_qwen_gguf(path: Path, **extra_u32) -> Path:
     w.add_eos_token_id(9)
     for key, value in extra_u32.items():
         w.add_uint32(key, value)
-    w.add_tensor("token_embd.weight", gguf.quants.quantize(rng.standard_normal((10, 64), np.float32), QT.Q5_0),
-                 raw_dtype=QT.Q5_0)
-    w.add_tensor("output.weight", gguf.quants.quantize(rng.standard_normal((10, 64), np.float32), QT.Q8_0),
-                 raw_dtype=QT.Q8_0)
+    w.add_tensor(
+        "token_embd.weight", gguf.quants.quantize(rng.standard_normal((10, 64), np.float32), QT.Q5_0), raw_dtype=QT.Q5_0
+    )
+    w.add_tensor(
+        "output.weight", gguf.quants.quantize(rng.standard_normal((10, 64), np.float32), QT.Q8_0), raw_dtype=QT.Q8_0
+    )
     w.add_tensor("output_norm.weight", rng.standard_normal(64).astype(np.float32))
     w.add_tensor("blk.0.attn_norm.weight", rng.standard_normal(64).astype(np.float16))
     w.write_header_to_file()
@@ -61,6 +63,7 @@ def tiny_qwen_gguf(path: Path, **extra_u32) -> Path:
 
 # --- join + verify -----------------------------------------------------------------------------------
 
+
 def split(blob: bytes, tmp: Path, as_wheels: bool) -> tuple[list[tuple[str, str, int]], Path]:
     """``blob`` cut into three parts laid out like the PyPI ones; (the PARTS table for them, their folder)."""
     folder = tmp / ("wheels" if as_wheels else "bins")
@@ -69,7 +72,7 @@ def split(blob: bytes, tmp: Path, as_wheels: bool) -> tuple[list[tuple[str, str,
     parts = []
     for i in range(1, 4):
         package, member = f"fake-part{i}", f"fake_part{i}/data/part{i:02d}.bin"
-        chunk = blob[cut[i - 1]:cut[i]]
+        chunk = blob[cut[i - 1] : cut[i]]
         if as_wheels:
             with zipfile.ZipFile(folder / f"fake_part{i}-{fq.VERSION}-py3-none-any.whl", "w") as z:
                 z.writestr(f"fake_part{i}/__init__.py", "")
@@ -115,6 +118,7 @@ def test_real_parts_table():
 
 
 # --- the re-quantiser ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def draft_ggufs(tmp_path_factory):
@@ -191,12 +195,16 @@ def test_fim_ids_the_source_has_are_kept(tmp_path):
 
 def test_fim_token_ids():
     tokens = ["x", "<|fim_suffix|>", "<|fim_prefix|>", "<|file_sep|>"]
-    assert fq.fim_token_ids(tokens) == {"tokenizer.ggml.fim_pre_token_id": 2, "tokenizer.ggml.fim_suf_token_id": 1,
-                                        "tokenizer.ggml.fim_sep_token_id": 3}
+    assert fq.fim_token_ids(tokens) == {
+        "tokenizer.ggml.fim_pre_token_id": 2,
+        "tokenizer.ggml.fim_suf_token_id": 1,
+        "tokenizer.ggml.fim_sep_token_id": 3,
+    }
     assert fq.fim_token_ids(["<|fim_pre|>", "<fim_prefix>"]) == {}
 
 
 # --- the install step, end to end (offline) ----------------------------------------------------------
+
 
 @pytest.fixture
 def fake_release(tmp_path, monkeypatch):

@@ -61,8 +61,15 @@ def trained_adapter(folder: Path, rank: int = 4, alpha: float = 8.0) -> dict[str
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=4, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = Qwen2Config(
+        vocab_size=4,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = Qwen2ForCausalLM(cfg)
     wrapped = lora.attach(model, rank, alpha)
     with torch.no_grad():
@@ -86,13 +93,20 @@ def test_merge_adds_the_adapter_product_and_keeps_the_rest(tmp_path: Path) -> No
     wrapped = trained_adapter(tmp_path / "adapter")
     names = json.loads((tmp_path / "adapter" / "adapter.json").read_text())
     assert names["rank"] == 4 and names["alpha"] == 8.0
-    out = qwen_fim.build(src, tmp_path / "fim.gguf", tmp_path / "adapter",
-                         expected_sha256=sha(tmp_path / "adapter" / "adapter.safetensors"), progress_every=0)
+    out = qwen_fim.build(
+        src,
+        tmp_path / "fim.gguf",
+        tmp_path / "adapter",
+        expected_sha256=sha(tmp_path / "adapter" / "adapter.safetensors"),
+        progress_every=0,
+    )
     plain = fq.requantise(src, tmp_path / "plain.gguf", 0)
     r_src, r_out, r_plain = GGUFReader(str(src)), GGUFReader(str(out)), GGUFReader(str(plain))
     types = {t.name: t.tensor_type for t in r_out.tensors}
-    assert all(types[f"blk.0.{n}.weight"] == QT.Q8_0 for n in ("attn_q", "attn_k", "attn_v", "attn_output",
-                                                               "ffn_gate", "ffn_up", "ffn_down"))
+    assert all(
+        types[f"blk.0.{n}.weight"] == QT.Q8_0
+        for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    )
     assert types["output_norm.weight"] == QT.F32
     for hf_name, m in wrapped.items():
         g = qwen_fim.gguf_name(hf_name)
@@ -190,8 +204,15 @@ def test_the_shipped_adapter_is_the_pinned_one_and_fits_the_model() -> None:
 
     assert qwen_fim.check_adapter(qwen_fim.ADAPTER_DIR) == qwen_fim.ADAPTER_SHA256
     meta = json.loads((qwen_fim.ADAPTER_DIR / "adapter.json").read_text())
-    shapes = {"attn_q": (896, 896), "attn_k": (128, 896), "attn_v": (128, 896), "attn_output": (896, 896),
-              "ffn_gate": (4864, 896), "ffn_up": (4864, 896), "ffn_down": (896, 4864)}
+    shapes = {
+        "attn_q": (896, 896),
+        "attn_k": (128, 896),
+        "attn_v": (128, 896),
+        "attn_output": (896, 896),
+        "ffn_gate": (4864, 896),
+        "ffn_up": (4864, 896),
+        "ffn_down": (896, 4864),
+    }
     r = meta["rank"]
     with safe_open(str(qwen_fim.ADAPTER_DIR / "adapter.safetensors"), "pt") as f:
         keys = set(f.keys())

@@ -179,8 +179,9 @@ class SyntaxDocument:
         return clone
 
     @classmethod
-    def build_in_slices(cls, language_id: str, text: str | bytes,
-                        slice_s: float) -> Generator[None, None, SyntaxDocument]:
+    def build_in_slices(
+        cls, language_id: str, text: str | bytes, slice_s: float
+    ) -> Generator[None, None, SyntaxDocument]:
         """Parse ``text`` in slices of about ``slice_s`` seconds: a generator that yields between
         slices and returns the document. Why: a whole parse costs about a second per megabyte, and
         its caller (the server's event loop) must answer other messages meanwhile. tree-sitter
@@ -213,8 +214,9 @@ class SyntaxDocument:
             yield
             slices.renew()
 
-    def _build_segments_sliced(self, start: int, end: int, row: int,
-                               slices: _Slices) -> Generator[None, None, list[_Segment]]:
+    def _build_segments_sliced(
+        self, start: int, end: int, row: int, slices: _Slices
+    ) -> Generator[None, None, list[_Segment]]:
         """``_build_segments``, yielding whenever a slice's time is up."""
         whole = yield from self._parse_sliced(start, end, row, slices)
         cuts = yield from _cut_point_steps(whole.root_node, start, row, self._bytes, end, slices)
@@ -364,8 +366,9 @@ def _cut_points(root: Node, start: int, row: int, data: bytes, end: int) -> list
         return done.value
 
 
-def _cut_point_steps(root: Node, start: int, row: int, data: bytes, end: int,
-                     slices: _Slices | None) -> Generator[None, None, list[tuple[int, int]]]:
+def _cut_point_steps(
+    root: Node, start: int, row: int, data: bytes, end: int, slices: _Slices | None
+) -> Generator[None, None, list[tuple[int, int]]]:
     """``_cut_points``, yielding when a slice's time is up (a file of 150,000 one-line statements
     has as many top-level children: a 0.3 s loop)."""
     cuts = [(start, row)]

@@ -145,9 +145,7 @@ class SuffixOverlap:
                 # Deeper in the window, only a match in the same block counts: a shallower suffix line
                 # between (`elif c == ')':`) puts it in another branch, where the line may recur.
                 indent = first_indent if i == 0 else _width(lines[i])
-                same_block = j <= next_line or (
-                    self.widths[j] == indent and min(self.widths[next_line:j]) >= indent
-                )
+                same_block = j <= next_line or (self.widths[j] == indent and min(self.widths[next_line:j]) >= indent)
                 in_run = run >= 2 and chars >= RUN_MIN_CHARS and (exact or run >= 3) and same_block  # rule 1
                 next_one = j == next_line and len(norm) >= LINE_MIN_CHARS  # rule 2 (NEAR implies the length)
                 further = kind == EXACT and len(norm) >= LINE_MIN_CHARS and j > next_line and same_block  # rule 3
