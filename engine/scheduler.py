@@ -152,25 +152,16 @@ class Scheduler(Unwatched):
         self.passes = (
             passes or (lambda c: PassRunner(target.runtime, draft.runtime if draft else None, c, batched=False))
         )(self.counts)
-        self.model_drafter = ModelDrafter(draft.runtime, 0) if draft else None
-        self.ngram_drafter = NgramDrafter()
-        # Prompt lookup remembers recent completions; with session drafters one per client session, so one user's
-        # completions never shape (nor, by acceptance, time) another's drafts.
-        self._ngrams = SessionNgrams(MAX_SESSIONS_REMEMBERED)
+        self._drafters = Drafters(draft, policy.session_drafters)
         self._unfit = None
         if policy.refuse_unfit:
             from engine.serve import prompt_bound
 
             self._unfit = prompt_bound.UnfitCheck(target, self.prompts)
         _ = target.token_index  # build it now, not on the first keystroke
-        if target.runtime.cost_aware_drafting:
-            # The verify-cost probe (engine/decoding/spec_policy.py) times ~15 passes once per runtime:
-            # 5-6 s for a 0.5B model on a 2-core CPU, which the first completion used to wait for.
-            costs = verify_costs(target.runtime)
-            if costs.prefill_rate > 0:
-                self.documents.prefill_rate = costs.prefill_rate
-            if draft is not None:
-                verify_costs(draft.runtime)
+        rate = _measured_prefill_rate(target, draft)
+        if rate > 0:
+            self.documents.prefill_rate = rate
         self._ids = itertools.count(1)
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -240,16 +231,7 @@ class Scheduler(Unwatched):
             self._publish_kv()
 
     def info(self) -> dict:
-        t = self.target
-        return {
-            "model": t.name,
-            "backend": t.backend,
-            "template": t.template.name if t.template else None,
-            "draft": self.draft.name if self.draft else None,
-            "context": t.max_len,
-            "vocab": t.vocab_size,
-            "kv_budget_bytes": self.store.budget,
-        }
+        return describe(self.target, self.draft, self.store.budget)
 
     def counters(self) -> dict:
         return self.counts.snapshot()
@@ -288,10 +270,7 @@ class Scheduler(Unwatched):
 
     def drafters(self, request: CompletionRequest) -> tuple[ModelDrafter | None, NgramDrafter]:
         """The request's draft-model drafter and n-gram drafter."""
-        if not self.policy.session_drafters:
-            return self.model_drafter, self.ngram_drafter
-        model = ModelDrafter(self.draft.runtime, 0) if self.draft is not None else None
-        return model, self._ngrams.get(session_of(request.document_id or ""))
+        return self._drafters.for_request(request)
 
     @property
     def overlap(self) -> bool:
@@ -422,3 +401,47 @@ class Scheduler(Unwatched):
 
     def _publish_kv(self) -> None:  # the store's figures, for counters() (other threads call it while we run)
         self.counts.publish(self.store.summary())
+
+
+def describe(target: LoadedModel, draft: LoadedModel | None, kv_budget_bytes: int) -> dict:
+    """What ``Engine.info`` says of the models an engine runs."""
+    return {
+        "model": target.name,
+        "backend": target.backend,
+        "template": target.template.name if target.template else None,
+        "draft": draft.name if draft else None,
+        "context": target.max_len,
+        "vocab": target.vocab_size,
+        "kv_budget_bytes": kv_budget_bytes,
+    }
+
+
+def _measured_prefill_rate(target: LoadedModel, draft: LoadedModel | None) -> float:
+    """Run the verify-cost probes now (engine/decoding/spec_policy.py; cached on disk per build, model file and
+    threads), not on the first completion: timing ~15 passes costs 5-6 s for a 0.5B model on a 2-core CPU.
+    Returns the target's prefill rate in tokens a second (0: not measured)."""
+    if not target.runtime.cost_aware_drafting:
+        return 0.0
+    costs = verify_costs(target.runtime)
+    if draft is not None:
+        verify_costs(draft.runtime)
+    return costs.prefill_rate
+
+
+class Drafters:
+    """The drafters a request decodes with: the draft model's and prompt lookup's (engine/decoding/drafters.py).
+
+    Prompt lookup remembers recent completions; with ``per_session`` one n-gram drafter per client session, so
+    one user's completions never shape (nor, by acceptance, time) another's drafts."""
+
+    def __init__(self, draft: LoadedModel | None, per_session: bool):
+        self.draft, self.per_session = draft, per_session
+        self.model = ModelDrafter(draft.runtime, 0) if draft else None
+        self.ngram = NgramDrafter()
+        self.sessions = SessionNgrams(MAX_SESSIONS_REMEMBERED)
+
+    def for_request(self, request: CompletionRequest) -> tuple[ModelDrafter | None, NgramDrafter]:
+        if not self.per_session:
+            return self.model, self.ngram
+        model = ModelDrafter(self.draft.runtime, 0) if self.draft is not None else None
+        return model, self.sessions.get(session_of(request.document_id or ""))

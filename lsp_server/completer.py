@@ -26,19 +26,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
-from typing import Any
 
-from lsp_server import indent
 from lsp_server.answer import Answer, RequestInfo, rebase, wait_answer
 from lsp_server.context import CrossFileContext
+from lsp_server.decodes import Decodes
 from lsp_server.documents import Document, DocumentStore
 from lsp_server.engine_host import EngineHost
-from lsp_server.follow_up import follow_up_context, follow_up_options
-from lsp_server.generation import Generation, record_decode
-from lsp_server.plan import Plan, Planner
+from lsp_server.generation import Generation
+from lsp_server.plan import Planner
 from lsp_server.prewarm import Prewarmer
 from lsp_server.prompt import Context, build_context, typed_since
 from lsp_server.settings import Settings
@@ -52,8 +49,6 @@ log = logging.getLogger(__name__)
 # Keystrokes closer together than this are a burst (paste, key repeat, a script): no prefetch,
 # or every one of them would queue a decode that the next one cancels.
 PREFETCH_MIN_GAP_S = 0.02
-# Tab-Tab's follow-up decode (lsp_server/follow_up.py) starts only this soon after the document's last edit.
-FOLLOW_UP_WITHIN_S = float(os.environ.get("FIMBLE_FOLLOW_UP_WITHIN_S", 1.5))
 
 
 class Completer:
@@ -70,7 +65,6 @@ class Completer:
         self.typethrough = TypeThrough(stats, self.streamer)
         self._seq: dict[str, int] = {}  # requests per document (only documents the editor asks completions for)
         self._last_edit: dict[str, float] = {}
-        self._pumps: set[asyncio.Task] = set()
         # Other files' chunks before the prompt (lsp_server/context/): a ring per document, refreshed off the
         # keystroke path; a ring that changed is pre-warmed.
         self.context = CrossFileContext(
@@ -82,6 +76,8 @@ class Completer:
         )
         self.planner = Planner(docs, stats, self.context)
         self.warm = Prewarmer(docs, host, stats, self.planner, self.typethrough)
+        # Submit and stream (lsp_server/decodes.py): the decodes requests, prefetches and follow-ups start.
+        self.decodes = Decodes(docs, host, stats, self.typethrough, self.planner, self.warm, self._seq, self._last_edit)
 
     @property
     def active(self) -> Generation | None:
@@ -110,7 +106,7 @@ class Completer:
         return {
             **self.typethrough.tables(),
             "subscriptions": len(self.streamer),
-            "pumps": len(self._pumps),
+            "pumps": len(self.decodes.pumps),
             "request_seq": len(self._seq),
             "last_edit": len(self._last_edit),
             **self.warm.tables(),
@@ -142,7 +138,7 @@ class Completer:
             t_plan = time.perf_counter()
             plan = self.planner.plan(doc, ctx, settings)  # plan: now, while the document is at ctx.version
             build_ms += (time.perf_counter() - t_plan) * 1e3
-            gen = await self._start(ctx, settings, req.t0, build_ms, plan)  # submit
+            gen = await self.decodes.start(ctx, settings, req.t0, build_ms, plan)  # submit
             if gen is None:
                 return None
             offset, cached, instant = 0, False, False
@@ -165,7 +161,7 @@ class Completer:
         text = await self._wait(doc, ctx, gen, offset, settings, req, sub)
         answer = self._finish(doc, ctx, gen, offset, text, completion_id, cached, req)  # finish
         if answer is not None:
-            self._follow_up(gen)
+            self.decodes.follow_up(gen)
         if instant:
             self.stats.observe("cache_answer", (time.perf_counter() - req.t0) * 1e3)
         return answer
@@ -246,108 +242,6 @@ class Completer:
         self.telemetry.remember(completion_id, text, cached)
         return Answer(text, cursor, completion_id, cached, replace_cols)
 
-    # -- decodes: submit and stream ----------------------------------------------------------
-    async def _start(
-        self, ctx: Context, settings: Settings, t0: float, build_ms: float, plan: Plan
-    ) -> Generation | None:
-        engine = await self.host.get(settings)
-        if engine is None:
-            self.stats.count("engine_unavailable")
-            return None
-        return self._submit(engine, ctx, settings, t0, build_ms, plan)
-
-    def _submit(
-        self,
-        engine: Any,
-        ctx: Context,
-        settings: Settings,
-        t0: float,
-        build_ms: float,
-        plan: Plan,
-        background: bool = False,
-    ) -> Generation:
-        if self.active is not None:
-            self.active.cancel()  # one decode at a time: the newest request wins
-        stream = engine.submit(self.planner.request(ctx, plan, settings, background))
-        gen = Generation(ctx, stream, t0, build_ms)
-        gen.shaper, gen.plan, gen.settings = plan.shaper, plan, settings
-        line_before = ctx.prefix[ctx.prefix.rfind("\n") + 1 :]
-        if indent.applies(line_before, ctx.suffix.split("\n", 1)[0]):
-            gen.indent_fit = indent.IndentFit()  # no indentation added to the editor's (lsp_server/indent.py)
-        self.typethrough.active = gen
-        self.warm.decoding_at(ctx)
-        self.stats.count("generations")
-        task = asyncio.create_task(self._pump(gen))
-        self._pumps.add(task)
-        task.add_done_callback(self._pumps.discard)
-        return gen
-
-    async def _pump(self, gen: Generation) -> None:
-        """The engine's deltas into ``gen`` (indent fit, then the shaper's guard) until the decode ends."""
-        from engine.errors import FimbleError
-
-        reason, error = None, None
-        try:
-            async for delta in gen.stream:
-                if delta.text and not gen.cut:
-                    text = gen.indent_fit.feed(delta.text) if gen.indent_fit is not None else delta.text
-                    if text:
-                        stage.stream_text(gen, text, self.stats)
-                if delta.finished:
-                    reason = delta.finish_reason
-                gen.changed()
-        except FimbleError as exc:
-            reason, error = "error", str(exc)
-        except Exception as exc:  # a broken stream must end its requests, not hang them
-            log.exception("completion stream failed")
-            gen.cancel()
-            reason, error = "error", f"{type(exc).__name__}: {exc}"
-        except asyncio.CancelledError:
-            gen.cancel()
-            reason = "cancelled"
-            raise
-        finally:
-            if gen.cut and reason in (None, "cancelled"):
-                reason = "stop"  # the guard ended it: the text is complete up to the stop
-            gen.finish(reason, error)
-            if gen.usable:
-                stage.finish_decode(gen, self.stats)
-            if self.active is gen:
-                self.typethrough.active = None
-            kept = gen.usable and gen.text.strip()
-            if record_decode(self.stats, gen) and not kept:
-                self.typethrough.account(gen)  # not kept for type-through: its shown share is final now
-            if kept and gen.ctx.uri in self._seq:
-                self.typethrough.remember(gen)
-            gen.changed()
-            self._follow_up(gen)
-
-    def _follow_up(self, gen: Generation) -> None:
-        """Tab-Tab: once ``gen`` has ended and shown text, decode in the background the completion that follows
-        accepting it (lsp_server/follow_up.py). Once per generation, only while nothing else decodes; the next
-        keystroke's request cancels it. Called when the decode ends and when an answer is shown."""
-        if gen.followed or not (gen.done and gen.usable and gen.shown) or self.active is not None:
-            return
-        gen.followed = True
-        settings, doc, engine = gen.settings, self.docs.get(gen.ctx.uri), self.host.ready_engine()
-        # Local engines only: a remote server's or a shared daemon's decodes cost others (and maybe money).
-        if doc is None or engine is None or settings is None or not settings.prefetch or settings.engine_spec:
-            return
-        try:
-            ctx = follow_up_context(doc, gen, settings.prefix_chars, settings.suffix_chars)
-        except Exception:  # only an optimisation: never let it cost the session
-            log.exception("follow-up context failed")
-            return
-        # Only soon after the user's last key: a user who stopped typing stops the engine (it has shown them
-        # what they asked for; Tab after a long read decodes afresh).
-        last = max(self._last_edit.get(gen.ctx.uri, 0.0), gen.t_request)  # the user's last key or request
-        if ctx is None or time.perf_counter() - last > FOLLOW_UP_WITHIN_S:
-            return
-        plan = Plan(follow_up_options(gen.plan.options), None, gen.plan.segment_lines)
-        nxt = self._submit(engine, ctx, settings, time.perf_counter(), 0.0, plan, background=True)
-        nxt.prefetched = nxt.follow_up = True
-        self.stats.count("follow_ups")
-
     # -- document events ---------------------------------------------------------------------
     def document_changed(self, doc: Document, cursor: tuple[int, int] | None, settings: Settings) -> None:
         """Deltas are tied to a version: end them. Stop the decode unless the edit types along it.
@@ -374,7 +268,7 @@ class Completer:
                 and gap >= PREFETCH_MIN_GAP_S
                 and settings.enabled_for(doc.language_id)
             ):
-                self.warm.prefetch(doc, cursor, settings, self._submit)
+                self.warm.prefetch(doc, cursor, settings, self.decodes.submit)
 
     def hold(self, uri: str) -> None:
         """A change to ``uri`` is being applied in slices (lsp_server/pacing.py): stop what reads it."""

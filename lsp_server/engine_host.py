@@ -198,9 +198,8 @@ class EngineHost:
         self.error: str | None = None
         self.restarts = 0
         self.on_change: Callable[[], None] | None = None  # called after each state change (fimble/status)
-        # Listeners for supervision news, (level "error"|"warning"|"info", message): each session's
-        # window/showMessage. Weak: a session that ended must not be kept alive (or told) by the engine.
-        self._notice_listeners: list[weakref.WeakMethod] = []
+        self.notices = Notices()  # supervision news for every session
+        self.add_notice_listener = self.notices.add_listener
         self._settings: Settings | None = None
         self._watchdog: asyncio.Task | None = None
         self._quick_failures = 0  # engines in a row that failed soon after starting
@@ -208,7 +207,7 @@ class EngineHost:
         self._replacement: asyncio.Task | None = None
         self._replacement_key: tuple | None = None
         self._rejected_key: tuple | None = None
-        self._watching: Watch | None = None
+        self.watchdog = Watchdog(self)
         self.supervision = {
             "deaths": 0,
             "stalls": 0,
@@ -218,27 +217,6 @@ class EngineHost:
             "start_deaths": 0,
             "busy_holds": 0,
         }
-
-    def add_notice_listener(self, method: Callable[[str, str], None]) -> None:
-        """``method`` (a bound method) hears of engine deaths, stalls, restarts and giving up."""
-        self._notice_listeners.append(weakref.WeakMethod(method))
-
-    def notice(self, level: str, message: str, *, logged: bool = False) -> None:
-        """Tell every session (``level``: "error", "warning", "info", or "rejected": new model settings did not
-        load beside the working engine, ``message`` being the reason); logged here unless ``logged``."""
-        if not logged:
-            log.log(logging.WARNING if level == "warning" else logging.ERROR, "%s", message)
-        alive = []
-        for ref in self._notice_listeners:
-            fn = ref()
-            if fn is None:
-                continue
-            alive.append(ref)
-            try:
-                fn(level, message)
-            except Exception:  # telling the user must never break supervision
-                log.exception("engine notice listener failed")
-        self._notice_listeners = alive
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -256,6 +234,11 @@ class EngineHost:
         if self._engine is not None and not self._engine.error:
             return "ready"
         return "error" if self.error else "stopped"
+
+    @property
+    def running(self) -> Any:
+        """The engine the host runs right now, as it is (None while none does): for the watchdog."""
+        return self._engine
 
     @property
     def running_settings(self) -> Settings | None:
@@ -332,19 +315,21 @@ class EngineHost:
         if engine is None:
             self._rejected_key = key
             log.error("the new model settings did not load (%s); the engine that was running goes on serving", reason)
-            self.notice("rejected", str(reason), logged=True)  # the message: the reason alone (the session words it)
+            # The message is the reason alone: the session words it.
+            self.notices.tell("rejected", str(reason), logged=True)
             if self._engine is None and (self._starting is None or self._starting.done()):
                 self._restart("the engine stopped while the new one loaded", 0.0)  # died meanwhile: it restarts
             self._changed()
             return
         old = self._engine  # (a restart of it still loading closes itself: _launch sees the new key)
         self._engine, self._key, self._settings = engine, key, settings
-        self._watching, self._quick_failures, self.error = None, 0, None
+        self._quick_failures, self.error = 0, None
+        self.watchdog.forget()
         log.info("engine ready (replacing the previous one): %s", engine.info)
         if old is not None:
             asyncio.get_running_loop().run_in_executor(None, old.close)
         if self._watchdog is None or self._watchdog.done():
-            self._watchdog = asyncio.create_task(self._watch())
+            self._watchdog = asyncio.create_task(self.watchdog.run())
         self._changed()
 
     async def _launch(self, settings: Settings, delay: float = 0.0) -> None:
@@ -367,9 +352,9 @@ class EngineHost:
             log.info("engine ready: %s", self._engine.info())
             # (a remote engine tells the editor when its server fails and when it is back; others never call it)
             loop = asyncio.get_running_loop()
-            self._engine.notify = lambda level, text: loop.call_soon_threadsafe(self.notice, level, text)
+            self._engine.notify = lambda level, text: loop.call_soon_threadsafe(self.notices.tell, level, text)
             if self._watchdog is None or self._watchdog.done():
-                self._watchdog = asyncio.create_task(self._watch())
+                self._watchdog = asyncio.create_task(self.watchdog.run())
         except FimbleError as exc:
             self.error = str(exc)
             log.error("engine failed to start: %s", exc)
@@ -379,63 +364,14 @@ class EngineHost:
         finally:  # report once this task is done: until then the state still reads "starting"
             asyncio.get_running_loop().call_soon(self._changed)
 
-    # -- supervision ---------------------------------------------------------------------------
-    async def _watch(self) -> None:
-        """Look at the running engine every WATCH_INTERVAL_S: died, stalled or stuck -> replace it."""
-        last_tick = time.monotonic()
-        while True:
-            await asyncio.sleep(WATCH_INTERVAL_S)
-            now = time.monotonic()
-            late, last_tick = now - last_tick - WATCH_INTERVAL_S > LOOP_LAG_S, now
-            engine = self._engine
-            if engine is None or engine.last_heard is None:  # (an engine with nothing to watch: engine/api.py)
-                if self.state != "starting":
-                    return  # closed, or gave up: the next configure starts a new watchdog
-                continue
-            try:
-                self._check(engine, late)
-            except Exception:  # the watchdog must outlive any surprise
-                log.exception("engine watchdog failed")
-
-    def _watch_of(self, engine: Any) -> Watch:
-        if self._watching is None or self._watching.engine is not engine:
-            limits = WatchLimits(
-                stall_s=STALL_TIMEOUT_S,
-                step_s=STEP_TIMEOUT_S,
-                prefill_s_per_token=PREFILL_S_PER_TOKEN,
-                busy_ceiling_s=BUSY_CEILING_S,
-                ping_after_s=PING_AFTER_S,
-            )
-            self._watching = Watch(engine, limits, on_hold=self._held)
-        return self._watching
-
-    def _held(self, kind: str, seconds: float) -> None:
-        """The watchdog waits on an engine that computes though it is silent or shows no progress."""
-        self.supervision["busy_holds"] += 1
-        what = "answered no ping" if kind == "ping" else "reported no progress"
-        log.info("the engine %s for %.0f s but is computing: waiting for it", what, seconds)
-
-    def _check(self, engine: Any, late: bool = False) -> None:
-        if not engine.alive():
-            self.supervision["deaths"] += 1
-            self._replace(engine, f"the engine stopped ({engine.error})")
-            return
-        watch = self._watch_of(engine)
-        if late:  # this loop was blocked: nothing was pinged or seen meanwhile, so nothing can be blamed
-            watch.lost_sight()
-        verdict = watch.check()
-        if verdict is not None:
-            kind, what = verdict
-            self.supervision["stalls" if kind == "stall" else "stuck"] += 1
-            self._replace(engine, what, kill=True)
-
-    def _replace(self, engine: Any, what: str, *, kill: bool = False) -> None:
+    # -- supervision (the watchdog: class Watchdog below) -------------------------------------
+    def replace_failed(self, engine: Any, what: str, *, kill: bool = False) -> None:
         """The engine failed (``what``): end its requests, stop it, start another after the backoff, or give up."""
         if kill:
             engine.abandon(what)  # its waiting requests answer now, with the text they have
             engine.kill()  # (an EngineProcess also reaps it)
         self._engine = None
-        self._watching = None
+        self.watchdog.forget()
         self._restart(what, engine.started_at)
 
     def _restart(self, what: str, started_at: float) -> None:
@@ -457,11 +393,11 @@ class EngineHost:
                 f"{QUICK_FAILURE_S:.0f} s of starting, so it is not restarted again. "
                 "Check the server log, then change a model setting or restart the server"
             )
-            self.notice("error", f"fimble: {self.error}")
+            self.notices.tell("error", f"fimble: {self.error}")
             self._changed()
             return
         delay = RESTART_BACKOFF_S[self._quick_failures - 1]
-        self.notice("warning", f"fimble: {what}; restarting it" + (f" in {delay:.0f} s" if delay else ""))
+        self.notices.tell("warning", f"fimble: {what}; restarting it" + (f" in {delay:.0f} s" if delay else ""))
         self._starting = asyncio.create_task(self._launch(settings, delay))
         self._changed()  # -> "starting"
 
@@ -470,7 +406,7 @@ class EngineHost:
         engine = self._engine
         if engine is not None and not engine.alive() and self.state != "starting":  # died since the watchdog looked
             self.supervision["deaths"] += 1
-            self._replace(engine, f"the engine stopped ({engine.error})")
+            self.replace_failed(engine, f"the engine stopped ({engine.error})")
         self.configure(settings)
         await self._started()
         return self.ready_engine()
@@ -491,7 +427,7 @@ class EngineHost:
         engine = self._engine
         if engine is not None and not engine.alive() and self.state != "starting":
             self.supervision["deaths"] += 1
-            self._replace(engine, f"the engine stopped ({engine.error})")
+            self.replace_failed(engine, f"the engine stopped ({engine.error})")
         return await self.wait_ready()
 
     def ready_engine(self) -> Any | None:
@@ -538,3 +474,94 @@ class EngineHost:
         engine = self._detach()
         if engine is not None:
             await asyncio.to_thread(engine.close)
+
+
+class Notices:
+    """Listeners for supervision news, (level "error"|"warning"|"info"|"rejected", message): each session's
+    window/showMessage. Weak: a session that ended must not be kept alive (or told) by the engine."""
+
+    def __init__(self) -> None:
+        self._listeners: list[weakref.WeakMethod] = []
+
+    def add_listener(self, method: Callable[[str, str], None]) -> None:
+        """``method`` (a bound method) hears of engine deaths, stalls, restarts and giving up."""
+        self._listeners.append(weakref.WeakMethod(method))
+
+    def tell(self, level: str, message: str, *, logged: bool = False) -> None:
+        """Tell every session (``level``: "error", "warning", "info", or "rejected": new model settings did not
+        load beside the working engine, ``message`` being the reason); logged here unless ``logged``."""
+        if not logged:
+            log.log(logging.WARNING if level == "warning" else logging.ERROR, "%s", message)
+        alive = []
+        for ref in self._listeners:
+            fn = ref()
+            if fn is None:
+                continue
+            alive.append(ref)
+            try:
+                fn(level, message)
+            except Exception:  # telling the user must never break supervision
+                log.exception("engine notice listener failed")
+        self._listeners = alive
+
+
+class Watchdog:
+    """Looks at the host's running engine every WATCH_INTERVAL_S (the judgment is lsp_server/engine_watch.py's);
+    an engine that died, stalled or is stuck goes to the host, which replaces it."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
+        self.watching: Watch | None = None
+
+    def forget(self) -> None:
+        """A new engine (or none) runs: the next look starts a fresh watch."""
+        self.watching = None
+
+    async def run(self) -> None:
+        """Look at the running engine every WATCH_INTERVAL_S: died, stalled or stuck -> replace it."""
+        last_tick = time.monotonic()
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            now = time.monotonic()
+            late, last_tick = now - last_tick - WATCH_INTERVAL_S > LOOP_LAG_S, now
+            engine = self.host.running
+            if engine is None or engine.last_heard is None:  # (an engine with nothing to watch: engine/api.py)
+                if self.host.state != "starting":
+                    return  # closed, or gave up: the next configure starts a new watchdog
+                continue
+            try:
+                self.check(engine, late)
+            except Exception:  # the watchdog must outlive any surprise
+                log.exception("engine watchdog failed")
+
+    def watch_of(self, engine: Any) -> Watch:
+        if self.watching is None or self.watching.engine is not engine:
+            limits = WatchLimits(
+                stall_s=STALL_TIMEOUT_S,
+                step_s=STEP_TIMEOUT_S,
+                prefill_s_per_token=PREFILL_S_PER_TOKEN,
+                busy_ceiling_s=BUSY_CEILING_S,
+                ping_after_s=PING_AFTER_S,
+            )
+            self.watching = Watch(engine, limits, on_hold=self.held)
+        return self.watching
+
+    def held(self, kind: str, seconds: float) -> None:
+        """The watchdog waits on an engine that computes though it is silent or shows no progress."""
+        self.host.supervision["busy_holds"] += 1
+        what = "answered no ping" if kind == "ping" else "reported no progress"
+        log.info("the engine %s for %.0f s but is computing: waiting for it", what, seconds)
+
+    def check(self, engine: Any, late: bool = False) -> None:
+        if not engine.alive():
+            self.host.supervision["deaths"] += 1
+            self.host.replace_failed(engine, f"the engine stopped ({engine.error})")
+            return
+        watch = self.watch_of(engine)
+        if late:  # this loop was blocked: nothing was pinged or seen meanwhile, so nothing can be blamed
+            watch.lost_sight()
+        verdict = watch.check()
+        if verdict is not None:
+            kind, what = verdict
+            self.host.supervision["stalls" if kind == "stall" else "stuck"] += 1
+            self.host.replace_failed(engine, what, kill=True)

@@ -1,0 +1,151 @@
+"""Decodes on the LSP side: submit one to the engine (the newest cancels the one before it), pump its deltas
+into its Generation, and start Tab-Tab's follow-up once a shown completion ends.
+
+The Completer (lsp_server/completer.py) owns the requests; this owns the decodes they, prefetches and
+follow-ups start. One decode runs at a time: ``TypeThrough.active`` is it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from lsp_server import indent
+from lsp_server.documents import DocumentStore
+from lsp_server.engine_host import EngineHost
+from lsp_server.follow_up import follow_up_context, follow_up_options
+from lsp_server.generation import Generation, record_decode
+from lsp_server.plan import Plan, Planner
+from lsp_server.prewarm import Prewarmer
+from lsp_server.prompt import Context
+from lsp_server.settings import Settings
+from lsp_server.shaping import stage
+from lsp_server.stats import Stats
+from lsp_server.typethrough import TypeThrough
+
+log = logging.getLogger(__name__)
+# Tab-Tab's follow-up decode (lsp_server/follow_up.py) starts only this soon after the document's last edit.
+FOLLOW_UP_WITHIN_S = float(os.environ.get("FIMBLE_FOLLOW_UP_WITHIN_S", 1.5))
+
+
+class Decodes:
+    def __init__(
+        self,
+        docs: DocumentStore,
+        host: EngineHost,
+        stats: Stats,
+        typethrough: TypeThrough,
+        planner: Planner,
+        warm: Prewarmer,
+        asked: dict[str, int],
+        last_edit: dict[str, float],
+    ):
+        self.docs, self.host, self.stats = docs, host, stats
+        self.typethrough, self.planner, self.warm = typethrough, planner, warm
+        # Shared with the Completer: the documents the editor asks completions for, and each one's last edit.
+        self.asked, self.last_edit = asked, last_edit
+        self.pumps: set[asyncio.Task] = set()
+
+    async def start(
+        self, ctx: Context, settings: Settings, t0: float, build_ms: float, plan: Plan
+    ) -> Generation | None:
+        engine = await self.host.get(settings)
+        if engine is None:
+            self.stats.count("engine_unavailable")
+            return None
+        return self.submit(engine, ctx, settings, t0, build_ms, plan)
+
+    def submit(
+        self,
+        engine: Any,
+        ctx: Context,
+        settings: Settings,
+        t0: float,
+        build_ms: float,
+        plan: Plan,
+        background: bool = False,
+    ) -> Generation:
+        if self.typethrough.active is not None:
+            self.typethrough.active.cancel()  # one decode at a time: the newest request wins
+        stream = engine.submit(self.planner.request(ctx, plan, settings, background))
+        gen = Generation(ctx, stream, t0, build_ms)
+        gen.shaper, gen.plan, gen.settings = plan.shaper, plan, settings
+        line_before = ctx.prefix[ctx.prefix.rfind("\n") + 1 :]
+        if indent.applies(line_before, ctx.suffix.split("\n", 1)[0]):
+            gen.indent_fit = indent.IndentFit()  # no indentation added to the editor's (lsp_server/indent.py)
+        self.typethrough.active = gen
+        self.warm.decoding_at(ctx)
+        self.stats.count("generations")
+        task = asyncio.create_task(self._pump(gen))
+        self.pumps.add(task)
+        task.add_done_callback(self.pumps.discard)
+        return gen
+
+    async def _pump(self, gen: Generation) -> None:
+        """The engine's deltas into ``gen`` (indent fit, then the shaper's guard) until the decode ends."""
+        from engine.errors import FimbleError
+
+        reason, error = None, None
+        try:
+            async for delta in gen.stream:
+                if delta.text and not gen.cut:
+                    text = gen.indent_fit.feed(delta.text) if gen.indent_fit is not None else delta.text
+                    if text:
+                        stage.stream_text(gen, text, self.stats)
+                if delta.finished:
+                    reason = delta.finish_reason
+                gen.changed()
+        except FimbleError as exc:
+            reason, error = "error", str(exc)
+        except Exception as exc:  # a broken stream must end its requests, not hang them
+            log.exception("completion stream failed")
+            gen.cancel()
+            reason, error = "error", f"{type(exc).__name__}: {exc}"
+        except asyncio.CancelledError:
+            gen.cancel()
+            reason = "cancelled"
+            raise
+        finally:
+            if gen.cut and reason in (None, "cancelled"):
+                reason = "stop"  # the guard ended it: the text is complete up to the stop
+            gen.finish(reason, error)
+            if gen.usable:
+                stage.finish_decode(gen, self.stats)
+            if self.typethrough.active is gen:
+                self.typethrough.active = None
+            kept = gen.usable and gen.text.strip()
+            if record_decode(self.stats, gen) and not kept:
+                self.typethrough.account(gen)  # not kept for type-through: its shown share is final now
+            if kept and gen.ctx.uri in self.asked:
+                self.typethrough.remember(gen)
+            gen.changed()
+            self.follow_up(gen)
+
+    def follow_up(self, gen: Generation) -> None:
+        """Tab-Tab: once ``gen`` has ended and shown text, decode in the background the completion that follows
+        accepting it (lsp_server/follow_up.py). Once per generation, only while nothing else decodes; the next
+        keystroke's request cancels it. Called when the decode ends and when an answer is shown."""
+        if gen.followed or not (gen.done and gen.usable and gen.shown) or self.typethrough.active is not None:
+            return
+        gen.followed = True
+        settings, doc, engine = gen.settings, self.docs.get(gen.ctx.uri), self.host.ready_engine()
+        # Local engines only: a remote server's or a shared daemon's decodes cost others (and maybe money).
+        if doc is None or engine is None or settings is None or not settings.prefetch or settings.engine_spec:
+            return
+        try:
+            ctx = follow_up_context(doc, gen, settings.prefix_chars, settings.suffix_chars)
+        except Exception:  # only an optimisation: never let it cost the session
+            log.exception("follow-up context failed")
+            return
+        # Only soon after the user's last key: a user who stopped typing stops the engine (it has shown them
+        # what they asked for; Tab after a long read decodes afresh).
+        last = max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_request)  # the user's last key or request
+        if ctx is None or time.perf_counter() - last > FOLLOW_UP_WITHIN_S:
+            return
+        plan = Plan(follow_up_options(gen.plan.options), None, gen.plan.segment_lines)
+        nxt = self.submit(engine, ctx, settings, time.perf_counter(), 0.0, plan, background=True)
+        nxt.prefetched = nxt.follow_up = True
+        self.stats.count("follow_ups")
