@@ -4,6 +4,7 @@ blocks with its attention kernels ("invariant-cublas", "invariant", "fused", "sd
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -183,11 +184,13 @@ def invariant_layers(
     tokens meets one cuBLAS shape per weight, so it is invariant by construction too, while a batched round's rows
     are the same bits only where cuBLAS keeps its kernel at the round's row count (tests/gpu checks both)."""
     from engine.runtimes import gpu_kernels as gk
+    from engine.runtimes import row_limits as rl
 
     cfg = model.cfg
     heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
     triton_gemms = kernels == "invariant"
     if not triton_gemms:
+        lim = rl.limits(model, gk.CUBLAS_ROWS)  # rows per product where cuBLAS keeps its 16-row kernel
         rows = x.shape[0]
         pad = -rows % gk.CUBLAS_ROWS
         if pad:  # every product on a multiple of CUBLAS_ROWS rows; the padding rows' keys/values are never written
@@ -198,7 +201,7 @@ def invariant_layers(
             norm = layer.attn_norm
             qkv = gk.linear(x, layer.qkv.weight, bias=layer.qkv.bias, norm=norm.weight, eps=norm.eps)
         else:
-            qkv = layer.qkv(layer.attn_norm(x))
+            qkv = rl.pieces(functools.partial(rl.attn_in, layer), lim["attn_in"], x)
             if pad:
                 qkv = qkv[:rows]
         q = gk.rope_store(qkv, keys[i], values[i], model.rope_cos, model.rope_sin, positions, seqs, heads, kv_heads)
@@ -212,9 +215,8 @@ def invariant_layers(
         else:
             if pad:
                 attn = torch.cat((attn, attn.new_zeros(pad, attn.shape[1])))
-            x = torch.addmm(x, attn, layer.o_proj.weight.t())
-            gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, layer.down.weight.t())
+            x = rl.pieces(functools.partial(rl.attn_out, layer), lim["attn_out"], x, attn)
+            x = rl.pieces(functools.partial(rl.mlp, layer), lim["mlp"], x)
     return x[:rows] if not triton_gemms and pad else x
 
 
@@ -222,13 +224,15 @@ def invariant_logits(model: CompactTransformer, x: Tensor, kernels: str = "invar
     """The final norm and the LM head: with Triton projections one kernel, float32 logits straight from its
     accumulators; with cuBLAS ones torch's norm and product, then float32."""
     from engine.runtimes import gpu_kernels as gk
+    from engine.runtimes import row_limits as rl
 
     if kernels != "invariant":
         rows = x.shape[0]
         pad = -rows % gk.CUBLAS_ROWS
         if pad:
             x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
-        return model.lm_head(model.norm(x))[:rows].float()
+        limit = rl.limits(model, gk.CUBLAS_ROWS)["head"]
+        return rl.pieces(functools.partial(rl.head, model), limit, x)[:rows].float()
     return gk.linear(x, model.lm_head.weight, norm=model.norm.weight, eps=model.norm.eps, out_dtype=torch.float32)
 
 

@@ -29,6 +29,8 @@ The attention code mirrors ``Block.forward``; if that changes, change this too.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -169,6 +171,7 @@ def _batched_invariant(model: CompactTransformer, calls: list[Forward], spans: l
     every call's rows in one kernel each, attention per call over its own cache. A row's logits are the same bits as
     the model's own forward (``cuda_graphs.invariant_forward``) gives it alone, so batched equals unbatched exactly."""
     from engine.runtimes import gpu_kernels as gk
+    from engine.runtimes import row_limits as rl
     from engine.runtimes.cuda_graphs import invariant_logits
 
     kernels = model.invariant if model.invariant in gk.INVARIANT_SETS else gk.DEFAULT_INVARIANT
@@ -182,13 +185,14 @@ def _batched_invariant(model: CompactTransformer, calls: list[Forward], spans: l
     pad = 0 if triton_gemms else -rows % gk.CUBLAS_ROWS  # cuBLAS products on whole multiples of CUBLAS_ROWS rows
     if pad:
         x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+    lim = None if triton_gemms else rl.limits(model, gk.CUBLAS_ROWS)  # engine/runtimes/row_limits.py
     positions = [torch.arange(c.start, c.start + b - a, device=dev) for c, (a, b) in zip(calls, spans, strict=True)]
     for li, layer in enumerate(model.layers):
         if triton_gemms:
             norm = layer.attn_norm
             qkv = gk.linear(x, layer.qkv.weight, bias=layer.qkv.bias, norm=norm.weight, eps=norm.eps)
         else:
-            qkv = layer.qkv(layer.attn_norm(x))
+            qkv = rl.pieces(functools.partial(rl.attn_in, layer), lim["attn_in"], x)
         outs = []
         for c, (a, b), pos in zip(calls, spans, positions, strict=True):
             keys, values = c.cache.keys[li].unsqueeze(0), c.cache.values[li].unsqueeze(0)
@@ -201,9 +205,8 @@ def _batched_invariant(model: CompactTransformer, calls: list[Forward], spans: l
         else:
             if pad:
                 outs.append(x.new_zeros(pad, outs[0].shape[1]))
-            x = torch.addmm(x, torch.cat(outs), layer.o_proj.weight.t())
-            gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, layer.down.weight.t())
+            x = rl.pieces(functools.partial(rl.attn_out, layer), lim["attn_out"], x, torch.cat(outs))
+            x = rl.pieces(functools.partial(rl.mlp, layer), lim["mlp"], x)
     for c, (a, b) in zip(calls, spans, strict=True):
         c.cache.length = c.start + b - a
     wanted = [(b - min(c.num_logits, b - a), b) for c, (a, b) in zip(calls, spans, strict=True)]

@@ -167,3 +167,55 @@ def test_padded_rows_make_batches_equal_alone(cpu_kernels, monkeypatch):
     )
     for a, r, b in zip(alone, rounds, batched, strict=True):
         assert torch.equal(a, r) and torch.equal(a, b)
+
+
+@torch.inference_mode()
+def test_row_limits_keep_batches_equal_alone_when_the_kernel_changes(cpu_kernels, monkeypatch):
+    """A down projection that changes its summation order above 16 rows (as cuBLAS changes kernel above some row
+    count): a batched round of 4 x 16 rows then differs from each sequence alone, unless the probe finds the limit
+    and the products run in 16-row pieces (engine/runtimes/row_limits.py)."""
+    from engine.runtimes import row_limits as rl
+
+    real_mlp = rl.mlp
+
+    def switching_mlp(layer, x):
+        if x.shape[0] <= 16:
+            return real_mlp(layer, x)
+        gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
+        h, w, k = torch.nn.functional.silu(gate) * up, layer.down.weight, layer.down.weight.shape[1] // 2
+        return x + (h[:, :k] @ w[:, :k].t() + h[:, k:] @ w[:, k:].t())
+
+    monkeypatch.setattr(gpu_kernels, "CUBLAS_ROWS", 16)
+    monkeypatch.setattr(rl, "mlp", switching_mlp)
+    gen = torch.Generator().manual_seed(5)
+    depths, blocks = (7, 30, 60), (1, 3, 16)
+    differing = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("FIMBLE_CUDA_ROW_LIMITS", switch)
+        model = _model()
+        if switch == "1":
+            assert rl.limits(model, 16)["mlp"] == 16 and rl.limits(model, 16)["attn_in"] > 16
+        bases = []
+        for d in depths:
+            c = model.new_cache(96)
+            model(torch.randint(0, 200, (d,), generator=gen), c, 0, 1)
+            bases.append(c)
+        toks = [torch.randint(0, 200, (k,), generator=gen) for k in blocks]
+
+        def fresh(c, model=model):
+            tmp = model.new_cache(96)
+            _copy(tmp, c)
+            return tmp
+
+        alone = [model(t, fresh(c), d, len(t)).clone() for c, d, t in zip(bases, depths, toks, strict=True)]
+        slots = SlotGraphs(model, 4, 96, attention="invariant-cublas")
+        views = [slots.take(fresh(c)) for c in bases]
+        rounds = slots.run([(t, v, d, len(t)) for t, v, d in zip(toks, views, depths, strict=True)])
+        calls = [Forward(t, fresh(c), d, len(t)) for c, d, t in zip(bases, depths, toks, strict=True)]
+        batched = batched_forward(model, calls)
+        differing[switch] = sum(
+            int((a != r).any(-1).sum()) + int((a != b).any(-1).sum())
+            for a, r, b in zip(alone, rounds, batched, strict=True)
+        )
+    assert differing["0"] > 0  # the switch shows without the limits
+    assert differing["1"] == 0
