@@ -3,13 +3,13 @@ what it proves and what it costs, on random-weight Qwen2.5 shapes in bf16, in on
 
     python -m bench.gpu_row_limits [--quick] [--shapes 0.5B,1.5B,7B] [--json PATH]
 
-Per shape: the probed limits (the largest row count up to which each stage, on cuBLAS, gives the same bits as
-16-row passes) and the probe's time; rows of a batched round (a slotted graph round and the eager batched pass, 32
-streams x 1, 4 and 16 tokens) that differ from each sequence's own pass, limits on and off
-(bench/harness/slot_rounds.py); the GPU time of one captured round of 8, 16 or 32 streams x 1, 4 and 16 tokens at
-depth 512, and an eager 512-token prefill pass, limits on and off, measured alternately (medians). A 1-token step
-or a verify block (16 rows) is below every limit, so its kernels do not change. The last lines are the table and
-the headline.
+Per shape: the probed (base, limit) per stage (every product runs on at least base and at most limit rows a
+call, so each row gets the bits of a base-row pass; engine/runtimes/row_limits.py) and the probe's time; rows of a
+batched round (a slotted graph round and the eager batched pass, 32 streams x 1, 4 and 16 tokens) that differ from
+each sequence's own pass, limits on and off (bench/harness/slot_rounds.py); the GPU time of one captured round of
+1 (a single sequence's step or verify graph: 16 rows), 8, 16 or 32 streams x 1, 4 and 16 tokens at depth 512, and
+an eager 512-token prefill pass, limits on and off, measured alternately (medians). A single pass changes only
+where a stage's base is over 16. The last lines are the table and the headline.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from engine.runtimes import gpu_kernels as gk
 from engine.runtimes import row_limits as rl
 from engine.runtimes.cuda_graphs import BatchedCache, capture, forward_batch, key_bucket
 
-ROUNDS = ((8, 16), (16, 16), (32, 1), (32, 4), (32, 16))  # (streams, block)
-OFF = dict.fromkeys(rl.STAGES, rl.UNBOUNDED)
+ROUNDS = ((1, 16), (8, 16), (16, 16), (32, 1), (32, 4), (32, 16))  # (streams, block); 1 x 16: a single step
+OFF = dict.fromkeys(rl.STAGES, rl.OFF)
 
 
 def _event_ms(fn, reps: int) -> list[float]:
@@ -106,7 +106,7 @@ def run_shape(shape: str, reps: int) -> dict:
 def report(result: dict) -> None:
     print(f"\nbench/gpu_row_limits.py: {result['device']}, torch {result['torch']}, bf16, threads {result['threads']}, "
           f"load average {result['loadavg']}, {result['seconds']:.0f} s")  # fmt: skip
-    print("limits (rows per cuBLAS product that keep its 16-row bits; 512 = none found below the probe's 512):")
+    print("(base, limit) per stage: rows a call runs on at least / at most (512: no change found up to 512):")
     for r in result["shapes"]:
         print(f"  {r['shape']:5s} {r['limits']}  (probe {r['probe_s']:.2f} s)")
     print("rows differing from each sequence alone (slot round + eager batched pass), limits on / off:")
@@ -125,8 +125,10 @@ def report(result: dict) -> None:
     off = sum(v["off"]["slot_round"] + v["off"]["batched_pass"] for r in result["shapes"] for v in r["rows"].values())
     total = sum(2 * v["on"]["rows"] for r in result["shapes"] for v in r["rows"].values())
     worst = max((v["on"] / v["off"] - 1, f"{r['shape']} {k}") for r in result["shapes"] for k, v in r["cost"].items())
+    steps = ", ".join(f"{r['shape']} {r['cost']['1x16']['on'] / r['cost']['1x16']['off'] - 1:+.1%}"
+                      for r in result["shapes"])  # fmt: skip
     print(f"headline: batched rows differing from alone {on}/{total} with row limits, {off}/{total} without; "
-          f"largest cost {worst[0] * 100:+.1f}% ({worst[1]})")  # fmt: skip
+          f"single-pass graph cost {steps}; largest cost {worst[0]:+.1%} ({worst[1]})")  # fmt: skip
 
 
 def main() -> None:

@@ -4,7 +4,6 @@ blocks with its attention kernels ("invariant-cublas", "invariant", "fused", "sd
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -201,7 +200,7 @@ def invariant_layers(
             norm = layer.attn_norm
             qkv = gk.linear(x, layer.qkv.weight, bias=layer.qkv.bias, norm=norm.weight, eps=norm.eps)
         else:
-            qkv = rl.pieces(functools.partial(rl.attn_in, layer), lim["attn_in"], x)
+            qkv = rl.qkv_rows(layer, lim, x)
             if pad:
                 qkv = qkv[:rows]
         q = gk.rope_store(qkv, keys[i], values[i], model.rope_cos, model.rope_sin, positions, seqs, heads, kv_heads)
@@ -215,8 +214,7 @@ def invariant_layers(
         else:
             if pad:
                 attn = torch.cat((attn, attn.new_zeros(pad, attn.shape[1])))
-            x = rl.pieces(functools.partial(rl.attn_out, layer), lim["attn_out"], x, attn)
-            x = rl.pieces(functools.partial(rl.mlp, layer), lim["mlp"], x)
+            x = rl.mlp_rows(layer, lim, x, attn)
     return x[:rows] if not triton_gemms and pad else x
 
 
@@ -231,8 +229,7 @@ def invariant_logits(model: CompactTransformer, x: Tensor, kernels: str = "invar
         pad = -rows % gk.CUBLAS_ROWS
         if pad:
             x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
-        limit = rl.limits(model, gk.CUBLAS_ROWS)["head"]
-        return rl.pieces(functools.partial(rl.head, model), limit, x)[:rows].float()
+        return rl.head_rows(model, rl.limits(model, gk.CUBLAS_ROWS), x)[:rows].float()
     return gk.linear(x, model.lm_head.weight, norm=model.norm.weight, eps=model.norm.eps, out_dtype=torch.float32)
 
 

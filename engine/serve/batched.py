@@ -29,8 +29,6 @@ The attention code mirrors ``Block.forward``; if that changes, change this too.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -192,7 +190,7 @@ def _batched_invariant(model: CompactTransformer, calls: list[Forward], spans: l
             norm = layer.attn_norm
             qkv = gk.linear(x, layer.qkv.weight, bias=layer.qkv.bias, norm=norm.weight, eps=norm.eps)
         else:
-            qkv = rl.pieces(functools.partial(rl.attn_in, layer), lim["attn_in"], x)
+            qkv = rl.qkv_rows(layer, lim, x)
         outs = []
         for c, (a, b), pos in zip(calls, spans, positions, strict=True):
             keys, values = c.cache.keys[li].unsqueeze(0), c.cache.values[li].unsqueeze(0)
@@ -205,8 +203,7 @@ def _batched_invariant(model: CompactTransformer, calls: list[Forward], spans: l
         else:
             if pad:
                 outs.append(x.new_zeros(pad, outs[0].shape[1]))
-            x = rl.pieces(functools.partial(rl.attn_out, layer), lim["attn_out"], x, torch.cat(outs))
-            x = rl.pieces(functools.partial(rl.mlp, layer), lim["mlp"], x)
+            x = rl.mlp_rows(layer, lim, x, torch.cat(outs))
     for c, (a, b) in zip(calls, spans, strict=True):
         c.cache.length = c.start + b - a
     wanted = [(b - min(c.num_logits, b - a), b) for c, (a, b) in zip(calls, spans, strict=True)]

@@ -169,24 +169,28 @@ def test_padded_rows_make_batches_equal_alone(cpu_kernels, monkeypatch):
         assert torch.equal(a, r) and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("switch_at", ["16 rows", "above 32 rows"])
 @torch.inference_mode()
-def test_row_limits_keep_batches_equal_alone_when_the_kernel_changes(cpu_kernels, monkeypatch):
-    """A down projection that changes its summation order above 16 rows (as cuBLAS changes kernel above some row
-    count): a batched round of 4 x 16 rows then differs from each sequence alone, unless the probe finds the limit
-    and the products run in 16-row pieces (engine/runtimes/row_limits.py)."""
+def test_row_limits_keep_batches_equal_alone_when_the_kernel_changes(cpu_kernels, monkeypatch, switch_at):
+    """A down projection whose summation order changes with the row count, as cuBLAS changes kernel on the GPU:
+    another order at 16 rows than above (the 7B shape's on the H200), or above 32 rows. A batched round of 4 x 16
+    rows then differs from each sequence alone, unless the probe finds it (engine/runtimes/row_limits.py) and every
+    pass runs that product on at least 32 rows, or in pieces of at most 32."""
     from engine.runtimes import row_limits as rl
 
-    real_mlp = rl.mlp
+    real_addmm = rl.addmm
+    low, high = (16, 1 << 20) if switch_at == "16 rows" else (0, 32)
 
-    def switching_mlp(layer, x):
-        if x.shape[0] <= 16:
-            return real_mlp(layer, x)
-        gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
-        h, w, k = torch.nn.functional.silu(gate) * up, layer.down.weight, layer.down.weight.shape[1] // 2
-        return x + (h[:, :k] @ w[:, :k].t() + h[:, k:] @ w[:, k:].t())
+    def switching_addmm(weight, x, a):
+        if low < x.shape[0] <= high or a.shape[1] < 100:  # the down projection only (160 inputs; o has 64)
+            return real_addmm(weight, x, a)
+        k = a.shape[1] // 2
+        return x + (a[:, :k] @ weight[:, :k].t() + a[:, k:] @ weight[:, k:].t())
 
     monkeypatch.setattr(gpu_kernels, "CUBLAS_ROWS", 16)
-    monkeypatch.setattr(rl, "mlp", switching_mlp)
+    monkeypatch.setattr(rl, "addmm", switching_addmm)
+    monkeypatch.setattr(rl, "ENOUGH", 32)
+    want = (32, 512) if switch_at == "16 rows" else (16, 32)
     gen = torch.Generator().manual_seed(5)
     depths, blocks = (7, 30, 60), (1, 3, 16)
     differing = {}
@@ -194,7 +198,7 @@ def test_row_limits_keep_batches_equal_alone_when_the_kernel_changes(cpu_kernels
         monkeypatch.setenv("FIMBLE_CUDA_ROW_LIMITS", switch)
         model = _model()
         if switch == "1":
-            assert rl.limits(model, 16)["mlp"] == 16 and rl.limits(model, 16)["attn_in"] > 16
+            assert rl.limits(model, 16)["down"] == want and rl.limits(model, 16)["o"] == (16, 512)
         bases = []
         for d in depths:
             c = model.new_cache(96)
