@@ -26,9 +26,10 @@ sets give it (cuda_graphs ``invariant_layers``; ``invariant_default`` picks one)
   exactly ``CUBLAS_ROWS`` (16) rows (graph blocks are raised to 16, eager passes padded with zero rows), so each
   weight meets one cuBLAS shape, hence one kernel and one reduction order; norms and the MLP gate are per row.
   On the H200 this costs 3-5% of a graph step (cuBLAS prices 16 rows like 1). A batched round multiplies 16 x b
-  rows, and cuBLAS may pick another kernel for another b (bench/reports/gpu-invariant-h200-2026-12-03.txt: the
-  down projections from 256 rows, 7B's from 32), so batched rounds equal their sequences alone only where it
-  does not; they did in every batch the GPU tests formed.
+  rows, and cuBLAS picks another kernel for some b (the 0.5B/1.5B down projections from 144-160 rows, 7B's
+  from 32): engine/runtimes/row_limits.py probes where, per model, and runs such products in pieces (or every
+  pass of one on 32-64 rows), so batched rounds equal their sequences alone at any batch size
+  (bench/reports/gpu-row-limits-h200-2026-12-03.txt).
 - "invariant" (FIMBLE_CUDA_INVARIANT=triton): ``linear`` below for every projection, one program per 16-row by
   ``BN``-column output tile, the whole K extent in ``BK`` slabs, fp32 accumulators, no split-K; ``BN``/``BK``/warps/
   stages come from the weight's shape alone (``linear_config``), the row count is not specialised, so one compiled
@@ -74,8 +75,8 @@ def invariant_default() -> str | bool:
     """The batch-invariant kernel set CUDA passes use by default (where Triton runs), or False.
 
     ``FIMBLE_CUDA_INVARIANT``: unset or 1 = "invariant-cublas" (cuBLAS's projections on fixed 16-row passes, Triton
-    attention combined in order: a 1-token step, a verify block, eager or graph, the same bits; a batched serve round
-    only where cuBLAS keeps its kernel at the round's row count); ``triton`` = "invariant" (every projection in
+    attention combined in order: a 1-token step, a verify block, eager or graph, a batched serve round, the same bits,
+    within engine/runtimes/row_limits.py's probed row counts); ``triton`` = "invariant" (every projection in
     ``linear``: invariant for any row count by construction, batched rounds included; 2.4-3.3x the step time on the
     H200 today, bench/reports/gpu-invariant-h200-2026-12-03.txt); 0 = off ("fused": a row's bits depend on its pass's
     shape)."""

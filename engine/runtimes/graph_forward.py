@@ -180,8 +180,9 @@ def invariant_layers(
     ``kernels``: "invariant", the projections in ``gpu_kernels.linear`` (invariant for any row count by
     construction); or "invariant-cublas", torch's projections and norms on a whole multiple of
     ``gpu_kernels.CUBLAS_ROWS`` rows (zero rows pad the pass; their keys/values are never written): a pass of 1-16
-    tokens meets one cuBLAS shape per weight, so it is invariant by construction too, while a batched round's rows
-    are the same bits only where cuBLAS keeps its kernel at the round's row count (tests/gpu checks both)."""
+    tokens meets one cuBLAS shape per weight, so it is invariant by construction too, and a batched round's products
+    keep to the row counts where cuBLAS computes a row as in that pass (engine/runtimes/row_limits.py: pieces, or a
+    larger base for every pass), so its rows are the same bits too (tests/gpu checks both)."""
     from engine.runtimes import gpu_kernels as gk
     from engine.runtimes import row_limits as rl
 

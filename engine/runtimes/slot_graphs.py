@@ -247,9 +247,8 @@ class SlotGraphs:
 
     def shape(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]]) -> tuple[int, int, int]:
         """The graph key (batch, block, key length) these passes would replay."""
-        # Blocks stay as they are: with cuBLAS projections a round's rows match the same rows alone only where cuBLAS
-        # keeps its kernel at the round's row count (padding each slot to 16 rows would not change that), and 32
-        # streams' 1-token steps would multiply 512 rows instead of 32. invariant_layers pads to 16-row multiples.
+        # Blocks stay as they are: 32 streams' 1-token steps would multiply 512 rows instead of 32. invariant_layers
+        # pads to 16-row multiples and keeps each product within the row counts engine/runtimes/row_limits.py found.
         block = block_bucket(max(len(t) for t, _, _, _ in passes))
         batch = batch_bucket(max(self._slot[id(c)] for _, c, _, _ in passes) + 1, self.streams)
         keys_len = key_bucket(max(s + block for _, _, s, _ in passes), self.slot_len + SLOT_SCRATCH)
