@@ -16,12 +16,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-import torch
-
 from engine.api import CompletionRequest
 from engine.caching.cold_window import COLD_KEY
 from engine.caching.kv_store import common_prefix
 from engine.counters import Counters
+from engine.decoding.passes import host_pass
 from engine.documents import DocumentPrompts
 
 # Pre-warm prefill chunk: on a 2-core CPU 32 tokens at a 4k context take ~40 ms, the
@@ -218,7 +217,7 @@ class Background:
             end = min(len(ids), pos + chunk)
             holds(pos)  # what followed ``pos`` is about to be overwritten
             cache.length = min(cache.length, pos)
-            runtime(torch.tensor(ids[pos:end], dtype=torch.long, device=runtime.device), cache, pos, 1)
+            host_pass(runtime, ids[pos:end], cache, pos, 1)
             pos = end
             holds(pos)
         return pos

@@ -144,7 +144,7 @@ def serve(args: argparse.Namespace) -> int:
         if not args.serve:
             from engine.local import open_engine
 
-            return open_engine(
+            engine = open_engine(
                 args.model,
                 args.draft,
                 device=args.device,
@@ -154,6 +154,10 @@ def serve(args: argparse.Namespace) -> int:
                 start_thread=False,
                 kv_budget_bytes=budget,
             )
+            # Healing's prefix search answers by scanning until its index is sorted: sorted beside the first
+            # requests, not before them (engine/decoding/healing.py).
+            engine.target.token_index.build_soon()
+            return engine
         from engine.serve.scheduler import open_serve_engine
 
         sys.setswitchinterval(SWITCH_INTERVAL_S)

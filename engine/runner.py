@@ -8,11 +8,8 @@ forward (engine/serve/batched.py), else each through the runtime's own forward (
 
 from __future__ import annotations
 
-import torch
-
 from engine.counters import Counters
-from engine.decoding.passes import DraftNeed, Forward
-from engine.serve.batched import batched_forward, batched_greedy_drafts, run_one, supports_batch
+from engine.decoding.passes import DraftNeed, Forward, run_one
 
 
 class PassRunner:
@@ -20,7 +17,12 @@ class PassRunner:
 
     def __init__(self, target_runtime, draft_runtime, counters: Counters, batched: bool):
         self.runtime, self.draft_runtime, self.counts = target_runtime, draft_runtime, counters
-        self.batched = batched and supports_batch(target_runtime)
+        # (engine/serve/batched.py imports torch: only a batching runner loads it)
+        if batched:
+            from engine.serve.batched import supports_batch
+
+            batched = supports_batch(target_runtime)
+        self.batched = batched
         # On CUDA (GraphRuntime), a lone sequence's pass replays its captured graph (1.7-2.8 ms a step, against
         # 8-11 ms eager); two or more run the eager batched forward together (batched.py).
         self.graphs = target_runtime.greedy_drafts
@@ -40,8 +42,11 @@ class PassRunner:
     # -- a round --------------------------------------------------------------------------------------
     def drafts(self, needs: list[DraftNeed]) -> list[list[int]]:
         """Greedy draft tokens for every need: token i of all drafts in one pass where the draft model batches."""
-        if self.batched and supports_batch(self.draft_runtime) and not (len(needs) == 1 and self.graphs):
-            return batched_greedy_drafts(self.draft_runtime, needs)
+        if self.batched and not (len(needs) == 1 and self.graphs):
+            from engine.serve.batched import batched_greedy_drafts, supports_batch
+
+            if supports_batch(self.draft_runtime):
+                return batched_greedy_drafts(self.draft_runtime, needs)
         # round-robin: each drafter on its own, exactly as SpeculativeDecoder.step would
         return [n.drafter.propose(n.context, n.k, 0.0, 1.0, n.gate, None).tokens for n in needs]
 
@@ -65,11 +70,15 @@ class PassRunner:
         for c in calls:  # blocks built on the host for a slotted round that runs eagerly after all
             if c.numpy:
                 continue
+            import torch  # a torch runtime's pass: torch is loaded already
+
             if isinstance(c.tokens, list):
                 c.tokens = torch.tensor(c.tokens, dtype=torch.long)
             if device is not None and c.tokens.device != torch.device(device):
                 c.tokens = c.tokens.to(device)
         if self.batched and len(calls) > 0 and not (len(calls) == 1 and self.graphs):
+            from engine.serve.batched import batched_forward
+
             self.counts.add("sched_passes")
             return batched_forward(runtime, calls)
         self.counts.add("sched_passes", len(calls))

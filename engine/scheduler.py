@@ -23,12 +23,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta, Unwatched
 from engine.background import Background
@@ -289,7 +288,8 @@ class Scheduler(Unwatched):
     # -- the worker loop ------------------------------------------------------------------------
     def _run(self) -> None:
         self.background.windowed = self.policy.background_window
-        if self._threads:
+        torch = sys.modules.get("torch")  # loaded by a torch runtime; the ggml runtime's path never imports it
+        if self._threads and torch is not None:
             torch.set_num_threads(self._threads)
         while True:
             idle = not self.rounds.active and not self._held and not self._forgets

@@ -20,8 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 
-import torch
-
 from engine.api import CompletionRequest, CompletionStream, Delta
 from engine.decoding.detok import IncrementalDetokenizer, StopRules
 from engine.decoding.drafters import Draft
@@ -164,9 +162,12 @@ def _prefill(
             if slotted and not eng.passes.fits_heal_draft(end - pos + len(draft)):
                 draft = []  # slotted: a longer chunk runs in SlotGraphs.prefill, last logits only
         chunk = prompt[pos:end] + draft
-        if not slotted:  # (slotted: host ids, staged with the round's others)
+        numpy = not slotted and decoder.numpy_ok  # host ids in, numpy rows out: the ggml runtime, no torch
+        if not (slotted or numpy):  # (slotted: host ids, staged with the round's others)
+            import torch  # a torch runtime's pass
+
             chunk = torch.tensor(chunk, dtype=torch.long, device=device)
-        fwd = Forward(chunk, cache, pos, 1 + len(draft))
+        fwd = Forward(chunk, cache, pos, 1 + len(draft), numpy=numpy)
         yield fwd  # answered STREAM_NOW: nothing to stream yet
         logits = yield AWAIT
         if last:

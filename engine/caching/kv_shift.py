@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.caching.prompt_plan import Piece
-from engine.runtimes.compact import rotate
+
+if TYPE_CHECKING:  # shift reuse runs on the torch runtimes only: the ggml path never loads torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,10 @@ def apply_moves(cache, inv_freq: torch.Tensor, moves: list[Move]) -> int:
 
 def rerotate(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
     """Keys rotated by ``delta`` more positions (HF half-split RoPE layout, like compact.rotate)."""
+    import torch
+
+    from engine.runtimes.compact import rotate
+
     angles = delta * inv_freq.to(device=keys.device, dtype=torch.float64)
     emb = torch.cat((angles, angles))
     cos, sin = emb.cos().to(torch.float32), emb.sin().to(torch.float32)

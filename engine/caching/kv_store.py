@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.caching.cold_window import COLD_KEY
 from engine.caching.prompt_plan import Piece, PromptPlan, Segment
 from engine.errors import FimbleError
+
+if TYPE_CHECKING:
+    import torch
 
 ALLOC_STEP = 256  # cache capacities are multiples of this many tokens
 MIN_BORROW_TOKENS = 64  # borrowing from another document must save at least this much
@@ -48,8 +50,12 @@ def session_of(doc_id: str) -> str:
 
 def default_budget_bytes(device: str | torch.device) -> int:
     """1 GiB on CPU; on a GPU a fifth of its memory, at most 8 GiB."""
+    if str(device).partition(":")[0] != "cuda":  # (no torch import on the ggml runtime's CPU path)
+        return 1 << 30
+    import torch
+
     dev = torch.device(device)
-    if dev.type == "cuda" and torch.cuda.is_available():
+    if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(dev).total_memory
         return min(8 << 30, total // 5)
     return 1 << 30
@@ -60,7 +66,11 @@ def bytes_per_token(runtime) -> int:
     cfg = getattr(runtime, "cfg", None)
     if cfg is None:
         return 0
-    elem = torch.empty((), dtype=runtime.dtype).element_size()
+    elem = getattr(runtime, "kv_element_bytes", 0)  # the ggml runtime says so: no torch import there
+    if not elem:
+        import torch
+
+        elem = torch.empty((), dtype=runtime.dtype).element_size()
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
 
 

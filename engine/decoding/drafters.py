@@ -11,12 +11,14 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from engine.caching.kv_store import common_prefix
 from engine.decoding.sampling import distribution
+
+if TYPE_CHECKING:  # a draft model runs on torch; the n-gram drafter (the ggml path's) needs none
+    import torch
+    from torch import Tensor
 
 
 @dataclass
@@ -46,6 +48,8 @@ class ModelDrafter:
 
     def _sync(self, context: list[int]) -> Tensor:
         """Make the cache hold ``context``; return the logits after its last token."""
+        import torch
+
         common = common_prefix(self.ids, context, len(context) - 1)  # always re-run at least the last token
         self.cache.rollback(common)
         new = torch.tensor(context[common:], dtype=torch.long, device=self.runtime.device)
@@ -60,6 +64,8 @@ class ModelDrafter:
             # CUDA graphs (engine/runtimes/cuda_graphs.py): the same greedy draft with one host sync, not one per token.
             tokens, self.ids = self.runtime.propose_greedy(self.cache, self.ids, context, k, gate)
             return Draft(tokens)
+        import torch
+
         logits = self._sync(context)
         tokens: list[int] = []
         probs: list[Tensor] = []

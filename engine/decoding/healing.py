@@ -11,6 +11,7 @@ apply the same constraint, so their outputs stay identical.
 from __future__ import annotations
 
 import bisect
+import threading
 
 MAX_HEAL_CHARS = 24
 # Newline healing re-types the prefix's trailing line break(s) and indentation, up to this long.
@@ -18,31 +19,68 @@ MAX_NEWLINE_HEAL_CHARS = 64
 
 
 class TokenIndex:
-    """Each token's text, searchable by prefix. Built once per model, lazily."""
+    """Each token's text, searchable by prefix.
+
+    Sorting Qwen's 151,936 token texts for the prefix search takes about 1 s on a 2-core CPU, which the first
+    completion used to wait for. So queries scan the texts (tens of ms) until ``build()`` has sorted them (a
+    long-lived engine calls ``build_soon()`` once it is up); both answer the same, in the same order."""
 
     def __init__(self, tokenizer, decoded: list[str] | None = None):
         """``decoded``: every token's text (``token_texts(tokenizer)``), where the caller kept it."""
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
         if decoded is None:
             decoded = token_texts(tokenizer)
-        # Tokens that are part of a multi-byte character never match plain text. (Built with index sorts, not
-        # tuples: this runs at every engine start, over Qwen's 151,936 tokens.)
-        keep = [tid for tid, t in enumerate(decoded) if t and "\ufffd" not in t and tid not in special]
-        self.text: dict[int, str] = {tid: decoded[tid] for tid in keep}
-        self._sorted_ids = sorted(keep, key=decoded.__getitem__)  # stable: equal texts keep id order
-        self._sorted_texts = [decoded[i] for i in self._sorted_ids]
-        self._by_text: dict[str, list[int]] = {}
-        for t, i in zip(self._sorted_texts, self._sorted_ids, strict=True):
-            self._by_text.setdefault(t, []).append(i)
+        self._decoded, self._special = decoded, special
+        self.text = TokenTexts(decoded, special)
+        # (ids sorted by text, their texts, text -> ids): set once, whole, by build()
+        self._index: tuple[list[int], list[str], dict[str, list[int]]] | None = None
+        self._build_lock = threading.Lock()
+
+    @property
+    def built(self) -> bool:
+        return self._index is not None
+
+    def build(self) -> None:
+        """Sort the texts for the prefix search (index sorts, not tuples: this runs over every token)."""
+        with self._build_lock:
+            if self._index is not None:
+                return
+            decoded = self._decoded
+            # Tokens that are part of a multi-byte character never match plain text.
+            keep = [tid for tid, t in enumerate(decoded) if t and "\ufffd" not in t and tid not in self._special]
+            sorted_ids = sorted(keep, key=decoded.__getitem__)  # stable: equal texts keep id order
+            sorted_texts = [decoded[i] for i in sorted_ids]
+            by_text: dict[str, list[int]] = {}
+            for t, i in zip(sorted_texts, sorted_ids, strict=True):
+                by_text.setdefault(t, []).append(i)
+            self._index = (sorted_ids, sorted_texts, by_text)
+
+    def build_soon(self) -> threading.Thread:
+        """``build()`` on a daemon thread (an engine that serves many requests; one-shot callers scan)."""
+        thread = threading.Thread(target=self.build, name="fimble-token-index", daemon=True)
+        thread.start()
+        return thread
+
+    def _kept(self, tid: int) -> bool:
+        t = self._decoded[tid]
+        return bool(t) and "\ufffd" not in t and tid not in self._special
 
     def spell(self, text: str, limit: int = 8) -> list[int]:
         """Up to ``limit`` tokens that spell ``text`` exactly, each the longest token text that fits (the usual
         tokenisation of a word); stops where no token fits. A guess, checked by the model (heal drafts)."""
+        index = self._index
+        if index is not None:
+            by_text = index[2]
+        else:  # before build(): the lowest id of each token text inside ``text`` (what by_text[t][0] is)
+            by_text = {}
+            for tid, t in enumerate(self._decoded):
+                if t and t in text and t not in by_text and self._kept(tid):
+                    by_text[t] = [tid]
         out: list[int] = []
         at = 0
         while at < len(text) and len(out) < limit:
             for n in range(len(text) - at, 0, -1):
-                ids = self._by_text.get(text[at : at + n])
+                ids = by_text.get(text[at : at + n])
                 if ids:
                     out.append(ids[0])
                     at += n
@@ -52,11 +90,39 @@ class TokenIndex:
         return out if at == len(text) else []
 
     def allowed(self, forced: str) -> list[int]:
-        """Tokens that keep the output consistent with ``forced``: a prefix of it, or starting with it."""
-        ids = [i for n in range(1, len(forced)) for i in self._by_text.get(forced[:n], ())]
-        lo = bisect.bisect_left(self._sorted_texts, forced)
-        hi = bisect.bisect_left(self._sorted_texts, forced + "\U0010ffff")
-        return ids + self._sorted_ids[lo:hi]
+        """Tokens that keep the output consistent with ``forced``: a prefix of it (shortest first), or starting
+        with it (in text order); ids in order within equal texts."""
+        index = self._index
+        top = forced + "\U0010ffff"
+        if index is not None:
+            sorted_ids, sorted_texts, by_text = index
+            ids = [i for n in range(1, len(forced)) for i in by_text.get(forced[:n], ())]
+            lo = bisect.bisect_left(sorted_texts, forced)
+            hi = bisect.bisect_left(sorted_texts, top)
+            return ids + sorted_ids[lo:hi]
+        shorter: list[tuple[int, int]] = []
+        longer: list[tuple[str, int]] = []
+        for tid, t in enumerate(self._decoded):
+            if len(t) < len(forced) and forced.startswith(t):
+                if t and self._kept(tid):
+                    shorter.append((len(t), tid))
+            elif forced <= t < top and self._kept(tid):
+                longer.append((t, tid))
+        return [tid for _, tid in sorted(shorter)] + [tid for _, tid in sorted(longer)]
+
+
+class TokenTexts:
+    """``TokenIndex.text``: a kept token's text by id (``get``), read from the decoded list without a dict."""
+
+    def __init__(self, decoded: list[str], special: set[int]):
+        self._decoded, self._special = decoded, special
+
+    def get(self, tid: int, default: str | None = None) -> str | None:
+        if 0 <= tid < len(self._decoded):
+            t = self._decoded[tid]
+            if t and "\ufffd" not in t and tid not in self._special:
+                return t
+        return default
 
 
 def token_texts(tokenizer) -> list[str]:

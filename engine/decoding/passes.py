@@ -9,8 +9,10 @@ requests' passes, or replayed in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch import Tensor
+if TYPE_CHECKING:  # annotations only: the ggml runtime's path runs without torch
+    from torch import Tensor
 
 
 @dataclass
@@ -66,3 +68,21 @@ class RowSpan:
 def rows_tensor(logits) -> Tensor:
     """``logits`` as a tensor of rows (a ``RowSpan`` sliced now)."""
     return logits.tensor() if isinstance(logits, RowSpan) else logits
+
+
+def host_pass(runtime, ids: list[int], cache, start: int | None, num_logits: int = 1):
+    """Run host token ids at ``start..`` into ``cache``; the last ``num_logits`` rows of logits. On a runtime that
+    declares ``numpy_rows`` (the ggml runtime) through its ``numpy_logits``, numpy rows back: that path never
+    imports torch (a 2 s import at every engine start). Elsewhere a long tensor on the runtime's device."""
+    if getattr(runtime, "numpy_rows", False):
+        return runtime.numpy_logits(list(ids), cache, start, num_logits)
+    import torch
+
+    return runtime(torch.tensor(ids, dtype=torch.long, device=runtime.device), cache, start, num_logits)
+
+
+def run_one(runtime, call: Forward):
+    """A pass of one sequence through the runtime's own forward (round-robin mode, other runtimes)."""
+    if call.numpy:  # host ids in, numpy rows out (engine/runtimes/ggml_runtime.py): no torch call on the way
+        return runtime.numpy_logits(call.tokens, call.cache, call.start, call.num_logits)
+    return runtime(call.tokens, call.cache, call.start, call.num_logits)

@@ -9,9 +9,13 @@ probability p(x), else draw from p with x removed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
-from torch import Tensor
+
+if TYPE_CHECKING:  # greedy choices on numpy rows (the ggml runtime's) need no torch; sampling does
+    import torch
+    from torch import Tensor
 
 
 def greedy_ids(logits: Tensor | np.ndarray) -> list[int]:
@@ -21,6 +25,8 @@ def greedy_ids(logits: Tensor | np.ndarray) -> list[int]:
     caches, a torch call cost 30-90 us here, numpy's argmax ~15 (a 5 ms step of the embedded target)."""
     if isinstance(logits, np.ndarray):
         return logits.argmax(-1).tolist()
+    import torch
+
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()
@@ -34,12 +40,18 @@ def constrained_argmax(row: Tensor | np.ndarray, allowed: list[int]) -> int:
     if isinstance(row, np.ndarray):
         values = row[ids]
     else:
+        import torch
+
         values = row.index_select(0, torch.tensor(ids, device=row.device)).float().cpu().numpy()
     return ids[int(values.argmax())]
 
 
 def distribution(logits: Tensor, temperature: float, top_p: float) -> Tensor:
     """Probabilities after temperature and nucleus (top-p) filtering. logits: [..., V]."""
+    import torch
+
+    if isinstance(logits, np.ndarray):  # a ggml runtime's rows, sampled
+        logits = torch.from_numpy(logits)
     probs = torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -52,11 +64,15 @@ def distribution(logits: Tensor, temperature: float, top_p: float) -> Tensor:
 
 
 def draw(probs: Tensor, gen: torch.Generator | None) -> int:
+    import torch
+
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
 def accept_draft_token(p: Tensor, q: Tensor | None, token: int, gen: torch.Generator | None) -> bool:
     """Keep ``token`` drafted from ``q`` (None: a deterministic drafter) against target ``p``."""
+    import torch
+
     ratio = p[token] if q is None else torch.clamp(p[token] / q[token].clamp_min(1e-20), max=1.0)
     return bool(torch.rand((), generator=gen) < ratio)
 

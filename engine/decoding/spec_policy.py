@@ -27,8 +27,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
-import torch
-
+from engine.decoding.passes import host_pass
 from engine.runtimes import probe_cache
 
 # 3 as well as the powers of two: fimble's llama.cpp build runs 3-row blocks of f32 weights in one pass over
@@ -127,9 +126,8 @@ def choose_gamma(costs: VerifyCosts, a: float | Acceptance, cap: int, draft_cost
 
 
 def _time_pass(runtime, cache, tokens: list[int], start: int) -> float:
-    block = torch.tensor(tokens, dtype=torch.long, device=runtime.device)
     t0 = time.perf_counter()
-    runtime(block, cache, start, len(tokens))
+    host_pass(runtime, tokens, cache, start, len(tokens))
     return time.perf_counter() - t0
 
 
@@ -139,7 +137,7 @@ def measure(runtime) -> VerifyCosts:
     vocab = int(getattr(runtime, "vocab", 0) or getattr(runtime.cfg, "vocab_size", 256))
     toks = [(i * 7919 + 11) % vocab for i in range(PROBE_DEPTH + max(PROBE_ROWS))]
     t0 = time.perf_counter()
-    runtime(torch.tensor(toks[:PROBE_DEPTH], dtype=torch.long, device=runtime.device), cache, 0, 1)
+    host_pass(runtime, toks[:PROBE_DEPTH], cache, 0, 1)
     prefill_rate = PROBE_DEPTH / max(1e-6, time.perf_counter() - t0)
     best: dict[int, float] = {}
     for _ in range(PROBE_REPEATS):  # interleaved, fastest of each: a busy machine only slows passes
@@ -163,7 +161,7 @@ def verify_costs(runtime) -> VerifyCosts:
         return cached
     costs = FLAT
     device = getattr(runtime, "device", None)
-    if device is not None and torch.device(device).type == "cpu" and hasattr(runtime, "new_cache"):
+    if device is not None and str(device).partition(":")[0] == "cpu" and hasattr(runtime, "new_cache"):
         costs = _measured_or_cached(runtime)
     _COSTS[runtime] = costs
     return costs

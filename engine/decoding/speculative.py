@@ -19,14 +19,13 @@ plain sampling from the target.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from engine.decoding.draft_plan import DraftPlan
 from engine.decoding.drafters import Draft, ModelDrafter, NgramDrafter
-from engine.decoding.passes import DraftNeed, Forward, rows_tensor
+from engine.decoding.passes import DraftNeed, Forward, host_pass, rows_tensor
 from engine.decoding.sampling import (
     accept_draft_token,
     constrained_argmax,
@@ -37,6 +36,9 @@ from engine.decoding.sampling import (
 )
 from engine.decoding.spec_policy import VerifyCosts
 from engine.options import DecodeOptions
+
+if TYPE_CHECKING:  # greedy decoding on numpy rows (the ggml runtime) runs without torch
+    from torch import Tensor
 
 
 @dataclass
@@ -76,7 +78,7 @@ class SpeculativeDecoder:
         self.model_drafter = model_drafter if options.drafter in ("auto", "model") else None
         self.ngram_drafter = ngram_drafter if options.drafter in ("auto", "ngram") else None
         self.plan = DraftPlan(runtime, options, self.model_drafter, self.ngram_drafter)
-        self.gen = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
+        self.gen = _generator(options.seed) if options.seed is not None else None
         self.ids: list[int] = []
         self.output: list[int] = []
         self.done = False
@@ -116,11 +118,9 @@ class SpeculativeDecoder:
                 self.forced = self.forced[len(text) :] if self.forced.startswith(text) and text else ""
                 return tok
         if self.forced:
-            mask = torch.full_like(logits, float("-inf"))
             allowed = self.token_index.allowed(self.forced)
             if allowed:
-                mask[allowed] = 0.0
-                logits = logits + mask
+                logits = _masked(logits, allowed)
         if self.opt.temperature <= 0:
             tok = greedy_ids(logits.reshape(1, -1))[0]
         else:
@@ -156,14 +156,22 @@ class SpeculativeDecoder:
         """
         if runs:  # scattered stretches, one pass (compact runtime only: shift reuse needs it)
             positions = [p for a, b in runs for p in range(a, b)]
+            import torch  # shift reuse: the compact runtime's
+
             tokens = torch.tensor([prompt[p] for p in positions], dtype=torch.long, device=self.runtime.device)
             logits = self.runtime.forward_at(tokens, positions, self.cache)[-1:]
             return self.prefill_verified(prompt, [], logits)
         if reuse < self.cache.length:
             self.cache.rollback(reuse)
         draft = self.prefill_draft(len(prompt))
-        tokens = torch.tensor(prompt[reuse:] + draft, dtype=torch.long, device=self.runtime.device)
-        logits = self.runtime(tokens, self.cache, reuse, 1 + len(draft))
+        ids = prompt[reuse:] + draft
+        if self.numpy_ok:
+            logits = host_pass(self.runtime, ids, self.cache, reuse, 1 + len(draft))
+        else:
+            import torch
+
+            tokens = torch.tensor(ids, dtype=torch.long, device=self.runtime.device)
+            logits = self.runtime(tokens, self.cache, reuse, 1 + len(draft))
         return self.prefill_verified(prompt, draft, logits)
 
     def prefill_draft(self, prompt_len: int) -> list[int]:
@@ -240,6 +248,8 @@ class SpeculativeDecoder:
         block = [self.ids[-1]] + draft.tokens
         numpy = self._numpy_rows
         if not (numpy or self.host_tokens):
+            import torch  # a torch runtime's pass
+
             block = torch.tensor(block, dtype=torch.long, device=self.runtime.device)
         fwd = Forward(block, self.cache, start, k + 1, decoder=self, numpy=numpy)
         self._pending = (draft, start, fwd)
@@ -298,10 +308,14 @@ class SpeculativeDecoder:
 
     @property
     def _numpy_rows(self) -> bool:
-        """Greedy, nothing forced, no trace, and a runtime that returns numpy rows (engine/runtimes/ggml_runtime.py):
-        this round needs only each row's argmax."""
-        greedy = self.opt.temperature <= 0 and not self.forced
-        return greedy and self.trace is None and self.runtime.numpy_rows
+        """Greedy, no trace, and a runtime that returns numpy rows (engine/runtimes/ggml_runtime.py): this round
+        needs only each row's argmax (under a healing constraint, among the allowed tokens: constrained_argmax)."""
+        return self.opt.temperature <= 0 and self.numpy_ok
+
+    @property
+    def numpy_ok(self) -> bool:
+        """Whether a pass may answer numpy rows: a runtime that gives them, and no trace (it keeps torch rows)."""
+        return self.trace is None and self.runtime.numpy_rows
 
     def _finish_round(self, draft: Draft, start: int, logits: Tensor | np.ndarray) -> list[int]:
         """Verify ``draft`` against the block's ``logits`` (the block fed at ``start``), roll the cache
@@ -343,3 +357,22 @@ class SpeculativeDecoder:
             if not accept_draft_token(p[i], q, tok, self.gen):
                 return d[:i] + [draw(residual(p[i], q, tok), self.gen)]
         return d + [draw(p[len(d)], self.gen)]
+
+
+def _generator(seed: int):
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
+def _masked(logits, allowed: list[int]):
+    """``logits`` with every token but ``allowed`` at -inf (numpy rows or a tensor)."""
+    if isinstance(logits, np.ndarray):
+        mask = np.full_like(logits, -np.inf)
+        mask[allowed] = 0.0
+        return logits + mask
+    import torch
+
+    mask = torch.full_like(logits, float("-inf"))
+    mask[allowed] = 0.0
+    return logits + mask

@@ -51,6 +51,10 @@ class BPETokenizer:
             [list(s) for s in sequences], skip_special_tokens=skip_special_tokens
         )
 
+    def token_id(self, token: str) -> int | None:
+        """``get_vocab().get(token)`` without building the whole dict."""
+        return self.backend_tokenizer.token_to_id(token)
+
     def get_vocab(self) -> dict[str, int]:
         return self.backend_tokenizer.get_vocab(with_added_tokens=True)
 

@@ -67,10 +67,12 @@ class LlamaLib:
         return (self.ffi.string(info) if self.ffi is not None else info).decode()
 
     # -- model and contexts ------------------------------------------------------------
-    def load_model(self, path: str):
+    def load_model(self, path: str, check_tensors: bool = True):
+        """The model, its weights mapped from the file; ``check_tensors``: llama.cpp reads every weight first and
+        refuses NaN/Inf (a load error, as for the compact loader): a pass over the whole file, ~1 s for 0.5B q8_0."""
         params = self.lib.llama_model_default_params()
         params.n_gpu_layers = 0
-        params.check_tensors = True  # NaN/Inf in the weights is a load error, as for the compact loader
+        params.check_tensors = check_tensors
         self.errors.clear()
         model = self.lib.llama_model_load_from_file(path.encode(), params)
         return None if self.is_null(model) else model

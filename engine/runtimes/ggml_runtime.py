@@ -55,14 +55,17 @@ import itertools
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from engine.errors import ModelLoadError
 from engine.runtimes import probe_cache
-from engine.runtimes.compact import CompactConfig
 from engine.runtimes.ggml_lib import get_lib
+from engine.runtimes.model_config import CompactConfig
+
+if TYPE_CHECKING:  # only __call__ (torch callers: tests, sampling) takes and gives tensors; the engine's
+    import torch  # greedy path goes through numpy_logits and never imports torch
 
 log = logging.getLogger("fimble.ggml")
 
@@ -72,6 +75,7 @@ LLAMA_UBATCH = 512  # llama.cpp's default ubatch (llama-server -ub, llama-cpp-py
 EXPORT_VERSION = "1"  # bump when engine/runtimes/gguf_export.py writes different files for the same folder
 MAX_THREADS = 256
 KV_BYTES = 2  # llama.cpp's default f16 keys and values
+PROBE_TOKENS = 8  # the load-time forward pass that refuses corrupt weights (as weights_check.bad_probe's)
 PROBE_DEPTH = 200  # cached positions before the load-time batch-invariance probe
 # With flash attention on, a 1-row pass over 512 or more cached positions splits the keys across threads
 # and reduces the parts (ggml-cpu ops.cpp, use_split_kv_path), in an order that depends on the thread
@@ -89,6 +93,12 @@ def _read_kernel_choice(value: dict) -> tuple[bool, bool, bool, int]:
     if type(threads) is not int or not 1 <= threads <= MAX_THREADS:
         raise ValueError("threads")
     return flash, pad, invariant, threads
+
+
+def _read_checked(value: dict) -> bool:
+    if value.get("finite") is not True:
+        raise ValueError("finite")
+    return True
 
 
 def default_threads() -> int:
@@ -156,7 +166,7 @@ class GGMLCache:
             self.length = n
         elif ids is not None and n > 0:
             self.length = 0
-            self.runtime(torch.tensor(ids[:n]), self, 0, 1)
+            self.runtime.numpy_logits(list(ids[:n]), self, 0, 1)
         else:
             self.length = 0
 
@@ -183,13 +193,19 @@ class GGMLRuntime:
         self.path = path
         self.cfg = cfg
         self.threads = resolve_threads(threads)
-        model = self.lib.load_model(str(path))
+        # llama.cpp's scan of every weight for NaN/Inf answers the same for the same file: once it passed, it is
+        # remembered under the file's identity (engine/runtimes/probe_cache.py) and skipped on later starts.
+        checked_parts = (probe_cache.library_identity(self.lib.source), probe_cache.file_identity(path))
+        checked = probe_cache.load("ggml-tensors-checked", checked_parts, _read_checked) is True
+        model = self.lib.load_model(str(path), check_tensors=not checked)
         if model is None:
             raise ModelLoadError(f"{path.name}: llama.cpp cannot load it: {self.lib.last_error()}")
+        if not checked:
+            probe_cache.store("ggml-tensors-checked", checked_parts, {"finite": True})
         self.model = model
         self.vocab = self.lib.n_vocab(model)
-        self.device = torch.device("cpu")
-        self.dtype = torch.float16  # of the keys/values: KVStore budgets bytes per position with it
+        self.device = "cpu"  # a device name, as torch takes it: no torch import here
+        self.kv_element_bytes = KV_BYTES  # of the keys/values: KVStore budgets bytes per position with it
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * KV_BYTES
         self.flash_first = flash_preference()
         self.flash_attn = False
@@ -268,11 +284,12 @@ class GGMLRuntime:
                 return flash, pad, True
         return True, False, False
 
-    @torch.inference_mode()
     def __call__(
         self, tokens: torch.Tensor, cache: GGMLCache, start: int | None = None, num_logits: int = 1
     ) -> torch.Tensor:
         """Run ``tokens`` at positions ``start..``; float32 logits [num_logits, vocab] of the last ones."""
+        import torch
+
         return torch.from_numpy(self.numpy_logits([int(t) for t in tokens.tolist()], cache, start, num_logits))
 
     def numpy_logits(
@@ -371,11 +388,11 @@ def cached_gguf(folder: Path, qtype: str) -> Path:
 
 
 def _check_probe(runtime: GGMLRuntime, source: object) -> None:
-    from engine.runtimes.weights_check import bad_probe
-
-    reason = bad_probe(runtime)
-    if reason:
-        raise ModelLoadError(f"weights in {source} are corrupt: {reason}")
+    """weights_check.bad_probe's short forward pass, on numpy rows (weights_check imports torch)."""
+    n = max(1, min(PROBE_TOKENS, runtime.vocab))
+    tokens = [(i * 7919 + 1) % runtime.vocab for i in range(n)]  # spread over the vocabulary
+    if not np.isfinite(runtime.numpy_logits(tokens, runtime.new_cache(n), 0, n)).all():
+        raise ModelLoadError(f"weights in {source} are corrupt: a probe forward pass gives NaN or Inf logits")
 
 
 def folder_runtime(folder: Path, cfg: dict, quant: str) -> GGMLRuntime:

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from engine.errors import ModelLoadError
 from engine.fim import TEMPLATES, FimTemplate, detect_template
-from engine.runtimes.compact import CompactConfig, CompactTransformer, compact_from_hf_state
 from engine.runtimes.gguf_export import gguf_to_hf_qk
+from engine.runtimes.model_config import CompactConfig
+
+if TYPE_CHECKING:  # the compact runtime's load only: the ggml runtime reads metadata here without torch
+    import torch
+
+    from engine.runtimes.compact import CompactTransformer
 
 GGUF_MAGIC = b"GGUF"
 # GGUF pre-tokenizer names whose split rule this loader reproduces exactly: None means GPT-2's own
@@ -154,6 +159,7 @@ def _config(reader, path: Path) -> tuple[CompactConfig, str]:
 
 
 def _hf_state(reader, cfg: CompactConfig, arch: str) -> dict[str, torch.Tensor]:
+    import torch
     from gguf.quants import dequantize
 
     names = {
@@ -222,7 +228,12 @@ def open_meta(path: Path):
         raise ModelLoadError(f"{path.name} is not a readable GGUF file: {exc}") from None
 
 
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> GGUFModel:
+def load_gguf(path: Path, dtype: torch.dtype | None = None, device: str = "cpu") -> GGUFModel:
+    import torch
+
+    from engine.runtimes.compact import compact_from_hf_state
+
+    dtype = torch.float32 if dtype is None else dtype
     reader = open_reader(path)
     try:
         cfg, arch = _config(reader, path)

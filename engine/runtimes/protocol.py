@@ -7,9 +7,10 @@ class attribute; the engine reads them instead of probing for methods.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class Runtime(Protocol):

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.decoding.passes import DraftNeed, Forward
+from engine.decoding.passes import DraftNeed, Forward, run_one
 from engine.runtimes.compact import CompactTransformer, rotate
 
 __all__ = ["DraftNeed", "Forward", "batched_forward", "batched_greedy_drafts", "run_one", "supports_batch"]
@@ -59,13 +59,6 @@ def eager_model(runtime: object) -> object:
     from engine.runtimes.cuda_graphs import GraphRuntime  # no torch.cuda use at import
 
     return runtime.model if isinstance(runtime, GraphRuntime) else runtime
-
-
-def run_one(runtime, call: Forward) -> Tensor:
-    """A pass of one sequence through the runtime's own forward (round-robin mode, other runtimes)."""
-    if call.numpy:  # host ids in, numpy rows out (engine/runtimes/ggml_runtime.py): no torch call on the way
-        return runtime.numpy_logits(call.tokens, call.cache, call.start, call.num_logits)
-    return runtime(call.tokens, call.cache, call.start, call.num_logits)
 
 
 def _linear(lin: nn.Module, x: Tensor) -> Tensor:
