@@ -54,6 +54,7 @@ import hashlib
 import itertools
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -188,20 +189,15 @@ class GGMLRuntime:
     cost_aware_drafting = True
     shift_reuse = False
 
-    def __init__(self, path: Path, cfg: CompactConfig, threads: int | None = None):
+    def __init__(
+        self, path: Path, cfg: CompactConfig, threads: int | None = None, loaded: tuple[object, bool] | None = None
+    ):
+        """``loaded``: ``load_weights``'s answer, where the caller loaded the model already (``WeightsLoad``)."""
         self.lib = get_lib()
         self.path = path
         self.cfg = cfg
         self.threads = resolve_threads(threads)
-        # llama.cpp's scan of every weight for NaN/Inf answers the same for the same file: once it passed, it is
-        # remembered under the file's identity (engine/runtimes/probe_cache.py) and skipped on later starts.
-        checked_parts = (probe_cache.library_identity(self.lib.source), probe_cache.file_identity(path))
-        checked = probe_cache.load("ggml-tensors-checked", checked_parts, _read_checked) is True
-        model = self.lib.load_model(str(path), check_tensors=not checked)
-        if model is None:
-            raise ModelLoadError(f"{path.name}: llama.cpp cannot load it: {self.lib.last_error()}")
-        if not checked:
-            probe_cache.store("ggml-tensors-checked", checked_parts, {"finite": True})
+        model, self.weights_checked = loaded or load_weights(self.lib, path)
         self.model = model
         self.vocab = self.lib.n_vocab(model)
         self.device = "cpu"  # a device name, as torch takes it: no torch import here
@@ -387,12 +383,65 @@ def cached_gguf(folder: Path, qtype: str) -> Path:
     return out
 
 
+def _weights_parts(lib, path: Path) -> tuple[str, ...]:
+    return (probe_cache.library_identity(lib.source), probe_cache.file_identity(path), f"probe={PROBE_TOKENS}")
+
+
+def load_weights(lib, path: Path) -> tuple[object, bool]:
+    """(llama.cpp's model, its weights mapped from the file; whether they passed the checks before). The checks,
+    llama.cpp's scan of every weight for NaN/Inf and ``_check_probe``'s pass, answer the same for the same file
+    and build: once both passed, that is remembered under their identities (engine/runtimes/probe_cache.py) and
+    later starts skip them."""
+    checked = probe_cache.load("ggml-weights-checked", _weights_parts(lib, path), _read_checked) is True
+    model = lib.load_model(str(path), check_tensors=not checked)
+    if model is None:
+        raise ModelLoadError(f"{path.name}: llama.cpp cannot load it: {lib.last_error()}")
+    return model, checked
+
+
+class WeightsLoad:
+    """``load_weights`` on a thread: llama.cpp reads the file's header and builds its own vocabulary (most of a
+    load: ~0.6 s for Qwen's 151,936 tokens on a 2-core CPU) in C, without the GIL, while the caller reads the same
+    header for fimble's tokenizer."""
+
+    def __init__(self, path: Path):
+        self.lib, self.path = get_lib(), path
+        self._answer: tuple[object, bool] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fimble-ggml-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._answer = load_weights(self.lib, self.path)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by result()
+            self._error = exc
+
+    def result(self) -> tuple[object, bool]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._answer is not None
+        return self._answer
+
+    def discard(self) -> None:
+        """The caller failed first: free the model once it is loaded."""
+        self._thread.join()
+        if self._answer is not None:
+            self.lib.lib.llama_model_free(self._answer[0])
+            self._answer = None
+
+
 def _check_probe(runtime: GGMLRuntime, source: object) -> None:
-    """weights_check.bad_probe's short forward pass, on numpy rows (weights_check imports torch)."""
+    """weights_check.bad_probe's short forward pass, on numpy rows (weights_check imports torch); skipped where
+    the file passed it before (``load_weights``)."""
+    if runtime.weights_checked:
+        return
     n = max(1, min(PROBE_TOKENS, runtime.vocab))
     tokens = [(i * 7919 + 1) % runtime.vocab for i in range(n)]  # spread over the vocabulary
     if not np.isfinite(runtime.numpy_logits(tokens, runtime.new_cache(n), 0, n)).all():
         raise ModelLoadError(f"weights in {source} are corrupt: a probe forward pass gives NaN or Inf logits")
+    probe_cache.store("ggml-weights-checked", _weights_parts(runtime.lib, runtime.path), {"finite": True})
 
 
 def folder_runtime(folder: Path, cfg: dict, quant: str) -> GGMLRuntime:
@@ -408,17 +457,20 @@ def gguf_model(path: Path):
     """A GGUF file on the ggml runtime: engine.runtimes.gguf_loader.GGUFModel, tokenizer and template from the file."""
     from engine.runtimes.gguf_loader import GGUFModel, _config, _template, _tokenizer, open_meta
 
-    reader = open_meta(path)  # llama.cpp reads the tensors: only the metadata is needed here
+    loading = WeightsLoad(path)  # llama.cpp loads on a thread while the tokenizer is built here
     try:
+        reader = open_meta(path)  # llama.cpp reads the tensors: only the metadata is needed here
         cfg, _ = _config(reader, path)
         tokenizer, tokens = _tokenizer(reader, path)
         template, stops = _template(reader, tokens)
-    except ModelLoadError:
-        raise
-    except Exception as exc:  # a GGUF with missing or malformed entries
+    except BaseException as exc:
+        loading.discard()
+        if isinstance(exc, ModelLoadError) or not isinstance(exc, Exception):
+            raise
+        # a GGUF with missing or malformed entries
         raise ModelLoadError(f"{path.name} is a malformed GGUF file: {type(exc).__name__}: {exc}") from None
     del reader
-    runtime = GGMLRuntime(path, cfg)
+    runtime = GGMLRuntime(path, cfg, loaded=loading.result())
     _check_probe(runtime, path)
     notice = (
         None

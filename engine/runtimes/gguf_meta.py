@@ -19,6 +19,7 @@ MAGIC = b"GGUF"
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
 MAX_ITEMS = 1 << 24  # a sanity cap on array lengths and counts: a corrupt header must not allocate wildly
+_U64 = struct.Struct("<Q")
 
 
 class GGUFFormatError(ValueError):
@@ -61,6 +62,25 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, n: int) -> list[str]:
+        """``n`` strings in a row: the vocabulary and merges (300k of them for Qwen), in one tight loop."""
+        data, pos, end = self.data, self.pos, len(self.data)
+        unpack = _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        try:
+            for _ in range(n):
+                (size,) = unpack(data, pos)
+                pos += 8
+                if pos + size > end:
+                    raise GGUFFormatError("header ends early")
+                append(data[pos : pos + size].decode("utf-8", errors="replace"))
+                pos += size
+        except struct.error:
+            raise GGUFFormatError("header ends early") from None
+        self.pos = pos
+        return out
+
     def count(self) -> int:
         n = self.take("Q")
         if n > MAX_ITEMS:
@@ -73,7 +93,7 @@ class _Cursor:
         if vtype == ARRAY:
             itype, n = self.take("I"), self.count()
             if itype == STRING:
-                return [self.string() for _ in range(n)]
+                return self.strings(n)
             fmt = _SCALARS.get(itype)
             if fmt is None:
                 raise GGUFFormatError(f"unsupported array item type {itype}")
