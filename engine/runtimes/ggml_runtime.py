@@ -402,18 +402,23 @@ def load_weights(lib, path: Path) -> tuple[object, bool]:
 class WeightsLoad:
     """``load_weights`` on a thread: llama.cpp reads the file's header and builds its own vocabulary (most of a
     load: ~0.6 s for Qwen's 151,936 tokens on a 2-core CPU) in C, without the GIL, while the caller reads the same
-    header for fimble's tokenizer."""
+    header for fimble's tokenizer. Then one short pass, which reads every weight once (the mapped file's pages
+    come in here, not in the first completion): ``_check_probe``'s pass where the file is not checked yet."""
 
     def __init__(self, path: Path):
         self.lib, self.path = get_lib(), path
         self._answer: tuple[object, bool] | None = None
         self._error: BaseException | None = None
+        self.probe_finite: bool | None = None  # the probe pass's verdict, where it ran here
         self._thread = threading.Thread(target=self._run, name="fimble-ggml-load", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
             self._answer = load_weights(self.lib, self.path)
+            model, checked = self._answer
+            finite = _probe_pass(self.lib, model, 1 if checked else PROBE_TOKENS, resolve_threads())
+            self.probe_finite = None if checked else finite
         except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by result()
             self._error = exc
 
@@ -432,14 +437,28 @@ class WeightsLoad:
             self._answer = None
 
 
-def _check_probe(runtime: GGMLRuntime, source: object) -> None:
-    """weights_check.bad_probe's short forward pass, on numpy rows (weights_check imports torch); skipped where
-    the file passed it before (``load_weights``)."""
+def _probe_pass(lib, model, n: int, threads: int) -> bool:
+    """Whether ``n`` tokens spread over the vocabulary give finite logits (weights_check.bad_probe's pass, on
+    llama.cpp's own calls: weights_check imports torch)."""
+    vocab = lib.n_vocab(model)
+    n = max(1, min(n, vocab))
+    ctx, batch = lib.new_context(model, n, n, threads, False), lib.new_batch(n)
+    try:
+        tokens = [(i * 7919 + 1) % vocab for i in range(n)]
+        return bool(np.isfinite(lib.decode(ctx, batch, tokens, 0, n, vocab)).all())
+    finally:
+        lib.lib.llama_batch_free(batch)
+        lib.lib.llama_free(ctx)
+
+
+def _check_probe(runtime: GGMLRuntime, source: object, finite: bool | None = None) -> None:
+    """Refuse weights whose probe pass gives NaN or Inf (``finite``: its verdict where ``WeightsLoad`` ran it);
+    skipped where the file passed it before (``load_weights``)."""
     if runtime.weights_checked:
         return
-    n = max(1, min(PROBE_TOKENS, runtime.vocab))
-    tokens = [(i * 7919 + 1) % runtime.vocab for i in range(n)]  # spread over the vocabulary
-    if not np.isfinite(runtime.numpy_logits(tokens, runtime.new_cache(n), 0, n)).all():
+    if finite is None:
+        finite = _probe_pass(runtime.lib, runtime.model, PROBE_TOKENS, runtime.threads)
+    if not finite:
         raise ModelLoadError(f"weights in {source} are corrupt: a probe forward pass gives NaN or Inf logits")
     probe_cache.store("ggml-weights-checked", _weights_parts(runtime.lib, runtime.path), {"finite": True})
 
@@ -471,7 +490,7 @@ def gguf_model(path: Path):
         raise ModelLoadError(f"{path.name} is a malformed GGUF file: {type(exc).__name__}: {exc}") from None
     del reader
     runtime = GGMLRuntime(path, cfg, loaded=loading.result())
-    _check_probe(runtime, path)
+    _check_probe(runtime, path, loading.probe_finite)
     notice = (
         None
         if template
