@@ -70,11 +70,12 @@ def rows_tensor(logits) -> Tensor:
     return logits.tensor() if isinstance(logits, RowSpan) else logits
 
 
-def host_pass(runtime, ids: list[int], cache, start: int | None, num_logits: int = 1):
+def host_pass(runtime, ids: list[int], cache, start: int | None, num_logits: int = 1, numpy: bool = True):
     """Run host token ids at ``start..`` into ``cache``; the last ``num_logits`` rows of logits. On a runtime that
     declares ``numpy_rows`` (the ggml runtime) through its ``numpy_logits``, numpy rows back: that path never
-    imports torch (a 2 s import at every engine start). Elsewhere a long tensor on the runtime's device."""
-    if getattr(runtime, "numpy_rows", False):
+    imports torch (a 2 s import at every engine start). Elsewhere, or with ``numpy`` off (a caller that keeps
+    torch rows), a long tensor on the runtime's device."""
+    if numpy and getattr(runtime, "numpy_rows", False):
         return runtime.numpy_logits(list(ids), cache, start, num_logits)
     import torch
 

@@ -164,14 +164,7 @@ class SpeculativeDecoder:
         if reuse < self.cache.length:
             self.cache.rollback(reuse)
         draft = self.prefill_draft(len(prompt))
-        ids = prompt[reuse:] + draft
-        if self.numpy_ok:
-            logits = host_pass(self.runtime, ids, self.cache, reuse, 1 + len(draft))
-        else:
-            import torch
-
-            tokens = torch.tensor(ids, dtype=torch.long, device=self.runtime.device)
-            logits = self.runtime(tokens, self.cache, reuse, 1 + len(draft))
+        logits = host_pass(self.runtime, prompt[reuse:] + draft, self.cache, reuse, 1 + len(draft), self.numpy_ok)
         return self.prefill_verified(prompt, draft, logits)
 
     def prefill_draft(self, prompt_len: int) -> list[int]:
