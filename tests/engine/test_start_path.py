@@ -71,7 +71,7 @@ def test_the_engine_child_on_a_gguf_never_imports_torch(gguf, cache_dir, tmp_pat
         eng.close()
     got = json.loads(report.read_text())
     assert got == {"code": 0, "torch": False, "transformers": False}
-    # The same answers in this process, where torch is loaded: the numpy path decodes as the torch one did.
+    # The same answers from an engine in this process (torch loaded here, the probe cache warm).
     from engine.local import LocalEngine
 
     local = LocalEngine(load_model(gguf), start_thread=False)
@@ -80,6 +80,40 @@ def test_the_engine_child_on_a_gguf_never_imports_torch(gguf, cache_dir, tmp_pat
         for p in ("def read_config(path):\n    with open(path) as f:\n        ", "import os\n\n\ndef ma")
     ]
     assert [r.text for r in again] == texts
+
+
+@needs_ggml
+def test_healed_decoding_on_numpy_rows_equals_the_torch_rows(gguf):
+    """Healing's constrained first tokens (newline and mid-word) on the numpy rows the ggml path now takes, against
+    the torch rows a trace keeps: the same tokens, plain and with n-gram drafts."""
+    from engine.decoding.drafters import NgramDrafter
+    from engine.decoding.healing import split_heal
+    from engine.decoding.speculative import SpeculativeDecoder
+
+    model = load_model(gguf, runtime="ggml")
+    rt = model.runtime
+    healed = 0
+    for prefix in ("def read_config(path):\n    with open(path) as f:\n        ", "import os\n\n\ndef ma", CODE[:700]):
+        last = model.tokenizer.decode(model.encode(prefix)[-1:])
+        body, heal, constrained = split_heal(prefix, last)
+        healed += bool(heal and constrained)
+        for drafter in ("none", "ngram"):
+            outs = []
+            for traced in (False, True):
+                opts = DecodeOptions(max_tokens=16, drafter=drafter)
+                forced = heal if constrained else ""
+                dec = SpeculativeDecoder(
+                    rt, rt.new_cache(512), model.stop_ids, opts, None, NgramDrafter(), forced, model.token_index
+                )
+                if traced:
+                    dec.trace = []
+                assert dec.numpy_ok is not traced
+                dec.prefill(model.encode(body))
+                while not dec.done:
+                    dec.step()
+                outs.append(dec.output)
+            assert outs[0] == outs[1] and len(outs[0]) > 0, (prefix[-20:], drafter)
+    assert healed >= 2
 
 
 @needs_ggml
