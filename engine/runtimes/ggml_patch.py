@@ -29,6 +29,13 @@ SGEMM_NEW = """#if !defined(__MMA__)
         return false;
     if (n <= 32 && (Atype == GGML_TYPE_F32 || Atype == GGML_TYPE_F16))
         return false;
+#if defined(__AVX2__)
+    // q8_0 weights too (with q8_0 activations): ggml's own path has a kernel that reads each weight block
+    // once for up to 8 rows (quants.c, fimble_vec_dot_q8_0_q8_0_rows), where tinyBLAS's 4x2 tiles cost
+    // about a step per extra row here.
+    if (n <= 32 && Atype == GGML_TYPE_Q8_0)
+        return false;
+#endif
 #endif"""
 
 KERNELS_BEFORE = "static void ggml_compute_forward_mul_mat_one_chunk("
@@ -105,7 +112,7 @@ static void fimble_vec_dot_f16_x2(int n, float * s, const ggml_fp16_t * x, const
 """
 
 TMP_OLD = "    float tmp[32];\n"
-TMP_NEW = "    float tmp[32];\n    float fimble_tmp[48];  // fimble: up to three rows of 16 results\n"
+TMP_NEW = "    float tmp[32];\n    float fimble_tmp[128];  // fimble: up to eight rows of 16 results\n"
 
 LOOP_OLD = """                //for (int64_t ir0 = iir0; ir0 < iir0 + blck_0 && ir0 < ir0_end; ++ir0) {
                 //    vec_dot(ne00, &dst_col[ir0], src0_row + ir0*nb01, src1_col);
@@ -141,13 +148,123 @@ LOOP_NEW = (
                     ir1 += fimble_nr - 1;  // and the loop's own step: the next rows
                     continue;
                 }
+#if defined(FIMBLE_Q8_0_ROWS)
+                // fimble: q8_0 weights against up to FIMBLE_Q8_0_ROWS rows of this block at once (9-16 rows in
+                // two near-equal groups, never a single row left), each weight block loaded once for all.
+                if (type == GGML_TYPE_Q8_0 && vec_dot_type == GGML_TYPE_Q8_0 && fimble_left >= 2 &&
+                    ne00 <= FIMBLE_Q8_0_MAX_N && num_rows_per_vec_dot == 1 &&
+                    (src1_cont || src1->type != vec_dot_type)) {
+                    const int64_t fimble_q8 = fimble_left <= FIMBLE_Q8_0_ROWS ? fimble_left
+                                            : MIN((fimble_left + 1) / 2, FIMBLE_Q8_0_ROWS);
+                    const int64_t fimble_nx = MIN(iir0 + blck_0, ir0_end) - iir0;
+                    fimble_vec_dot_q8_0_q8_0_rows((int) ne00, (int) fimble_nx, (int) fimble_q8, fimble_tmp, 16,
+                                                  src0_row + iir0 * nb01, nb01, src1_col, row_size);
+                    for (int64_t r = 0; r < fimble_q8; r++) {
+                        memcpy((char *) &dst_col[iir0] + r*nb1, fimble_tmp + 16*r, fimble_nx * sizeof(float));
+                    }
+                    ir1 += fimble_q8 - 1;  // and the loop's own step: the next rows
+                    continue;
+                }
+#endif
 #endif
 """
 )
+
+QUANTS_H = "vendor/llama.cpp/ggml/src/ggml-cpu/quants.h"
+QUANTS_X86 = "vendor/llama.cpp/ggml/src/ggml-cpu/arch/x86/quants.c"
+
+Q8_DECL_OLD = (
+    "void ggml_vec_dot_q8_0_q8_0(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, "
+    "size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);\n"
+)
+Q8_DECL_NEW = (
+    Q8_DECL_OLD
+    + """#if defined(__AVX2__) && defined(__GNUC__)
+// fimble (engine/runtimes/ggml_patch.py): nx q8_0 rows of vx (bx bytes apart) against nr (2..FIMBLE_Q8_0_ROWS)
+// q8_0 rows of vy (by bytes apart), row length n <= FIMBLE_Q8_0_MAX_N; s[i + r*bs] = x row i . y row r, each
+// exactly ggml_vec_dot_q8_0_q8_0's result.
+#define FIMBLE_Q8_0_ROWS 8
+#define FIMBLE_Q8_0_MAX_N 32768
+void fimble_vec_dot_q8_0_q8_0_rows(int n, int nx, int nr, float * GGML_RESTRICT s, size_t bs,
+                                   const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by);
+#endif
+"""
+)
+
+Q8_KERNEL_BEFORE = "void ggml_vec_dot_tq1_0_q8_K("
+# The rows' loop is written once and inlined for each row count, so every count keeps its accumulators in
+# registers (a runtime count would keep them in memory). The per-row body is ggml_vec_dot_q8_0_q8_0's AVX2
+# loop body, through the same helpers: the weight block's abs/sign work is shared by the compiler, the sums
+# are not touched.
+Q8_KERNEL = """#if defined(__AVX2__) && defined(__GNUC__)
+// fimble (engine/runtimes/ggml_patch.py): ggml_vec_dot_q8_0_q8_0's AVX2 loop for NR activation rows at once.
+// Each weight block is loaded (and its absolute value taken) once; row r keeps its own accumulator, updated
+// with the 1-row loop's arithmetic in its order: the scale product dx*dy in single precision (the same value
+// whether multiplied as scalars or as broadcast vectors), mul_sum_i8_pairs_float's integer sums, one FMA per
+// block, hsum_float_8. So every row equals a 1-row product bit for bit. The activations' scales are converted
+// once per call, not once per weight row.
+static inline __attribute__((always_inline)) void fimble_q8_0_rows(
+        const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x,
+        const char * GGML_RESTRICT vy, const size_t by, const float * GGML_RESTRICT dy) {
+    __m256 acc[FIMBLE_Q8_0_ROWS];
+    for (int r = 0; r < NR; ++r) {
+        acc[r] = _mm256_setzero_ps();
+    }
+    for (int ib = 0; ib < nb; ++ib) {
+        const __m256 dx = _mm256_set1_ps(GGML_CPU_FP16_TO_FP32(x[ib].d));
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[ib].qs);
+#if !__AVXVNNIINT8__
+        const __m256i ax = _mm256_sign_epi8(qx, qx);  // mul_sum_i8_pairs_float's first step, for every row
+#endif
+        for (int r = 0; r < NR; ++r) {
+            const __m256i qy = _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)(vy + r*by) + ib)->qs);
+            const __m256 d = _mm256_mul_ps(dx, _mm256_broadcast_ss(dy + r*nb + ib));
+#if __AVXVNNIINT8__
+            const __m256 q = mul_sum_i8_pairs_float(qx, qy);
+#else
+            const __m256 q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(qy, qx));
+#endif
+            acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; ++r) {
+        s[r*bs] = hsum_float_8(acc[r]);
+    }
+}
+
+void fimble_vec_dot_q8_0_q8_0_rows(int n, int nx, int nr, float * GGML_RESTRICT s, size_t bs,
+                                   const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by) {
+    assert(n % QK8_0 == 0 && n <= FIMBLE_Q8_0_MAX_N && nr >= 2 && nr <= FIMBLE_Q8_0_ROWS);
+    const int nb = n / QK8_0;
+    const char * GGML_RESTRICT y = vy;
+    float dy[FIMBLE_Q8_0_ROWS * (FIMBLE_Q8_0_MAX_N / QK8_0)];
+    for (int r = 0; r < nr; ++r) {
+        for (int ib = 0; ib < nb; ++ib) {
+            dy[r*nb + ib] = GGML_CPU_FP16_TO_FP32(((const block_q8_0 *)(y + r*by) + ib)->d);
+        }
+    }
+    for (int i = 0; i < nx; ++i) {
+        const block_q8_0 * GGML_RESTRICT x = (const block_q8_0 *)((const char *) vx + i*bx);
+        switch (nr) {
+            case 2: fimble_q8_0_rows(2, nb, s + i, bs, x, y, by, dy); break;
+            case 3: fimble_q8_0_rows(3, nb, s + i, bs, x, y, by, dy); break;
+            case 4: fimble_q8_0_rows(4, nb, s + i, bs, x, y, by, dy); break;
+            case 5: fimble_q8_0_rows(5, nb, s + i, bs, x, y, by, dy); break;
+            case 6: fimble_q8_0_rows(6, nb, s + i, bs, x, y, by, dy); break;
+            case 7: fimble_q8_0_rows(7, nb, s + i, bs, x, y, by, dy); break;
+            default: fimble_q8_0_rows(8, nb, s + i, bs, x, y, by, dy); break;
+        }
+    }
+}
+#endif
+
+"""
 
 PATCHES: tuple[tuple[str, str, str], ...] = (
     (SGEMM, SGEMM_OLD, SGEMM_NEW),
     (GGML_CPU, KERNELS_BEFORE, KERNELS + KERNELS_BEFORE),
     (GGML_CPU, TMP_OLD, TMP_NEW),
     (GGML_CPU, LOOP_OLD, LOOP_NEW),
+    (QUANTS_H, Q8_DECL_OLD, Q8_DECL_NEW),
+    (QUANTS_X86, Q8_KERNEL_BEFORE, Q8_KERNEL + Q8_KERNEL_BEFORE),
 )
