@@ -1,0 +1,94 @@
+"""q8_0 verify rows that share their weight reads (engine/runtimes/ggml_patch.py, fimble_vec_dot_q8_0_q8_0_rows):
+every row of a block must equal a 1-token step bit for bit, in the kernel alone and on the default model.
+
+The kernel test calls the built library's C functions directly on random q8_0 blocks (extremes included), so a
+change that alters one row's summation order fails here before any model runs. The model test decodes the
+default GGUF (Qwen2.5-Coder-0.5B q8_0) as 1-token steps and as blocks of every size the kernel splits
+differently (2-8 rows in one group, 9-16 in two, past 16 in several of llama.cpp's 16-row tiles), and compares
+logits exactly. Skipped where the library or the default model is not there (the README's install steps).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import model_info
+from engine.runtimes.ggml_lib import unavailable_reason
+
+REASON = unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no llama.cpp library: {REASON}")
+BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])  # ggml's block_q8_0: 34 bytes, packed
+ROWS_MAX = 8  # FIMBLE_Q8_0_ROWS in the patch
+
+
+def _has_avx2() -> bool:
+    try:
+        return " avx2" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def _ggml_cpu() -> ctypes.CDLL:
+    from engine.runtimes.ggml_lib import get_lib
+
+    lib = get_lib()
+    return ctypes.CDLL(str(Path(lib.source) / "libggml-cpu.so"))
+
+
+def _blocks(rng: np.random.Generator, rows: int, nb: int) -> np.ndarray:
+    out = np.zeros((rows, nb), BLOCK)
+    out["d"] = rng.uniform(1e-4, 2e-2, (rows, nb)).astype(np.float16)
+    out["qs"] = rng.integers(-127, 128, (rows, nb, 32), dtype=np.int8)
+    out["qs"][0, 0, :4] = (-128, -128, 127, -127)  # the extremes the sign trick and int16 pairs must survive
+    out["qs"][1, 0, :4] = (-128, 127, -128, -128)
+    return out
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="the multi-row q8_0 kernel is AVX2's")
+def test_kernel_rows_equal_one_row_dots_bit_for_bit():
+    cpu = _ggml_cpu()
+    rows_fn = cpu.fimble_vec_dot_q8_0_q8_0_rows  # absent: the build did not take the patch
+    one_fn = cpu.ggml_vec_dot_q8_0_q8_0
+    vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    rows_fn.argtypes = [i, i, i, vp, sz, vp, sz, vp, sz]
+    one_fn.argtypes = [i, vp, sz, vp, sz, vp, sz, i]
+    rng = np.random.default_rng(0)
+    for n, nx in ((896, 16), (4864, 5), (32, 3)):
+        nb = n // 32
+        x, y = _blocks(rng, nx, nb), _blocks(rng, ROWS_MAX, nb)
+        one = np.zeros((ROWS_MAX, nx), np.float32)
+        for r in range(ROWS_MAX):
+            for k in range(nx):
+                one_fn(n, one[r, k:].ctypes.data, 0, x[k].ctypes.data, 0, y[r].ctypes.data, 0, 1)
+        assert np.abs(one).max() > 0  # the dots are not all zero (else equality proves nothing)
+        for nr in range(2, ROWS_MAX + 1):
+            got = np.full((ROWS_MAX, 16), np.nan, np.float32)
+            rows_fn(n, nx, nr, got.ctypes.data, 16, x.ctypes.data, x.strides[0], y.ctypes.data, y.strides[0])
+            assert np.array_equal(got[:nr, :nx].view(np.uint32), one[:nr].view(np.uint32)), (n, nr)
+            assert np.isnan(got[nr:]).all() and np.isnan(got[:nr, nx:]).all()  # nothing written past its rows
+
+
+def test_default_model_blocks_equal_steps_bit_for_bit():
+    """The default model's verify blocks (every split the kernel makes) equal its 1-token steps exactly."""
+    path = model_info.qwen_fim_target()
+    if not path.is_file():
+        pytest.skip("the default model is not installed (python -m training.fetch_qwen)")
+    from engine.loader import load_model
+
+    rt = load_model(path, runtime="ggml").runtime
+    assert rt.batch_invariant and not rt.pad_single  # the load-time probe passed without padding 1-row passes
+    depth, longest = 200, 33
+    ids = [(i * 7919 + 11) % rt.vocab for i in range(depth + longest)]
+    cache = rt.new_cache(depth + longest + 1)
+    rt(torch.tensor(ids[:depth]), cache, 0, 1)
+    steps = torch.cat([rt(torch.tensor([ids[depth + i]]), cache, depth + i, 1) for i in range(longest)])
+    assert len({int(t) for t in steps.argmax(-1)}) > 1  # a model that says one thing proves nothing
+    for k in (2, 3, 4, 5, 8, 9, 16, 17, 32, 33):  # 33: past the runtime's 32-row passes
+        cache.rollback(depth)
+        block = rt(torch.tensor(ids[depth : depth + k]), cache, depth, k)
+        assert torch.equal(block, steps[:k]), k
