@@ -1,15 +1,22 @@
 """The edits fimble makes to llama.cpp's source before building it (engine/runtimes/ggml_build.py applies
 them and says why): (file, text there, its replacement). Each text must occur exactly once.
 
-All serve one rule: for 1 to 32 rows, every f32 and f16 product runs ggml's own path, whose sums are
-stock's 1-row sums, so a verify block's rows equal 1-token steps' bit for bit (fimble is lossless) and
-a 1-token step runs stock's kernel at stock's speed.
-1. sgemm.cpp: llamafile's tinyBLAS takes f32 and f16 products from 33 rows only (stock: from 2).
+All serve one rule: for 1 to 32 rows, every f32 and f16 product (and q8_0 on AVX2) runs ggml's own
+path, whose sums are stock's 1-row sums, so a verify block's rows equal 1-token steps' bit for bit
+(fimble is lossless) and a 1-token step runs stock's kernel at stock's speed.
+1. sgemm.cpp: llamafile's tinyBLAS takes f32 and f16 products (and q8_0 on AVX2) from 33 rows only
+   (stock: from 2).
 2. ggml-cpu.c: ggml's own product reads each weight row once for two rows of a block (f32 and f16) or
    three (f32), where stock reads it once per row. Each sum runs in exactly ggml_vec_dot_f32's or
    ggml_vec_dot_f16's order: the same four accumulators over the same steps, the same reduction. Only
    for rows with no leftover elements (vec_dot sums those in scalar code, which a compiler may contract
    differently), and only where ggml's generic SIMD code is the vec_dot (not SVE or RISC-V vectors).
+3. quants.h, arch/x86/quants.c, ggml-cpu.c: on AVX2, q8_0 weights (against the q8_0 rows ggml quantises
+   the activations to) take fimble_vec_dot_q8_0_q8_0_rows for 2 to 8 rows of a block at once (9-16 in two
+   groups): each weight block is loaded once for every row, and each row's sum is ggml_vec_dot_q8_0_q8_0's
+   AVX2 loop (the same scale product, integer sums, one FMA a block in order, the same reduction).
+   tinyBLAS's q8_0 tiles (4 weight rows x 2 activation rows) also equal vec_dot bit for bit, but cost
+   about 0.8 of a step per extra row here (issue 24's probe: 2/4/8/16 rows 1.86/3.30/6.10/11.93 steps).
 """
 
 from __future__ import annotations
