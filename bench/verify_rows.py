@@ -10,6 +10,9 @@ runs shows the machine's noise. The bit check decodes 16 one-token steps after a
 the same tokens as blocks of 2, 3, 4, 8 and 16 rows and compares their logits exactly. The library is the one
 the ggml runtime loads (``$LLAMA_CPP_LIB_PATH`` or the install step's build); the table names it.
 
+At 1 thread the probe's passes are also timed in CPU time (a row of the table): on a loaded machine it shows
+the kernels' cost without the time other processes held the core.
+
 The bar (issue 24): 4 rows <= 1.4x a step, 8 rows <= 1.8x, rows bit-identical, at 1 and 2 threads. The last
 line is the headline: the best run's 4- and 8-row costs per thread count.
 """
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +41,24 @@ def load(model: Path, threads: int):
 
     os.environ["FIMBLE_GGML_THREADS"] = str(threads)
     return load_model(model, runtime="ggml").runtime
+
+
+def cpu_costs(rt, repeats: int) -> dict[int, float]:
+    """The probe's passes timed in this thread's CPU time, fastest of ``repeats`` (1 thread only: ggml then
+    computes in the calling thread). Time spent descheduled by other processes does not count, so on a
+    loaded machine this shows the kernels' own cost where the wall-clock probe shows the load too."""
+    rows = spec_policy.PROBE_ROWS
+    ids = [(i * 7919 + 11) % rt.vocab for i in range(DEPTH + max(rows))]
+    cache = rt.new_cache(DEPTH + max(rows) + 1)
+    rt(torch.tensor(ids[:DEPTH]), cache, 0, 1)
+    best: dict[int, float] = {}
+    for _ in range(repeats):
+        for r in rows:
+            cache.rollback(DEPTH)
+            t0 = time.thread_time()
+            rt(torch.tensor(ids[DEPTH : DEPTH + r]), cache, DEPTH, r)
+            best[r] = min(best.get(r, 1e9), time.thread_time() - t0)
+    return {r: best[r] / best[1] for r in rows} | {0: best[1]}
 
 
 def bit_check(rt) -> dict[int, bool]:
@@ -75,6 +97,7 @@ def main() -> None:
     for _ in range(args.runs):
         for t in threads:  # thread counts interleaved: a burst of load hits both alike
             runs[t].append(spec_policy.measure(runtimes[t]))
+    cpu = {t: cpu_costs(runtimes[t], args.repeats) for t in threads if runtimes[t].threads == 1}
     bits = {t: bit_check(rt) for t, rt in runtimes.items()}
     load_end = os.getloadavg()
     lib = runtimes[threads[0]].lib.source
@@ -89,6 +112,9 @@ def main() -> None:
         for i, c in enumerate(runs[t]):
             cells = " | ".join(f"{x:.2f}" for x in c.relative)
             print(f"| {t}/{runtimes[t].threads} | {i + 1} | {c.step_s * 1e3:.1f} | {cells} |")
+    for t, c in cpu.items():
+        cells = " | ".join(f"{c[r]:.2f}" for r in rows)
+        print(f"| {t}/1, CPU time | - | {c[0] * 1e3:.1f} | {cells} |")
     print()
     for t in threads:
         same = ", ".join(f"{k}: {'yes' if ok else 'NO'}" for k, ok in bits[t].items())
@@ -103,6 +129,7 @@ def main() -> None:
         "rows": list(rows),
         "runs": {str(t): [{"step_ms": c.step_s * 1e3, "rel": list(c.relative)} for c in runs[t]] for t in threads},
         "threads_used": {str(t): runtimes[t].threads for t in threads},
+        "cpu_time_rel": {str(t): {"step_ms": c[0] * 1e3, "rel": [c[r] for r in rows]} for t, c in cpu.items()},
         "bit_identical": {str(t): {str(k): ok for k, ok in bits[t].items()} for t in threads},
     }
     if args.json:

@@ -185,7 +185,8 @@ class GGMLRuntime:
     # capabilities (engine/runtimes/protocol.py)
     numpy_rows = True
     greedy_drafts = False
-    # engine/decoding/spec_policy.py: draft only what pays (q8_0 verify rows cost about a step each here).
+    # engine/decoding/spec_policy.py: draft only what pays (each extra q8_0 verify row still costs a part of a
+    # step here: bench/verify_rows.py).
     cost_aware_drafting = True
     shift_reuse = False
 
