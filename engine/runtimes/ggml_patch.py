@@ -219,6 +219,10 @@ static inline __attribute__((always_inline)) void fimble_q8_0_rows(
     }
     for (int ib = 0; ib < nb; ++ib) {
         const __m256 dx = _mm256_set1_ps(GGML_CPU_FP16_TO_FP32(x[ib].d));
+        // The weights stream from memory while the rows compute: ask for them ~30 blocks (a q8_0 row of 896
+        // weights) ahead, past this row's end into the next one (measured: 4 rows 1.0-1.3x a 1-row pass
+        // over 40 MB of weights where they cost 1.4-1.9x without it).
+        _mm_prefetch((const char *)(x + ib) + 1024, _MM_HINT_T0);
         const __m256i qx = _mm256_loadu_si256((const __m256i *)x[ib].qs);
 #if !__AVXVNNIINT8__
         const __m256i ax = _mm256_sign_epi8(qx, qx);  // mul_sum_i8_pairs_float's first step, for every row
