@@ -9,7 +9,8 @@ a table keyed by `ContextKind.value` ("comment", "string", "import", "attribute_
 "call_args", "parameters", "block_start", "block_body", "mid_statement", "top_level"). Two
 modifier rows then apply on top of the context's row:
 
-- "mid_line":   the cursor has code after it on its line (CursorContext.at_line_end is False).
+- "mid_line":   the cursor has code after it on its line (CursorContext.at_line_end is False);
+                in ONE_LINE_CONTEXTS (comment, string, import) MID_LINE_ONE_LINE applies instead.
 - "plain_text": no grammar for the language (unknown language id, or the grammar is missing).
 
 `overrides` (e.g. from editor settings) has the same keys plus "*" (every context), each mapping
@@ -139,22 +140,32 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # Right after a block opener (`def f():` / `{`): a body is expected, several lines. On the
     # random spans at block contexts (82), multi-line vs one line: edit similarity .151 vs
     # .045, shown 60% vs 24%, same pass@1 and parse-ok. Fewer lines (3) were no better and
-    # slower; the blank-line stop neither helped nor hurt (.151 vs .152) and keeps ghost text to
-    # one logical chunk. The validator's scope cut ends it at the block's end.
-    "block_start": {"multiline": True, "max_lines": 6, "max_tokens": 96, "stop": ("\n\n",)},
+    # slower. The default model ends the middle itself (end-of-middle where the suffix takes
+    # over), so the rows allow what the settings do (8 lines, 128 tokens) and stop only at two
+    # blank lines: a 4-6 line cap and a one-blank-line stop cut HumanEval multi-line middles
+    # (2-6 lines, blank lines inside) short. The validator's scope cut ends it at the function's end.
+    "block_start": {"multiline": True, "max_lines": 8, "max_tokens": 128, "stop": ("\n\n\n",)},
     # A statement start inside a block: the next statements.
-    "block_body": {"multiline": True, "max_lines": 4, "max_tokens": 64, "stop": ("\n\n",)},
+    "block_body": {"multiline": True, "max_lines": 8, "max_tokens": 128, "stop": ("\n\n\n",)},
     # A statement start at module level: possibly a whole definition. Two blank lines
     # separate top-level definitions (PEP 8), so they end the completion.
     "top_level": {"multiline": True, "max_lines": 8, "max_tokens": 128, "stop": ("\n\n\n",)},
-    # Code after the cursor on its line: only the gap is wanted; fit_to_line_rest covers the
-    # closers the editor auto-inserted, anything longer would push the line's rest away.
-    # (Not swept on its own: 27 mid-line cursors in the sets.)
-    "mid_line": {"multiline": False, "max_tokens": 32},
+    # Code after the cursor on its line (closers alone count as line end): the gap may hold
+    # lines, with the line's rest after the last one (`count = |    if s[i]...` wants `0` and a
+    # loop header). One line here left 95 of 300 mid-line random spans with nothing shown
+    # (the first line alone does not parse before the rest). The shaper checks the whole text
+    # with the rest joined on; ONE_LINE_CONTEXTS keep MID_LINE_ONE_LINE.
+    "mid_line": {"multiline": True, "max_lines": 8, "max_tokens": 96, "stop": ()},
     # No grammar: validation cannot syntax-check, so keep to one greedy line. (Not measured:
     # the sets are Python.)
     "plain_text": {"multiline": False, "temperature": 0.0, "max_tokens": 48},
 }
+
+
+# Contexts whose text ends with its line (a comment, a docstring's line, an import): mid-line,
+# only the gap is wanted, and fit_to_line_rest covers the closers the editor auto-inserted.
+ONE_LINE_CONTEXTS = frozenset({"comment", "string", "import"})
+MID_LINE_ONE_LINE: dict[str, Any] = {"multiline": False, "max_tokens": 32}
 
 
 # -- deciding -----------------------------------------------------------------------------------
@@ -186,7 +197,8 @@ def decide_for_context(
     keys = [context] + (["mid_line"] if mid_line else []) + (["plain_text"] if plain_text else [])
     values: dict[str, Any] = {}
     for key in keys:
-        values.update(DEFAULTS.get(key, {}))
+        one_line = key == "mid_line" and context in ONE_LINE_CONTEXTS
+        values.update(MID_LINE_ONE_LINE if one_line else DEFAULTS.get(key, {}))
     for key in ["*", *keys]:
         values.update(over.get(key, {}))
     return PolicyDecision(context=context, mid_line=mid_line, plain_text=plain_text, **values)
@@ -283,6 +295,8 @@ def _coerce(name: str, value: Any) -> Any:
 __all__ = [
     "CONTEXT_NAMES",
     "DEFAULTS",
+    "MID_LINE_ONE_LINE",
+    "ONE_LINE_CONTEXTS",
     "OVERRIDE_KEYS",
     "PolicyDecision",
     "check_overrides",

@@ -7,6 +7,7 @@ import pytest
 from lsp_server.shaping.policy import (
     CONTEXT_NAMES,
     DEFAULTS,
+    MID_LINE_ONE_LINE,
     PolicyDecision,
     check_overrides,
     decide,
@@ -49,10 +50,8 @@ def test_decide_uses_the_row_of_the_cursor_context(kind):
     assert classify(doc, cursor).kind.value == kind  # the case really is that context
     d = decide(doc, cursor, "python")
     assert d.context == kind and not d.plain_text
-    expected = PolicyDecision(context=kind, mid_line=d.mid_line, **DEFAULTS[kind])
-    if d.mid_line:
-        expected = PolicyDecision(context=kind, mid_line=True, **{**DEFAULTS[kind], **DEFAULTS["mid_line"]})
-    assert d == expected
+    assert not d.mid_line  # (mid-line cursors: the tests below)
+    assert d == PolicyDecision(context=kind, **DEFAULTS[kind])
 
 
 def test_block_contexts_are_multiline_and_line_contexts_single_line():
@@ -64,14 +63,43 @@ def test_block_contexts_are_multiline_and_line_contexts_single_line():
         assert PolicyDecision(**{**table[kind], "stop": tuple(table[kind]["stop"])}).to_options().max_lines == 1
 
 
-def test_mid_line_cursor_is_single_line_even_at_a_block_context():
-    # Code after the cursor: only the gap is wanted.
-    doc, cursor = doc_at("def f(x):\n    <|>return x\n")
-    ctx = classify(doc, cursor)
-    assert not ctx.at_line_end
-    d = decide(doc, cursor)
-    assert d.mid_line and not d.multiline and d.to_options().max_lines == 1
-    assert d.max_tokens == DEFAULTS["mid_line"]["max_tokens"]
+def test_mid_line_code_cursor_may_fill_several_lines():
+    # Code after the cursor: the gap may hold lines, the line's rest after the last one
+    # (`count = |    if s[i] ...` wants `0` and a loop header before the rest).
+    for code, kind in (
+        ("def f(s):\n    count = <|>    if s[0]:\n        count += 1\n", "mid_statement"),
+        ("def f(x):\n    <|>return x\n", "block_body"),
+        ("def f(a):\n    n = len(<|> range(n):\n", "call_args"),
+    ):
+        doc, cursor = doc_at(code)
+        ctx = classify(doc, cursor)
+        assert not ctx.at_line_end and ctx.kind.value == kind
+        d = decide(doc, cursor)
+        assert d.mid_line and d.multiline and d.stop == ()
+        o = d.to_options()
+        assert o.max_lines == DEFAULTS["mid_line"]["max_lines"] > 1
+        assert o.max_tokens == DEFAULTS["mid_line"]["max_tokens"]
+
+
+def test_mid_line_prose_and_import_cursors_stay_one_line():
+    for code, kind in (
+        ("def f(x):\n    # compute <|> here\n    return x\n", "comment"),
+        ('def f(x):\n    """Return <|> doubled."""\n    return x\n', "string"),
+        ("from os import <|>, path\n", "import"),
+    ):
+        doc, cursor = doc_at(code)
+        ctx = classify(doc, cursor)
+        assert not ctx.at_line_end and ctx.kind.value == kind, (code, ctx.kind)
+        d = decide(doc, cursor)
+        assert d.mid_line and not d.multiline and d.to_options().max_lines == 1
+        assert d.max_tokens == MID_LINE_ONE_LINE["max_tokens"]
+
+
+def test_block_rows_stop_at_two_blank_lines_not_one():
+    # The default model writes blank lines inside a middle; two blank lines end a definition.
+    for kind in ("block_start", "block_body"):
+        o = decide_for_context(kind).to_options()
+        assert o.stop == ("\n\n\n",) and o.max_lines == 8
 
 
 def test_unknown_language_falls_back_to_plain_text():

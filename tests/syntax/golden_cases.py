@@ -70,7 +70,8 @@ CASES: list[Case] = [
         "python",
         "class A:\n    def m(self, x):\n        if x:\n            y = <|>\n        return 0\n",
         "x * 2\n            y += 1\n        return y\n    def n(self):\n        pass",
-        "x * 2\n            y += 1",
+        # The `if` body may end and the method go on; the next method (the def's own level) is cut.
+        "x * 2\n            y += 1\n        return y",
         0,
         "scope_end",
     ),

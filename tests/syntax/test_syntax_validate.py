@@ -60,8 +60,39 @@ def test_python_scope_ignores_lines_inside_strings_and_brackets() -> None:
 
 def test_python_scope_with_tabs() -> None:
     code = "def f():\n\tif a:\n\t\tb = <|>\n"
-    res, _, _ = finalize("python", code, "1\n\t\tc = 2\n\treturn c")
-    assert res.text == "1\n\t\tc = 2" and res.cut_reason is CutReason.SCOPE_END
+    res, _, _ = finalize("python", code, "1\n\t\tc = 2\n\treturn c\nprint(f())")
+    assert res.text == "1\n\t\tc = 2\n\treturn c" and res.cut_reason is CutReason.SCOPE_END
+
+
+def test_python_scope_floor_is_the_enclosing_def_not_the_inner_block() -> None:
+    # A middle that ends a nested block goes on at the function's level: kept.
+    code = "def f(xs):\n    for x in xs:\n        if x:\n            <|>\n"
+    raw = "return False\n    return True\n\n\ndef g():\n    pass"
+    res, applied, _ = finalize("python", code, raw)
+    assert res.text == "return False\n    return True" and res.cut_reason is CutReason.SCOPE_END
+    assert applied.endswith("            return False\n    return True\n")
+    # In a method, the class's next method (the def's own level) still ends it.
+    code = "class A:\n    def m(self, x):\n        while x:\n            <|>\n"
+    res, _, _ = finalize("python", code, "x -= 1\n        return x\n\n    def n(self):\n        pass")
+    assert res.text == "x -= 1\n        return x" and res.cut_reason is CutReason.SCOPE_END
+
+
+def test_python_block_opened_on_the_cursor_line_may_be_followed_at_its_level() -> None:
+    # `for ...:` written at a body statement start: the loop's body, then the function goes on.
+    code = "def f(n):\n    ret = 1\n    <|>\n"
+    raw = "for i in range(n):\n        ret *= 2\n    return ret\nprint(f(3))"
+    res, _, _ = finalize("python", code, raw)
+    assert res.text == "for i in range(n):\n        ret *= 2\n    return ret"
+    # A def opened on the cursor line ends at the next line at its own level.
+    code = "class A:\n    <|>\n"
+    res, _, _ = finalize("python", code, "def m(self):\n        return 1\n    def n(self):\n        pass")
+    assert res.text == "def m(self):\n        return 1" and res.cut_reason is CutReason.SCOPE_END
+
+
+def test_python_module_level_block_keeps_its_header_as_floor() -> None:
+    code = "for x in range(3):\n    if x:\n        <|>\n"
+    res, _, _ = finalize("python", code, "print(x)\n    y = x\nprint(y)")
+    assert res.text == "print(x)\n    y = x" and res.cut_reason is CutReason.SCOPE_END
 
 
 def test_python_top_level_has_no_dedent_floor() -> None:

@@ -276,6 +276,27 @@ def _find_header(doc: SyntaxDocument, line_start: int, width: int) -> int | None
     return None
 
 
+_SCOPE_HEADER = re.compile(rb"(?:async\s+)?(?:def|class)\b")
+
+
+def scope_indent_width(doc: SyntaxDocument, header_line_start: int) -> int:
+    """Indentation width of the scope a Python block belongs to: the innermost `def`/`class` header
+    at or above the block header starting the line at `header_line_start`, else the outermost header
+    (a module-level compound statement)."""
+    data = doc.bytes
+    start = header_line_start
+    while True:
+        line = data[start : _line_end(data, start)]
+        stripped = line.lstrip(b" \t")
+        width = _width(line[: len(line) - len(stripped)].decode())
+        if _SCOPE_HEADER.match(stripped):
+            return width
+        outer = _find_header(doc, start, width)
+        if outer is None:
+            return width
+        start = data.rfind(b"\n", 0, outer) + 1
+
+
 def _is_statement_line(doc: SyntaxDocument, line_start: int, first: int) -> bool:
     """False for comment lines, lines inside multi-line strings and bracket continuations."""
     data = doc.bytes

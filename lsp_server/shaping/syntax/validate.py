@@ -6,8 +6,9 @@ decoder would have stopped on; the last needs the whole completion):
 1. bracket   - BracketGuard: cut before a closer that closes past its scope.
 2. duplicate - cut at the first line equal (after strip) to the next non-empty line below the
                cursor, when the completion's own brackets are balanced there.
-3. scope_end - Python: cut at a statement line indented at or left of the enclosing block's
-               header (the cursor line itself when the completion opens a block on it).
+3. scope_end - Python: cut at a statement line indented at or left of the enclosing def/class
+               header (of a module-level compound statement's header where none encloses it;
+               of the cursor line when the completion opens a def/class on it).
                Brace languages: cut right after the `}` that closes the block around the
                cursor when the document left that block unclosed (a block the document
                already closes is handled by stage 1).
@@ -23,13 +24,14 @@ import re
 from dataclasses import dataclass
 
 from lsp_server.shaping.syntax.brackets import BracketGuard, fit_to_line_rest, seed_closable
-from lsp_server.shaping.syntax.context import CursorContext, classify
+from lsp_server.shaping.syntax.context import CursorContext, classify, scope_indent_width
 from lsp_server.shaping.syntax.document import SyntaxDocument
 from lsp_server.shaping.syntax.languages import is_indent_scoped
 from lsp_server.shaping.syntax.lexer import Frame, FrameKind, Scanner, spec_for
 
 _MAX_PARSES = 40  # bound on candidate reparses in the syntax stage
 _TOKEN_EDGE = re.compile(r"\w+|\s+|[^\w\s]")
+_SCOPE_LINE = re.compile(r"\s*(?:async\s+)?(?:def|class)\b")
 
 
 class CutReason(enum.Enum):
@@ -136,10 +138,14 @@ def _scope_cut(doc: SyntaxDocument, ctx: CursorContext, text: str, lang: str) ->
     clean, scanner = _line_states(ctx, text, lang)
     lines = text.split("\n")
     if is_indent_scoped(lang):
-        floor = _width(ctx.block_indent) if ctx.has_block_header else None
+        # The floor is the enclosing def/class, not the innermost block: a middle often ends a
+        # nested block and goes on at the function's level (`return False` then `return True`);
+        # a line at the def's own level or left of it starts the next definition.
+        floor = scope_indent_width(doc, ctx.block_range[0]) if ctx.has_block_header else None
         first = (ctx.line_prefix + lines[0]).rstrip()
-        if first.endswith(":") and (len(clean) < 2 or clean[1]):
-            floor = _width(ctx.line_indent)  # the completion opened a block on the cursor line
+        if first.endswith(":") and (len(clean) < 2 or clean[1]):  # the completion opened a block on its line
+            own = _width(ctx.line_indent)
+            floor = own if floor is None or _SCOPE_LINE.match(first) else min(floor, own)
         if floor is None:
             return text, CutReason.SCOPE_END
         for i in range(1, len(lines)):
