@@ -119,3 +119,39 @@ def test_plain_text_and_brace_languages():
     sh, _, _ = shaper_at("function f(a) {\n  const b = <|>\n}\n", lang="javascript")
     shaped = sh.finish("a + 1;\n}\nfunction g() {}")
     assert shaped.text == "a + 1;"
+
+
+def test_mid_line_gap_of_several_lines_is_shown_with_the_line_rest_after_it():
+    # A random-span hole: the rest of the cursor's line belongs to a later line of the program.
+    code = 'def f(s):\n    count = <|>     if s[i] in "AEIOU":\n            count += 1\n    return count\n'
+    sh, doc, cursor = shaper_at(code)
+    text = "0\n    for i in range(0, len(s), 2):\n   "
+    shaped = sh.finish(text)
+    assert shaped.text == text and shaped.cut_reason is None and shaped.replace_end == cursor
+    after = applied(doc, shaped)
+    ast.parse(after)
+    assert "    count = 0\n    for i in range(0, len(s), 2):\n        if s[i]" in after
+    # Its first line alone does not parse before the rest: one line would show nothing here.
+    one, _, _ = shaper_at(code)
+    assert one.finish("0").text == ""
+
+
+def test_mid_line_gap_that_breaks_the_file_is_cut_to_lines_that_parse():
+    code = "def f(xs):\n    n = <|> + 1\n    return n\n"
+    sh, doc, _ = shaper_at(code)
+    raw = "len(xs)\n    m = (n"  # `(` never closed: the file would not parse
+    shaped = sh.finish(raw)
+    assert shaped.cut_reason is not None and raw.startswith(shaped.text) and shaped.text.startswith("len(xs)\n")
+    after = applied(doc, shaped)
+    ast.parse(after)  # cut back to text the line's rest still follows validly (here `m = + 1`)
+    assert after.startswith("def f(xs):\n    n = len(xs)\n    m") and after.endswith(" + 1\n    return n\n")
+
+
+def test_a_middle_that_ends_a_nested_block_goes_on_at_the_function_level():
+    code = "def f(n):\n    for k in range(2, n):\n        if n % k == 0:\n            <|>\n"
+    sh, doc, _ = shaper_at(code)
+    shaped = sh.finish("return False\n    return True\n\n\nprint(f(7))")
+    assert shaped.text == "return False\n    return True" and shaped.cut_reason == "scope_end"
+    after = applied(doc, shaped)
+    ast.parse(after)
+    assert after.endswith("            return False\n    return True\n")
