@@ -517,7 +517,7 @@ def variants_for(names: list[str], sweep: bool) -> list[Variant]:
 def options_for(p: Problem, v: Variant):
     """(DecodeOptions, decision dict or None) for a problem under a variant; None if not run."""
     from engine.decoding.speculative import DecodeOptions
-    from lsp_server.shaping.policy import DEFAULTS, decide_for_context
+    from lsp_server.shaping.policy import DEFAULTS, MID_LINE_ONE_LINE, ONE_LINE_CONTEXTS, decide_for_context
 
     seed = zlib.crc32(f"{p.task_id}/{v.name}".encode())
     if v.name == "lsp" and p.set.startswith("held-out-"):
@@ -532,7 +532,8 @@ def options_for(p: Problem, v: Variant):
             return None
         row = dict(v.row)
         overrides = {ctx: row for ctx in GROUPS[v.group]}
-        overrides["mid_line"] = dict(DEFAULTS["mid_line"])  # a group row never lifts the mid-line rule
+        # A group row never lifts the mid-line rule (the one-line row in comments, strings, imports).
+        overrides["mid_line"] = dict(MID_LINE_ONE_LINE if p.context in ONE_LINE_CONTEXTS else DEFAULTS["mid_line"])
     decision = decide_for_context(p.context, mid_line=p.mid_line, overrides=overrides)
     if p.one_line:
         decision = replace(decision, multiline=False)
