@@ -57,10 +57,15 @@ class DocumentPrompts:
         moves, runs = plan_shift(doc.pieces, plan.pieces, reuse)
         return reuse, runs, apply_moves(doc.target, inv_freq, moves)
 
-    def cost(self, doc: DocumentKV, plan: PromptPlan, mode: str) -> int:
-        """Prompt tokens ``plan`` would prefill on ``doc``'s cache (exact reuse; a shift may do better)."""
+    def cost(self, doc: DocumentKV, plan: PromptPlan, mode: str, borrow: bool = False) -> int:
+        """Prompt tokens ``plan`` would prefill on ``doc``'s cache (exact reuse; a shift may do better).
+        ``borrow``: first copy another document's equal leading segments into it (the cross-file context that
+        the full prompt, the cold one and the session's other documents share), as ``reuse`` would."""
         limit = doc.exact_len if mode == "exact" else len(doc.ids)
-        return len(plan.ids) - common_prefix(doc.ids, plan.ids, min(limit, len(plan.ids) - 1))
+        have = common_prefix(doc.ids, plan.ids, min(limit, len(plan.ids) - 1))
+        if borrow and mode != "none":
+            have = self.store.borrow(doc, plan, have)
+        return len(plan.ids) - have
 
     def cold(
         self, request: CompletionRequest, plan: PromptPlan, doc: DocumentKV
@@ -75,8 +80,9 @@ class DocumentPrompts:
         cold_plan = self.prompts.build(cold)
         cold_doc = self.open(cold, cold_plan)
         cold_plan = self.anchored(cold, cold_plan, cold_doc)
-        if self.cost(cold_doc, cold_plan, cold.reuse) * 2 > full_cost:
-            self.store.release(cold_doc)
+        if self.cost(cold_doc, cold_plan, cold.reuse, borrow=True) * 2 > full_cost:
+            held = cold_doc.ids == cold_plan.ids[: len(cold_doc.ids)]  # (what it borrowed is indexed as its own)
+            self.store.release(cold_doc, cold_plan if held else None)
             return request, plan, doc
         self.store.release(doc)
         self.counters.add("cold_prompts")

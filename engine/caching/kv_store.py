@@ -44,7 +44,8 @@ STAT_NAMES = (
 
 def session_of(doc_id: str) -> str:
     """The client session a document id belongs to: ids are "<session>\\x00<uri>" where sessions share
-    the engine (the LSP server's transports), a bare URI otherwise."""
+    the engine (the LSP server's transports), a bare URI otherwise. A cold-window cache is its document's session's."""
+    doc_id = doc_id.removesuffix(COLD_KEY)
     return doc_id.partition("\x00")[0] if "\x00" in doc_id else ""
 
 

@@ -172,8 +172,10 @@ def test_a_background_request_is_not_the_users_activity(target):
     assert eng.background.last_message > before
 
 
-def test_the_cold_prompt_carries_no_cross_file_context(target):
-    """Up to 512 context tokens before the file made the small prompt cost what the full one costs."""
+def test_the_cold_prompt_keeps_the_cross_file_context_and_borrows_its_cache(target):
+    """The context leads the cold prompt too: a typist who never leaves the engine time for the full prompt
+    still gets it. Its tokens are the same in every prompt of the session, so a cold prompt of another
+    document copies them from the cache that holds them and prefills only its own small window."""
     from engine.caching.cold_window import cold_request
 
     text = stdlib_source(target.encode, 900)
@@ -185,8 +187,27 @@ def test_the_cold_prompt_carries_no_cross_file_context(target):
         "budget": 512,
         "chunks": [{"path": "b.py", "text": "def helper(a, b):\n    return a + b\n" * 20}],
     }
-    full = CompletionRequest(
-        text[:cursor], text[cursor:], options=OPTS, document_id="doc", truncate=True, cold_window=True, context=context
-    )
+
+    def at(doc: str, prefix: str, suffix: str) -> CompletionRequest:
+        return CompletionRequest(
+            prefix, suffix, options=OPTS, document_id=doc, truncate=True, cold_window=True, context=context
+        )
+
+    full = at("doc", text[:cursor], text[cursor:])
     cold = cold_request(full)
-    assert cold is not None and cold.context is None and full.context == context
+    assert cold is not None and cold.context == context
+    eng = engine(target)
+    eng.documents.cold_window, eng.documents.prefill_rate = True, 20.0  # a budget of 10 prompt tokens
+    first = eng.complete(full)  # cold: it prefills the context and its small window
+    assert eng.counters()["cold_prompts"] == 1
+    n = first.stats["context_tokens"]
+    assert first.stats["context_chunks"] == 1 and n > 100
+    assert first.stats["prefilled_tokens"] >= n
+    # Another document of the session, the same ring: its cold prompt borrows the context from the first's cache.
+    other = text[: len(text) // 2] + "\n\n\ndef fresh(a, b):\n    return "
+    second = eng.complete(at("other", other, "\n"))
+    counters = eng.counters()
+    assert counters["cold_prompts"] == 2 and counters["context_prompts"] == 2
+    assert second.stats["context_tokens"] == n
+    assert second.stats["prefilled_tokens"] <= second.stats["prompt_tokens"] - n
+    assert counters["kv_borrowed_tokens"] >= n
