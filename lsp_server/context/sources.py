@@ -22,17 +22,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from lsp_server.context.chunks import Chunk, chunk_spans, identifiers, window_text
+from lsp_server.context.definitions import Definition, extract_definitions
 from lsp_server.context.files import MAX_FILE_BYTES, inside, read_inside, uri_to_path
-from lsp_server.context.imports import (
-    MAX_PACKAGE_FILES,
-    Definition,
-    Import,
-    extract_definitions,
-    extract_imports,
-    family,
-    java_source_root,
-    module_candidates,
-)
+from lsp_server.context.imports import Import, extract_imports, family, java_source_root
+from lsp_server.context.module_paths import MAX_PACKAGE_FILES, module_candidates
 from lsp_server.documents import Document, DocumentStore
 from lsp_server.shaping.syntax.document import SyntaxDocument  # no torch: tree-sitter only
 from lsp_server.stats import Stats

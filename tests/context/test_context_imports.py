@@ -1,15 +1,11 @@
-"""Imports read from tree-sitter trees, module paths, definitions (lsp_server/context/imports.py)."""
+"""Imports read from tree-sitter trees, module paths, definitions (lsp_server/context/: imports.py, module_paths.py,
+definitions.py)."""
 
 from __future__ import annotations
 
-from lsp_server.context.imports import (
-    DEF_MAX_LINES,
-    Import,
-    extract_definitions,
-    extract_imports,
-    java_source_root,
-    module_candidates,
-)
+from lsp_server.context.definitions import DEF_MAX_LINES, extract_definitions
+from lsp_server.context.imports import Import, extract_imports, java_source_root
+from lsp_server.context.module_paths import module_candidates
 from lsp_server.shaping.syntax.document import SyntaxDocument
 
 PY = """import os.path as osp
