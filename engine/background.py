@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from engine.api import CompletionRequest
-from engine.caching.cold_window import COLD_KEY
+from engine.caching.cold_window import BARE_KEY, COLD_KEY
 from engine.caching.kv_store import common_prefix
 from engine.counters import Counters
 from engine.decoding.passes import host_pass
@@ -85,7 +85,7 @@ class Background:
     # -- the worker ------------------------------------------------------------------------
     def forget(self, document_id: str) -> list[str]:
         """Drop a closed document's pending work; the cache keys to forget (its own and its cold window's)."""
-        keys = [document_id, document_id + COLD_KEY]
+        keys = [document_id, document_id + COLD_KEY, document_id + COLD_KEY + BARE_KEY]
         with self._lock:
             for key in keys:
                 self._prewarms.pop(key, None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from engine.api import CompletionRequest
-from engine.caching.cold_window import COLD_BUDGET_S, cold_request
+from engine.caching.cold_window import COLD_BUDGET_S, bare_request, cold_request
 from engine.caching.kv_shift import apply_moves, plan_shift
 from engine.caching.kv_store import DocumentKV, KVStore, common_prefix
 from engine.caching.prompt_plan import PromptBuilder, PromptPlan, anchor_at
@@ -34,6 +34,10 @@ class DocumentPrompts:
         self.prompts = PromptBuilder(target)
         self.cold_window = cold  # engine/caching/cold_window.py
         self.anchored_layout = anchored  # off only to measure it (bench/lsp_typing.py)
+        # On: while the cross-file context is not cached, the cold window answers without it (``cold``) and the
+        # background fills it. Off (the default): the cold prompt always carries it, and the first keystrokes
+        # after a ring change prefill it (bench/reports/typing-default-crossfile-on-vs-off-pygls-2026-12-03.txt).
+        self.cold_context_wait = os.environ.get("FIMBLE_COLD_CONTEXT_WAIT", "off").strip().lower() in ("on", "1")
         # Prompt tokens a second: the load-time probe's, then a running mean of timed prefills (None: unknown
         # until one is timed; the cold window waits for it).
         self.prefill_rate: float | None = None
@@ -80,19 +84,38 @@ class DocumentPrompts:
         cold_plan = self.prompts.build(cold)
         cold_doc = self.open(cold, cold_plan)
         cold_plan = self.anchored(cold, cold_plan, cold_doc)
-        if self.cost(cold_doc, cold_plan, cold.reuse, borrow=True) * 2 > full_cost:
-            held = cold_doc.ids == cold_plan.ids[: len(cold_doc.ids)]  # (what it borrowed is indexed as its own)
-            self.store.release(cold_doc, cold_plan if held else None)
+        cold_cost = self.cost(cold_doc, cold_plan, cold.reuse, borrow=True)
+        context_missing = len(cold_plan.ids) - cold_cost < cold_plan.context_tokens
+        if self.cold_context_wait and context_missing and self._over_budget(cold_cost):
+            bare = bare_request(cold)
+            bare_plan = self.prompts.build(bare)
+            bare_doc = self.open(bare, bare_plan)
+            bare_plan = self.anchored(bare, bare_plan, bare_doc)
+            bare_cost = self.cost(bare_doc, bare_plan, bare.reuse)
+            if bare_cost < cold_cost:
+                self._release_unused(cold_doc, cold_plan)
+                cold, cold_plan, cold_doc, cold_cost = bare, bare_plan, bare_doc, bare_cost
+            else:
+                self.store.release(bare_doc)
+        if cold_cost * 2 > full_cost:
+            self._release_unused(cold_doc, cold_plan)
             return request, plan, doc
         self.store.release(doc)
         self.counters.add("cold_prompts")
         return cold, cold_plan, cold_doc
 
+    def _over_budget(self, cost: int) -> bool:
+        return bool(self.prefill_rate) and cost > self.prefill_rate * COLD_BUDGET_S
+
+    def _release_unused(self, doc: DocumentKV, plan: PromptPlan) -> None:
+        held = doc.ids == plan.ids[: len(doc.ids)]  # (what it borrowed is indexed as its own)
+        self.store.release(doc, plan if held else None)
+
     def cold_request(self, request: CompletionRequest, full_cost: int) -> CompletionRequest | None:
         """The cold window's request where the full prompt would prefill ``full_cost`` tokens, over budget."""
         if not (self.cold_window and request.cold_window and self.prefill_rate) or request.reuse == "none":
             return None
-        return cold_request(request) if full_cost > self.prefill_rate * COLD_BUDGET_S else None
+        return cold_request(request) if self._over_budget(full_cost) else None
 
     def time_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= 64 and seconds > 0:  # short passes say more about per-pass overhead than the rate

@@ -31,6 +31,7 @@ from engine.api import CompletionRequest
 # that need the cold window with a fast model).
 COLD_BUDGET_S = float(os.environ.get("FIMBLE_COLD_BUDGET_S", 0.5))
 COLD_KEY = "\x00cold"  # appended to a document's key: the cold prompt's cache
+BARE_KEY = "\x00bare"  # appended to a cold key: the cache of the cold prompt without the context (bare_request)
 COLD_PREFIX_LINES = 12  # at least this many lines before the cursor's line ...
 COLD_STRIDE = 8  # ... and fewer than this many more: the start moves in jumps of this many lines
 COLD_PREFIX_CHARS = 1500  # long lines: fewer lines
@@ -63,6 +64,17 @@ def cold_request(request: CompletionRequest) -> CompletionRequest | None:
         document_id=(request.document_id or "") + COLD_KEY,
         segment_lines=segment_lines,
     )
+
+
+def bare_request(cold: CompletionRequest) -> CompletionRequest:
+    """The cold request without its cross-file context, in a cache of its own: answering from it while the
+    context is not cached never overwrites the part of the context the cold cache already holds."""
+    return dataclasses.replace(cold, context=None, document_id=(cold.document_id or "") + BARE_KEY)
+
+
+def document_of(doc_id: str) -> str:
+    """The document a cache's key belongs to: a cold window's caches are part of their document."""
+    return doc_id.removesuffix(BARE_KEY).removesuffix(COLD_KEY)
 
 
 def _line_start(text: str, line: int) -> int:

@@ -22,7 +22,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.caching.cold_window import COLD_KEY
+from engine.caching.cold_window import document_of
 from engine.caching.prompt_plan import Piece, PromptPlan, Segment
 from engine.errors import FimbleError
 
@@ -45,7 +45,7 @@ STAT_NAMES = (
 def session_of(doc_id: str) -> str:
     """The client session a document id belongs to: ids are "<session>\\x00<uri>" where sessions share
     the engine (the LSP server's transports), a bare URI otherwise. A cold-window cache is its document's session's."""
-    doc_id = doc_id.removesuffix(COLD_KEY)
+    doc_id = document_of(doc_id)
     return doc_id.partition("\x00")[0] if "\x00" in doc_id else ""
 
 
@@ -130,7 +130,7 @@ class KVStore:
 
     def summary(self) -> dict:
         # a document's cold-window cache (engine/caching/cold_window.py) is part of that document
-        documents = sum(1 for key in self.docs if not key.endswith(COLD_KEY))
+        documents = sum(1 for key in self.docs if document_of(key) == key)
         return {
             "kv_bytes": self.bytes_used(),
             "kv_budget_bytes": self.budget,

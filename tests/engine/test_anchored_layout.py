@@ -211,3 +211,37 @@ def test_the_cold_prompt_keeps_the_cross_file_context_and_borrows_its_cache(targ
     assert second.stats["context_tokens"] == n
     assert second.stats["prefilled_tokens"] <= second.stats["prompt_tokens"] - n
     assert counters["kv_borrowed_tokens"] >= n
+
+
+def test_cold_context_wait_answers_without_the_context_until_the_background_fills_it(target):
+    """FIMBLE_COLD_CONTEXT_WAIT (off by default): a keystroke never pays for the context's prefill."""
+    text = stdlib_source(target.encode, 900)
+    cursor = text.index("\n", len(text) * 3 // 4) + 1
+    context = {
+        "repo": "r",
+        "path": "a.py",
+        "comment": "#",
+        "budget": 512,
+        "chunks": [{"path": "b.py", "text": "def helper(a, b):\n    return a + b\n" * 20}],
+    }
+
+    def at(doc: str, prefix: str, suffix: str) -> CompletionRequest:
+        return CompletionRequest(
+            prefix, suffix, options=OPTS, document_id=doc, truncate=True, cold_window=True, context=context
+        )
+
+    eng = engine(target)
+    eng.documents.cold_window, eng.documents.prefill_rate = True, 20.0  # a budget of 10 prompt tokens
+    eng.documents.cold_context_wait = True
+    first = eng.complete(at("doc", text[:cursor] + "    x", text[cursor:]))
+    assert eng.counters()["cold_prompts"] == 1 and first.stats["context_chunks"] == 0
+    assert first.stats["prompt_tokens"] < 300
+    eng.run_pending()  # idle: the cold prompt with the context fills first, then the full one
+    assert eng.counters()["prewarms_done"] == 2
+    # Another document with the same ring: the context is cached now, so its cold prompt carries it.
+    other = text[: len(text) // 2] + "\n\n\ndef fresh(a, b):\n    return "
+    second = eng.complete(at("other", other, "\n"))
+    assert eng.counters()["cold_prompts"] == 2
+    n = second.stats["context_tokens"]
+    assert second.stats["context_chunks"] == 1 and n > 100
+    assert second.stats["prefilled_tokens"] <= second.stats["prompt_tokens"] - n
