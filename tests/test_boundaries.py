@@ -220,3 +220,43 @@ def test_bench_and_tests_do_not_import_each_other():
                 elif any("sys.path" in line and "bench" in line for line in p.read_text().splitlines()):
                     found.append(f"{path}: puts bench/ on sys.path")
     assert found == []
+
+
+# A newcomer reads a module in one sitting and a class on a few screens; past these, split by concern.
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 300
+
+
+def sizes(path: Path) -> tuple[int, dict[str, int]]:
+    """The module's line count, and each class's (nested ones too) by qualified name."""
+    text = path.read_text()
+    classes: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                classes[prefix + child.name] = child.end_lineno - child.lineno + 1
+                visit(child, prefix + child.name + ".")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, prefix + child.name + ".")
+
+    visit(ast.parse(text, str(path)), "")
+    return len(text.splitlines()), classes
+
+
+def test_size_check_measures_modules_and_nested_classes(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("class A:\n    class B:\n        x = 1\n\n    y = 2\n\n\ndef f():\n    class C:\n        pass\n")
+    assert sizes(module) == (10, {"A": 5, "A.B": 2, "f.C": 2})
+
+
+def test_no_module_or_class_in_the_product_packages_is_oversized():
+    oversized = []
+    for package in ("engine", "lsp_server"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            lines, classes = sizes(path)
+            name = str(path.relative_to(REPO))
+            if lines > MAX_MODULE_LINES:
+                oversized.append(f"{name}: {lines} lines")
+            oversized += [f"{name}: class {c} {n} lines" for c, n in classes.items() if n > MAX_CLASS_LINES]
+    assert oversized == []

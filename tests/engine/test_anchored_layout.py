@@ -198,6 +198,7 @@ def test_the_cold_prompt_keeps_the_cross_file_context_and_borrows_its_cache(targ
     assert cold is not None and cold.context == context
     eng = engine(target)
     eng.documents.cold_window, eng.documents.prefill_rate = True, 20.0  # a budget of 10 prompt tokens
+    eng.documents.cold_context_wait = False  # the mode where the cold prompt carries the context
     first = eng.complete(full)  # cold: it prefills the context and its small window
     assert eng.counters()["cold_prompts"] == 1
     n = first.stats["context_tokens"]
@@ -214,7 +215,7 @@ def test_the_cold_prompt_keeps_the_cross_file_context_and_borrows_its_cache(targ
 
 
 def test_cold_context_wait_answers_without_the_context_until_the_background_fills_it(target):
-    """FIMBLE_COLD_CONTEXT_WAIT (off by default): a keystroke never pays for the context's prefill."""
+    """FIMBLE_COLD_CONTEXT_WAIT (on by default): a keystroke never pays for the context's prefill."""
     text = stdlib_source(target.encode, 900)
     cursor = text.index("\n", len(text) * 3 // 4) + 1
     context = {

@@ -28,6 +28,9 @@ COLD_SERVER = ClientServerConfig(
         "FIMBLE_COLD_WINDOW": "on",
         "FIMBLE_COLD_BUDGET_S": "0.0005",  # a few prompt tokens at the embedded model's rate
         "FIMBLE_BACKGROUND_S": "0",
+        # The mode where the cold prompt carries the context: with no background work, the other mode (the
+        # default) would never put it in (the engine test of that mode is in tests/engine/test_anchored_layout.py).
+        "FIMBLE_COLD_CONTEXT_WAIT": "off",
     },
 )
 UTIL = '''"""Shapes."""
