@@ -13,7 +13,7 @@ the ggml runtime loads (``$LLAMA_CPP_LIB_PATH`` or the install step's build); th
 At 1 thread the probe's passes are also timed in CPU time (a row of the table): on a loaded machine it shows
 the kernels' cost without the time other processes held the core.
 
-The bar (issue 24): 4 rows <= 1.4x a step, 8 rows <= 1.8x, rows bit-identical, at 1 and 2 threads. The last
+The bar: 4 rows <= 1.4x a step, 8 rows <= 1.8x, rows bit-identical, at 1 and 2 threads. The last
 line is the headline: the 4- and 8-row costs of the run with the fastest step (the least
 disturbed), per thread count.
 """

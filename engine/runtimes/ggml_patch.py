@@ -16,7 +16,7 @@ path, whose sums are stock's 1-row sums, so a verify block's rows equal 1-token 
    groups): each weight block is loaded once for every row, and each row's sum is ggml_vec_dot_q8_0_q8_0's
    AVX2 loop (the same scale product, integer sums, one FMA a block in order, the same reduction).
    tinyBLAS's q8_0 tiles (4 weight rows x 2 activation rows) also equal vec_dot bit for bit, but cost
-   about 0.8 of a step per extra row here (issue 24's probe: 2/4/8/16 rows 1.86/3.30/6.10/11.93 steps).
+   about 0.8 of a step per extra row here (the probe before this kernel: 2/4/8/16 rows 1.86/3.30/6.10/11.93 steps).
 """
 
 from __future__ import annotations
