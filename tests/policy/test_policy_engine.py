@@ -39,8 +39,9 @@ def engine(embedded_target, embedded_draft):
 def run(engine, decision, prefix=PREFIX, suffix=SUFFIX, **extra):
     # Completions the n-gram drafter remembers change the drafts, and with them which random
     # numbers a sampled run draws: start each run without them so seeded runs repeat.
-    engine.ngram_drafter.recent.clear()
-    return engine.complete(CompletionRequest(prefix, suffix, decision.to_options(**extra)))
+    request = CompletionRequest(prefix, suffix, decision.to_options(**extra))
+    engine.drafters(request)[1].recent.clear()  # (model drafter, n-gram drafter) this request decodes with
+    return engine.complete(request)
 
 
 def test_max_lines_reach_the_decode_loop(engine):
