@@ -20,6 +20,22 @@ from engine.errors import ModelLoadError
 from engine.runtimes.model_config import SUPPORTED_MODEL_TYPES, CompactConfig
 
 
+def row_attention(q: Tensor, keys: Tensor, values: Tensor, start: int, gqa: bool) -> Tensor:
+    """Attention of each query row alone, exactly as a 1-token step at its position (``start + i``) computes it."""
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                q[:, i : i + 1].unsqueeze(0),
+                keys[:, : start + i + 1].unsqueeze(0),
+                values[:, : start + i + 1].unsqueeze(0),
+                enable_gqa=gqa,
+            )[0]
+            for i in range(q.shape[1])
+        ],
+        dim=1,
+    )
+
+
 class KVCache:
     """Preallocated keys/values for one sequence, addressed by absolute position.
 
@@ -101,18 +117,7 @@ class Block(nn.Module):
             # Batch-invariant mode (int8, engine/runtimes/quant.py): each query row attends exactly as a
             # 1-token step at its position would, so a verify block's rows are bit-identical to
             # plain decoding's; int8 activation rounding would otherwise amplify fp32 noise.
-            attn = torch.cat(
-                [
-                    F.scaled_dot_product_attention(
-                        q[:, i : i + 1].unsqueeze(0),
-                        keys[:, : start + i + 1].unsqueeze(0),
-                        values[:, : start + i + 1].unsqueeze(0),
-                        enable_gqa=gqa,
-                    )[0]
-                    for i in range(t)
-                ],
-                dim=1,
-            )
+            attn = row_attention(q, keys, values, start, gqa)
         else:
             attn = F.scaled_dot_product_attention(
                 q.unsqueeze(0),

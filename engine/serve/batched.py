@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.decoding.passes import DraftNeed, Forward, run_one
-from engine.runtimes.compact import CompactTransformer, rotate
+from engine.runtimes.compact import CompactTransformer, rotate, row_attention
 
 __all__ = ["DraftNeed", "Forward", "batched_forward", "batched_greedy_drafts", "run_one", "supports_batch"]
 
@@ -121,18 +121,7 @@ def batched_forward(model: CompactTransformer, calls: list[Forward]) -> list[Ten
             c.cache.values[li, :, start:end] = v
             keys, values = c.cache.keys[li, :, :end], c.cache.values[li, :, :end]
             if 1 < t <= layer.row_attention_max and start > 0:  # as Block.forward (int8 mode)
-                attn = torch.cat(
-                    [
-                        F.scaled_dot_product_attention(
-                            q[:, i : i + 1].unsqueeze(0),
-                            keys[:, : start + i + 1].unsqueeze(0),
-                            values[:, : start + i + 1].unsqueeze(0),
-                            enable_gqa=gqa,
-                        )[0]
-                        for i in range(t)
-                    ],
-                    dim=1,
-                )
+                attn = row_attention(q, keys, values, start, gqa)
             else:
                 attn = F.scaled_dot_product_attention(
                     q.unsqueeze(0),
