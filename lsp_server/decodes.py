@@ -17,7 +17,7 @@ from lsp_server import indent
 from lsp_server.documents import DocumentStore
 from lsp_server.engine_host import EngineHost
 from lsp_server.follow_up import follow_up_context, follow_up_options
-from lsp_server.generation import Generation, record_decode
+from lsp_server.generation import SETTLED, Generation, record_decode
 from lsp_server.plan import Plan, Planner
 from lsp_server.prewarm import Prewarmer
 from lsp_server.prompt import Context
@@ -116,7 +116,9 @@ class Decodes:
                 stage.finish_decode(gen, self.stats)
             if self.typethrough.active is gen:
                 self.typethrough.active = None
-            kept = gen.usable and gen.text.strip()
+            # Kept for later requests: text, or a decode that ended by itself with none (the model's answer
+            # there is nothing; a request at that very context would decode the same nothing again).
+            kept = gen.usable and (gen.text.strip() or gen.finish_reason in SETTLED)
             if record_decode(self.stats, gen) and not kept:
                 self.typethrough.account(gen)  # not kept for type-through: its shown share is final now
             if kept and gen.ctx.uri in self.asked:
@@ -135,17 +137,22 @@ class Decodes:
         # Local engines only: a remote server's or a shared daemon's decodes cost others (and maybe money).
         if doc is None or engine is None or settings is None or not settings.prefetch or settings.engine_spec:
             return
-        try:
-            ctx = follow_up_context(doc, gen, settings.prefix_chars, settings.suffix_chars)
-        except Exception:  # only an optimisation: never let it cost the session
-            log.exception("follow-up context failed")
-            return
         # Only soon after the user's last key: a user who stopped typing stops the engine (it has shown them
         # what they asked for; Tab after a long read decodes afresh).
         last = max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_request)  # the user's last key or request
-        if ctx is None or time.perf_counter() - last > FOLLOW_UP_WITHIN_S:
+        if time.perf_counter() - last > FOLLOW_UP_WITHIN_S or doc.changing or doc.parsing:
             return
-        plan = Plan(follow_up_options(gen.plan.options), None, gen.plan.segment_lines)
-        nxt = self.submit(engine, ctx, settings, time.perf_counter(), 0.0, plan, background=True)
+        try:
+            accept = follow_up_context(doc, gen, settings.prefix_chars, settings.suffix_chars)
+            if accept is None:
+                return
+            # Planned where the accept leaves the cursor, as the request there will be: a shown call's
+            # arguments (one line, mid-statement) are followed by the next lines (a block's policy).
+            plan = self.planner.plan(accept.document(doc), accept.ctx, settings, follow_up=True)
+        except Exception:  # only an optimisation: never let it cost the session
+            log.exception("follow-up context failed")
+            return
+        plan = plan._replace(options=follow_up_options(plan.options))
+        nxt = self.submit(engine, accept.ctx, settings, time.perf_counter(), 0.0, plan, background=True)
         nxt.prefetched = nxt.follow_up = True
         self.stats.count("follow_ups")

@@ -31,6 +31,7 @@ replayed onto the new trees, incrementally, when the parse is done.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import re
 from collections.abc import Callable, Generator
@@ -409,6 +410,19 @@ class Document:
         return "".join(parts)
 
     # -- editing -----------------------------------------------------------------------------
+    def with_edit(self, start: tuple[int, int], end: tuple[int, int], text: str) -> Document:
+        """A scratch copy with one edit applied, this document untouched: the document an accept will leave,
+        for planning the decode there before the editor sends it (lsp_server/follow_up.py). Its syntax copy
+        is a snapshot of the trees (copied, not reparsed) with the edit parsed incrementally."""
+        if self._batch or self._job is not None:
+            raise ValueError("the document is being changed or parsed")
+        clone = copy.copy(self)
+        clone.lines = list(self.lines)
+        clone.syntax = self.syntax.snapshot()
+        clone._blocks = None
+        clone.apply_edit(start, end, text)
+        return clone
+
     def apply_edit(self, start: tuple[int, int], end: tuple[int, int], text: str) -> None:
         """Replace the code-point range [start, end) with ``text``."""
         run_steps(self.apply_edit_steps(start, end, text))

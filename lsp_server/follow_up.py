@@ -10,6 +10,7 @@ prefix and suffix), so the next suggestion shows from text already decoded.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 from engine.options import DecodeOptions
 from lsp_server.documents import Document
@@ -22,9 +23,23 @@ from lsp_server.prompt import Context, suffix_text, typed_since
 FOLLOW_UP_MAX_TOKENS = 24
 
 
-def follow_up_context(doc: Document, gen: Generation, prefix_chars: int, suffix_chars: int) -> Context | None:
-    """The context after accepting ``gen``'s shown text at the cursor ``doc`` now has, or None where that
-    cannot be known exactly (the user typed off the text, the prefix window would move, nothing is left)."""
+class Accept(NamedTuple):
+    """What accepting a shown completion does: the edit it makes, and the context at the cursor it leaves."""
+
+    start: tuple[int, int]
+    end: tuple[int, int]  # the closers the completion re-types are replaced
+    text: str
+    ctx: Context
+
+    def document(self, doc: Document) -> Document:
+        """``doc`` as the accept will leave it (a scratch copy): the follow-up is planned there, as the
+        request after the accept will be (its syntax context, not the shown completion's)."""
+        return doc.with_edit(self.start, self.end, self.text)
+
+
+def follow_up_context(doc: Document, gen: Generation, prefix_chars: int, suffix_chars: int) -> Accept | None:
+    """The accept of ``gen``'s shown text at the cursor ``doc`` now has, or None where its context cannot be
+    known exactly (the user typed off the text, the prefix window would move, nothing is left)."""
     typed = typed_since(doc, gen.ctx)
     if typed is None or not gen.text.startswith(typed):
         return None
@@ -36,7 +51,7 @@ def follow_up_context(doc: Document, gen: Generation, prefix_chars: int, suffix_
     replaced = gen.replace_cols or 0
     if len(prefix) > prefix_chars or col + replaced > len(doc.line_text(line)):
         return None
-    return Context(
+    ctx = Context(
         uri=doc.uri,
         version=doc.version,
         doc_length=doc.length + len(text) - replaced,
@@ -45,6 +60,7 @@ def follow_up_context(doc: Document, gen: Generation, prefix_chars: int, suffix_
         prefix=prefix,
         suffix=suffix_text(doc, line, col + replaced, suffix_chars),
     )
+    return Accept((line, col), (line, col + replaced), text, ctx)
 
 
 def follow_up_options(options: DecodeOptions) -> DecodeOptions:

@@ -16,6 +16,7 @@ from typing import Any
 from lsp_server.prompt import Context
 
 FINISHED_OK = ("stop", "eos", "length")
+SETTLED = ("stop", "eos")  # ended by the model or the guard, not by a token limit: nothing more to come
 _ids = itertools.count(1)
 
 

@@ -90,12 +90,20 @@ class Planner:
         return f"{self.engine_ns}\x00{uri}" if self.engine_ns else uri
 
     def plan(
-        self, doc: Document, ctx: Context, settings: Settings, *, prefetch: bool = False, prewarm: bool = False
+        self,
+        doc: Document,
+        ctx: Context,
+        settings: Settings,
+        *,
+        prefetch: bool = False,
+        prewarm: bool = False,
+        follow_up: bool = False,
     ) -> Plan:
         """The plan for a decode at ``ctx``'s cursor: options, shaper, segment lines.
 
         Call it while ``doc`` is at ``ctx.version``. A ``prewarm`` plan has no shaper and is not
-        recorded (lastPolicy, policy counters): nothing is decoded.
+        recorded (lastPolicy, policy counters): nothing is decoded. A ``follow_up`` plan (``doc`` is the
+        document an accept will leave) is not recorded either: the request after the accept records its own.
         """
         lines = self._segment_lines(doc, ctx)
         try:
@@ -108,11 +116,11 @@ class Planner:
             else:
                 log.exception("syntax policy failed: decoding with the fixed settings")
                 self.stats.count("policy_errors")
-            if not prewarm:
+            if not (prewarm or follow_up):
                 self.last_policy = None
             return Plan(fixed_options(settings), None, lines)
         plan = plan._replace(segment_lines=lines)
-        if prewarm:
+        if prewarm or follow_up:
             return plan
         decision = plan.decision
         assert decision is not None

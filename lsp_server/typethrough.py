@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import NamedTuple
 
-from lsp_server.generation import Generation
+from lsp_server.generation import SETTLED, Generation
 from lsp_server.prompt import Context
 from lsp_server.stats import Stats
 from lsp_server.streaming import DeltaStreamer
@@ -72,8 +72,8 @@ class TypeThrough:
             typed = ctx.prefix[len(a.prefix) :]
             if not gen.text.startswith(typed):
                 continue
-            if gen.done and not gen.text[len(typed) :].strip():
-                continue  # typed through all of it: ask the model for more
+            if gen.done and not gen.text[len(typed) :].strip() and (typed or gen.finish_reason not in SETTLED):
+                continue  # typed through all of it, or cut at its token limit: ask the model for more
             return gen, len(typed)
         return None
 
