@@ -148,11 +148,13 @@ class Decodes:
                 return
             # Planned where the accept leaves the cursor, as the request there will be: a shown call's
             # arguments (one line, mid-statement) are followed by the next lines (a block's policy).
-            plan = self.planner.plan(accept.document(doc), accept.ctx, settings, follow_up=True)
+            accepted = accept.document(doc)
+            plan = self.planner.plan(accepted, accept.ctx, settings, follow_up=True)
+            options = follow_up_options(plan.options, accepted, accept.ctx.cursor, settings.max_lines)
         except Exception:  # only an optimisation: never let it cost the session
             log.exception("follow-up context failed")
             return
-        plan = plan._replace(options=follow_up_options(plan.options))
+        plan = plan._replace(options=options)
         nxt = self.submit(engine, accept.ctx, settings, time.perf_counter(), 0.0, plan, background=True)
         nxt.prefetched = nxt.follow_up = True
         self.stats.count("follow_ups")

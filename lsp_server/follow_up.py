@@ -17,10 +17,13 @@ from lsp_server.documents import Document
 from lsp_server.generation import Generation
 from lsp_server.positions import advance
 from lsp_server.prompt import Context, suffix_text, typed_since
+from lsp_server.shaping.policy import cap_line_limit
 
 # A follow-up nobody may accept costs CPU: its decode stops after this many tokens (a line or two); a
 # request after the accept that wants more starts from its text (type-through) or decodes afresh.
 FOLLOW_UP_MAX_TOKENS = 24
+# After an accept that completes its line: the rest of that line (nothing) and the next lines.
+FOLLOW_UP_LINES = 3
 
 
 class Accept(NamedTuple):
@@ -63,5 +66,15 @@ def follow_up_context(doc: Document, gen: Generation, prefix_chars: int, suffix_
     return Accept((line, col), (line, col + replaced), text, ctx)
 
 
-def follow_up_options(options: DecodeOptions) -> DecodeOptions:
-    return replace(options, max_tokens=min(options.max_tokens, FOLLOW_UP_MAX_TOKENS))
+def follow_up_options(
+    options: DecodeOptions, accepted: Document, cursor: tuple[int, int], max_lines: int
+) -> DecodeOptions:
+    """The follow-up's options: the plan's at the accepted cursor, a line or two of tokens. Where the accept
+    completed its line (nothing after the cursor), the follow-up is the next lines, as llama.vim's Tab-Tab
+    is: a single-line decision there (a finished statement reads as mid-statement) ends at the line break
+    with nothing to show, so the next Tab would have nothing. ``max_lines`` is the user's cap."""
+    options = replace(options, max_tokens=min(options.max_tokens, FOLLOW_UP_MAX_TOKENS))
+    line, col = cursor
+    if options.max_lines == 1 and not accepted.line_text(line)[col:].strip():
+        options = replace(options, max_lines=cap_line_limit(FOLLOW_UP_LINES, max_lines))
+    return options

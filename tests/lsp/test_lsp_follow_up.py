@@ -85,7 +85,9 @@ async def test_the_completion_after_an_accept_is_decoded_before_it(client: Langu
     after = (await stats(client))["counters"]
     assert after.get("follow_up_hits", 0) == before.get("follow_up_hits", 0) + 1, after
     assert after.get("misses", 0) == before.get("misses", 0)
-    assert after.get("generations") == before.get("generations"), "the accept decoded afresh"
+    # No decode at the accept's cursor: the only one started since is the next follow-up (Tab-Tab-Tab)
+    started, follow_ups = (after.get(k, 0) - before.get(k, 0) for k in ("generations", "follow_ups"))
+    assert started == follow_ups <= 1, after
 
 
 async def test_typing_something_else_is_not_served_by_the_follow_up(client: LanguageClient):

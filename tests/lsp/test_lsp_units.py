@@ -180,3 +180,17 @@ def test_with_edit_is_a_scratch_copy_with_its_own_syntax():
     assert not after.syntax.trees()[0].root_node.has_error
     assert doc.source == text_before and str(doc.syntax.trees()[0].root_node) == tree_before
     assert doc.syntax.trees()[0].root_node.has_error
+
+
+def test_follow_up_after_an_accept_that_ends_its_line_decodes_the_next_lines():
+    from engine.options import DecodeOptions
+    from lsp_server.follow_up import FOLLOW_UP_LINES, FOLLOW_UP_MAX_TOKENS, follow_up_options
+
+    doc = Document("file:///f.py", "def f(x):\n    y = g(x)\n    return y)\n", 1, "python")
+    one_line = DecodeOptions(max_tokens=48, max_lines=1)
+    at_end = follow_up_options(one_line, doc, (1, 12), max_lines=8)
+    assert at_end.max_lines == FOLLOW_UP_LINES and at_end.max_tokens == FOLLOW_UP_MAX_TOKENS
+    assert follow_up_options(one_line, doc, (2, 12), max_lines=8).max_lines == 1  # code after the cursor
+    assert follow_up_options(one_line, doc, (1, 12), max_lines=1).max_lines == 1  # the user's cap
+    block = DecodeOptions(max_tokens=128, max_lines=8)
+    assert follow_up_options(block, doc, (1, 12), max_lines=8).max_lines == 8  # multi-line already
