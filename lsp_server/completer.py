@@ -238,7 +238,7 @@ class Completer:
         self.stats.observe("answer", (time.perf_counter() - req.t0) * 1e3)
         if not text.strip():
             return None
-        gen.shown = max(gen.shown, offset + consumed + len(text))
+        gen.mark_shown(offset + consumed + len(text))
         self.telemetry.remember(completion_id, text, cached)
         return Answer(text, cursor, completion_id, cached, replace_cols)
 

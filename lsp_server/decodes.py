@@ -137,9 +137,10 @@ class Decodes:
         # Local engines only: a remote server's or a shared daemon's decodes cost others (and maybe money).
         if doc is None or engine is None or settings is None or not settings.prefetch or settings.engine_spec:
             return
-        # Only soon after the user's last key: a user who stopped typing stops the engine (it has shown them
-        # what they asked for; Tab after a long read decodes afresh).
-        last = max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_request)  # the user's last key or request
+        # Only soon after the user's last key, or after the text was shown (a cold answer can take seconds,
+        # and the user is reading it now): a user who stopped typing stops the engine (it has shown them what
+        # they asked for; Tab after a long read decodes afresh).
+        last = max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_request, gen.t_shown)
         if time.perf_counter() - last > FOLLOW_UP_WITHIN_S or doc.changing or doc.parsing:
             return
         try:

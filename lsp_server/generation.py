@@ -38,6 +38,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.shown = 0  # characters of ``text`` sent to the client (answers and deltas)
+        self.t_shown = 0.0  # when ``shown`` last grew: the user is reading it from then on
         self.waiting = 0  # requests waiting for an answer from it
         self.waiter_tasks: set[asyncio.Task] = set()  # their tasks (see TypeThrough.doomed)
         self.tokens = 0  # from the engine's result
@@ -82,6 +83,11 @@ class Generation:
     def cancel(self) -> None:
         if not self.done and not self.stream.cancelled:
             self.stream.cancel()
+
+    def mark_shown(self, end: int) -> None:
+        """``text[:end]`` has been sent to the client (an answer or a delta)."""
+        if end > self.shown:
+            self.shown, self.t_shown = end, time.perf_counter()
 
     def add_text(self, text: str) -> None:
         now = time.perf_counter()

@@ -86,7 +86,7 @@ class DeltaStreamer:
 
     def _send(self, sub: Subscription, text: str, done: bool, reason: str | None) -> None:
         sub.sent = len(text)
-        sub.gen.shown = max(sub.gen.shown, sub.offset + len(text))
+        sub.gen.mark_shown(sub.offset + len(text))
         params = {
             "requestId": sub.request_id,
             "token": sub.token,
