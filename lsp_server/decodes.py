@@ -31,6 +31,27 @@ log = logging.getLogger(__name__)
 FOLLOW_UP_WITHIN_S = float(os.environ.get("FIMBLE_FOLLOW_UP_WITHIN_S", 1.5))
 
 
+def _quiet_after_s() -> float:
+    """FIMBLE_QUIET_AFTER_S: seconds after the user's last key (or request) when a decode nobody waits on
+    stops, its text so far kept (0: never). Range-checked; a bad value keeps the default."""
+    raw = os.environ.get("FIMBLE_QUIET_AFTER_S", "")
+    try:
+        value = float(raw) if raw else QUIET_AFTER_DEFAULT_S
+    except ValueError:
+        value = QUIET_AFTER_DEFAULT_S
+    return value if value == 0 or 0.5 <= value <= 600 else QUIET_AFTER_DEFAULT_S
+
+
+# A laptop's fan and battery: the server's CPU falls quiet within 2 s of the last key. A decode still
+# streaming ghost text after its answer (a block's later lines, a Tab-Tab follow-up) stops this long after
+# the user's last key, once its first text has shown for QUIET_MIN_SHOWN_S; what it decoded stays shown and
+# cached (a prefix of the plain decode, as a token limit leaves). A request still waiting (an invoked one
+# wants the whole decode) is never cut.
+QUIET_AFTER_DEFAULT_S = 1.8
+QUIET_AFTER_S = _quiet_after_s()
+QUIET_MIN_SHOWN_S = 0.6
+
+
 class Decodes:
     def __init__(
         self,
@@ -97,6 +118,10 @@ class Decodes:
                         stage.stream_text(gen, text, self.stats)
                 if delta.finished:
                     reason = delta.finish_reason
+                elif self._quiet_now(gen):
+                    gen.quiet = True
+                    gen.cancel()  # the engine stops at its next step
+                    self.stats.count("quiet_stops")
                 gen.changed()
         except FimbleError as exc:
             reason, error = "error", str(exc)
@@ -111,6 +136,8 @@ class Decodes:
         finally:
             if gen.cut and reason in (None, "cancelled"):
                 reason = "stop"  # the guard ended it: the text is complete up to the stop
+            elif gen.quiet and reason in (None, "cancelled"):
+                reason = "length"  # stopped for quiet: whole up to here, more would follow
             gen.finish(reason, error)
             if gen.usable:
                 stage.finish_decode(gen, self.stats)
@@ -125,6 +152,14 @@ class Decodes:
                 self.typethrough.remember(gen)
             gen.changed()
             self.follow_up(gen)
+
+    def _quiet_now(self, gen: Generation) -> bool:
+        """Whether ``gen`` should stop for quiet now (see QUIET_AFTER_S)."""
+        if not QUIET_AFTER_S or gen.waiting or gen.cut or gen.quiet or gen.t_first is None:
+            return False
+        now = time.perf_counter()
+        last = max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_user)
+        return now - last > QUIET_AFTER_S and now - gen.t_first > QUIET_MIN_SHOWN_S
 
     def follow_up(self, gen: Generation) -> None:
         """Tab-Tab: once ``gen`` has ended and shown text, decode in the background the completion that follows
@@ -141,7 +176,8 @@ class Decodes:
         # and the user is reading it now): a user who stopped typing stops the engine (it has shown them what
         # they asked for; Tab after a long read decodes afresh).
         last = max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_request, gen.t_shown)
-        if time.perf_counter() - last > FOLLOW_UP_WITHIN_S or doc.changing or doc.parsing:
+        since = time.perf_counter() - last
+        if since > FOLLOW_UP_WITHIN_S or (QUIET_AFTER_S and since > QUIET_AFTER_S) or doc.changing or doc.parsing:
             return
         try:
             accept = follow_up_context(doc, gen, settings.prefix_chars, settings.suffix_chars)
@@ -158,4 +194,5 @@ class Decodes:
         plan = plan._replace(options=options)
         nxt = self.submit(engine, accept.ctx, settings, time.perf_counter(), 0.0, plan, background=True)
         nxt.prefetched = nxt.follow_up = True
+        nxt.t_user = last  # quiet counts from the key or the shown text it follows, not from its own start
         self.stats.count("follow_ups")

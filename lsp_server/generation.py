@@ -49,6 +49,7 @@ class Generation:
         self.plan: Any = None  # the Plan (lsp_server/plan.py) and Settings it was submitted with
         self.settings: Any = None
         self.t_request = t_request  # when the request that started it arrived
+        self.t_user = t_request  # the user's action the quiet clock counts from (lsp_server/decodes.py)
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None
         self.t_first_line: float | None = None
@@ -61,6 +62,8 @@ class Generation:
         # closers it re-types), for answers taken from the finished text.
         self.shaper: Any = None
         self.cut = False
+        # Stopped for quiet (lsp_server/decodes.py QUIET_AFTER_S): its text so far is whole, as at a token limit.
+        self.quiet = False
         self.replace_cols: int | None = None
         # lsp_server.indent.IndentFit when the cursor sits in a line's auto-indentation (set by the
         # completer): streamed text passes through it first.
@@ -78,7 +81,7 @@ class Generation:
         """
         if self.done:
             return self.finish_reason in FINISHED_OK
-        return self.cut or not self.stream.cancelled
+        return self.cut or self.quiet or not self.stream.cancelled
 
     def cancel(self) -> None:
         if not self.done and not self.stream.cancelled:
