@@ -190,6 +190,7 @@ class Completer:
             return bool(stage.shape_answer(doc, ctx.cursor, gen, offset, text, self.stats)[0])
 
         gen.waiting += 1
+        gen.invoked_waiting += req.invoked  # the user asked: the decode runs to its end (no quiet stop)
         task = asyncio.current_task()
         if task is not None:
             gen.waiter_tasks.add(task)
@@ -214,6 +215,7 @@ class Completer:
             raise
         finally:
             gen.waiting -= 1
+            gen.invoked_waiting -= req.invoked
             gen.waiter_tasks.discard(task)
 
     def _finish(

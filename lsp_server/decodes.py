@@ -43,10 +43,10 @@ def _quiet_after_s() -> float:
 
 
 # A laptop's fan and battery: the server's CPU falls quiet within 2 s of the last key. A decode still
-# streaming ghost text after its answer (a block's later lines, a Tab-Tab follow-up) stops this long after
-# the user's last key, once its first text has shown for QUIET_MIN_SHOWN_S; what it decoded stays shown and
-# cached (a prefix of the plain decode, as a token limit leaves). A request still waiting (an invoked one
-# wants the whole decode) is never cut.
+# running then (a block's later lines streaming after the answer, a first line the shaper keeps rejecting, a
+# Tab-Tab follow-up) stops this long after the user's last key or request, once it has had QUIET_MIN_SHOWN_S
+# since its first text; what it decoded stays shown and cached (a prefix of the plain decode, as a token limit
+# leaves), and a request waiting on it is answered with that. A request the user invoked is never cut.
 QUIET_AFTER_DEFAULT_S = 1.8
 QUIET_AFTER_S = _quiet_after_s()
 QUIET_MIN_SHOWN_S = 0.6
@@ -155,7 +155,7 @@ class Decodes:
 
     def _quiet_now(self, gen: Generation) -> bool:
         """Whether ``gen`` should stop for quiet now (see QUIET_AFTER_S)."""
-        if not QUIET_AFTER_S or gen.waiting or gen.cut or gen.quiet or gen.t_first is None:
+        if not QUIET_AFTER_S or gen.invoked_waiting or gen.cut or gen.quiet or gen.t_first is None:
             return False
         now = time.perf_counter()
         last = max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_user)
@@ -172,10 +172,10 @@ class Decodes:
         # Local engines only: a remote server's or a shared daemon's decodes cost others (and maybe money).
         if doc is None or engine is None or settings is None or not settings.prefetch or settings.engine_spec:
             return
-        # Only soon after the user's last key, or after the text was shown (a cold answer can take seconds,
-        # and the user is reading it now): a user who stopped typing stops the engine (it has shown them what
-        # they asked for; Tab after a long read decodes afresh).
-        last = max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_request, gen.t_shown)
+        # Only soon after the user's last key or request: a user who stopped typing stops the engine (it has
+        # shown them what they asked for; Tab after a long read, or after a cold answer that came late,
+        # decodes afresh from the warm cache). Quiet wins over Tab-Tab (see QUIET_AFTER_S).
+        last = max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_request)
         since = time.perf_counter() - last
         if since > FOLLOW_UP_WITHIN_S or (QUIET_AFTER_S and since > QUIET_AFTER_S) or doc.changing or doc.parsing:
             return
@@ -194,5 +194,5 @@ class Decodes:
         plan = plan._replace(options=options)
         nxt = self.submit(engine, accept.ctx, settings, time.perf_counter(), 0.0, plan, background=True)
         nxt.prefetched = nxt.follow_up = True
-        nxt.t_user = last  # quiet counts from the key or the shown text it follows, not from its own start
+        nxt.t_user = last  # quiet counts from the user's key or request, not from the follow-up's own start
         self.stats.count("follow_ups")

@@ -38,8 +38,8 @@ class Generation:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.shown = 0  # characters of ``text`` sent to the client (answers and deltas)
-        self.t_shown = 0.0  # when ``shown`` last grew: the user is reading it from then on
         self.waiting = 0  # requests waiting for an answer from it
+        self.invoked_waiting = 0  # of those, requests the user invoked (not typed)
         self.waiter_tasks: set[asyncio.Task] = set()  # their tasks (see TypeThrough.doomed)
         self.tokens = 0  # from the engine's result
         self.accounted = False  # its tokens are counted as shown / never shown
@@ -89,8 +89,7 @@ class Generation:
 
     def mark_shown(self, end: int) -> None:
         """``text[:end]`` has been sent to the client (an answer or a delta)."""
-        if end > self.shown:
-            self.shown, self.t_shown = end, time.perf_counter()
+        self.shown = max(self.shown, end)
 
     def add_text(self, text: str) -> None:
         now = time.perf_counter()

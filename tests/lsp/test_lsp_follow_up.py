@@ -28,10 +28,12 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 DOC, CURSOR = UNFINISHED_DOC, UNFINISHED_CURSOR  # every model has something to say there
 
 
-# The follow-up starts only this soon after the request (FOLLOW_UP_WITHIN_S): wide here, so that a busy
-# machine's slow decode still gets its follow-up. What the tests check is which decode serves the accept.
+# The follow-up starts only this soon after the request (FOLLOW_UP_WITHIN_S, and the quiet after the last
+# key, QUIET_AFTER_S): wide and off here, so that a busy machine's slow decode (the first waits for the engine
+# to load) still gets its follow-up. What the tests check is which decode serves the accept.
 SERVER = ClientServerConfig(
-    server_command=SERVER_CMD + ["--debug"], server_env={**SERVER_ENV, "FIMBLE_FOLLOW_UP_WITHIN_S": "120"}
+    server_command=SERVER_CMD + ["--debug"],
+    server_env={**SERVER_ENV, "FIMBLE_FOLLOW_UP_WITHIN_S": "120", "FIMBLE_QUIET_AFTER_S": "0"},
 )
 
 
