@@ -52,6 +52,14 @@ QUIET_AFTER_S = _quiet_after_s()
 QUIET_MIN_SHOWN_S = 0.6
 
 
+def _settled_follow_up(gen: Generation) -> bool:
+    """A follow-up that ended by itself with nothing: kept, so that the request after the accept (the one it
+    was decoded for) is answered at once instead of decoding the same nothing again. Only follow-ups: another
+    decode's nothing may have come from a prompt without the cross-file context yet, and a user waiting at
+    that cursor must get a fresh decode (a Neovim test waited on a cached nothing)."""
+    return gen.follow_up and gen.finish_reason in SETTLED
+
+
 class Decodes:
     def __init__(
         self,
@@ -143,9 +151,7 @@ class Decodes:
                 stage.finish_decode(gen, self.stats)
             if self.typethrough.active is gen:
                 self.typethrough.active = None
-            # Kept for later requests: text, or a decode that ended by itself with none (the model's answer
-            # there is nothing; a request at that very context would decode the same nothing again).
-            kept = gen.usable and (gen.text.strip() or gen.finish_reason in SETTLED)
+            kept = gen.usable and (gen.text.strip() or _settled_follow_up(gen))
             if record_decode(self.stats, gen) and not kept:
                 self.typethrough.account(gen)  # not kept for type-through: its shown share is final now
             if kept and gen.ctx.uri in self.asked:

@@ -411,9 +411,8 @@ class Document:
 
     # -- editing -----------------------------------------------------------------------------
     def with_edit(self, start: tuple[int, int], end: tuple[int, int], text: str) -> Document:
-        """A scratch copy with one edit applied, this document untouched: the document an accept will leave,
-        for planning the decode there before the editor sends it (lsp_server/follow_up.py). Its syntax copy
-        is a snapshot of the trees (copied, not reparsed) with the edit parsed incrementally."""
+        """A scratch copy with one edit applied (the document an accept will leave: lsp_server/follow_up.py),
+        this one untouched; its trees are copied, not reparsed, and the edit is parsed incrementally."""
         if self._batch or self._job is not None:
             raise ValueError("the document is being changed or parsed")
         clone = copy.copy(self)

@@ -72,8 +72,9 @@ class TypeThrough:
             typed = ctx.prefix[len(a.prefix) :]
             if not gen.text.startswith(typed):
                 continue
-            if gen.done and not gen.text[len(typed) :].strip() and (typed or gen.finish_reason not in SETTLED):
-                continue  # typed through all of it, or cut at its token limit: ask the model for more
+            settled_nothing = gen.follow_up and gen.finish_reason in SETTLED and not typed  # see decodes.py
+            if gen.done and not gen.text[len(typed) :].strip() and not settled_nothing:
+                continue  # typed through all of it (or nothing to show): ask the model for more
             return gen, len(typed)
         return None
 
