@@ -44,10 +44,11 @@ def _quiet_after_s() -> float:
 
 # A laptop's fan and battery: the server's CPU falls quiet within 2 s of the last key. A decode still
 # running then (a block's later lines streaming after the answer, a first line the shaper keeps rejecting, a
-# Tab-Tab follow-up) stops this long after the user's last key or request, once it has had QUIET_MIN_SHOWN_S
-# since its first text; what it decoded stays shown and cached (a prefix of the plain decode, as a token limit
-# leaves), and a request waiting on it is answered with that. A request the user invoked is never cut.
-QUIET_AFTER_DEFAULT_S = 1.8
+# Tab-Tab follow-up) stops this long after the user's last key or request (the engine stops within a pass,
+# up to ~0.1 s here); one an automatic request still waits on, once it has had QUIET_MIN_SHOWN_S since its first
+# text. What it decoded stays shown and cached (a prefix of the plain decode, as a token limit leaves), and a
+# request waiting on it is answered with that. A request the user invoked is never cut.
+QUIET_AFTER_DEFAULT_S = 1.5
 QUIET_AFTER_S = _quiet_after_s()
 QUIET_MIN_SHOWN_S = 0.6
 
@@ -161,11 +162,13 @@ class Decodes:
 
     def _quiet_now(self, gen: Generation) -> bool:
         """Whether ``gen`` should stop for quiet now (see QUIET_AFTER_S)."""
-        if not QUIET_AFTER_S or gen.invoked_waiting or gen.cut or gen.quiet or gen.t_first is None:
+        if not QUIET_AFTER_S or gen.invoked_waiting or gen.cut or gen.quiet:
             return False
         now = time.perf_counter()
-        last = max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_user)
-        return now - last > QUIET_AFTER_S and now - gen.t_first > QUIET_MIN_SHOWN_S
+        if now - max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_user) <= QUIET_AFTER_S:
+            return False
+        # A request still waiting gets QUIET_MIN_SHOWN_S of text first (a cold prompt's answer comes late).
+        return not gen.waiting or (gen.t_first is not None and now - gen.t_first > QUIET_MIN_SHOWN_S)
 
     def follow_up(self, gen: Generation) -> None:
         """Tab-Tab: once ``gen`` has ended and shown text, decode in the background the completion that follows
