@@ -19,6 +19,10 @@
    aggregate tok/s, and first delta = arrival to first token on the host, p50/p95, for arrivals spread
    at random over one second and for all streams arriving at once.
 
+5. The peer (``--llama-server BIN --gguf PATH``, issue 27 item 4): llama.cpp's llama-server built with CUDA
+   (bench/peer_h200.sh) on the random 1.5B shape written as a GGUF (bench/harness/llama_server_cuda.py): its
+   single-stream step against fimble's graph step on the same prompt, greedy outputs compared token for token.
+
 The last line is the headline.
 
 Graph kernels: each shape is timed with torch's sdpa, plain matmuls and, where Triton runs, the fused Triton
@@ -449,6 +453,13 @@ def main() -> None:
         action="store_true",
         help="only the 1-token graph step with torch.compile fusion, per shape (compiles take minutes)",
     )
+    ap.add_argument(
+        "--llama-server",
+        metavar="BIN",
+        help="the peer's row: llama.cpp's llama-server (CUDA build, bench/peer_h200.sh) on --gguf, its single-stream "
+        "step against fimble's graph step on the same prompt, outputs compared (bench/harness/llama_server_cuda.py)",
+    )
+    ap.add_argument("--gguf", type=Path, help="--llama-server's model: the random 1.5B shape as a GGUF")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -583,6 +594,22 @@ def main() -> None:
             f"{r['full_batch_tok_s'] or 0:.0f} tok/s, step {r['full_batch_step_ms'] or 0:.2f} ms), first delta "
             f"p50 {r['first_delta_p50_ms']:.1f} ms p95 {r['first_delta_p95_ms']:.1f} ms"
         )
+    peer = ""
+    if args.llama_server:
+        from bench.harness.llama_server_cuda import step_compare
+
+        p = result["peer_step"] = step_compare(args.llama_server, args.gguf, "1.5B", args.context, 128, Path("/tmp"))
+        print(
+            f"peer: llama-server (CUDA) on the random 1.5B shape ({args.gguf.name}), 1 stream at {args.context} "
+            f"cached: step {p['llama_step_ms']:.3f} ms (llama.cpp's timing) vs fimble's graph step "
+            f"{p['fimble_step_ms_median']:.3f} ms ({p['step_ratio']}x); greedy outputs identical for the first "
+            f"{p['identical_prefix']} of "
+            f"{p['compared']} tokens"
+        )
+        peer = (
+            f"; 1.5B single stream fimble {p['fimble_step_ms_median']:.2f} ms vs llama-server {p['llama_step_ms']:.2f} "
+            f"ms a step ({p['step_ratio']}x), greedy identical {p['identical_prefix']}/{p['compared']}"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
@@ -595,6 +622,7 @@ def main() -> None:
         f"per stream ({best['decode_tok_s'] / eager_auto:.1f}x eager auto, identical "
         f"{best['identical_to_eager_plain']}); 1.5B replay {rep or 0:.0f} tok/s; {bshape} x {streams} concurrent "
         f"streams {conc['aggregate_tok_s']:.0f} tok/s aggregate, p95 first delta {conc['first_delta_p95_ms']:.0f} ms"
+        f"{peer}"
     )
 
 

@@ -32,6 +32,21 @@ for target passes (the text of the previous step is streamed while a slotted rou
 ``sched_gpu_ms`` the graph's GPU time; ``sched_shortened`` the verify blocks the round's block choice cut.
 Where the Python 3.12 daemon's decode loop should be profiled, set ``SERVE_LOAD_PROFILE=path`` (--shape).
 
+A second peer, another program (issue 27, item 4): ``--llama-server BIN --gguf PATH`` also drives llama.cpp's
+``llama-server`` (built with CUDA from the vendored llama.cpp that fimble's CPU library comes from, MIT licence;
+bench/peer_h200.sh builds it, and bench/harness/llama_server_cuda.py writes the same random weights as a GGUF) with
+the same trace, interleaved level by level: one slot per editor (``--llama-slots``, default the largest level),
+continuous batching, each editor's prompt laid out by fimble's FIM template and sent to ``/completion`` with
+``cache_prompt`` in its own slot, greedy; a keystroke closes the previous request's connection, which stops it.
+Its tok/s counts the tokens the client received while typing, up to each cancel (fimble's: the tokens its daemon
+emitted, counted server-side, so tokens decoded between a cancel and the engine seeing it count for fimble alone).
+What still differs: fimble heals the prompt's ragged last token and drafts n-grams; llama-server does neither here.
+``--rounds N`` repeats the levels. The table's "same last" counts editors whose last completion (run to its end) is
+the same text in fimble serve and the peer.
+
+    python -m bench.serve_load --device cuda --shape 1.5B --levels 1,8,32 --no-peer --max-tokens 128 --max-lines 0 \
+        --llama-server /tmp/peerjob/build/bin/llama-server --gguf /tmp/peerjob/r15-bf16.gguf --rounds 2
+
 The last line printed is the headline.
 """
 
@@ -184,19 +199,20 @@ def traces(n: int, chars: int, seed: int = 0) -> list[tuple[str, str, str]]:
     return out
 
 
-async def _first_delta(q: asyncio.Queue, t0: float, wait_end: bool) -> tuple[float | None, bool]:
-    """(seconds to the first delta, whether it ended in an error); reads to the end if ``wait_end``."""
-    first, error = None, False
+async def _first_delta(q: asyncio.Queue, t0: float, wait_end: bool) -> tuple[float | None, bool, str]:
+    """(seconds to the first delta, whether it ended in an error, the text read); reads to the end if ``wait_end``."""
+    first, error, text = None, False, ""
     while True:
         msg = await q.get()
         if msg["op"] != "delta":
             continue
         d = msg["delta"]
+        text += d["text"]
         if first is None and (d["text"] or d["finished"]):
             first = time.perf_counter() - t0
         error = error or d.get("finish_reason") == "error"
         if d["finished"] or (first is not None and not wait_end):
-            return first, error
+            return first, error, text
 
 
 async def editor(
@@ -205,13 +221,13 @@ async def editor(
     """Open the file (a completion at the line's start: the cold prefill), wait for ``go``, then type."""
     before, typed, after = trace
     s = None
-    cold, warm, errors = None, [], 0
+    cold, warm, errors, final = None, [], 0, None
     try:
         try:
             s = await Session.open(url)
             t0 = time.perf_counter()
             _, q = await s.submit(before, after, name, max_tokens, MAX_LINES)
-            cold, err = await _first_delta(q, t0, wait_end=True)
+            cold, err, _ = await _first_delta(q, t0, wait_end=True)
             errors += err
         finally:
             opened()
@@ -223,15 +239,17 @@ async def editor(
                 s.queues.pop(previous, None)
             t0 = time.perf_counter()
             previous, q = await s.submit(before + typed[:k], after, name, max_tokens, MAX_LINES)
-            first, err = await _first_delta(q, t0, wait_end=k == len(typed))
+            first, err, text = await _first_delta(q, t0, wait_end=k == len(typed))
             errors += err
             if first is not None:
                 warm.append(first)
+            if k == len(typed):
+                final = text
             await asyncio.sleep(think_s)
     finally:
         if s is not None:
             await s.close()
-    return {"cold_s": cold, "warm_s": warm, "errors": errors}
+    return {"cold_s": cold, "warm_s": warm, "errors": errors, "final": final}
 
 
 def shape_engine(shape: str, device: str, batch: bool, max_active: int, warm_graphs: bool, attention: str):
@@ -240,14 +258,14 @@ def shape_engine(shape: str, device: str, batch: bool, max_active: int, warm_gra
 
     import torch
 
+    from bench.harness.llama_server_cuda import tokenizer_only
     from bench.harness.random_models import random_model
-    from engine.loader import DEFAULT_TARGET, load_model
     from engine.runtimes.cuda_graphs import GraphRuntime
     from engine.serve.scheduler import ServeEngine
 
     if device != "cuda":
         raise SystemExit("--shape needs --device cuda (the shapes are built on CUDA, bf16)")
-    base = load_model(DEFAULT_TARGET, device=device, dtype=torch.bfloat16, runtime="compact")
+    base = tokenizer_only()  # the embedded target's tokenizer, template and stop ids; its weights are not read
     model = random_model(shape)
     vocab = len(base.tokenizer)
     with torch.no_grad():
@@ -395,7 +413,151 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
         "mean_graph_gpu_ms": round(gpu_ms / graph_rounds, 2) if graph_rounds else 0,
         "drafts_shortened": shortened,
         "busy_share": round(round_ms / 1e3 / wall, 2) if wall else 0,
+        "finals": [r.get("final") if isinstance(r, dict) else None for r in results],
     }
+
+
+# -- the peer: llama.cpp's llama-server (bench/harness/llama_server_cuda.py), the same trace over HTTP ----------
+async def llama_editor(
+    port: int, trace: tuple[str, str, str], think_s: float, max_tokens: int, slot: int, opened, go, counter: list
+) -> dict:
+    """``editor`` against llama-server: the same prompts laid out by fimble's FIM template (the embedded target's:
+    suffix first), ``/completion`` streamed with ``cache_prompt`` in this editor's own slot, greedy; a keystroke
+    closes the previous request's connection (llama-server then stops that task). ``counter[0]`` counts the tokens
+    streamed back (``return_tokens``), the cancelled requests' too until their connection closes."""
+    from bench.harness.llama_server_cuda import Stream
+    from engine.fim import TEMPLATES
+
+    before, typed, after = trace
+    loop = asyncio.get_running_loop()
+
+    async def run(prefix: str, first: asyncio.Future) -> str:
+        body = {
+            "prompt": TEMPLATES["fimble"].build(prefix, after),
+            "n_predict": max_tokens,
+            "temperature": 0.0,
+            "top_k": 1,
+            "samplers": ["top_k"],
+            "cache_prompt": True,
+            "id_slot": slot,
+            "return_tokens": True,
+        }
+        if MAX_LINES:  # an approximation of fimble's max_lines: stop at the first newline
+            body["stop"] = ["\n"]
+        text, s = "", None
+        try:
+            s = await Stream.open(port, "/completion", body)
+            async for chunk in s.events():
+                counter[0] += len(chunk.get("tokens") or [])
+                text += chunk.get("content") or ""
+                if not first.done() and (chunk.get("content") or chunk.get("stop")):
+                    first.set_result(time.perf_counter())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an error is counted, as fimble's error deltas are
+            if not first.done():
+                first.set_exception(exc)
+            raise
+        finally:
+            if s is not None:
+                s.close()
+            if not first.done():
+                first.set_result(time.perf_counter())
+        return text
+
+    cold, warm, errors, final, previous = None, [], 0, None, None
+    try:
+        try:
+            fut = loop.create_future()
+            t0 = time.perf_counter()
+            task = asyncio.create_task(run(before, fut))
+            try:
+                await task
+                cold = fut.result() - t0
+            except Exception:  # noqa: BLE001
+                errors += 1
+        finally:
+            opened()
+        await go.wait()
+        for k in range(1, len(typed) + 1):
+            if previous is not None:
+                previous.cancel()
+            fut = loop.create_future()
+            t0 = time.perf_counter()
+            previous = asyncio.create_task(run(before + typed[:k], fut))
+            try:
+                warm.append((await fut) - t0)
+                if k == len(typed):
+                    final = await previous
+            except Exception:  # noqa: BLE001
+                errors += 1
+            await asyncio.sleep(think_s)
+    finally:
+        if previous is not None and not previous.done():
+            previous.cancel()
+    return {"cold_s": cold, "warm_s": warm, "errors": errors, "final": final}
+
+
+async def llama_level(server, editors: int, chars: int, think_s: float, max_tokens: int, seed: int) -> dict:
+    """``level`` against llama-server: editor i in slot i; tok/s counts the tokens streamed back while typing."""
+    count, all_open, go, counter = 0, asyncio.Event(), asyncio.Event(), [0]
+
+    def opened() -> None:
+        nonlocal count
+        count += 1
+        if count == editors:
+            all_open.set()
+
+    t_open = time.perf_counter()
+    tasks = asyncio.gather(
+        *(
+            llama_editor(server.port, tr, think_s, max_tokens, i, opened, go, counter)
+            for i, tr in enumerate(traces(editors, chars, seed))
+        ),
+        return_exceptions=True,
+    )
+    await all_open.wait()
+    open_wall = time.perf_counter() - t_open
+    m0 = server.metrics()
+    before = counter[0]
+    t0 = time.perf_counter()
+    go.set()
+    results = await tasks
+    wall = time.perf_counter() - t0
+    tokens = counter[0] - before
+    m1 = server.metrics()
+    cold = [r["cold_s"] for r in results if isinstance(r, dict) and r["cold_s"] is not None]
+    warm = [x for r in results if isinstance(r, dict) for x in r["warm_s"]]
+    errors = sum(r["errors"] if isinstance(r, dict) else chars + 1 for r in results)
+    diff = {k: m1.get(k, 0) - m0.get(k, 0) for k in m1 if k.endswith("_total")}
+    decodes = diff.get("n_decode_total", 0)
+    return {
+        "editors": editors,
+        "requests": editors * (chars + 1),
+        "open_wall_s": round(open_wall, 2),
+        "cold_p50_ms": round(pct(cold, 0.5) * 1e3, 1),
+        "cold_p95_ms": round(pct(cold, 0.95) * 1e3, 1),
+        "typing_wall_s": round(wall, 2),
+        "tokens": tokens,
+        "tok_per_s": round(tokens / wall, 1),
+        "p50_first_delta_ms": round(pct(warm, 0.5) * 1e3, 1),
+        "p95_first_delta_ms": round(pct(warm, 0.95) * 1e3, 1),
+        "errors": errors,
+        # /metrics over the typing phase (a slot's generated tokens are counted when the slot is next reset, so
+        # the last completions of the phase may be missing here): prompt tokens computed and reused, decode calls
+        "server_tokens_predicted": diff.get("tokens_predicted_total", 0),
+        "server_prompt_tokens": diff.get("prompt_tokens_total", 0),
+        "server_prompt_tokens_cached": diff.get("prompt_tokens_cached_total", 0),
+        "server_decode_calls": decodes,
+        "mean_tokens_per_decode": round(diff.get("tokens_predicted_total", 0) / decodes, 1) if decodes else 0,
+        "finals": [r.get("final") if isinstance(r, dict) else None for r in results],
+    }
+
+
+def identical(a: dict, b: dict) -> tuple[int, int]:
+    """(editors whose last completion has the same text in ``a`` and ``b``, editors compared)."""
+    pairs = [(x, y) for x, y in zip(a.get("finals", []), b.get("finals", []), strict=False) if x is not None]
+    return sum(x == y for x, y in pairs if y is not None), len(pairs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,6 +587,15 @@ def main(argv: list[str] | None = None) -> int:
         default="on",
         help="--shape: the decode loop in a child process (on: fimble serve's CUDA default) or in the daemon's",
     )
+    ap.add_argument(
+        "--llama-server",
+        metavar="BIN",
+        help="also drive llama.cpp's llama-server (a CUDA build: bench/peer_h200.sh) serving --gguf with the same "
+        "trace, interleaved level by level (bench/harness/llama_server_cuda.py)",
+    )
+    ap.add_argument("--gguf", help="--llama-server's model (python -m bench.harness.llama_server_cuda --write-gguf)")
+    ap.add_argument("--llama-slots", type=int, default=0, help="llama-server's parallel slots (0: the largest level)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the levels this many times, interleaved")
     ap.add_argument("--serve-shape", help=argparse.SUPPRESS)  # internal: be the daemon (serve_shape)
     ap.add_argument("--no-batch", action="store_true", help=argparse.SUPPRESS)  # internal, with --serve-shape
     args = ap.parse_args(argv)
@@ -452,17 +623,43 @@ def main(argv: list[str] | None = None) -> int:
         kw = {"shape": args.shape, "warm_graphs": not args.no_warm_graphs}
     else:
         common, kw = ("--threads", "1", "--device", args.device), {}
-    daemons = {"batched": Daemon(*common, **kw)}
+    if args.llama_server and not args.gguf:
+        raise SystemExit("--llama-server needs --gguf")
+    daemons: dict = {"batched": Daemon(*common, **kw)}
     if not args.no_peer:
         daemons["round-robin"] = Daemon(*common, "--no-batch", **kw)
+    llama = None
+    if args.llama_server:
+        from bench.harness.llama_server_cuda import CudaLlamaServer
+
+        slots = args.llama_slots or max(levels)
+        log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+        llama = daemons["llama-server"] = CudaLlamaServer(args.llama_server, Path(args.gguf), slots, log)
+        print(f"  peer: {' '.join(llama.cmd)} (log {log})", flush=True)
     rows: list[dict] = []
     try:
-        for n in levels:  # interleaved: both schedulers at one level before the next level
+        for rnd, n in ((r, n) for r in range(args.rounds) for n in levels):  # every system at a level, then the next
             for name, daemon in daemons.items():
-                r = asyncio.run(level(daemon.url, n, args.chars, args.think_ms / 1e3, args.max_tokens, seed=n))
+                think = args.think_ms / 1e3
+                if daemon is llama:
+                    r = asyncio.run(llama_level(llama, n, args.chars, think, args.max_tokens, seed=n))
+                else:
+                    r = asyncio.run(level(daemon.url, n, args.chars, think, args.max_tokens, seed=n))
                 r["scheduler"] = name
+                r["round"] = rnd
                 r["load_average"] = round(os.getloadavg()[0], 2)
                 rows.append(r)
+                if daemon is llama:
+                    print(
+                        f"  {name:>12} {n:>3} editors: cold first delta p95 {r['cold_p95_ms']:>8.1f} ms; typing "
+                        f"{r['tok_per_s']:>7.1f} tok/s, first delta p50 {r['p50_first_delta_ms']:>7.1f} ms p95 "
+                        f"{r['p95_first_delta_ms']:>7.1f} ms; errors {r['errors']}; server: "
+                        f"{r['server_decode_calls']:.0f} decodes, {r['mean_tokens_per_decode']} tokens/decode, "
+                        f"prompt tokens {r['server_prompt_tokens']:.0f} computed / "
+                        f"{r['server_prompt_tokens_cached']:.0f} reused, load {r['load_average']}",
+                        flush=True,
+                    )
+                    continue
                 print(
                     f"  {name:>11} {n:>3} editors: cold first delta p95 {r['cold_p95_ms']:>8.1f} ms; typing "
                     f"{r['tok_per_s']:>7.1f} tok/s, first delta p50 {r['p50_first_delta_ms']:>7.1f} ms p95 "
@@ -476,30 +673,68 @@ def main(argv: list[str] | None = None) -> int:
                 )
     finally:
         for d in daemons.values():
-            d.stop()
+            if d is llama:
+                d.close()
+            else:
+                d.stop()
     print()
     print(
-        f"{'editors':>7} | {'batched tok/s':>13} | {'rr tok/s':>8} | {'ratio':>5} | {'p50 ms':>7} | {'p95 ms':>7} | "
-        f"{'rr p95 ms':>9} | {'cold p95 ms':>11} | {'rr cold p95':>11} | errors"
+        f"{'editors':>7} | {'round':>5} | {'batched tok/s':>13} | {'rr tok/s':>8} | {'ratio':>5} | {'p50 ms':>7} | "
+        f"{'p95 ms':>7} | {'rr p95 ms':>9} | {'cold p95 ms':>11} | {'rr cold p95':>11} | {'llama tok/s':>11} | "
+        f"{'/llama':>6} | {'llama p50':>9} | {'llama p95':>9} | {'llama cold p95':>14} | same last | errors"
     )
     headline = ""
-    none = {"tok_per_s": float("nan"), "p95_first_delta_ms": float("nan"), "cold_p95_ms": float("nan"), "errors": 0}
+    none = {
+        "tok_per_s": float("nan"),
+        "p50_first_delta_ms": float("nan"),
+        "p95_first_delta_ms": float("nan"),
+        "cold_p95_ms": float("nan"),
+        "errors": 0,
+    }
     for n in levels:
-        b = next(r for r in rows if r["editors"] == n and r["scheduler"] == "batched")
-        rr = next((r for r in rows if r["editors"] == n and r["scheduler"] == "round-robin"), none)
-        ratio = b["tok_per_s"] / rr["tok_per_s"] if rr["tok_per_s"] else float("nan")
-        print(
-            f"{n:>7} | {b['tok_per_s']:>13.1f} | {rr['tok_per_s']:>8.1f} | {ratio:>5.2f} | "
-            f"{b['p50_first_delta_ms']:>7.1f} | {b['p95_first_delta_ms']:>7.1f} | {rr['p95_first_delta_ms']:>9.1f} | "
-            f"{b['cold_p95_ms']:>11.1f} | {rr['cold_p95_ms']:>11.1f} | {b['errors'] + rr['errors']}"
-        )
+        per_round = []
+        for rnd in range(args.rounds):
+            at = [r for r in rows if r["editors"] == n and r["round"] == rnd]
+            b = next(r for r in at if r["scheduler"] == "batched")
+            rr = next((r for r in at if r["scheduler"] == "round-robin"), none)
+            ll = next((r for r in at if r["scheduler"] == "llama-server"), none)
+            ratio = b["tok_per_s"] / rr["tok_per_s"] if rr["tok_per_s"] else float("nan")
+            vs = b["tok_per_s"] / ll["tok_per_s"] if ll["tok_per_s"] else float("nan")
+            same = identical(b, ll) if ll is not none else identical(b, rr) if rr is not none else (0, 0)
+            per_round.append((b, rr, ll, ratio, vs, same))
+            print(
+                f"{n:>7} | {rnd:>5} | {b['tok_per_s']:>13.1f} | {rr['tok_per_s']:>8.1f} | {ratio:>5.2f} | "
+                f"{b['p50_first_delta_ms']:>7.1f} | {b['p95_first_delta_ms']:>7.1f} | "
+                f"{rr['p95_first_delta_ms']:>9.1f} | {b['cold_p95_ms']:>11.1f} | {rr['cold_p95_ms']:>11.1f} | "
+                f"{ll['tok_per_s']:>11.1f} | {vs:>6.2f} | {ll['p50_first_delta_ms']:>9.1f} | "
+                f"{ll['p95_first_delta_ms']:>9.1f} | {ll['cold_p95_ms']:>14.1f} | {same[0]:>4}/{same[1]:<4} | "
+                f"{b['errors'] + rr['errors'] + ll['errors']}"
+            )
+
+        def each(key: str, which: int, per_round: list = per_round) -> str:
+            return "/".join(f"{p[which][key]:.0f}" for p in per_round)
+
+        b, rr, ll, ratio, vs, same = per_round[-1]
+        errors = sum(p[0]["errors"] + p[1]["errors"] + p[2]["errors"] for p in per_round)
+        same_all = f"{sum(p[5][0] for p in per_round)}/{sum(p[5][1] for p in per_round)}"
         headline = (
             f"serve_load: {n} editors typing into one fimble serve ({model}, {args.device}, 1 thread): "
-            f"{b['tok_per_s']:.0f} "
-            f"tok/s aggregate batched vs {rr['tok_per_s']:.0f} round-robin ({ratio:.2f}x), p95 first delta "
-            f"{b['p95_first_delta_ms']:.0f} ms vs {rr['p95_first_delta_ms']:.0f} ms, "
-            f"errors {b['errors'] + rr['errors']}, load average {os.getloadavg()[0]:.2f}"
+            f"{each('tok_per_s', 0)} tok/s aggregate batched"
         )
+        if llama is not None:
+            headline += (
+                f" vs llama-server {each('tok_per_s', 2)} ({'/'.join(f'{p[4]:.2f}' for p in per_round)}x), p95 first "
+                f"delta {each('p95_first_delta_ms', 0)} ms vs {each('p95_first_delta_ms', 2)} ms, last completions "
+                f"identical to llama-server's {same_all}"
+            )
+        if rr is not none:
+            headline += (
+                f" vs {each('tok_per_s', 1)} round-robin ({'/'.join(f'{p[3]:.2f}' for p in per_round)}x), p95 "
+                f"first delta {each('p95_first_delta_ms', 0)} ms vs {each('p95_first_delta_ms', 1)} ms"
+            )
+            if llama is None:
+                headline += f", last completions identical batched vs round-robin {same_all}"
+        headline += f", errors {errors}, load average {os.getloadavg()[0]:.2f}"
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -517,6 +752,8 @@ def main(argv: list[str] | None = None) -> int:
                     "load_average_start": load_start,
                     "load_average_end": os.getloadavg(),
                     "cpu_count": os.cpu_count(),
+                    "rounds": args.rounds,
+                    "peer": llama.cmd if llama is not None else None,
                     "rows": rows,
                     "headline": headline,
                 },

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# fimble serve against llama.cpp's llama-server on one GPU machine, in one run (issue 27, item 4).
+#
+#   bash bench/peer_h200.sh start     # detached (setsid): build, GGUFs, step, traces; returns at once
+#   bash bench/peer_h200.sh status    # the job's log tail
+#   bash bench/peer_h200.sh collect   # copies the results into $OUT (the device tool's folder)
+#
+# Needs, carried in .devcarry/ (ignored by git): llama.cpp-server-src.tar.gz, llama-cpp-python 0.3.36's
+# vendor/llama.cpp (the source fimble's CPU library is built from, engine/runtimes/ggml_build.py; MIT licence),
+# docs/models/tests/examples and other backends left out; whl/ with websockets and msgpack for Python 3.12.
+# The job: llama-server with CUDA for sm_90 alone (the server target, static), built in the background while the
+# random 1.5B shape is written as GGUFs (bf16, f16; bench/harness/llama_server_cuda.py); then the single-stream
+# step on both systems, then bench/serve_load.py's trace (1, 8, 32 editors; 128 tokens, no line limit) against
+# fimble serve and llama-server interleaved, twice, with the bf16 GGUF; then 32 editors again with the f16 GGUF.
+# Poll with `status` inside 30 s of each call's end (the machine goes back when idle); `collect` at the end.
+#
+# The tool sends the working tree (64 MiB at most). On 2026-12-04 the tracked files were 70.3 MiB with both
+# adapters (models/fimble-smollm2, models/qwen2.5-coder-0.5b-fim) moved aside, and .devcarry 6.2 MiB: no call
+# fitted. Nothing here reads models/fimble-target's weights (serve_load's --shape and the harness take only its
+# tokenizer, template and stop ids: llama_server_cuda.tokenizer_only), so its four shards (51.5 MiB) may be moved
+# aside for the calls too, where nothing else reads them meanwhile.
+set -u
+J=/tmp/peerjob
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO"
+case "${1:-}" in
+start)
+    mkdir -p $J/out
+    setsid nohup bash bench/peer_h200.sh job >$J/job.log 2>&1 </dev/null &
+    echo "started $!"
+    ;;
+status)
+    date -u
+    tail -n "${2:-15}" $J/job.log
+    ls $J/out 2>/dev/null
+    ;;
+collect)
+    cp $J/out/* "$OUT"/ 2>/dev/null
+    tail -c 200000 $J/job.log >"$OUT"/job.log
+    (cd $J && tar czf "$OUT"/logs.tar.gz *.log 2>/dev/null)
+    ls -la "$OUT"
+    ;;
+job)
+    set -x
+    export PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+    nproc
+    nvcc --version | tail -2
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .devcarry/whl/*.whl || exit 1
+    mkdir -p $J/src
+    tar xzf .devcarry/llama.cpp-server-src.tar.gz -C $J/src || exit 1
+    export PYTHONPATH=/tmp/site:$J/src/llama.cpp/gguf-py
+    t0=$(date +%s)
+    (
+        cmake -S $J/src/llama.cpp -B $J/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+            -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_NCCL=OFF -DGGML_CUDA_FA_ALL_QUANTS=OFF \
+            -DGGML_CUDA_COMPRESSION_MODE=none -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+            -DGGML_F16C=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+            -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
+            -DLLAMA_USE_PREBUILT_UI=OFF &&
+            cmake --build $J/build --target llama-server -j 16
+    ) >$J/build.log 2>&1 &
+    build=$!
+    python3 -m bench.harness.llama_server_cuda --write-gguf $J/r15-bf16.gguf --dtype bf16 --shape 1.5B
+    python3 -m bench.harness.llama_server_cuda --write-gguf $J/r15-f16.gguf --dtype f16 --shape 1.5B
+    wait $build
+    rc=$?
+    echo "build rc $rc in $(($(date +%s) - t0)) s"
+    tail -5 $J/build.log
+    B=$J/build/bin/llama-server
+    [ -x $B ] || {
+        tail -40 $J/build.log
+        exit 1
+    }
+    $B --version 2>&1 | tail -3
+    python3 -m bench.harness.llama_server_cuda --step --llama-server $B --shape 1.5B \
+        --gguf $J/r15-bf16.gguf --gguf $J/r15-f16.gguf --json $J/out/step.json 2>&1 | tee $J/out/step.txt
+    echo "step done at $(($(date +%s) - t0)) s"
+    python3 -m bench.serve_load --device cuda --shape 1.5B --levels 1,8,32 --no-peer --max-tokens 128 \
+        --max-lines 0 --llama-server $B --gguf $J/r15-bf16.gguf --rounds 2 --json $J/out/serve-bf16.json 2>&1 |
+        tee $J/out/serve-bf16.txt
+    echo "serve bf16 done at $(($(date +%s) - t0)) s"
+    python3 -m bench.serve_load --device cuda --shape 1.5B --levels 32 --no-peer --max-tokens 128 \
+        --max-lines 0 --llama-server $B --gguf $J/r15-f16.gguf --rounds 2 --json $J/out/serve-f16.json 2>&1 |
+        tee $J/out/serve-f16.txt
+    echo "serve f16 done at $(($(date +%s) - t0)) s"
+    cp /tmp/llama-server-*.log $J/ 2>/dev/null
+    echo JOB DONE
+    ;;
+*)
+    echo "usage: $0 start|status|collect" >&2
+    exit 2
+    ;;
+esac
