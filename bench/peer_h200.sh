@@ -3,6 +3,7 @@
 #
 #   bash bench/peer_h200.sh start     # detached (setsid): build, GGUFs, step, traces; returns at once
 #   bash bench/peer_h200.sh status    # the job's log tail
+#   bash bench/peer_h200.sh wait 500  # waits (at most 500 s) for the job to end, then its log tail
 #   bash bench/peer_h200.sh collect   # copies the results into $OUT (the device tool's folder)
 #
 # Needs, carried in .devcarry/ (ignored by git): llama.cpp-server-src.tar.gz, llama-cpp-python 0.3.36's
@@ -18,7 +19,10 @@
 # adapters (models/fimble-smollm2, models/qwen2.5-coder-0.5b-fim) moved aside, and .devcarry 6.2 MiB: no call
 # fitted. Nothing here reads models/fimble-target's weights (serve_load's --shape and the harness take only its
 # tokenizer, template and stop ids: llama_server_cuda.tokenizer_only), so its four shards (51.5 MiB) may be moved
-# aside for the calls too, where nothing else reads them meanwhile.
+# aside for the calls too, where nothing else reads them meanwhile: 25 MiB then, and the whole job ran in one call
+# (454 s: build 271 s, step, traces; bench/reports/serve-peer-h200-2026-12-04.txt).
+# The peer's fair settings for this trace: LLAMA_SERVER_ARGS="-bs --cache-ram 0" (GPU sampling; no host prompt
+# cache, which otherwise copies a busy slot's KV to host RAM at each keystroke and stalls every slot).
 set -u
 J=/tmp/peerjob
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,7 +31,17 @@ case "${1:-}" in
 start)
     mkdir -p $J/out
     setsid nohup bash bench/peer_h200.sh job >$J/job.log 2>&1 </dev/null &
+    echo $! >$J/pid
     echo "started $!"
+    ;;
+wait) # until the job ends or ${2:-500} s pass (polls inside one device call), then its status
+    end=$(($(date +%s) + ${2:-500}))
+    while [ "$(date +%s)" -lt $end ] && kill -0 "$(cat $J/pid)" 2>/dev/null; do
+        sleep 5
+    done
+    kill -0 "$(cat $J/pid)" 2>/dev/null && echo "job running" || echo "job ended"
+    tail -n 1 $J/build.log 2>/dev/null | cut -c1-160
+    bash bench/peer_h200.sh status "${3:-25}"
     ;;
 status)
     date -u
@@ -41,11 +55,41 @@ collect)
     ls -la "$OUT"
     ;;
 job)
+    # LLAMA_SERVER_ARGS: more llama-server arguments (e.g. -bs, backend sampling); PEER_F16=0: bf16 only;
+    # PEER_TAG: a suffix for the result files; PEER_STEP=0: no single-stream step; PEER_LEVELS: the bf16 trace's levels
+    F16=${PEER_F16:-1}
+    STEP=${PEER_STEP:-1}
+    LEVELS=${PEER_LEVELS:-1,8,32}
+    TAG=${PEER_TAG:-}
     set -x
+    echo "LLAMA_SERVER_ARGS='${LLAMA_SERVER_ARGS:-}' F16=$F16 TAG=$TAG STEP=$STEP LEVELS=$LEVELS"
     export PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
     nproc
     nvcc --version | tail -2
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+    cmake --version | head -1
+    # the toolkit's cuBLAS and the driver's libcuda, where CMake's FindCUDAToolkit looks; else the pip wheels'
+    # cuBLAS (torch's) and the mounted driver's libcuda, named to CMake by path (and cuBLAS put on the loader path)
+    CU=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+    ls "$CU"/lib64 "$CU"/lib64/stubs 2>/dev/null | grep -E "cublas|libcuda\.so" | tr '\n' ' '
+    echo
+    anyf() { for f in "$@"; do [ -e "$f" ] && return 0; done; return 1; }
+    FB=()
+    if ! anyf "$CU"/lib64/libcublas.so "$CU"/targets/x86_64-linux/lib/libcublas.so; then
+        so=$(find /opt /usr -name 'libcublas.so.*' 2>/dev/null | head -1)
+        lt=$(find /opt /usr -name 'libcublasLt.so.*' 2>/dev/null | head -1)
+        inc=$(dirname "$(find /opt /usr -name cublas_v2.h 2>/dev/null | head -1)")
+        echo "cuBLAS from $so $lt $inc"
+        FB+=(-DCUDA_cublas_LIBRARY="$so" -DCUDA_cublasLt_LIBRARY="$lt" -DCMAKE_CUDA_FLAGS="-I$inc"
+            -DCMAKE_CXX_FLAGS="-I$inc")
+        export LD_LIBRARY_PATH=$(dirname "$so"):$(dirname "$lt"):${LD_LIBRARY_PATH:-}
+    fi
+    if ! anyf "$CU"/lib64/libcuda.so "$CU"/lib64/stubs/libcuda.so "$CU"/targets/x86_64-linux/lib/stubs/libcuda.so; then
+        drv=$( (ldconfig -p | grep -o '/[^ ]*/libcuda\.so[.0-9]*$'; find /usr/local/nvidia /usr/lib* -name 'libcuda.so*' 2>/dev/null) | head -1)
+        echo "libcuda from $drv"
+        FB+=(-DCUDA_cuda_driver_LIBRARY="$drv")
+    fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .devcarry/whl/*.whl || exit 1
     mkdir -p $J/src
@@ -58,12 +102,12 @@ job)
             -DGGML_CUDA_COMPRESSION_MODE=none -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
             -DGGML_F16C=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
             -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
-            -DLLAMA_USE_PREBUILT_UI=OFF &&
+            -DLLAMA_USE_PREBUILT_UI=OFF "${FB[@]}" &&
             cmake --build $J/build --target llama-server -j 16
     ) >$J/build.log 2>&1 &
     build=$!
     python3 -m bench.harness.llama_server_cuda --write-gguf $J/r15-bf16.gguf --dtype bf16 --shape 1.5B
-    python3 -m bench.harness.llama_server_cuda --write-gguf $J/r15-f16.gguf --dtype f16 --shape 1.5B
+    [ "$F16" = 1 ] && python3 -m bench.harness.llama_server_cuda --write-gguf $J/r15-f16.gguf --dtype f16 --shape 1.5B
     wait $build
     rc=$?
     echo "build rc $rc in $(($(date +%s) - t0)) s"
@@ -74,14 +118,16 @@ job)
         exit 1
     }
     $B --version 2>&1 | tail -3
-    python3 -m bench.harness.llama_server_cuda --step --llama-server $B --shape 1.5B \
-        --gguf $J/r15-bf16.gguf --gguf $J/r15-f16.gguf --json $J/out/step.json 2>&1 | tee $J/out/step.txt
+    G=(--gguf $J/r15-bf16.gguf)
+    [ "$F16" = 1 ] && G+=(--gguf $J/r15-f16.gguf)
+    [ "$STEP" = 1 ] && python3 -m bench.harness.llama_server_cuda --step --llama-server $B --shape 1.5B \
+        "${G[@]}" --json $J/out/step$TAG.json 2>&1 | tee $J/out/step$TAG.txt
     echo "step done at $(($(date +%s) - t0)) s"
-    python3 -m bench.serve_load --device cuda --shape 1.5B --levels 1,8,32 --no-peer --max-tokens 128 \
-        --max-lines 0 --llama-server $B --gguf $J/r15-bf16.gguf --rounds 2 --json $J/out/serve-bf16.json 2>&1 |
-        tee $J/out/serve-bf16.txt
+    python3 -m bench.serve_load --device cuda --shape 1.5B --levels $LEVELS --no-peer --max-tokens 128 \
+        --max-lines 0 --llama-server $B --gguf $J/r15-bf16.gguf --rounds 2 --json $J/out/serve-bf16$TAG.json 2>&1 |
+        tee $J/out/serve-bf16$TAG.txt
     echo "serve bf16 done at $(($(date +%s) - t0)) s"
-    python3 -m bench.serve_load --device cuda --shape 1.5B --levels 32 --no-peer --max-tokens 128 \
+    [ "$F16" = 1 ] && python3 -m bench.serve_load --device cuda --shape 1.5B --levels 32 --no-peer --max-tokens 128 \
         --max-lines 0 --llama-server $B --gguf $J/r15-f16.gguf --rounds 2 --json $J/out/serve-f16.json 2>&1 |
         tee $J/out/serve-f16.txt
     echo "serve f16 done at $(($(date +%s) - t0)) s"

@@ -152,7 +152,8 @@ def served_random_model(shape: str):
 # -- llama-server ---------------------------------------------------------------------------------------------
 class CudaLlamaServer:
     """``llama-server`` on loopback, all layers on the GPU, ``slots`` parallel slots of ``ctx`` tokens each,
-    continuous batching (its default), flash attention auto (on for CUDA), ``/metrics`` on."""
+    continuous batching (its default), flash attention auto (on for CUDA), ``/metrics`` on. ``LLAMA_SERVER_ARGS``
+    (split on spaces) adds arguments, e.g. ``-bs``: llama.cpp's backend (on-GPU) sampling, off by default."""
 
     def __init__(self, binary: str, gguf: Path, slots: int, log_path: Path, ctx: int = 4096, extra: tuple = ()):
         with socket.socket() as s:
@@ -178,6 +179,7 @@ class CudaLlamaServer:
             "--port",
             str(self.port),
             *extra,
+            *os.environ.get("LLAMA_SERVER_ARGS", "").split(),
         ]
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - kept open for the server's lifetime
@@ -372,6 +374,7 @@ def step_compare(binary: str, gguf: Path, shape: str, context: int, n: int, log_
     row = {
         "shape": shape,
         "gguf": str(gguf),
+        "llama_server_args": os.environ.get("LLAMA_SERVER_ARGS", ""),
         "context": context,
         "tokens": n,
         "fimble_step_ms_median": round(statistics.median(f_steps) * 1e3, 3),
