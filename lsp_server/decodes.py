@@ -16,7 +16,7 @@ from typing import Any
 from lsp_server import indent
 from lsp_server.documents import DocumentStore
 from lsp_server.engine_host import EngineHost
-from lsp_server.follow_up import follow_up_context, follow_up_options
+from lsp_server.follow_up import after_lead, follow_up_context, follow_up_options, next_line_follows
 from lsp_server.generation import SETTLED, Generation, record_decode
 from lsp_server.plan import Plan, Planner
 from lsp_server.prewarm import Prewarmer
@@ -97,15 +97,22 @@ class Decodes:
         build_ms: float,
         plan: Plan,
         background: bool = False,
+        lead: str = "",
     ) -> Generation:
+        """Start a decode at ``ctx``. ``lead``: text the completion starts with that the model is not asked
+        for (a follow-up's line break): the engine's prompt has it after ``ctx.prefix``, the generation is
+        anchored at ``ctx`` and its text starts with it, so the editor is shown ``lead`` + the model's text."""
         if self.typethrough.active is not None:
             self.typethrough.active.cancel()  # one decode at a time: the newest request wins
-        stream = engine.submit(self.planner.request(ctx, plan, settings, background))
+        sent = ctx if not lead else after_lead(ctx, lead)
+        stream = engine.submit(self.planner.request(sent, plan, settings, background))
         gen = Generation(ctx, stream, t0, build_ms)
         gen.shaper, gen.plan, gen.settings = plan.shaper, plan, settings
         line_before = ctx.prefix[ctx.prefix.rfind("\n") + 1 :]
-        if indent.applies(line_before, ctx.suffix.split("\n", 1)[0]):
+        if not lead and indent.applies(line_before, ctx.suffix.split("\n", 1)[0]):
             gen.indent_fit = indent.IndentFit()  # no indentation added to the editor's (lsp_server/indent.py)
+        if lead:
+            stage.stream_text(gen, lead, self.stats)  # the shaper sees the whole text the editor will
         self.typethrough.active = gen
         self.warm.decoding_at(ctx)
         self.stats.count("generations")
@@ -201,7 +208,10 @@ class Decodes:
             log.exception("follow-up context failed")
             return
         plan = plan._replace(options=options)
-        nxt = self.submit(engine, accept.ctx, settings, time.perf_counter(), 0.0, plan, background=True)
+        lead = "\n" if next_line_follows(gen, accepted, accept.ctx.cursor) else ""
+        nxt = self.submit(engine, accept.ctx, settings, time.perf_counter(), 0.0, plan, background=True, lead=lead)
         nxt.prefetched = nxt.follow_up = True
+        if lead:
+            self.stats.count("follow_ups_next_line")
         nxt.t_user = last  # quiet counts from the user's key or request, not from the follow-up's own start
         self.stats.count("follow_ups")

@@ -194,3 +194,22 @@ def test_follow_up_after_an_accept_that_ends_its_line_decodes_the_next_lines():
     assert follow_up_options(one_line, doc, (1, 12), max_lines=1).max_lines == 1  # the user's cap
     block = DecodeOptions(max_tokens=128, max_lines=8)
     assert follow_up_options(block, doc, (1, 12), max_lines=8).max_lines == 8  # multi-line already
+
+
+def test_a_follow_up_after_a_whole_line_starts_on_the_next_line():
+    """Tab-Tab after an accept that ends its line: the model is asked for the next line (its prompt has the line
+    break), not whether the middle goes on at the end of this one (where a FIM model says end-of-middle)."""
+    from types import SimpleNamespace
+
+    from lsp_server.follow_up import after_lead, next_line_follows
+
+    doc = Document("file:///f.py", "def f(x):\n    y = g(x)\n    return y)\n", 1, "python")
+    ended = SimpleNamespace(finish_reason="eos")
+    assert next_line_follows(ended, doc, (1, 12))  # the accept ends line 1
+    assert next_line_follows(SimpleNamespace(finish_reason="stop"), doc, (1, 12))  # a line limit or the guard
+    assert not next_line_follows(SimpleNamespace(finish_reason="length"), doc, (1, 12))  # a token cap: mid-line
+    assert not next_line_follows(ended, doc, (2, 12))  # code after the cursor: the line goes on
+    ctx = build_context(doc, 1, 12, 4000, 1000)
+    led = after_lead(ctx, "\n")
+    assert led.prefix == ctx.prefix + "\n" and led.suffix == ctx.suffix == "\n    return y)\n"
+    assert led.cursor == (2, 0) and led.doc_length == ctx.doc_length + 1 and led.window == ctx.window
