@@ -194,3 +194,17 @@ def test_follow_up_after_an_accept_that_ends_its_line_decodes_the_next_lines():
     assert follow_up_options(one_line, doc, (1, 12), max_lines=1).max_lines == 1  # the user's cap
     block = DecodeOptions(max_tokens=128, max_lines=8)
     assert follow_up_options(block, doc, (1, 12), max_lines=8).max_lines == 8  # multi-line already
+
+
+def test_a_blank_line_asks_the_model_to_say_something():
+    """plan_at: on a line that is blank around the cursor (after Enter and its indentation) the decode may not end
+    at once (DecodeOptions.no_empty); elsewhere an empty middle stays a valid answer."""
+    from lsp_server.plan import plan_at
+    from lsp_server.settings import Settings
+
+    doc = Document("file:///b.py", "def f(x):\n    y = g(x)\n    \n    return y\n", 1, "python")
+    settings = Settings()
+    assert plan_at(doc, (2, 4), settings, shaped=False).options.no_empty
+    assert plan_at(doc, (2, 2), settings, shaped=False).options.no_empty  # inside the indentation
+    assert not plan_at(doc, (1, 12), settings, shaped=False).options.no_empty  # the end of a line of code
+    assert not plan_at(doc, (3, 4), settings, shaped=False).options.no_empty  # code after the cursor
