@@ -262,3 +262,17 @@ def test_a_line_start_stream_sends_text_past_the_indentation_or_a_dedent_from_th
         assert last.get("replaceStart") == (None if expect[1] is None else {"line": 3, "character": 0})
         assert all(("replaceStart" in m) == (expect[1] is not None) for m in sent)
         sent.clear()
+
+
+def test_a_blank_line_asks_the_model_to_say_something():
+    """plan_at: on a line that is blank around the cursor (after Enter and its indentation) the decode may not end
+    at once (DecodeOptions.no_empty); elsewhere an empty middle stays a valid answer."""
+    from lsp_server.plan import plan_at
+    from lsp_server.settings import Settings
+
+    doc = Document("file:///b.py", "def f(x):\n    y = g(x)\n    \n    return y\n", 1, "python")
+    settings = Settings()
+    assert plan_at(doc, (2, 4), settings, shaped=False).options.no_empty
+    assert plan_at(doc, (2, 2), settings, shaped=False).options.no_empty  # inside the indentation
+    assert not plan_at(doc, (1, 12), settings, shaped=False).options.no_empty  # the end of a line of code
+    assert not plan_at(doc, (3, 4), settings, shaped=False).options.no_empty  # code after the cursor
