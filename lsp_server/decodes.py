@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 from lsp_server import indent
@@ -207,8 +208,10 @@ class Decodes:
         except Exception:  # only an optimisation: never let it cost the session
             log.exception("follow-up context failed")
             return
-        plan = plan._replace(options=options)
         lead = "\n" if next_line_follows(gen, accepted, accept.ctx.cursor) else ""
+        if lead:  # decoded on a fresh blank line: say something there (DecodeOptions.no_empty, lsp_server/plan.py)
+            options = replace(options, no_empty=True)
+        plan = plan._replace(options=options)
         nxt = self.submit(engine, accept.ctx, settings, time.perf_counter(), 0.0, plan, background=True, lead=lead)
         nxt.prefetched = nxt.follow_up = True
         if lead:
