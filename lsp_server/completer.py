@@ -213,7 +213,8 @@ class Completer:
             return bool(stage.shape_answer(doc, ctx.cursor, gen, offset, text, self.stats)[0])
 
         gen.waiting += 1
-        gen.invoked_waiting += req.invoked  # the user asked: the decode runs to its end (no quiet stop)
+        gen.invoked_waiting += req.invoked
+        gen.invoked = gen.invoked or req.invoked  # the user asked: the decode runs to its end (no quiet stop)
         task = asyncio.current_task()
         if task is not None:
             gen.waiter_tasks.add(task)

@@ -48,7 +48,8 @@ def _quiet_after_s() -> float:
 # Tab-Tab follow-up) stops this long after the user's last key or request (the engine stops within a pass,
 # up to ~0.1 s here); one an automatic request still waits on, once it has had QUIET_MIN_SHOWN_S since its first
 # text. What it decoded stays shown and cached (a prefix of the plain decode, as a token limit leaves), and a
-# request waiting on it is answered with that. A request the user invoked is never cut.
+# request waiting on it is answered with that. A decode a request the user invoked asked for is never cut, not
+# after its answer either (Generation.invoked).
 QUIET_AFTER_DEFAULT_S = 1.5
 QUIET_AFTER_S = _quiet_after_s()
 QUIET_MIN_SHOWN_S = 0.6
@@ -170,7 +171,7 @@ class Decodes:
 
     def _quiet_now(self, gen: Generation) -> bool:
         """Whether ``gen`` should stop for quiet now (see QUIET_AFTER_S)."""
-        if not QUIET_AFTER_S or gen.invoked_waiting or gen.cut or gen.quiet:
+        if not QUIET_AFTER_S or gen.invoked or gen.cut or gen.quiet:
             return False
         now = time.perf_counter()
         if now - max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_user) <= QUIET_AFTER_S:
