@@ -10,7 +10,7 @@ restarts and the server's CPU seconds per second; what exactly is measured follo
 The server is started over stdio with the settings the VS Code extension sends by default
 (editors/vscode/package.json through settings.ts's ``wireSettings``: streaming on, token healing
 off, ``maxTokens`` 64, one engine thread, ...) and the client capabilities it advertises
-(``experimental.fimble.completionDelta``). Four files of the Python standard library (700-1,800
+(``experimental.fimble.completionDelta`` and ``replaceStart``). Four files of the Python standard library (700-1,800
 lines) are each opened with a span of lines in the middle removed (the rest of the file before and
 after the cursor), and the span is typed back:
 
@@ -269,6 +269,7 @@ class Ask:
     current: str = ""  # the text shown now (the latest delta, or the response)
     response_chars: int | None = None
     replace_end: dict | None = None
+    replace_start: dict | None = None  # where a dedent's range starts (the line's start): lsp_server/line_start.py
     cached: bool | None = None
     finish: str | None = None
     cancelled_by_client: bool = False
@@ -277,7 +278,14 @@ class Ask:
     shown: Any = field(default=None, repr=False)  # asyncio.Event, set at the first text
 
     def see(
-        self, text: str, t: float, *, response: bool, cached: bool | None = None, replace_end: dict | None = None
+        self,
+        text: str,
+        t: float,
+        *,
+        response: bool,
+        cached: bool | None = None,
+        replace_end: dict | None = None,
+        replace_start: dict | None = None,
     ) -> None:
         if len(self.events) < 64:
             self.events.append((t, "answer" if response else "delta", len(text), self.finish))
@@ -293,6 +301,8 @@ class Ask:
                 self.t_vscode = t  # an empty answer, then text: the extension re-triggers and shows it
         if replace_end is not None:
             self.replace_end = replace_end
+        if replace_start is not None:
+            self.replace_start = replace_start
         if text and self.t_first is None:
             self.t_first = t
             self.cached = cached
@@ -324,6 +334,7 @@ class Session:
                     response=False,
                     cached=params.get("cached"),
                     replace_end=params.get("replaceEnd"),
+                    replace_start=params.get("replaceStart"),
                 )
         elif method == "window/showMessage" and isinstance(params, dict) and len(self.messages) < 1000:
             self.messages.append((t, params.get("type", 0), str(params.get("message", ""))[:300]))
@@ -347,8 +358,14 @@ class Session:
             res = msg.get("result")
             items = res if isinstance(res, list) else (res or {}).get("items") or []
             text = (items[0].get("insertText") or "") if items else ""
-            end = (items[0].get("range") or {}).get("end") if items else None
-            a.see(text if isinstance(text, str) else "", msg["_t"], response=True, replace_end=end)
+            rng = (items[0].get("range") or {}) if items else {}
+            a.see(
+                text if isinstance(text, str) else "",
+                msg["_t"],
+                response=True,
+                replace_end=rng.get("end"),
+                replace_start=rng.get("start"),
+            )
 
         fut.add_done_callback(done)
         return a
@@ -498,15 +515,18 @@ async def type_file(
                 pause.retypes_suffix = ov.suffix_overlap_cut(shown, line_prefix, after) is not None
                 pause.repeats_suffix_line = ov.repeats_a_suffix_line(shown, line_prefix, after)
             matched = (
-                bool(shown.strip()) and typed.startswith(shown, p) and a.replace_end in (None, doc.position(doc.cursor))
+                bool(shown.strip())
+                and typed.startswith(shown, p)
+                and a.replace_end in (None, doc.position(doc.cursor))
+                and a.replace_start in (None, doc.position(doc.cursor))
             )
             forced = False
             if not matched and kind == "line" and shown.strip() and args.accept_every > 0:
                 line_pauses_with_text += 1
                 forced = line_pauses_with_text % args.accept_every == 0
             if matched or forced:
-                at = doc.cursor
-                rend = doc.offset(a.replace_end) if a.replace_end else at
+                at = doc.offset(a.replace_start) if a.replace_start else doc.cursor  # a dedent: the line's start
+                rend = doc.offset(a.replace_end) if a.replace_end else doc.cursor
                 replaced = doc.text[at:rend]
                 if cpu is not None:
                     cpu.cancel()
@@ -615,7 +635,7 @@ async def _run_session(
                     "inlineCompletion": {"dynamicRegistration": True},
                     "synchronization": {"dynamicRegistration": True},
                 },
-                "experimental": {"fimble": {"completionDelta": True, "status": True}},
+                "experimental": {"fimble": {"completionDelta": True, "status": True, "replaceStart": True}},
             },
             "initializationOptions": {**VSCODE_SETTINGS, "crossFileContext": not args.no_context},
         },

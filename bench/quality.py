@@ -782,7 +782,7 @@ def _lsp_init(model: str | None, settings: dict) -> None:
                 "capabilities": {
                     "general": {"positionEncodings": ["utf-16"]},
                     "textDocument": {"inlineCompletion": {"dynamicRegistration": True}},
-                    "experimental": {"fimble": {"completionDelta": True, "status": True}},
+                    "experimental": {"fimble": {"completionDelta": True, "status": True, "replaceStart": True}},
                 },
                 "initializationOptions": settings,
             },
@@ -818,24 +818,29 @@ async def _lsp_complete(p: Problem) -> tuple[str, int, int, str | None]:
     )
     msg = await asyncio.wait_for(fut, 600)
     items = ((msg.get("result") or {}).get("items")) or []
-    text, end, reason = "", None, None
+    text, start, end, reason = "", None, None, None
     if items:
-        text, end = items[0]["insertText"], items[0].get("range", {}).get("end")
+        rng = items[0].get("range", {})
+        text, start, end = items[0]["insertText"], rng.get("start"), rng.get("end")
     t0 = time.time()
     while req_id not in deltas and time.time() - t0 < 120:  # the stream's end: the final shaped text
         await asyncio.sleep(0.01)
     done = deltas.pop(req_id, None)
-    if done is not None:
+    if done is not None:  # as the VS Code extension applies it: [replaceStart or position, replaceEnd)
         text, end, reason = done["text"], done.get("replaceEnd"), done.get("finishReason")
+        start = done.get("replaceStart")
     rpc.notify("textDocument/didClose", {"textDocument": {"uri": uri}})
     end_off = _offset(doc, end) if end else cursor
-    return text, cursor, max(cursor, end_off), reason
+    # A range may start before the cursor on its line (a dedent over the auto-indentation: lsp_server/line_start.py)
+    start_off = min(cursor, _offset(doc, start)) if start else cursor
+    return text, start_off, max(cursor, end_off), reason
 
 
 def run_one_lsp(job: tuple[int, Problem, str, object, bool]) -> dict:
     job_id, p, variant, _opts, _shape = job
     t0 = time.perf_counter()
     text, a, b, reason = _LSP["loop"].run_until_complete(_lsp_complete(p))
+    cursor = len(p.ctx_text.encode("utf-8")[: p.ctx_cursor].decode("utf-8"))
     ms = (time.perf_counter() - t0) * 1e3
     doc = p.ctx_text[:a] + text + p.ctx_text[b:]
     rec = {
@@ -855,12 +860,13 @@ def run_one_lsp(job: tuple[int, Problem, str, object, bool]) -> dict:
         "finish": reason,
         "replaced": p.ctx_text[a:b],
     }
-    rec.update(score_document(p, text, doc))
+    rec.update(score_document(p, text, doc, line_start=a < cursor))
     return rec
 
 
-def score_document(p: Problem, shown: str, doc: str) -> dict:
-    """Scores of an answer applied to the editor's document (the lsp variant)."""
+def score_document(p: Problem, shown: str, doc: str, line_start: bool = False) -> dict:
+    """Scores of an answer applied to the editor's document (the lsp variant). ``line_start``: the answer
+    replaced the cursor line's auto-indentation (its text holds the line's own indentation)."""
     passed = passes(doc + "\n" + p.test + f"\ncheck({p.entry_point})\n") if p.has_tests else None
     retype = rep_line = None
     if shown.strip():
@@ -878,7 +884,7 @@ def score_document(p: Problem, shown: str, doc: str) -> dict:
         "retypes_suffix": retype,
         "repeats_suffix_line": rep_line,
         "runs_past": runs_past(p, shown),
-        "exact": _norm_exact(p, shown),
+        "exact": shown.rstrip() == p.middle.rstrip() if line_start else _norm_exact(p, shown),
         "is_shown": bool(shown.strip()),
         "edit_sim": difflib.SequenceMatcher(None, shown.strip(), p.middle.strip()).ratio(),
         "parse_ok": None,

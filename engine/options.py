@@ -27,6 +27,10 @@ class DecodeOptions:
     stop: tuple[str, ...] = ()  # stop strings (not included in the output)
     max_lines: int = 0  # 0: no limit; 1: single line
     seed: int | None = None
+    # Say something: the first token after any healed text may not be a stop token (the LSP side sets it on a
+    # blank line the user is on, where an editor shows nothing for an empty middle). Plain and speculative
+    # decoding apply it alike, so they stay equal.
+    no_empty: bool = False
 
     def validate(self) -> None:
         if self.max_tokens < 1:

@@ -35,6 +35,7 @@ from lsp_server.decodes import Decodes
 from lsp_server.documents import Document, DocumentStore
 from lsp_server.engine_host import EngineHost
 from lsp_server.generation import Generation
+from lsp_server.line_start import LineStart, at_cursor, line_start
 from lsp_server.plan import Planner
 from lsp_server.prewarm import Prewarmer
 from lsp_server.prompt import Context, build_context, typed_since
@@ -124,7 +125,14 @@ class Completer:
         ctx = build_context(doc, cursor[0], cursor[1], settings.prefix_chars, settings.suffix_chars)  # context
         build_ms = (time.perf_counter() - t_build) * 1e3
         seq = self._seq[doc.uri] = self._seq.get(doc.uri, 0) + 1
-        hit = self.typethrough.attach(ctx)  # type-through lookup
+        # An indentation-only line: decodes start at the line's start (lsp_server/line_start.py). ``ls`` is set
+        # while the answer may still be a dedent (its text has not shown that it keeps the indentation).
+        at_start = line_start(doc, ctx) if settings.line_start else None
+        hit = self.typethrough.attach(ctx, count_miss=at_start is None)  # type-through lookup
+        ls = None
+        if hit is None and at_start is not None:
+            hit = self.typethrough.attach(at_start.ctx)  # a dedent decoded for this line earlier
+            ls = at_start if hit is not None else None
         if hit is not None:
             gen, offset, cached, instant = hit
         else:
@@ -136,9 +144,15 @@ class Completer:
                     self.stats.count("debounced")
                     return None
             t_plan = time.perf_counter()
-            plan = self.planner.plan(doc, ctx, settings)  # plan: now, while the document is at ctx.version
+            ls = at_start
+            try:
+                # plan: now, while the document is at ctx.version
+                plan = self.planner.plan(ls.doc, ls.ctx, settings) if ls else self.planner.plan(doc, ctx, settings)
+            except ValueError:  # the document is being changed (Document.with_edit): at the cursor then
+                ls = None
+                plan = self.planner.plan(doc, ctx, settings)
             build_ms += (time.perf_counter() - t_plan) * 1e3
-            gen = await self.decodes.start(ctx, settings, req.t0, build_ms, plan)  # submit
+            gen = await self.decodes.start(ls.ctx if ls else ctx, settings, req.t0, build_ms, plan)  # submit
             if gen is None:
                 return None
             offset, cached, instant = 0, False, False
@@ -156,10 +170,11 @@ class Completer:
                 req.position,
                 cached=cached,
                 replace_end=stage.delta_replace_end(doc, ctx, gen, offset, req.position, req.encoding),
+                indent=ls.indent if ls else "",
             )
             self.streamer.subscribe(sub)
-        text = await self._wait(doc, ctx, gen, offset, settings, req, sub)
-        answer = self._finish(doc, ctx, gen, offset, text, completion_id, cached, req)  # finish
+        text = await self._wait(doc, ctx, gen, offset, settings, req, sub, ls)
+        answer = self._finish(doc, ctx, gen, offset, text, completion_id, cached, req, ls)  # finish
         if answer is not None:
             self.decodes.follow_up(gen)
         if instant:
@@ -175,9 +190,10 @@ class Completer:
         settings: Settings,
         req: RequestInfo,
         sub: Subscription | None,
+        ls: LineStart | None = None,
     ) -> str:
         """The text to answer with, once due (lsp_server/answer.py). A cancelled request stops the decode
-        unless another request or a stream uses it."""
+        unless another request or a stream uses it. With ``ls``, the text is the line's from its start."""
 
         def shows(text: str) -> bool:
             """Whether an early answer shapes to something (else: wait for more text).
@@ -187,10 +203,18 @@ class Completer:
             of the line): a client without streaming shows exactly the answer."""
             if doc.version != ctx.version or self.docs.get(doc.uri) is not doc:
                 return True  # _finish decides
+            if ls is not None:
+                rest = at_cursor(text, ls.indent)
+                if rest is None:  # a dedent, shaped where it goes
+                    return bool(stage.shape_answer(ls.doc, ls.ctx.cursor, gen, offset, text, self.stats)[0])
+                return bool(rest.strip()) and bool(
+                    stage.shape_answer(doc, ctx.cursor, gen, offset + len(ls.indent), rest, self.stats)[0]
+                )
             return bool(stage.shape_answer(doc, ctx.cursor, gen, offset, text, self.stats)[0])
 
         gen.waiting += 1
-        gen.invoked_waiting += req.invoked  # the user asked: the decode runs to its end (no quiet stop)
+        gen.invoked_waiting += req.invoked
+        gen.invoked = gen.invoked or req.invoked  # the user asked: the decode runs to its end (no quiet stop)
         task = asyncio.current_task()
         if task is not None:
             gen.waiter_tasks.add(task)
@@ -228,10 +252,26 @@ class Completer:
         completion_id: str,
         cached: bool,
         req: RequestInfo,
+        ls: LineStart | None = None,
     ) -> Answer | None:
-        """The answer at the document as it is now: re-based onto what was typed since, then shaped there."""
+        """The answer at the document as it is now: re-based onto what was typed since, then shaped there.
+        With ``ls``, ``text`` is the line's from its start: a dedent is answered over the indentation."""
         if self.docs.get(doc.uri) is not doc:
             return None  # closed meanwhile
+        if ls is not None and at_cursor(text, ls.indent) is None:
+            if doc.version != ctx.version:  # the editor's line changed: the range over it is gone
+                self.stats.count("stale_dropped")
+                return None
+            text, replace_cols = stage.shape_answer(ls.doc, ls.ctx.cursor, gen, offset, text, self.stats)
+            self.stats.observe("answer", (time.perf_counter() - req.t0) * 1e3)
+            if not text.strip():
+                return None
+            self.stats.count("line_start_answers")
+            gen.mark_shown(offset + len(text))
+            self.telemetry.remember(completion_id, text, cached)
+            return Answer(text, ls.ctx.cursor, completion_id, cached, replace_cols + len(ls.indent))
+        if ls is not None:  # the text keeps the indentation: answered at the cursor, past it
+            offset, text = offset + len(ls.indent), text[len(ls.indent) :]
         rebased = rebase(doc, ctx, text, self.stats)
         if rebased is None:
             return None

@@ -11,12 +11,13 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 from lsp_server import indent
 from lsp_server.documents import DocumentStore
 from lsp_server.engine_host import EngineHost
-from lsp_server.follow_up import follow_up_context, follow_up_options
+from lsp_server.follow_up import after_lead, follow_up_context, follow_up_options, next_line_follows
 from lsp_server.generation import SETTLED, Generation, record_decode
 from lsp_server.plan import Plan, Planner
 from lsp_server.prewarm import Prewarmer
@@ -47,7 +48,8 @@ def _quiet_after_s() -> float:
 # Tab-Tab follow-up) stops this long after the user's last key or request (the engine stops within a pass,
 # up to ~0.1 s here); one an automatic request still waits on, once it has had QUIET_MIN_SHOWN_S since its first
 # text. What it decoded stays shown and cached (a prefix of the plain decode, as a token limit leaves), and a
-# request waiting on it is answered with that. A request the user invoked is never cut.
+# request waiting on it is answered with that. A decode a request the user invoked asked for is never cut, not
+# after its answer either (Generation.invoked).
 QUIET_AFTER_DEFAULT_S = 1.5
 QUIET_AFTER_S = _quiet_after_s()
 QUIET_MIN_SHOWN_S = 0.6
@@ -97,15 +99,22 @@ class Decodes:
         build_ms: float,
         plan: Plan,
         background: bool = False,
+        lead: str = "",
     ) -> Generation:
+        """Start a decode at ``ctx``. ``lead``: text the completion starts with that the model is not asked
+        for (a follow-up's line break): the engine's prompt has it after ``ctx.prefix``, the generation is
+        anchored at ``ctx`` and its text starts with it, so the editor is shown ``lead`` + the model's text."""
         if self.typethrough.active is not None:
             self.typethrough.active.cancel()  # one decode at a time: the newest request wins
-        stream = engine.submit(self.planner.request(ctx, plan, settings, background))
+        sent = ctx if not lead else after_lead(ctx, lead)
+        stream = engine.submit(self.planner.request(sent, plan, settings, background))
         gen = Generation(ctx, stream, t0, build_ms)
         gen.shaper, gen.plan, gen.settings = plan.shaper, plan, settings
         line_before = ctx.prefix[ctx.prefix.rfind("\n") + 1 :]
-        if indent.applies(line_before, ctx.suffix.split("\n", 1)[0]):
+        if not lead and indent.applies(line_before, ctx.suffix.split("\n", 1)[0]):
             gen.indent_fit = indent.IndentFit()  # no indentation added to the editor's (lsp_server/indent.py)
+        if lead:
+            stage.stream_text(gen, lead, self.stats)  # the shaper sees the whole text the editor will
         self.typethrough.active = gen
         self.warm.decoding_at(ctx)
         self.stats.count("generations")
@@ -162,7 +171,7 @@ class Decodes:
 
     def _quiet_now(self, gen: Generation) -> bool:
         """Whether ``gen`` should stop for quiet now (see QUIET_AFTER_S)."""
-        if not QUIET_AFTER_S or gen.invoked_waiting or gen.cut or gen.quiet:
+        if not QUIET_AFTER_S or gen.invoked or gen.cut or gen.quiet:
             return False
         now = time.perf_counter()
         if now - max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_user) <= QUIET_AFTER_S:
@@ -200,8 +209,13 @@ class Decodes:
         except Exception:  # only an optimisation: never let it cost the session
             log.exception("follow-up context failed")
             return
+        lead = "\n" if next_line_follows(gen, accepted, accept.ctx.cursor) else ""
+        if lead:  # decoded on a fresh blank line: say something there (DecodeOptions.no_empty, lsp_server/plan.py)
+            options = replace(options, no_empty=True)
         plan = plan._replace(options=options)
-        nxt = self.submit(engine, accept.ctx, settings, time.perf_counter(), 0.0, plan, background=True)
+        nxt = self.submit(engine, accept.ctx, settings, time.perf_counter(), 0.0, plan, background=True, lead=lead)
         nxt.prefetched = nxt.follow_up = True
+        if lead:
+            self.stats.count("follow_ups_next_line")
         nxt.t_user = last  # quiet counts from the user's key or request, not from the follow-up's own start
         self.stats.count("follow_ups")

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from engine.options import DecodeOptions
 from lsp_server.documents import Document
-from lsp_server.generation import Generation
+from lsp_server.generation import SETTLED, Generation
 from lsp_server.positions import advance
 from lsp_server.prompt import Context, suffix_text, typed_since
 from lsp_server.shaping.policy import cap_line_limit
@@ -78,3 +78,28 @@ def follow_up_options(
     if options.max_lines == 1 and not accepted.line_text(line)[col:].strip():
         options = replace(options, max_lines=cap_line_limit(FOLLOW_UP_LINES, max_lines))
     return options
+
+
+def next_line_follows(gen: Generation, accepted: Document, cursor: tuple[int, int]) -> bool:
+    """Whether the completion after accepting ``gen`` starts on a new line: the shown text ended by itself
+    (the model's end, a line limit or the guard; not a token limit, which may stop mid-line) and the accept
+    leaves nothing after the cursor on its line. There, a decode at the cursor itself is asked whether the
+    middle goes on, and a model trained for the middle ends it at once when the file goes on below (the
+    Tab-Tab misses of bench/lsp_typing.py: the follow-up decoded ``eos`` and nothing). A person who accepted a
+    whole line wants the next one, as Copilot and llama.vim show it: so the follow-up is decoded after a line
+    break (``after_lead``) and its text starts with it."""
+    line, col = cursor
+    return gen.finish_reason in SETTLED and not accepted.line_text(line)[col:].strip()
+
+
+def after_lead(ctx: Context, lead: str) -> Context:
+    """``ctx`` with ``lead`` typed at its cursor: the context the engine decodes a led completion in."""
+    return Context(
+        uri=ctx.uri,
+        version=ctx.version,
+        doc_length=ctx.doc_length + len(lead),
+        window=ctx.window,
+        cursor=advance(*ctx.cursor, lead),
+        prefix=ctx.prefix + lead,
+        suffix=ctx.suffix,
+    )

@@ -40,6 +40,9 @@ class Generation:
         self.shown = 0  # characters of ``text`` sent to the client (answers and deltas)
         self.waiting = 0  # requests waiting for an answer from it
         self.invoked_waiting = 0  # of those, requests the user invoked (not typed)
+        # A request the user invoked asked for it: it runs to its end, after its answer too (a block's later lines
+        # stream on; the quiet stop of lsp_server/decodes.py cut 47 of 80 multi-line answers of bench/quality.py).
+        self.invoked = False
         self.waiter_tasks: set[asyncio.Task] = set()  # their tasks (see TypeThrough.doomed)
         self.tokens = 0  # from the engine's result
         self.accounted = False  # its tokens are counted as shown / never shown

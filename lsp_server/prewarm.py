@@ -23,6 +23,7 @@ from typing import Any
 from lsp_server.documents import Document, DocumentStore
 from lsp_server.engine_host import EngineHost
 from lsp_server.generation import Generation
+from lsp_server.line_start import line_start
 from lsp_server.plan import Plan, Planner
 from lsp_server.prompt import Context, build_context
 from lsp_server.settings import Settings
@@ -81,8 +82,17 @@ class Prewarmer:
         ctx = build_context(doc, cursor[0], cursor[1], settings.prefix_chars, settings.suffix_chars)
         if self.typethrough.lookup(ctx) is not None or (not ctx.prefix.strip() and not ctx.suffix.strip()):
             return
+        at_start = line_start(doc, ctx) if settings.line_start else None  # as the request will decode
+        if at_start is not None and self.typethrough.lookup(at_start.ctx) is not None:
+            return
         self.stats.count("prefetches")
-        plan = self.planner.plan(doc, ctx, settings, prefetch=True)
+        try:
+            if at_start is not None:
+                ctx, plan = at_start.ctx, self.planner.plan(at_start.doc, at_start.ctx, settings, prefetch=True)
+            else:
+                plan = self.planner.plan(doc, ctx, settings, prefetch=True)
+        except ValueError:  # the document is being changed (Document.with_edit)
+            return
         submit(engine, ctx, settings, t0, (time.perf_counter() - t0) * 1e3, plan).prefetched = True
 
     # -- pre-warm ----------------------------------------------------------------------------

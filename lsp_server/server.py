@@ -308,8 +308,11 @@ def _register(ls: FimbleServer) -> None:
         ls.apply_settings(params.initialization_options)
         ls.completer.context.set_workspace(params)  # the folders imports may be read from (lsp_server/context/)
         experimental = params.capabilities.experimental
-        if isinstance(experimental, dict) and (experimental.get("fimble") or {}).get("completionDelta"):
+        fimble = (experimental.get("fimble") or {}) if isinstance(experimental, dict) else {}
+        if isinstance(fimble, dict) and fimble.get("completionDelta"):
             ls.settings = ls.settings.merged({"streaming": True})
+        if isinstance(fimble, dict) and fimble.get("replaceStart"):
+            ls.settings = ls.settings.merged({"lineStartAnswers": True})
 
     @ls.feature(types.INITIALIZED)
     def initialized(ls: FimbleServer, params: types.InitializedParams) -> None:

@@ -30,6 +30,7 @@ _WIRE = {  # wire name -> attribute
     "earlyAnswerMs": "early_answer_ms",
     "enable": "enable",
     "streaming": "streaming",
+    "lineStartAnswers": "line_start",
     "prefixChars": "prefix_chars",
     "suffixChars": "suffix_chars",
     "preload": "preload",
@@ -103,6 +104,10 @@ class Settings:
     languages: tuple[str, ...] | None = None
     model_languages: tuple[str, ...] | None = None  # set by the server from the model folder, not a wire key
     streaming: bool = False  # send fimble/completionDelta notifications
+    # Decode from the start of an indentation-only line, so the model may dedent: an answer's range then starts
+    # at the line's start (lsp_server/line_start.py). On if the client's capabilities say it can show that
+    # (``experimental.fimble.replaceStart``): a range before the cursor is not every client's.
+    line_start: bool = False
     prefix_chars: int = 4000
     suffix_chars: int = 1000
     preload: bool = True  # start the engine at `initialized` rather than on the first request

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lsp_server.generation import Generation
+from lsp_server.line_start import at_cursor
 
 METHOD = "fimble/completionDelta"
 
@@ -35,6 +36,10 @@ class Subscription:
     # auto-paired closers it re-types), sent as ``replaceEnd`` so a client that builds its item
     # from a delta never doubles a closer (PROTOCOL.md). None: no ``replaceEnd``.
     replace_end: Callable[[str, bool], dict | None] | None = field(default=None, repr=False)
+    # A decode from the start of the cursor's line (lsp_server/line_start.py): the editor's indentation before
+    # the cursor. Text that keeps it is sent past it, at ``position``; a dedent is sent whole with
+    # ``replaceStart`` at the line's start; text still inside the indentation is not sent yet.
+    indent: str = ""
 
 
 class DeltaStreamer:
@@ -81,12 +86,20 @@ class DeltaStreamer:
             self.end(sub, gen.finish_reason or "stop")
             return
         text = gen.text[sub.offset :]
-        if len(text) > sub.sent and text:
+        if len(text) > sub.sent and text and (not sub.indent or at_cursor(text, sub.indent) != ""):
             self._send(sub, text, False, None)
 
     def _send(self, sub: Subscription, text: str, done: bool, reason: str | None) -> None:
+        """Send ``text`` (the generation's from the subscription's offset; ``sent`` counts it)."""
         sub.sent = len(text)
         sub.gen.mark_shown(sub.offset + len(text))
+        replace_start = None
+        if sub.indent:
+            rest = at_cursor(text, sub.indent)
+            if rest is None:  # a dedent: the whole line, over the indentation
+                replace_start = {"line": sub.position["line"], "character": 0}
+            else:
+                text = rest
         params = {
             "requestId": sub.request_id,
             "token": sub.token,
@@ -101,4 +114,6 @@ class DeltaStreamer:
         }
         if sub.replace_end is not None:
             params["replaceEnd"] = sub.replace_end(text, done)
+        if replace_start is not None:
+            params["replaceStart"] = replace_start
         self._notify(METHOD, params)

@@ -45,11 +45,13 @@ class TypeThrough:
             "active": 0 if self.active is None else 1,
         }
 
-    def attach(self, ctx: Context) -> Hit | None:
-        """A request at ``ctx``: the generation that answers it, counted by kind, or None (a miss)."""
+    def attach(self, ctx: Context, count_miss: bool = True) -> Hit | None:
+        """A request at ``ctx``: the generation that answers it, counted by kind, or None (a miss; not counted
+        without ``count_miss``, where the caller looks again elsewhere)."""
         found = self.lookup(ctx)
         if found is None:
-            self.stats.count("misses")
+            if count_miss:
+                self.stats.count("misses")
             return None
         gen, offset = found
         if gen.prefetched and offset == 0:

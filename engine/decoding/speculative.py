@@ -93,6 +93,8 @@ class SpeculativeDecoder:
         # A scheduler's host copy of the argmax of each row of the pass being verified (``Forward.best``):
         # the same tokens ``_choose``/``_verify`` would pick from those rows, without a device sync.
         self._best: list[int] | None = None
+        # Whether a token was chosen past the healed text (``options.no_empty`` masks stop tokens until then).
+        self._said = False
         # Build verify blocks as host lists (a slotted round copies all of its blocks to the device at once).
         self.host_tokens = False
         self._pending: tuple[Draft, int, Forward] | None = None
@@ -103,13 +105,36 @@ class SpeculativeDecoder:
         (``Forward.best``) and a greedy choice needs nothing else (no forced prefix, no trace)."""
         if self._best is None or self.opt.temperature > 0 or self.trace is not None or self.forced:
             return None
+        if self._no_stop_next:
+            return None  # its first row's argmax may be a stop token
         return self._best
+
+    @property
+    def _no_stop_next(self) -> bool:
+        """Whether the next free choice (after the healed text) must not be a stop token (``no_empty``)."""
+        return self.opt.no_empty and not self._said and bool(self.stop_ids)
+
+    def _without_stops(self, logits: Tensor | np.ndarray) -> Tensor | np.ndarray:
+        """One row of logits with the stop tokens at -inf."""
+        stops = sorted(self.stop_ids)
+        if isinstance(logits, np.ndarray):
+            row = logits.copy()
+            row[stops] = -np.inf
+            return row
+        import torch
+
+        return logits.index_fill(-1, torch.tensor(stops, device=logits.device), float("-inf"))
 
     def _choose(self, logits: Tensor | np.ndarray) -> int:
         """The next token from one row of logits (numpy only when greedy with nothing forced: _numpy_rows)."""
         best = self._greedy_best()
         if best is not None:  # called with the last row only
+            self._said = True
             return best[-1]
+        if not self.forced and self._no_stop_next:
+            logits = self._without_stops(logits)
+        if not self.forced:
+            self._said = True
         if self.forced and self.opt.temperature <= 0 and self.trace is None:
             allowed = self.token_index.allowed(self.forced)
             if allowed:  # the same choice as the mask below, without masking the whole row
@@ -329,6 +354,7 @@ class SpeculativeDecoder:
         d = draft.tokens
         best = self._greedy_best()
         if best is not None:  # (no draft: the one row's argmax, with no tensor indexed)
+            self._said = True
             n = 0
             while n < len(d) and d[n] == best[n]:
                 n += 1
@@ -336,14 +362,21 @@ class SpeculativeDecoder:
         logits = rows_tensor(logits)
         if not d:
             return [self._choose(logits[-1])]
+        first_free = self._no_stop_next  # (drafts come only once the healed text is re-typed)
+        self._said = True
         if self.opt.temperature <= 0:
             best = greedy_ids(logits)
+            if first_free:
+                best[0] = greedy_ids(self._without_stops(logits[0]).reshape(1, -1))[0]
             n = 0
             while n < len(d) and d[n] == best[n]:
                 n += 1
             if self.trace is not None:
                 self.trace.extend((best[j], logits[j].detach().clone()) for j in range(n + 1))
             return d[:n] + [best[n]]
+        if first_free:
+            logits = logits.clone() if not isinstance(logits, np.ndarray) else logits.copy()
+            logits[0] = self._without_stops(logits[0])
         p = distribution(logits, self.opt.temperature, self.opt.top_p)
         for i, tok in enumerate(d):
             q = draft.probs[i] if draft.probs is not None else None

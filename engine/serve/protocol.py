@@ -124,7 +124,7 @@ def check_options(opts: dict) -> None:
         elif name == "drafter":
             if not isinstance(value, str):
                 raise ProtocolError("'drafter' must be a string")
-        elif name in ("adaptive_gamma",):
+        elif name in ("adaptive_gamma", "no_empty"):
             if not isinstance(value, bool):
                 raise ProtocolError(f"'{name}' must be true or false")
         elif name == "seed":

@@ -103,3 +103,31 @@ async def test_typing_something_else_is_not_served_by_the_follow_up(client: Lang
     assert after.get("follow_up_hits", 0) == before.get("follow_up_hits", 0)
     served = ("misses", "prefetch_hits")  # a decode of its own (the keystroke's prefetch, or the request's)
     assert sum(after.get(k, 0) - before.get(k, 0) for k in served) == 1, after
+
+
+async def test_after_an_accept_that_ends_its_line_the_next_line_is_suggested(client: LanguageClient):
+    """The shown call's arguments end their line: the follow-up is decoded after a line break, so the suggestion
+    after the accept starts on the next line (a FIM model asked at the line's end says end-of-middle)."""
+    uri = "file:///tmp/fimble-tests/follow_up/c.py"
+    open_doc(client, uri, DOC)
+    start = await _counters(client, lambda c: True)
+    items = items_of(await inline(client, uri, *CURSOR))
+    assert items, "the embedded model answers here"
+    shown = items[0].insert_text
+    shown = shown if isinstance(shown, str) else shown.value
+    assert "\n" not in shown.strip(), shown  # a call's arguments: one line (the syntax policy)
+    rng = items[0].range
+    end = (rng.end.line, rng.end.character) if rng is not None else CURSOR
+    # the shown decode and its follow-up have ended; the follow-up was led by a line break
+    before = await _counters(
+        client, lambda c: c.get("follow_ups", 0) > start.get("follow_ups", 0) and _finished(c) >= _finished(start) + 2
+    )
+    assert before.get("follow_ups_next_line", 0) > start.get("follow_ups_next_line", 0), before
+    change(client, uri, 2, CURSOR, end, shown)
+    line, col = _insert_point(*CURSOR, shown)
+    after_items = items_of(await inline(client, uri, line, col))
+    after = (await stats(client))["counters"]
+    assert after.get("follow_up_hits", 0) == before.get("follow_up_hits", 0) + 1, after
+    if after_items:  # the model may have nothing more to say; what it says starts on the next line
+        text = after_items[0].insert_text
+        assert (text if isinstance(text, str) else text.value).startswith("\n"), after_items

@@ -64,7 +64,7 @@ async def test_a_decode_nobody_waits_on_stops_after_the_last_key_and_keeps_its_t
     uri = "file:///tmp/fimble-quiet/a.py"
     open_doc(client, uri, LONG)
     before = (await stats(client))["counters"]
-    items = items_of(await inline(client, uri, *CURSOR))
+    items = items_of(await inline(client, uri, *CURSOR, invoked=False))  # as typing asks
     assert items, "answered at the first line"
     after = await _until(client, lambda c: _finished(c) > _finished(before))
     assert after.get("quiet_stops", 0) == before.get("quiet_stops", 0) + 1, after
@@ -75,7 +75,7 @@ async def test_a_decode_nobody_waits_on_stops_after_the_last_key_and_keeps_its_t
     await asyncio.sleep(0.4)
     assert await _engine_steps(client) == steps, "the engine kept decoding"
     # Its text stays usable: the same request again is served from it, without a decode.
-    again = items_of(await inline(client, uri, *CURSOR))
+    again = items_of(await inline(client, uri, *CURSOR, invoked=False))
     assert again and again[0].insert_text.startswith(items[0].insert_text)  # the first line, and what followed
     final = (await stats(client))["counters"]
     assert final["generations"] == after["generations"], final
@@ -91,3 +91,16 @@ async def test_a_request_waiting_for_the_whole_decode_is_not_cut(client: Languag
     assert after.get("quiet_stops", 0) == before.get("quiet_stops", 0), after
     assert after["tokens_generated"] - before.get("tokens_generated", 0) == 400
     assert after.get("finish_length", 0) == before.get("finish_length", 0) + 1, after
+
+
+async def test_a_decode_the_user_invoked_runs_to_its_end_after_its_answer_too(client: LanguageClient):
+    """Answered at its first line, an invoked request's decode streams on past the quiet time: the user asked for
+    the completion (a block's later lines), they did not stop asking."""
+    uri = "file:///tmp/fimble-quiet/c.py"
+    open_doc(client, uri, LONG)
+    await configure(client, answerAt="line", maxTokens=400, policy={"*": {**UNCAPPED["*"], "max_tokens": 400}})
+    before = (await stats(client))["counters"]
+    assert items_of(await inline(client, uri, *CURSOR, invoked=True)), "answered at the first line"
+    after = await _until(client, lambda c: _finished(c) > _finished(before))
+    assert after.get("quiet_stops", 0) == before.get("quiet_stops", 0), after
+    assert after["tokens_generated"] - before.get("tokens_generated", 0) == 400

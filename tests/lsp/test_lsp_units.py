@@ -194,3 +194,85 @@ def test_follow_up_after_an_accept_that_ends_its_line_decodes_the_next_lines():
     assert follow_up_options(one_line, doc, (1, 12), max_lines=1).max_lines == 1  # the user's cap
     block = DecodeOptions(max_tokens=128, max_lines=8)
     assert follow_up_options(block, doc, (1, 12), max_lines=8).max_lines == 8  # multi-line already
+
+
+def test_a_follow_up_after_a_whole_line_starts_on_the_next_line():
+    """Tab-Tab after an accept that ends its line: the model is asked for the next line (its prompt has the line
+    break), not whether the middle goes on at the end of this one (where a FIM model says end-of-middle)."""
+    from types import SimpleNamespace
+
+    from lsp_server.follow_up import after_lead, next_line_follows
+
+    doc = Document("file:///f.py", "def f(x):\n    y = g(x)\n    return y)\n", 1, "python")
+    ended = SimpleNamespace(finish_reason="eos")
+    assert next_line_follows(ended, doc, (1, 12))  # the accept ends line 1
+    assert next_line_follows(SimpleNamespace(finish_reason="stop"), doc, (1, 12))  # a line limit or the guard
+    assert not next_line_follows(SimpleNamespace(finish_reason="length"), doc, (1, 12))  # a token cap: mid-line
+    assert not next_line_follows(ended, doc, (2, 12))  # code after the cursor: the line goes on
+    ctx = build_context(doc, 1, 12, 4000, 1000)
+    led = after_lead(ctx, "\n")
+    assert led.prefix == ctx.prefix + "\n" and led.suffix == ctx.suffix == "\n    return y)\n"
+    assert led.cursor == (2, 0) and led.doc_length == ctx.doc_length + 1 and led.window == ctx.window
+
+
+def test_line_start_is_taken_only_on_an_indentation_only_line():
+    """lsp_server/line_start.py: a decode from the line's start where the cursor ends the line's indentation."""
+    from lsp_server.line_start import at_cursor, line_start
+
+    doc = Document("file:///n.py", "def f(x):\n    if x:\n        return False\n        \n    y = 1\n", 1, "python")
+    ctx = build_context(doc, 3, 8, 4000, 1000)
+    ls = line_start(doc, ctx)
+    assert ls is not None and ls.indent == " " * 8
+    assert ls.ctx.cursor == (3, 0) and ls.ctx.prefix + ls.indent == ctx.prefix and ls.ctx.suffix == ctx.suffix
+    assert typed_since(doc, ls.ctx) == ls.indent  # the indentation reads as typed since the line's start
+    assert ls.doc.lines[3] == "\n" and doc.lines[3] == " " * 8 + "\n"  # a scratch copy, the editor's untouched
+    assert line_start(doc, build_context(doc, 3, 4, 4000, 1000)) is not None  # inside the indentation, rest blank
+    assert line_start(doc, build_context(doc, 2, 8, 4000, 1000)) is None  # code after the cursor
+    assert line_start(doc, build_context(doc, 2, 20, 4000, 1000)) is None  # code before it
+    assert line_start(doc, build_context(doc, 3, 0, 4000, 1000)) is None  # nothing to re-type
+    assert at_cursor("        return", " " * 8) == "return"
+    assert at_cursor("      ", " " * 8) == ""  # still inside the indentation: undecided
+    assert at_cursor("    return True", " " * 8) is None  # a dedent
+
+
+def test_a_line_start_stream_sends_text_past_the_indentation_or_a_dedent_from_the_line_start():
+    from types import SimpleNamespace
+
+    from lsp_server.generation import Generation
+    from lsp_server.streaming import DeltaStreamer, Subscription
+
+    doc = Document("file:///n.py", "def f(x):\n    if x:\n        return False\n        \n", 1, "python")
+    ctx = build_context(doc, 3, 0, 4000, 1000)
+    sent: list[dict] = []
+    streamer = DeltaStreamer(lambda method, params: sent.append(params))
+    position = {"line": 3, "character": 8}
+    for text, expect in (("        return x", ("return x", None)), ("    return True", ("    return True", 0))):
+        gen = Generation(ctx, SimpleNamespace(cancelled=False, cancel=lambda: None), 0.0, 0.0)
+        sub = Subscription(gen, 0, 1, None, "c", doc.uri, 1, position, cached=False, indent=" " * 8)
+        streamer.subscribe(sub)
+        gen.add_text("    ")  # inside the indentation: nothing to show yet
+        gen.changed()
+        assert not sent
+        gen.add_text(text[4:])
+        gen.changed()
+        gen.finish("stop")
+        gen.changed()
+        last = sent[-1]
+        assert last["done"] and last["text"] == expect[0] and last["position"] == position
+        assert last.get("replaceStart") == (None if expect[1] is None else {"line": 3, "character": 0})
+        assert all(("replaceStart" in m) == (expect[1] is not None) for m in sent)
+        sent.clear()
+
+
+def test_a_blank_line_asks_the_model_to_say_something():
+    """plan_at: on a line that is blank around the cursor (after Enter and its indentation) the decode may not end
+    at once (DecodeOptions.no_empty); elsewhere an empty middle stays a valid answer."""
+    from lsp_server.plan import plan_at
+    from lsp_server.settings import Settings
+
+    doc = Document("file:///b.py", "def f(x):\n    y = g(x)\n    \n    return y\n", 1, "python")
+    settings = Settings()
+    assert plan_at(doc, (2, 4), settings, shaped=False).options.no_empty
+    assert plan_at(doc, (2, 2), settings, shaped=False).options.no_empty  # inside the indentation
+    assert not plan_at(doc, (1, 12), settings, shaped=False).options.no_empty  # the end of a line of code
+    assert not plan_at(doc, (3, 4), settings, shaped=False).options.no_empty  # code after the cursor

@@ -277,6 +277,88 @@ async def test_lsp_answers_from_a_remote_engine(server):
         await lsp.stop()
 
 
+# An indentation-only line (the editor's auto-indent after Enter), one level too deep for the line that belongs there.
+NESTED = "def f(x):\n    if x:\n        return False\n        \n    return None\n"
+NESTED_CURSOR = {"line": 3, "character": 8}
+
+
+async def _line_start_session(server, replace_start: bool):
+    from reliability.rel_helpers import INIT, StdioServer
+
+    lsp = await StdioServer.start("--engine", f"openai+{server.url}/v1", "--remote-model", "m")
+    caps = {"experimental": {"fimble": {"completionDelta": True, "replaceStart": replace_start}}}
+    await lsp.call("initialize", {**INIT, "capabilities": caps, "initializationOptions": {"preload": True}})
+    lsp.send({"jsonrpc": "2.0", "method": "initialized", "params": {}})
+    return lsp
+
+
+async def _complete_nested(lsp, uri: str) -> tuple[dict, dict]:
+    """(the inline item, the stream's done delta) at NESTED_CURSOR in a new document."""
+    from reliability.rel_helpers import did_open
+
+    lsp.send(did_open(uri, NESTED))
+    answer = await lsp.call(
+        "textDocument/inlineCompletion",
+        {"textDocument": {"uri": uri}, "position": NESTED_CURSOR, "context": {"triggerKind": 1}},
+    )
+    items = answer["result"]["items"]
+    assert items, answer
+
+    def done() -> dict | None:
+        return next(
+            (
+                m["params"]
+                for m in lsp.seen
+                if m.get("method") == "fimble/completionDelta" and m["params"]["uri"] == uri and m["params"]["done"]
+            ),
+            None,
+        )
+
+    end = time.monotonic() + 30
+    while done() is None and time.monotonic() < end:
+        await lsp.next(timeout=30)
+    assert done() is not None
+    return items[0], done()
+
+
+async def test_an_indentation_only_line_is_decoded_from_its_start_and_may_dedent(server):
+    """lsp_server/line_start.py: the model writes the line's indentation; a dedent replaces the editor's."""
+    lsp = await _line_start_session(server, replace_start=True)
+    try:
+        server.script = Script(chunks=["    return", " True", "\n"], finish="stop")
+        item, done = await _complete_nested(lsp, "file:///tmp/fimble-remote/dedent.py")
+        prompt = [r for r in server.requests if r["path"] == "/v1/completions"][-1]["body"]["prompt"]
+        assert prompt.endswith("        return False\n"), prompt  # from the line's start: no indentation
+        assert item["insertText"] == "    return True"
+        assert item["range"] == {"start": {"line": 3, "character": 0}, "end": NESTED_CURSOR}
+        assert done["text"].rstrip() == "    return True" and done["replaceStart"] == {"line": 3, "character": 0}
+        assert done["position"] == NESTED_CURSOR and done["replaceEnd"] == NESTED_CURSOR
+
+        # The model keeps the editor's indentation: answered at the cursor, as without this.
+        server.script = Script(chunks=["        return", " True", "\n"], finish="stop")
+        item, done = await _complete_nested(lsp, "file:///tmp/fimble-remote/same.py")
+        assert item["insertText"] == "return True"
+        assert item["range"] == {"start": NESTED_CURSOR, "end": NESTED_CURSOR}
+        assert done["text"].rstrip() == "return True" and "replaceStart" not in done
+        deltas = [m["params"] for m in lsp.seen if m.get("method") == "fimble/completionDelta"]
+        assert all(not d["text"].startswith(" ") for d in deltas if d["uri"].endswith("same.py")), deltas
+    finally:
+        await lsp.stop()
+
+
+async def test_a_client_that_cannot_show_a_dedent_gets_the_cursor_s_prompt(server):
+    lsp = await _line_start_session(server, replace_start=False)
+    try:
+        server.script = Script(chunks=["return", " True", "\n"], finish="stop")
+        item, done = await _complete_nested(lsp, "file:///tmp/fimble-remote/plain.py")
+        prompt = [r for r in server.requests if r["path"] == "/v1/completions"][-1]["body"]["prompt"]
+        assert prompt.endswith("        return False\n        "), prompt
+        assert item["insertText"] == "return True" and item["range"]["start"] == NESTED_CURSOR
+        assert "replaceStart" not in done
+    finally:
+        await lsp.stop()
+
+
 # -- real servers ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def serve_expected():

@@ -23,7 +23,7 @@ import { DocumentFilterLike, documentSelector, enabledLanguages, modelLanguages,
 import { EngineStatus, STATUS_METHOD, StatusWatcher } from './status';
 
 export { wireSettings, serverLaunch, needsRestart, clientKey, userValue, LAUNCH_SETTINGS } from './settings';
-export { DeltaStreamer, remainder, RETRY_MS, MAX_RETRIES } from './stream';
+export { DeltaStreamer, remainder, startOf, RETRY_MS, MAX_RETRIES } from './stream';
 export { CursorReporter, CURSOR_METHOD } from './cursor';
 export { SOURCE_LANGUAGES, enabledLanguages, languageEnabled, documentSelector, modelLanguages } from './languages';
 export { StatusWatcher, STATUS_METHOD, parseStatus } from './status';
@@ -35,6 +35,8 @@ export const STOP_TIMEOUT_MS = 10000;
 
 /**
  * Advertise `experimental.fimble.completionDelta` so the server streams even if `streaming` is unset, and
+ * `replaceStart`: VS Code shows an item whose range starts before the cursor on its line (a dedent over the
+ * auto-indentation, lsp_server/line_start.py), so the server may decode an indentation-only line from its start;
  * adapt the client to the server's answer before any feature starts (`preInitialize` runs first):
  * - the documents synced are the source files of the enabled languages (the model's, from the
  *   InitializeResult, and the user's `fimble.languages`), written into the shared selector in place;
@@ -51,7 +53,7 @@ export class FimbleFeature implements StaticFeature {
   fillClientCapabilities(capabilities: { experimental?: unknown }): void {
     const exp = (capabilities.experimental ?? {}) as Record<string, unknown>;
     const fimble = (exp.fimble ?? {}) as Record<string, unknown>;
-    capabilities.experimental = { ...exp, fimble: { ...fimble, completionDelta: true, status: true } };
+    capabilities.experimental = { ...exp, fimble: { ...fimble, completionDelta: true, status: true, replaceStart: true } };
   }
   fillInitializeParams(): void {}
   preInitialize(capabilities: ServerCapabilities): void {
@@ -99,6 +101,8 @@ export class Fimble {
         new vscode.InlineCompletionItem(text, new vscode.Range(toVs(start), toVs(end)), like?.command),
       itemText: (item) => (typeof item.insertText === 'string' ? item.insertText : undefined),
       itemRangeEnd: (item) => (item.range ? { line: item.range.end.line, character: item.range.end.character } : undefined),
+      itemRangeStart: (item) =>
+        item.range ? { line: item.range.start.line, character: item.range.start.character } : undefined,
       retrigger: (force) => void this.retrigger(force),
       later: (fn, ms) => void setTimeout(fn, ms),
       cursorOf: (uri) => {

@@ -14,7 +14,8 @@
 // server's final text (its `done` delta, which may also be shorter: validation cut it).
 //
 // Every item keeps the server's replace range: its end may lie past the cursor, over auto-paired
-// closers the text re-types (`sqrt(|)` + `1.0) / 2.0` replaces the `)`), so nothing is doubled.
+// closers the text re-types (`sqrt(|)` + `1.0) / 2.0` replaces the `)`), so nothing is doubled; its start
+// may lie before the cursor on an indentation-only line (`replaceStart`: a dedent replaces the indentation).
 //
 // Pure: no `vscode` import; the editor is reached through `StreamHost`, so this is unit-tested.
 
@@ -42,6 +43,8 @@ export interface CompletionDelta {
   cached?: boolean;
   /** End of what `text` replaces (client units): past the cursor over auto-paired closers it re-types. */
   replaceEnd?: Pos | null;
+  /** Start of what `text` replaces, where it is not `position`: the line's start (a dedent). */
+  replaceStart?: Pos | null;
 }
 
 /** The parts of a `vscode.TextDocument` used here. */
@@ -64,6 +67,8 @@ export interface StreamHost<Item> {
   itemText(item: Item): string | undefined;
   /** The end of an item's range, if it has one. */
   itemRangeEnd(item: Item): Pos | undefined;
+  /** The start of an item's range, if it has one. */
+  itemRangeStart?(item: Item): Pos | undefined;
   /** Ask VS Code for inline suggestions again (it calls the provider, which answers locally).
    *  `force`: hide the current suggestion first, so VS Code cannot consider the request already served. */
   retrigger(force: boolean): void;
@@ -83,6 +88,12 @@ export function samePos(a: Pos, b: Pos): boolean {
   return a.line === b.line && a.character === b.character;
 }
 
+/** Where a delta's text starts replacing: its `replaceStart` (a dedent, same line, before the cursor) or its position. */
+export function startOf(d: CompletionDelta): Pos {
+  const s = d.replaceStart;
+  return s && s.line === d.position.line && s.character < d.position.character ? s : d.position;
+}
+
 /**
  * What is left to insert of `text` (suggested at `anchor`) when the cursor is at `cursor` on a line
  * that now reads `lineText`; undefined when the typed characters disagree with the suggestion.
@@ -99,6 +110,7 @@ interface Shown<Item> {
   position: Pos;
   text: string;
   replaceEnd: Pos;
+  start: Pos; // the item's range start: the position, or the line's start (a dedent)
   template?: Item;
   explicit: boolean; // answered to an explicit request: VS Code will not ask again here unless forced
 }
@@ -160,7 +172,11 @@ export class DeltaStreamer<Item> {
   private stale(uri: string, d: CompletionDelta): boolean {
     const shown = this.shown.get(uri);
     if (!shown || shown.version !== d.version || !samePos(shown.position, d.position)) return d.text.length > 0;
-    return shown.text !== d.text || !samePos(shown.replaceEnd, d.replaceEnd ?? shown.replaceEnd);
+    return (
+      shown.text !== d.text ||
+      !samePos(shown.replaceEnd, d.replaceEnd ?? shown.replaceEnd) ||
+      !samePos(shown.start, startOf(d))
+    );
   }
 
   private requestRetrigger(uri: string, d: CompletionDelta, retry = false): void {
@@ -225,7 +241,9 @@ export class DeltaStreamer<Item> {
     if (live && shown && shown.version === version && samePos(shown.position, pos)) {
       // A re-trigger for a stream we already answered here: answer from the stream, no server request.
       this.counts.local++;
-      return this.present(uri, version, pos, live.text, live.replaceEnd ?? shown.replaceEnd, shown.template, explicit, token);
+      return this.present(
+        uri, version, pos, live.text, live.replaceEnd ?? shown.replaceEnd, shown.template, explicit, token, startOf(live),
+      );
     }
     this.counts.server++;
     const lineBefore = doc.lineAt(pos.line).text;
@@ -247,7 +265,13 @@ export class DeltaStreamer<Item> {
     if (text === undefined) return items;
     const end = this.host.itemRangeEnd(first);
     let replaceEnd = end && end.line === pos.line && end.character >= pos.character ? end : pos;
+    const begin = this.host.itemRangeStart?.(first);
+    let start = begin && begin.line === pos.line && begin.character < pos.character ? begin : pos;
     let at = pos;
+    if (doc.version !== version && !samePos(start, pos)) {
+      this.counts.staleDropped++; // a dedent over a line that has changed since
+      return [];
+    }
     if (doc.version !== version) {
       // The document changed while the request was out: keep the answer only if the cursor is
       // still on the suggestion (the user typed along it) and the rest of the line is as it was
@@ -264,23 +288,27 @@ export class DeltaStreamer<Item> {
       }
       text = rest;
       at = cur!.position;
+      start = at;
       replaceEnd = { line: at.line, character: at.character + (replaceEnd.character - pos.character) };
     }
     const d = this.liveFor(uri, doc.version, at);
     if (d && d.text !== text && (d.text.startsWith(text) || (d.done && text.startsWith(d.text)))) {
       text = d.text; // the stream got further (or ended shorter: validation cut it) while the answer travelled
       replaceEnd = d.replaceEnd ?? replaceEnd;
+      start = startOf(d);
     }
-    return this.present(uri, doc.version, at, text, replaceEnd, first, explicit, token);
+    return this.present(uri, doc.version, at, text, replaceEnd, first, explicit, token, start);
   }
 
   private present(
     uri: string, version: number, pos: Pos, text: string, replaceEnd: Pos, template: Item | undefined,
-    explicit: boolean, token: TokenLike,
+    explicit: boolean, token: TokenLike, start: Pos = pos,
   ): Item[] {
     // A cancelled request's answer is not shown by VS Code: keep the record of what is.
-    if (!token.isCancellationRequested) this.shown.set(uri, { version, position: pos, text, replaceEnd, template, explicit });
-    return text ? [this.host.makeItem(text, pos, replaceEnd, template)] : [];
+    if (!token.isCancellationRequested) {
+      this.shown.set(uri, { version, position: pos, text, replaceEnd, start, template, explicit });
+    }
+    return text ? [this.host.makeItem(text, start, replaceEnd, template)] : [];
   }
 
   /** Forget a document (closed) or everything (disabled, restarted). */

@@ -52,6 +52,7 @@ test('activate, stream ghost text, drop stale answers, toggle, deactivate', asyn
   // The server's textDocument/completion fallback is not registered (it duplicated the ghost text).
   assert.equal(vscode.calls.completionProviders.length, 0);
   assert.equal(got.initialize.capabilities.experimental.fimble.completionDelta, true);
+  assert.equal(got.initialize.capabilities.experimental.fimble.replaceStart, true, 'it shows a dedent over the indentation');
   assert.ok(got.initialize.capabilities.textDocument.inlineCompletion, 'the client advertises inline completion');
   await waitFor(() => vscode.calls.providers.length > 0, 'the inline completion provider');
   const { provider } = vscode.calls.providers[0];

@@ -16,6 +16,7 @@ function setup() {
     makeItem: (text, start, end, like) => ({ insertText: text, pos: start, range: { start, end }, command: like && like.command }),
     itemText: (item) => (typeof item.insertText === 'string' ? item.insertText : undefined),
     itemRangeEnd: (item) => (item.range ? item.range.end : undefined),
+    itemRangeStart: (item) => (item.range ? item.range.start : undefined),
     retrigger: (force) => {
       host.retriggers += 1;
       if (force) host.forced += 1;
@@ -134,6 +135,38 @@ test('an answer that no longer matches the document is dropped; one typed along 
   });
   assert.equal(rebased[0].insertText, 'turn x');
   assert.deepEqual(rebased[0].pos, { line: 1, character: 6 });
+});
+
+test('a dedent keeps its range from the line start, from the answer and from the stream', async () => {
+  const { host, doc, s, delta, editor } = setup();
+  editor.lines = ['def f(x):', '    if x:', '        return 1', '        '];
+  editor.position = { line: 3, character: 8 };
+  const lineStart = { line: 3, character: 0 };
+  const items = await s.provide(doc, editor.position, serverAnswer('    return 0', { start: lineStart, end: { line: 3, character: 8 } }));
+  assert.equal(items[0].insertText, '    return 0');
+  assert.deepEqual(items[0].range, { start: lineStart, end: { line: 3, character: 8 } });
+  // The stream ends with more: the local re-trigger keeps the range over the indentation.
+  s.onDelta(delta('    return 0\n    return 2', { done: true, replaceStart: lineStart, replaceEnd: editor.position }));
+  assert.equal(host.retriggers, 1);
+  const grown = await s.provide(doc, editor.position, () => assert.fail('answered locally'));
+  assert.equal(grown[0].insertText, '    return 0\n    return 2');
+  assert.deepEqual(grown[0].range.start, lineStart);
+  // A replaceStart that is not before the cursor on its line is ignored: the item starts at the cursor.
+  assert.deepEqual(ext.startOf(delta('x', { replaceStart: { line: 2, character: 0 } })), editor.position);
+});
+
+test('a dedent answer for a line that changed while it travelled is dropped', async () => {
+  const { doc, s, editor } = setup();
+  editor.lines = ['def f(x):', '    if x:', '        return 1', '        '];
+  editor.position = { line: 3, character: 8 };
+  const items = await s.provide(doc, { line: 3, character: 8 }, () => {
+    editor.version += 1;
+    editor.lines[3] = '        r';
+    editor.position = { line: 3, character: 9 };
+    return serverAnswer('    return 0', { start: { line: 3, character: 0 }, end: { line: 3, character: 8 } })();
+  });
+  assert.deepEqual(items, []);
+  assert.equal(s.counts.staleDropped, 1);
 });
 
 test('disabled: no requests, no re-triggers', async () => {
