@@ -87,3 +87,22 @@ def residual(p: Tensor, q: Tensor | None, token: int) -> Tensor:
     total = r.sum()
     # p == q exactly leaves no mass; then any draw from p is correct.
     return p if total <= 0 else r / total
+
+
+def without(row: Tensor | np.ndarray, ids: set[int]) -> Tensor | np.ndarray:
+    """One row of logits with ``ids`` at -inf (a copy): DecodeOptions.no_empty's first choice, stop tokens out."""
+    out = sorted(ids)
+    if isinstance(row, np.ndarray):
+        row = row.copy()
+        row[out] = -np.inf
+        return row
+    import torch
+
+    return row.index_fill(-1, torch.tensor(out, device=row.device), float("-inf"))
+
+
+def without_first(rows: Tensor | np.ndarray, ids: set[int]) -> Tensor | np.ndarray:
+    """A copy of a block's logits with ``ids`` at -inf in its first row (no_empty's choice in a verify block)."""
+    rows = rows.copy() if isinstance(rows, np.ndarray) else rows.clone()
+    rows[0] = without(rows[0], ids)
+    return rows

@@ -33,6 +33,8 @@ from engine.decoding.sampling import (
     draw,
     greedy_ids,
     residual,
+    without,
+    without_first,
 )
 from engine.decoding.spec_policy import VerifyCosts
 from engine.options import DecodeOptions
@@ -103,37 +105,21 @@ class SpeculativeDecoder:
     def _greedy_best(self) -> list[int] | None:
         """The host argmax of each row of the pass being verified, where a slotted round supplied it
         (``Forward.best``) and a greedy choice needs nothing else (no forced prefix, no trace)."""
-        if self._best is None or self.opt.temperature > 0 or self.trace is not None or self.forced:
-            return None
-        if self._no_stop_next:
-            return None  # its first row's argmax may be a stop token
-        return self._best
+        blocked = self.opt.temperature > 0 or self.trace is not None or self.forced or self._no_stop_next
+        return None if blocked else self._best  # (no_empty: the first free row's argmax may be a stop token)
 
     @property
     def _no_stop_next(self) -> bool:
         """Whether the next free choice (after the healed text) must not be a stop token (``no_empty``)."""
         return self.opt.no_empty and not self._said and bool(self.stop_ids)
 
-    def _without_stops(self, logits: Tensor | np.ndarray) -> Tensor | np.ndarray:
-        """One row of logits with the stop tokens at -inf."""
-        stops = sorted(self.stop_ids)
-        if isinstance(logits, np.ndarray):
-            row = logits.copy()
-            row[stops] = -np.inf
-            return row
-        import torch
-
-        return logits.index_fill(-1, torch.tensor(stops, device=logits.device), float("-inf"))
-
     def _choose(self, logits: Tensor | np.ndarray) -> int:
         """The next token from one row of logits (numpy only when greedy with nothing forced: _numpy_rows)."""
         best = self._greedy_best()
-        if best is not None:  # called with the last row only
-            self._said = True
+        if best is not None:  # called with the last row only (and never for no_empty's first free choice)
             return best[-1]
-        if not self.forced and self._no_stop_next:
-            logits = self._without_stops(logits)
         if not self.forced:
+            logits = without(logits, self.stop_ids) if self._no_stop_next else logits
             self._said = True
         if self.forced and self.opt.temperature <= 0 and self.trace is None:
             allowed = self.token_index.allowed(self.forced)
@@ -354,7 +340,6 @@ class SpeculativeDecoder:
         d = draft.tokens
         best = self._greedy_best()
         if best is not None:  # (no draft: the one row's argmax, with no tensor indexed)
-            self._said = True
             n = 0
             while n < len(d) and d[n] == best[n]:
                 n += 1
@@ -362,27 +347,29 @@ class SpeculativeDecoder:
         logits = rows_tensor(logits)
         if not d:
             return [self._choose(logits[-1])]
-        first_free = self._no_stop_next  # (drafts come only once the healed text is re-typed)
+        if self._no_stop_next:  # the first free choice (drafts come only once the healed text is re-typed)
+            logits = without_first(logits, self.stop_ids)
         self._said = True
         if self.opt.temperature <= 0:
             best = greedy_ids(logits)
-            if first_free:
-                best[0] = greedy_ids(self._without_stops(logits[0]).reshape(1, -1))[0]
             n = 0
             while n < len(d) and d[n] == best[n]:
                 n += 1
             if self.trace is not None:
                 self.trace.extend((best[j], logits[j].detach().clone()) for j in range(n + 1))
             return d[:n] + [best[n]]
-        if first_free:
-            logits = logits.clone() if not isinstance(logits, np.ndarray) else logits.copy()
-            logits[0] = self._without_stops(logits[0])
-        p = distribution(logits, self.opt.temperature, self.opt.top_p)
-        for i, tok in enumerate(d):
-            q = draft.probs[i] if draft.probs is not None else None
-            if not accept_draft_token(p[i], q, tok, self.gen):
-                return d[:i] + [draw(residual(p[i], q, tok), self.gen)]
-        return d + [draw(p[len(d)], self.gen)]
+        return speculative_sample(draft, distribution(logits, self.opt.temperature, self.opt.top_p), self.gen)
+
+
+def speculative_sample(draft: Draft, p, gen) -> list[int]:
+    """Speculative sampling: the drafted prefix the target accepts, then one token drawn from the residual (or,
+    all accepted, from the target's next row). ``p``: the target's distributions, one row per drafted token + 1."""
+    d = draft.tokens
+    for i, tok in enumerate(d):
+        q = draft.probs[i] if draft.probs is not None else None
+        if not accept_draft_token(p[i], q, tok, gen):
+            return d[:i] + [draw(residual(p[i], q, tok), gen)]
+    return d + [draw(p[len(d)], gen)]
 
 
 def _generator(seed: int):
