@@ -48,8 +48,7 @@ def write_gguf(model, tokenizer_folder: Path, out: Path, dtype: str = "bf16") ->
     import numpy as np
     import torch
 
-    from engine.fim import detect_template
-    from engine.runtimes.gguf_export import _tokenizer_tables
+    from engine.runtimes.gguf_export import _tokenizer_tables, add_tokenizer
 
     cfg = model.cfg
     tokens, types, merges, special, eos = _tokenizer_tables(Path(tokenizer_folder))
@@ -70,22 +69,7 @@ def write_gguf(model, tokenizer_folder: Path, out: Path, dtype: str = "bf16") ->
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(len(tokens))
     w.add_file_type(ft)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    if eos is not None:
-        w.add_eos_token_id(eos)
-        w.add_pad_token_id(eos)
-    w.add_add_bos_token(False)
-    fim = detect_template(set(special))
-    if fim is not None:
-        w.add_uint32(gguf.Keys.Tokenizer.FIM_PRE_ID, special[fim.prefix_token])
-        w.add_uint32(gguf.Keys.Tokenizer.FIM_SUF_ID, special[fim.suffix_token])
-        w.add_uint32(gguf.Keys.Tokenizer.FIM_MID_ID, special[fim.middle_token])
-        if "<|file_sep|>" in special:
-            w.add_uint32(gguf.Keys.Tokenizer.FIM_SEP_ID, special["<|file_sep|>"])
+    add_tokenizer(w, (tokens, types, merges, special, eos))
 
     def put(name: str, t: torch.Tensor) -> None:
         t = t.detach()

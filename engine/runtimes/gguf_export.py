@@ -55,6 +55,33 @@ def _tokenizer_tables(folder: Path) -> tuple[list[str], list[int], list[str], di
     return tokens, types, merges, special, eos
 
 
+def add_tokenizer(w, tables: tuple, pre: str = "gpt-2") -> None:
+    """Write ``_tokenizer_tables``' output to the GGUFWriter ``w``: the BPE vocabulary and merges, end and pad ids,
+    and the FIM token ids llama.cpp reads (prefix, suffix, middle, file separator, pad) where the vocabulary has
+    them. Also the peer's random-weight GGUF (bench/harness/llama_server_cuda.py) uses it."""
+    import gguf
+
+    tokens, types, merges, special, eos = tables
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    if eos is not None:
+        w.add_eos_token_id(eos)
+        w.add_pad_token_id(eos)
+    w.add_add_bos_token(False)
+    fim = detect_template(set(special))
+    if fim is not None:
+        w.add_uint32(gguf.Keys.Tokenizer.FIM_PRE_ID, special[fim.prefix_token])
+        w.add_uint32(gguf.Keys.Tokenizer.FIM_SUF_ID, special[fim.suffix_token])
+        w.add_uint32(gguf.Keys.Tokenizer.FIM_MID_ID, special[fim.middle_token])
+        extra = (("<|file_sep|>", gguf.Keys.Tokenizer.FIM_SEP_ID), ("<|fim_pad|>", gguf.Keys.Tokenizer.FIM_PAD_ID))
+        for name, key in extra:
+            if name in special:
+                w.add_uint32(key, special[name])
+
+
 def export_gguf(folder: str | Path, out: str | Path, qtype: str = "f32", pre: str = "gpt-2") -> Path:
     """Write ``folder`` (HF safetensors) to ``out`` with 2-D weights as ``qtype`` ("f32", "f16" or "q8_0").
     ``pre`` names the pre-tokenizer in the file (tests write other split rules over the same vocabulary)."""
@@ -96,24 +123,7 @@ def export_gguf(folder: str | Path, out: str | Path, qtype: str = "f32", pre: st
     w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
     w.add_vocab_size(len(tokens))
     w.add_file_type(file_type)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    if eos is not None:
-        w.add_eos_token_id(eos)
-        w.add_pad_token_id(eos)
-    w.add_add_bos_token(False)
-    fim = detect_template(set(special))
-    if fim is not None:
-        w.add_uint32(gguf.Keys.Tokenizer.FIM_PRE_ID, special[fim.prefix_token])
-        w.add_uint32(gguf.Keys.Tokenizer.FIM_SUF_ID, special[fim.suffix_token])
-        w.add_uint32(gguf.Keys.Tokenizer.FIM_MID_ID, special[fim.middle_token])
-        extra = (("<|file_sep|>", gguf.Keys.Tokenizer.FIM_SEP_ID), ("<|fim_pad|>", gguf.Keys.Tokenizer.FIM_PAD_ID))
-        for name, key in extra:
-            if name in special:
-                w.add_uint32(key, special[name])
+    add_tokenizer(w, (tokens, types, merges, special, eos), pre)
 
     state: dict[str, np.ndarray] = {}
     for f in sorted(folder.glob("*.safetensors")):  # bf16 widens to float32 exactly
