@@ -321,13 +321,18 @@ async def _complete_nested(lsp, uri: str) -> tuple[dict, dict]:
     return items[0], done()
 
 
+def _last_prompt(server) -> str:
+    """The prompt of the last /v1/completions request the fake server got."""
+    return [r for r in server.requests if r["path"] == "/v1/completions"][-1]["body"]["prompt"]
+
+
 async def test_an_indentation_only_line_is_decoded_from_its_start_and_may_dedent(server):
     """lsp_server/line_start.py: the model writes the line's indentation; a dedent replaces the editor's."""
     lsp = await _line_start_session(server, replace_start=True)
     try:
         server.script = Script(chunks=["    return", " True", "\n"], finish="stop")
         item, done = await _complete_nested(lsp, "file:///tmp/fimble-remote/dedent.py")
-        prompt = [r for r in server.requests if r["path"] == "/v1/completions"][-1]["body"]["prompt"]
+        prompt = _last_prompt(server)
         assert prompt.endswith("        return False\n"), prompt  # from the line's start: no indentation
         assert item["insertText"] == "    return True"
         assert item["range"] == {"start": {"line": 3, "character": 0}, "end": NESTED_CURSOR}
@@ -351,7 +356,7 @@ async def test_a_client_that_cannot_show_a_dedent_gets_the_cursor_s_prompt(serve
     try:
         server.script = Script(chunks=["return", " True", "\n"], finish="stop")
         item, done = await _complete_nested(lsp, "file:///tmp/fimble-remote/plain.py")
-        prompt = [r for r in server.requests if r["path"] == "/v1/completions"][-1]["body"]["prompt"]
+        prompt = _last_prompt(server)
         assert prompt.endswith("        return False\n        "), prompt
         assert item["insertText"] == "return True" and item["range"]["start"] == NESTED_CURSOR
         assert "replaceStart" not in done
