@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from engine.api import CompletionRequest
-from engine.caching.cold_window import BARE_KEY, COLD_KEY
+from engine.caching.cold_window import cache_keys
 from engine.caching.kv_store import common_prefix
 from engine.counters import Counters
 from engine.decoding.passes import host_pass
@@ -84,8 +84,9 @@ class Background:
 
     # -- the worker ------------------------------------------------------------------------
     def forget(self, document_id: str) -> list[str]:
-        """Drop a closed document's pending work; the cache keys to forget (its own and its cold window's)."""
-        keys = [document_id, document_id + COLD_KEY, document_id + COLD_KEY + BARE_KEY]
+        """Drop a closed document's pending work; the cache keys to forget (its own, its cold window's, each with and
+        without the context)."""
+        keys = cache_keys(document_id)
         with self._lock:
             for key in keys:
                 self._prewarms.pop(key, None)
@@ -151,15 +152,23 @@ class Background:
             self.counters.add("prewarms_failed")
         return request
 
-    def _prewarm(self, request: CompletionRequest, submitted: int = 0, whole: bool = False) -> None:
-        """Prefill a document's prompt in small chunks; stop at once when a completion is waiting.
+    def _prewarm(
+        self, request: CompletionRequest, submitted: int = 0, whole: bool = False, resume: bool = True
+    ) -> bool:
+        """Prefill a document's prompt in small chunks; stop at once when a completion is waiting. True once done.
 
         ``submitted``: the document's completion count when this pre-warm was taken; a
-        pre-empted pre-warm resumes later only if no completion for the document came since.
+        pre-empted pre-warm resumes later (``resume``) only if no completion for the document came since.
         ``whole``: a re-anchor, worth starting only if it can end in the background window (half done,
         it would have overwritten the anchored prompt the next keystroke reuses).
         """
         docs = self.documents
+        if not whole and docs.defers_context(request):
+            # Until its context is cached, a keystroke here runs the prompt without it (DocumentPrompts.choose):
+            # fill that one first, as with no context at all, and the context's after it.
+            if not self._prewarm(dataclasses.replace(request, context=None), submitted, resume=False):
+                self._resume(request, submitted)
+                return False
         plan = docs.prompts.build(request)
         doc = docs.open(request, plan)
         reuse = 0
@@ -170,7 +179,7 @@ class Background:
             rate = docs.prefill_rate
             if whole and rate and (len(plan.ids) - reuse) / rate > self.window_left():
                 self.counters.add("reanchors_skipped")
-                return
+                return True
             cold = docs.cold_request(request, len(plan.ids) - reuse) if not whole else None
             if cold is not None:  # the small prompt first: the next keystroke there answers from it
                 self._prewarm(dataclasses.replace(cold, cold_window=False))
@@ -198,11 +207,15 @@ class Background:
         finally:
             docs.store.release(doc, plan, reuse)
         self.counters.add("prewarms_done" if done else "prewarms_preempted")
-        key = request.document_id or ""
-        if not done:
-            with self._lock:  # resume later unless something newer for this document arrived
-                if self._submitted.get(key, 0) == submitted:
-                    self._prewarms.setdefault(key, request)
+        if not done and resume:
+            self._resume(request, submitted)
+        return done
+
+    def _resume(self, request: CompletionRequest, submitted: int) -> None:
+        """Run ``request`` again later unless something newer for its document arrived."""
+        with self._lock:
+            if self._submitted.get(request.document_id or "", 0) == submitted:
+                self._prewarms.setdefault(request.document_id or "", request)
 
     def _prefill_chunks(
         self, runtime, cache, ids: list[int], pos: int, chunk: int, holds: Callable[[int], None]

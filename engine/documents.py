@@ -8,10 +8,11 @@ long (engine/caching/cold_window.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from engine.api import CompletionRequest
-from engine.caching.cold_window import COLD_BUDGET_S, bare_request, cold_request
+from engine.caching.cold_window import COLD_BUDGET_S, cache_key, cold_request
 from engine.caching.kv_shift import apply_moves, plan_shift
 from engine.caching.kv_store import DocumentKV, KVStore, common_prefix
 from engine.caching.prompt_plan import PromptBuilder, PromptPlan, anchor_at
@@ -34,19 +35,25 @@ class DocumentPrompts:
         self.prompts = PromptBuilder(target)
         self.cold_window = cold  # engine/caching/cold_window.py
         self.anchored_layout = anchored  # off only to measure it (bench/lsp_typing.py)
-        # On (the default): while the cross-file context is not cached, the cold window answers without it and
-        # the background fills it, so a keystroke never pays for the context's prefill. Off: the cold prompt
-        # always carries it, and the keystrokes after a ring change prefill it; typing pygls files that way
-        # showed text within 1 s after 17% of new lines against 32% with no context and 29% with this on
-        # (bench/reports/typing-default-crossfile-on-vs-off-pygls-2026-12-03.txt, a loaded machine).
-        self.cold_context_wait = os.environ.get("FIMBLE_COLD_CONTEXT_WAIT", "on").strip().lower() in ("on", "1")
+        # On (the default): a keystroke runs its cross-file context only where that prefills no more than the
+        # same prompt without it (``choose``); the background fills the context while the user is idle. Off: the
+        # context always leads, and the keystrokes after a ring change pay its prefill.
+        # - Typing pygls files with it always leading showed text within 1 s after 17% of new lines, against 32%
+        #   with no context (bench/reports/typing-default-crossfile-on-vs-off-pygls-2026-12-03.txt, loaded).
+        # - With it dropped only from cold prompts whose context was not cached, the keystroke cost still rose:
+        #   prefill p95 183-263 ms against 73-106 ms, 14 of 49 pauses over 200 ms slower (idle,
+        #   bench/reports/typing-crossfile-on-vs-off-idle-2026-12-04.txt): the full prompt with the context was
+        #   cold where the one without it was warm.
+        self.context_wait = switch("FIMBLE_CONTEXT_WAIT")
         # Prompt tokens a second: the load-time probe's, then a running mean of timed prefills (None: unknown
         # until one is timed; the cold window waits for it).
         self.prefill_rate: float | None = None
 
     def open(self, request: CompletionRequest, plan: PromptPlan) -> DocumentKV:
+        """``request``'s cache for ``plan``, pinned. A prompt that leads with cross-file context has a cache of its
+        own beside the same document's prompt without it (engine/caching/cold_window.py ``cache_key``)."""
         need = len(plan.ids) + request.options.max_tokens + request.options.max_gamma + 2
-        return self.store.open(request.document_id or "", need)
+        return self.store.open(cache_key(request.document_id or "", bool(plan.context_chunks)), need)
 
     def reuse(self, doc: DocumentKV, plan: PromptPlan, mode: str) -> tuple[int, list[tuple[int, int]] | None, int]:
         """(exactly reused positions, runs to compute or None for "from there on", positions shifted)."""
@@ -73,38 +80,67 @@ class DocumentPrompts:
             have = self.store.borrow(doc, plan, have)
         return len(plan.ids) - have
 
-    def cold(
+    def choose(
         self, request: CompletionRequest, plan: PromptPlan, doc: DocumentKV
     ) -> tuple[CompletionRequest, PromptPlan, DocumentKV]:
-        """The request, plan and cache to serve: the small prompt of engine/caching/cold_window.py where the
-        full one would prefill more than COLD_BUDGET_S at the measured rate and the small one costs less.
-        (The caller then fills the full prompt in the background, a pre-warm.)"""
-        full_cost = self.cost(doc, plan, request.reuse)
+        """The request, plan and cache a completion runs (``doc`` is ``request``'s own, open for ``plan``).
+
+        The full prompt at its cheaper layout (``anchored``), or the cold window's small prompt where the full
+        one would prefill over budget (``cold``). Where the request carries cross-file context and the cold
+        window applies, the same choice is made for the prompt without the context, and the cheaper of the two
+        runs, the context's on a tie (``context_wait``): so a keystroke with context costs no more than one
+        without, and the context comes in once the background (a pre-warm, while the user is idle) has put it
+        in the cache. The caller pre-warms ``request`` whenever another prompt is served."""
+        plan = self.anchored(request, plan, doc)
+        served, plan, doc, cost = self.cold(request, plan, doc)
+        if self.context_wait and plan.context_chunks and self._windowed(request):
+            bare = dataclasses.replace(request, context=None)
+            bare_plan = self.prompts.build(bare)
+            bare_doc = self.open(bare, bare_plan)
+            bare_plan = self.anchored(bare, bare_plan, bare_doc)
+            b_served, b_plan, b_doc, b_cost = self.cold(bare, bare_plan, bare_doc)
+            if b_cost < cost:
+                self._release_unused(doc, plan)
+                served, plan, doc = b_served, b_plan, b_doc
+                self.counters.add("context_deferred")
+            else:
+                self._release_unused(b_doc, b_plan)
+        if served.document_id != request.document_id:  # the cold window's
+            self.counters.add("cold_prompts")
+        return served, plan, doc
+
+    def cold(
+        self, request: CompletionRequest, plan: PromptPlan, doc: DocumentKV
+    ) -> tuple[CompletionRequest, PromptPlan, DocumentKV, int]:
+        """The request, plan, cache and prefill cost to serve: the small prompt of engine/caching/cold_window.py
+        where the full one would prefill more than COLD_BUDGET_S at the measured rate and the small one costs
+        under half as much; else the full one."""
+        full_cost = self.cost(doc, plan, request.reuse, borrow=True)
         cold = self.cold_request(request, full_cost)
         if cold is None:
-            return request, plan, doc
+            return request, plan, doc, full_cost
         cold_plan = self.prompts.build(cold)
         cold_doc = self.open(cold, cold_plan)
         cold_plan = self.anchored(cold, cold_plan, cold_doc)
         cold_cost = self.cost(cold_doc, cold_plan, cold.reuse, borrow=True)
-        context_missing = len(cold_plan.ids) - cold_cost < cold_plan.context_tokens
-        if self.cold_context_wait and context_missing and self._over_budget(cold_cost):
-            bare = bare_request(cold)
-            bare_plan = self.prompts.build(bare)
-            bare_doc = self.open(bare, bare_plan)
-            bare_plan = self.anchored(bare, bare_plan, bare_doc)
-            bare_cost = self.cost(bare_doc, bare_plan, bare.reuse)
-            if bare_cost < cold_cost:
-                self._release_unused(cold_doc, cold_plan)
-                cold, cold_plan, cold_doc, cold_cost = bare, bare_plan, bare_doc, bare_cost
-            else:
-                self.store.release(bare_doc)
         if cold_cost * 2 > full_cost:
             self._release_unused(cold_doc, cold_plan)
-            return request, plan, doc
-        self.store.release(doc)
-        self.counters.add("cold_prompts")
-        return cold, cold_plan, cold_doc
+            return request, plan, doc, full_cost
+        self._release_unused(doc, plan)
+        return cold, cold_plan, cold_doc, cold_cost
+
+    def defers_context(self, request: CompletionRequest) -> bool:
+        """Whether ``request``'s cross-file context would wait (``choose``): it has one, not yet cached."""
+        if not (self.context_wait and request.context and self._windowed(request)):
+            return False
+        plan = self.prompts.build(request)
+        return bool(plan.context_chunks) and not self.store.holds(
+            cache_key(request.document_id or "", True), plan, plan.context_tokens
+        )
+
+    def _windowed(self, request: CompletionRequest) -> bool:
+        """Whether ``request`` is one the cold window serves: a keystroke's, not a measure of the full prompt."""
+        return self.cold_window and request.cold_window and request.reuse != "none"
 
     def _over_budget(self, cost: int) -> bool:
         return bool(self.prefill_rate) and cost > self.prefill_rate * COLD_BUDGET_S
@@ -115,7 +151,7 @@ class DocumentPrompts:
 
     def cold_request(self, request: CompletionRequest, full_cost: int) -> CompletionRequest | None:
         """The cold window's request where the full prompt would prefill ``full_cost`` tokens, over budget."""
-        if not (self.cold_window and request.cold_window and self.prefill_rate) or request.reuse == "none":
+        if not (self._windowed(request) and self.prefill_rate):
             return None
         return cold_request(request) if self._over_budget(full_cost) else None
 

@@ -61,6 +61,7 @@ COUNTER_NAMES = (
     "reanchors_skipped",
     "context_prompts",
     "context_tokens",
+    "context_deferred",  # keystrokes served without their context: it was not cached yet (documents.choose)
 )
 SCHED_COUNTERS = (
     "sched_rounds",
@@ -226,7 +227,8 @@ class Scheduler(Unwatched):
             self._round()
         if idle:
             self.background.take_due_reanchors(idle=True)
-        while self.background.run_next() is not None:
+        # (a window that has closed leaves the pre-warms queued for a later call, as the worker would)
+        while self.background.window_left() > 0 and self.background.run_next() is not None:
             self._publish_kv()
 
     def info(self) -> dict:

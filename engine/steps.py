@@ -58,12 +58,12 @@ def request_steps(eng, request: CompletionRequest, stream: CompletionStream) -> 
         eng.refuse_unfit(request)
         plan = docs.prompts.build(request)
     doc = docs.open(request, plan)
-    plan = docs.anchored(request, plan, doc)
-    served, plan, doc = docs.cold(request, plan, doc)
+    served, plan, doc = docs.choose(request, plan, doc)
     if served is not request:
-        # The full prompt fills when the user leaves the engine a moment (a pre-warm). A chunk of it before
-        # each cold answer was tried: it filled a spot within ~40 keystrokes, but the chunk's time on every
-        # answer cut the pauses with text within 1 s from 66% to 38% (bench/lsp_typing.py, default model).
+        # The full prompt (with its cross-file context) fills when the user leaves the engine a moment (a
+        # pre-warm). A chunk of it before each cold answer was tried: it filled a spot within ~40 keystrokes,
+        # but the chunk's time on every answer cut the pauses with text within 1 s from 66% to 38%
+        # (bench/lsp_typing.py, default model).
         eng.background.later(request)
         request = served
     prompt, heal, constrained = plan.ids, plan.heal, plan.constrained

@@ -17,7 +17,8 @@ Without it, a typist who never leaves the engine the seconds the full prompt nee
 prompt alone, and so never saw the context at all (bench/lsp_typing.py --root on pygls: 0 of 110 requests
 that carried context used it). The context is the same leading tokens in the full prompt, the cold one and
 every document of the session whose ring holds the same chunks, so it is prefilled once and then borrowed
-(engine/caching/kv_store.py); a ring changes rarely.
+(engine/caching/kv_store.py); a ring changes rarely. Until it is cached, a keystroke runs the same prompts
+without it where those cost less (engine/documents.py ``choose``), each in a cache of its own.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from engine.api import CompletionRequest
 # that need the cold window with a fast model).
 COLD_BUDGET_S = float(os.environ.get("FIMBLE_COLD_BUDGET_S", 0.5))
 COLD_KEY = "\x00cold"  # appended to a document's key: the cold prompt's cache
-BARE_KEY = "\x00bare"  # appended to a cold key: the cache of the cold prompt without the context (bare_request)
+CONTEXT_KEY = "\x00ctx"  # appended last: the cache of a prompt that leads with cross-file context (cache_key)
 COLD_PREFIX_LINES = 12  # at least this many lines before the cursor's line ...
 COLD_STRIDE = 8  # ... and fewer than this many more: the start moves in jumps of this many lines
 COLD_PREFIX_CHARS = 1500  # long lines: fewer lines
@@ -66,15 +67,20 @@ def cold_request(request: CompletionRequest) -> CompletionRequest | None:
     )
 
 
-def bare_request(cold: CompletionRequest) -> CompletionRequest:
-    """The cold request without its cross-file context, in a cache of its own: answering from it while the
-    context is not cached never overwrites the part of the context the cold cache already holds."""
-    return dataclasses.replace(cold, context=None, document_id=(cold.document_id or "") + BARE_KEY)
+def cache_key(document_id: str, with_context: bool) -> str:
+    """The cache a prompt runs in: a prompt that leads with cross-file context has its own beside the
+    document's prompt without it, so either stays warm while the other is used (engine/documents.py ``choose``)."""
+    return document_id + CONTEXT_KEY if with_context else document_id
 
 
 def document_of(doc_id: str) -> str:
-    """The document a cache's key belongs to: a cold window's caches are part of their document."""
-    return doc_id.removesuffix(BARE_KEY).removesuffix(COLD_KEY)
+    """The document a cache's key belongs to: its cold window's and its context's caches are part of it."""
+    return doc_id.removesuffix(CONTEXT_KEY).removesuffix(COLD_KEY)
+
+
+def cache_keys(document_id: str) -> list[str]:
+    """Every cache a document may have: its own, its cold window's, each with and without the context."""
+    return [document_id + cold + ctx for cold in ("", COLD_KEY) for ctx in ("", CONTEXT_KEY)]
 
 
 def _line_start(text: str, line: int) -> int:

@@ -220,6 +220,19 @@ class KVStore:
         self.stats["kv_borrowed_tokens"] += n
         return n
 
+    def holds(self, doc_id: str, plan: PromptPlan, n: int) -> bool:
+        """Whether ``doc_id``'s cache, or one it may borrow from (``borrow``), holds ``plan.ids[:n]``."""
+        doc = self.docs.get(doc_id)
+        if doc is not None and common_prefix(doc.ids, plan.ids, min(n, doc.exact_len)) >= n:
+            return True
+        for seg in plan.segments:
+            found = self._chains.get(seg.chain)
+            if found is None or found[1] != seg.end or session_of(found[0]) != session_of(doc_id):
+                return False
+            if seg.end >= n:
+                return found[0] in self.docs
+        return False
+
     # -- internals --------------------------------------------------------------------
     def _capacity_for(self, need: int) -> int:
         if not self.sizable:

@@ -123,18 +123,18 @@ def test_background_work_waits_once_the_host_goes_quiet(target, monkeypatch):
     import threading
     import time
 
-    import engine.background
+    from engine import background
 
     text = stdlib_source(target.encode, 900)
     eng = LocalEngine(target, None, start_thread=False)  # its request loop as the engine process runs it
     loop = threading.Thread(target=eng.serve_forever, daemon=True)
     loop.start()
     try:
-        monkeypatch.setattr(engine.background, "BACKGROUND_S", 1e-6)  # the window closes right after each message
+        monkeypatch.setattr(background, "BACKGROUND_S", 1e-6)  # the window closes right after each message
         eng.prewarm(request(text, "", doc="quiet"))
         time.sleep(0.5)
         assert eng.counters()["tokens_prewarmed"] == 0  # nothing ran, nothing was dropped
-        monkeypatch.setattr(engine.background, "BACKGROUND_S", 600.0)
+        monkeypatch.setattr(background, "BACKGROUND_S", 600.0)
         eng.prewarm(request(text, "", doc="quiet"))  # the host speaks again: the work goes on
         for _ in range(600):
             if eng.counters()["prewarms_done"]:
@@ -198,24 +198,26 @@ def test_the_cold_prompt_keeps_the_cross_file_context_and_borrows_its_cache(targ
     assert cold is not None and cold.context == context
     eng = engine(target)
     eng.documents.cold_window, eng.documents.prefill_rate = True, 20.0  # a budget of 10 prompt tokens
-    eng.documents.cold_context_wait = False  # the mode where the cold prompt carries the context
+    eng.documents.context_wait = False  # the mode where the context always leads
     first = eng.complete(full)  # cold: it prefills the context and its small window
     assert eng.counters()["cold_prompts"] == 1
     n = first.stats["context_tokens"]
     assert first.stats["context_chunks"] == 1 and n > 100
     assert first.stats["prefilled_tokens"] >= n
-    # Another document of the session, the same ring: its cold prompt borrows the context from the first's cache.
+    # Another document of the session, the same ring: its prompt borrows the context from the first's cache.
+    # (Here the full one: it shares the file's first lines too, so with what it borrows it costs under twice
+    # the cold one.)
     other = text[: len(text) // 2] + "\n\n\ndef fresh(a, b):\n    return "
     second = eng.complete(at("other", other, "\n"))
     counters = eng.counters()
-    assert counters["cold_prompts"] == 2 and counters["context_prompts"] == 2
+    assert counters["context_prompts"] == 2
     assert second.stats["context_tokens"] == n
     assert second.stats["prefilled_tokens"] <= second.stats["prompt_tokens"] - n
     assert counters["kv_borrowed_tokens"] >= n
 
 
-def test_cold_context_wait_answers_without_the_context_until_the_background_fills_it(target):
-    """FIMBLE_COLD_CONTEXT_WAIT (on by default): a keystroke never pays for the context's prefill."""
+def test_context_wait_answers_without_the_context_until_the_background_fills_it(target):
+    """FIMBLE_CONTEXT_WAIT (on by default): a keystroke never pays for the context's prefill."""
     text = stdlib_source(target.encode, 900)
     cursor = text.index("\n", len(text) * 3 // 4) + 1
     context = {
@@ -233,16 +235,68 @@ def test_cold_context_wait_answers_without_the_context_until_the_background_fill
 
     eng = engine(target)
     eng.documents.cold_window, eng.documents.prefill_rate = True, 20.0  # a budget of 10 prompt tokens
-    eng.documents.cold_context_wait = True
+    eng.documents.context_wait = True
     first = eng.complete(at("doc", text[:cursor] + "    x", text[cursor:]))
     assert eng.counters()["cold_prompts"] == 1 and first.stats["context_chunks"] == 0
+    assert eng.counters()["context_deferred"] == 1
     assert first.stats["prompt_tokens"] < 300
-    eng.run_pending()  # idle: the cold prompt with the context fills first, then the full one
-    assert eng.counters()["prewarms_done"] == 2
-    # Another document with the same ring: the context is cached now, so its cold prompt carries it.
+    # Idle: first the prompts without the context (what the keystrokes run until it is cached: the cold one is
+    # warm already, the full one fills), then the cold prompt with the context, then the full one.
+    eng.run_pending()
+    assert eng.counters()["prewarms_done"] == 4
+    # Another document with the same ring: the context is cached now, so its prompt carries it, borrowed.
     other = text[: len(text) // 2] + "\n\n\ndef fresh(a, b):\n    return "
     second = eng.complete(at("other", other, "\n"))
-    assert eng.counters()["cold_prompts"] == 2
+    assert eng.counters()["context_deferred"] == 1
     n = second.stats["context_tokens"]
     assert second.stats["context_chunks"] == 1 and n > 100
     assert second.stats["prefilled_tokens"] <= second.stats["prompt_tokens"] - n
+
+
+def test_a_ring_change_leaves_the_keystroke_on_the_warm_prompt_until_the_context_is_cached(target, monkeypatch):
+    """The full prompt is warm; a context arrives (a ring change). The keystrokes after it cost what they cost
+    without context, on the warm prompt, until the background has the prompt with the context; from then on
+    they carry it, at a keystroke's cost. The cold window is on but never needed: the rule is the context's."""
+    text = stdlib_source(target.encode, 900)
+    cursor = text.index("\n", len(text) * 3 // 4) + 1
+    prefix, suffix = text[:cursor] + "    x", text[cursor:]
+    context = {
+        "repo": "r",
+        "path": "a.py",
+        "comment": "#",
+        "budget": 512,
+        "chunks": [{"path": "b.py", "text": "def helper(a, b):\n    return a + b\n" * 20}],
+    }
+
+    def at(typed: str, ctx: dict | None) -> CompletionRequest:
+        return CompletionRequest(
+            prefix + typed, suffix, options=OPTS, document_id="doc", truncate=True, cold_window=True, context=ctx
+        )
+
+    from engine import background
+
+    eng = engine(target)
+    eng.documents.cold_window, eng.documents.prefill_rate = True, 1e6  # every prompt fits the budget
+    eng.complete(at("", None))  # the file's prompt, warm
+    # A typist: no background window between the keystrokes (the pre-warm waits for the user to pause).
+    eng.background.windowed = True
+    monkeypatch.setattr(background, "BACKGROUND_S", 0.0)
+    first = eng.complete(at(" ", context))
+    assert first.stats["context_chunks"] == 0 and first.stats["prefilled_tokens"] <= 4
+    assert eng.counters()["context_deferred"] == 1
+    second = eng.complete(at(" =", context))  # typing on: still the warm prompt, the context still pending
+    assert second.stats["context_chunks"] == 0 and second.stats["prefilled_tokens"] <= 4
+    assert eng.counters()["prewarms_done"] == 0
+    monkeypatch.setattr(background, "BACKGROUND_S", 60.0)
+    eng.run_pending()  # idle: the prompt with the context fills
+    assert eng.counters()["prewarms_done"] >= 1
+    third = eng.complete(at(" = ", context))
+    assert third.stats["context_chunks"] == 1 and third.stats["context_tokens"] > 100
+    assert third.stats["prefilled_tokens"] <= 4
+    assert eng.counters()["context_deferred"] == 2
+    # Off: the context leads at once, and that keystroke prefills the whole prompt with it.
+    eng.documents.context_wait = False
+    eng.complete(at(" = ", None))
+    other = dict(context, chunks=[{"path": "c.py", "text": "def other(a):\n    return a * 2\n" * 20}])
+    paid = eng.complete(at(" = 1", other))
+    assert paid.stats["context_chunks"] == 1 and paid.stats["prefilled_tokens"] > 300

@@ -30,7 +30,7 @@ COLD_SERVER = ClientServerConfig(
         "FIMBLE_BACKGROUND_S": "0",
         # The mode where the cold prompt carries the context: with no background work, the other mode (the
         # default) would never put it in (the engine test of that mode is in tests/engine/test_anchored_layout.py).
-        "FIMBLE_COLD_CONTEXT_WAIT": "off",
+        "FIMBLE_CONTEXT_WAIT": "off",
     },
 )
 UTIL = '''"""Shapes."""
