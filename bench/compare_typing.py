@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from math import comb
 from pathlib import Path
 
 from bench.lsp_latency import percentile
@@ -71,7 +72,16 @@ def run_row(label: str, run: dict) -> dict:
     }
 
 
-def paired(a_runs: list[dict], b_runs: list[dict], margin: float) -> dict:
+def sign_test(slower: int, faster: int) -> float:
+    """Two-sided sign test: the chance of a split at least this uneven if neither setting were faster."""
+    n = slower + faster
+    if n == 0:
+        return 1.0
+    k = min(slower, faster)
+    return min(1.0, 2 * sum(comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def paired(a_runs: list[dict], b_runs: list[dict], margin: float, tie_ms: float = 20.0) -> dict:
     diffs: list[float] = []
     a_slower = b_slower = only_a = only_b = 0
     for a, b in zip(a_runs, b_runs, strict=False):
@@ -86,8 +96,12 @@ def paired(a_runs: list[dict], b_runs: list[dict], margin: float) -> dict:
             diffs.append(d)
             a_slower += d > margin
             b_slower += -d > margin
+    slower, faster = sum(d > tie_ms for d in diffs), sum(-d > tie_ms for d in diffs)
     return {
         "pairs_with_text": len(diffs),
+        "a_slower_any": slower,  # by more than tie_ms: a pause's own jitter
+        "b_slower_any": faster,
+        "sign_test_p": sign_test(slower, faster),
         "median_diff_ms": statistics.median(diffs) if diffs else None,
         "mean_diff_ms": statistics.fmean(diffs) if diffs else None,
         "a_slower": a_slower,
@@ -151,7 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"\npaired pauses with text in both: {pairs['pairs_with_text']}; a - b median "
         f"{_fmt(pairs['median_diff_ms'])} ms, mean {_fmt(pairs['mean_diff_ms'])} ms; over {args.margin:.0f} ms "
         f"slower: a {pairs['a_slower']}, b {pairs['b_slower']}; text only in a {pairs['text_only_a']}, only in b "
-        f"{pairs['text_only_b']}"
+        f"{pairs['text_only_b']}\nby more than 20 ms: a slower {pairs['a_slower_any']}, "
+        f"b slower {pairs['b_slower_any']}, sign test p = {pairs['sign_test_p']:.2f} (small: a real difference)"
     )
     out = {"runs": rows, "paired": pairs, **within}
     if args.json:
@@ -159,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"headline: a vs b, pauses with text within 1 s {within['a_within_1s']} vs {within['b_within_1s']}; "
         f"paired median {_fmt(pairs['median_diff_ms'])} ms, slower by >{args.margin:.0f} ms: "
-        f"a {pairs['a_slower']} / b {pairs['b_slower']}"
+        f"a {pairs['a_slower']} / b {pairs['b_slower']}, sign test p {pairs['sign_test_p']:.2f}"
     )
     return out
 
