@@ -57,6 +57,10 @@ class CompletionRequest:
     # Other files' chunks to put before this file's prompt (engine/caching/context_prompt.py has the wire
     # form: {"repo", "path", "comment", "budget", "chunks": [{"path", "text"}]}). None: the file alone.
     context: dict | None = None
+    # Seconds since the user's last activity (a key, an edit, a cursor move) when the host sent this: a
+    # pre-warm's background work counts its window from that moment, not from the message (engine/background.py
+    # BACKGROUND_S), so a pre-warm sent late (after a decode, a ring change) keeps no engine busy past it.
+    idle_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

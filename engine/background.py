@@ -70,13 +70,14 @@ class Background:
                 self.last_submit = self.last_message = time.monotonic()
 
     def want(self, request: CompletionRequest) -> None:
-        """Fill the document's cache for this prompt when idle (the newest pre-warm of a document wins)."""
+        """Fill the document's cache for this prompt when idle (the newest pre-warm of a document wins). The
+        background window counts from the user's activity it was sent for (``request.idle_s`` before now)."""
         key = request.document_id or ""
         with self._lock:
             self._prewarms.pop(key, None)
             self._prewarms[key] = request
             self._reanchoring.discard(key)
-            self.last_message = time.monotonic()
+            self.last_message = max(self.last_message, time.monotonic() - request.idle_s)
 
     def note_message(self) -> None:
         with self._lock:

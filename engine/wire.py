@@ -61,7 +61,18 @@ def request_from_dict(d: dict) -> CompletionRequest:
         cold_window=bool(d.get("cold_window", False)),
         background=bool(d.get("background", False)),
         context=_context(d.get("context")),
+        idle_s=_idle_s(d.get("idle_s", 0.0)),
     )
+
+
+MAX_IDLE_S = 3600.0
+
+
+def _idle_s(value: Any) -> float:
+    """Seconds since the user's last activity, 0-MAX_IDLE_S (a ValueError is a bad request)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_IDLE_S:
+        raise ValueError(f"idle_s must be a number from 0 to {MAX_IDLE_S:.0f}")
+    return float(value)
 
 
 def _context(data: Any) -> dict | None:

@@ -71,8 +71,8 @@ class Completer:
         self.context = CrossFileContext(
             docs,
             stats,
-            on_change=lambda doc, cursor, settings: self.schedule_prewarm(
-                doc, cursor, settings, delay_ms=0, exact=cursor is not None
+            on_change=lambda doc, cursor, settings: self.warm.schedule(
+                doc, cursor, settings, delay_ms=0, exact=cursor is not None, activity=False
             ),
         )
         self.planner = Planner(docs, stats, self.context)

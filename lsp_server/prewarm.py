@@ -31,6 +31,7 @@ from lsp_server.stats import Stats
 from lsp_server.typethrough import TypeThrough
 
 log = logging.getLogger(__name__)
+MAX_IDLE_S = 3600.0  # engine/wire.py's bound on CompletionRequest.idle_s
 CONTEXT_WAIT_S = 0.05  # a pre-warm due while the cross-file context is refreshed looks again this much later
 # The completer's submit: (engine, ctx, settings, t0, build_ms, plan) -> the running Generation.
 Submit = Callable[[Any, Context, Settings, float, float, Plan], Generation]
@@ -53,6 +54,9 @@ class Prewarmer:
         # By URI: (version, cursor) of the prompt the document's KV cache holds or is about to hold:
         # the latest decode submitted or pre-warm scheduled there. fimble/cursor skips a pre-warm for it.
         self._warm_at: dict[str, tuple[int, tuple[int, int]]] = {}
+        # By URI: time.monotonic() of the user's latest event there (an edit, didOpen, a cursor rest). A pre-warm
+        # says how long ago that was (CompletionRequest.idle_s): the engine's background window counts from it.
+        self._activity: dict[str, float] = {}
 
     def tables(self) -> dict:
         return {"prewarms_pending": len(self._pending), "warm_at": len(self._warm_at)}
@@ -71,6 +75,7 @@ class Prewarmer:
     def forget(self, uri: str) -> None:
         self.cancel(uri)
         self._warm_at.pop(uri, None)
+        self._activity.pop(uri, None)
 
     # -- prefetch ----------------------------------------------------------------------------
     def prefetch(self, doc: Document, cursor: tuple[int, int], settings: Settings, submit: Submit) -> None:
@@ -115,6 +120,7 @@ class Prewarmer:
         *,
         delay_ms: int | None = None,
         exact: bool = False,
+        activity: bool = True,
     ) -> None:
         """Pre-warm ``doc``'s KV cache for a completion at ``cursor`` (None: the document's end).
 
@@ -128,7 +134,11 @@ class Prewarmer:
         ``exact``: ``cursor`` is where the editor says the cursor is (fimble/cursor), so pre-warm
         even if a decode at this version (at another cursor) already filled the cache. Otherwise
         the cursor is a guess, and such a decode's prompt is the better one to keep.
+
+        ``activity``: the user's own event (not a cross-file ring that changed).
         """
+        if activity or doc.uri not in self._activity:
+            self._activity[doc.uri] = time.monotonic()
         self.cancel(doc.uri)
         if not settings.prewarm or not settings.enabled_for(doc.language_id):
             return
@@ -184,7 +194,10 @@ class Prewarmer:
             ctx = build_context(doc, line, col, settings.prefix_chars, settings.suffix_chars)
             if not ctx.prefix.strip() and not ctx.suffix.strip():
                 return
-            engine.prewarm(self.planner.request(ctx, self.planner.plan(doc, ctx, settings, prewarm=True), settings))
+            request = self.planner.request(ctx, self.planner.plan(doc, ctx, settings, prewarm=True), settings)
+            since = time.monotonic() - self._activity.get(uri, time.monotonic())
+            request.idle_s = min(max(0.0, since), MAX_IDLE_S)
+            engine.prewarm(request)
         except Exception:  # only an optimisation: never let it cost the session
             log.exception("pre-warm failed")
             self.stats.count("prewarm_errors")

@@ -161,6 +161,41 @@ def test_a_prewarm_at_a_cold_spot_fills_the_small_prompt_first(target):
     assert eng.counters()["cold_prompts"] == 0 and r.stats["prefilled_tokens"] <= 6
 
 
+def test_a_prewarm_counts_its_window_from_the_users_activity(target, monkeypatch):
+    """A pre-warm the host sends late (after a decode, or for a ring that changed) says how long ago the user
+    acted (``idle_s``): past the background window it starts no work, so the engine stays quiet."""
+    import dataclasses
+    import threading
+    import time
+
+    from engine import background
+    from engine.wire import request_from_dict
+
+    for bad in (-1, 1e9, "1", True, None):
+        with pytest.raises(ValueError):
+            request_from_dict({"prefix": "x", "idle_s": bad})
+    assert request_from_dict({"prefix": "x", "idle_s": 2}).idle_s == 2.0
+
+    text = stdlib_source(target.encode, 900)
+    eng = LocalEngine(target, None, start_thread=False)
+    eng.background.last_message = time.monotonic() - 100  # the host has been quiet a while
+    monkeypatch.setattr(background, "BACKGROUND_S", 5.0)
+    loop = threading.Thread(target=eng.serve_forever, daemon=True)
+    loop.start()
+    try:
+        eng.prewarm(dataclasses.replace(request(text, "", doc="late"), idle_s=6.0))  # the user left 6 s ago
+        time.sleep(0.5)
+        assert eng.counters()["tokens_prewarmed"] == 0 and eng.background.window_left() < 0
+        eng.prewarm(dataclasses.replace(request(text, "", doc="late"), idle_s=0.5))  # they just acted
+        for _ in range(600):
+            if eng.counters()["prewarms_done"]:
+                break
+            time.sleep(0.1)
+        assert eng.counters()["prewarms_done"] == 1
+    finally:
+        eng.close()
+
+
 def test_a_background_request_is_not_the_users_activity(target):
     import dataclasses
 

@@ -276,3 +276,49 @@ def test_a_blank_line_asks_the_model_to_say_something():
     assert plan_at(doc, (2, 2), settings, shaped=False).options.no_empty  # inside the indentation
     assert not plan_at(doc, (1, 12), settings, shaped=False).options.no_empty  # the end of a line of code
     assert not plan_at(doc, (3, 4), settings, shaped=False).options.no_empty  # code after the cursor
+
+
+def test_a_prewarm_says_how_long_ago_the_user_acted():
+    """A pre-warm carries the seconds since the user's latest event in its document (``idle_s``), and a ring
+    change (not the user's event) does not reset that clock: the engine's background window counts from it."""
+    import asyncio
+    import time
+
+    from lsp_server.context.service import CrossFileContext
+    from lsp_server.documents import DocumentStore
+    from lsp_server.plan import Planner
+    from lsp_server.prewarm import Prewarmer
+    from lsp_server.settings import Settings
+    from lsp_server.stats import Stats
+
+    sent = []
+
+    class Engine:
+        def prewarm(self, request) -> None:
+            sent.append(request)
+
+    class Host:
+        state = "ready"
+
+        def ready_engine(self):
+            return Engine()
+
+    class NoDecodes:
+        def generations(self, uri):
+            return []
+
+    async def scenario() -> None:
+        docs, stats = DocumentStore(), Stats()
+        warm = Prewarmer(docs, Host(), stats, Planner(docs, stats, CrossFileContext(docs, stats)), NoDecodes())
+        doc = docs.open("file:///a.py", "def f(x):\n    return x\n\n\nprint(f(1))\n", 1, "python")
+        settings = Settings()
+        warm.schedule(doc, (2, 0), settings, delay_ms=0)  # the user's edit: just now
+        await asyncio.sleep(0.05)
+        assert len(sent) == 1 and 0 <= sent[0].idle_s < 0.04
+        t = time.monotonic()
+        await asyncio.sleep(0.3)
+        warm.schedule(doc, (2, 0), settings, delay_ms=0, exact=True, activity=False)  # a ring changed
+        await asyncio.sleep(0.05)
+        assert len(sent) == 2 and sent[1].idle_s >= 0.3 and sent[1].idle_s <= time.monotonic() - t + 0.05
+
+    asyncio.run(scenario())
