@@ -53,6 +53,7 @@ def _quiet_after_s() -> float:
 QUIET_AFTER_DEFAULT_S = 1.5
 QUIET_AFTER_S = _quiet_after_s()
 QUIET_MIN_SHOWN_S = 0.6
+QUIET_POLL_S = 0.1  # how often a decode past its quiet time without a delta is looked at again
 
 
 def _settled_follow_up(gen: Generation) -> bool:
@@ -121,7 +122,24 @@ class Decodes:
         task = asyncio.create_task(self._pump(gen))
         self.pumps.add(task)
         task.add_done_callback(self.pumps.discard)
+        if QUIET_AFTER_S:
+            asyncio.get_running_loop().call_later(QUIET_AFTER_S, self._quiet_check, gen)
         return gen
+
+    def _quiet_check(self, gen: Generation) -> None:
+        """The quiet stop for a decode that sends no delta (a prefill of seconds: a follow-up's, a prefetch's), which
+        the check in ``_pump`` never sees; again every QUIET_POLL_S until it ends."""
+        if gen.done or gen.quiet or gen.cut:
+            return
+        if self._quiet_now(gen):
+            self._stop_for_quiet(gen)
+            return
+        asyncio.get_running_loop().call_later(QUIET_POLL_S, self._quiet_check, gen)
+
+    def _stop_for_quiet(self, gen: Generation) -> None:
+        gen.quiet = True
+        gen.cancel()  # the engine stops at its next step (a prefill between two chunks)
+        self.stats.count("quiet_stops")
 
     async def _pump(self, gen: Generation) -> None:
         """The engine's deltas into ``gen`` (indent fit, then the shaper's guard) until the decode ends."""
@@ -137,9 +155,7 @@ class Decodes:
                 if delta.finished:
                     reason = delta.finish_reason
                 elif self._quiet_now(gen):
-                    gen.quiet = True
-                    gen.cancel()  # the engine stops at its next step
-                    self.stats.count("quiet_stops")
+                    self._stop_for_quiet(gen)
                 gen.changed()
         except FimbleError as exc:
             reason, error = "error", str(exc)

@@ -322,3 +322,40 @@ def test_a_prewarm_says_how_long_ago_the_user_acted():
         assert len(sent) == 2 and sent[1].idle_s >= 0.3 and sent[1].idle_s <= time.monotonic() - t + 0.05
 
     asyncio.run(scenario())
+
+
+def test_a_decode_without_deltas_is_stopped_for_quiet_too():
+    """The quiet stop for a decode that sends nothing (a follow-up's or a prefetch's prefill of seconds): a timer
+    looks at it, not only the deltas; one a request still waits on without text is left alone."""
+    import asyncio
+    import time
+
+    from lsp_server import decodes
+    from lsp_server.stats import Stats
+
+    class Gen:
+        def __init__(self, waiting: int) -> None:
+            self.done = self.quiet = self.cut = self.invoked = self.cancelled = False
+            self.waiting, self.t_first = waiting, None
+            self.t_user = time.perf_counter()
+            self.ctx = type("Ctx", (), {"uri": "file:///a.py"})()
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    async def scenario() -> None:
+        d = decodes.Decodes.__new__(decodes.Decodes)
+        d.last_edit, d.stats = {}, Stats()
+        idle, waited = Gen(waiting=0), Gen(waiting=1)
+        for gen in (idle, waited):
+            d._quiet_check(gen)  # too soon: looked at again later
+        assert not idle.cancelled and not waited.cancelled
+        idle.t_user = waited.t_user = time.perf_counter() - decodes.QUIET_AFTER_S - 1  # the user left
+        await asyncio.sleep(decodes.QUIET_POLL_S * 3)
+        assert idle.cancelled and idle.quiet and d.stats.counters.get("quiet_stops") == 1
+        assert not waited.cancelled  # a request waits on it and nothing came yet
+        waited.waiting = 0  # the editor gave up on it
+        await asyncio.sleep(decodes.QUIET_POLL_S * 3)
+        assert waited.cancelled and d.stats.counters.get("quiet_stops") == 2
+
+    asyncio.run(scenario())
