@@ -861,6 +861,7 @@ def print_report(out: dict, s: dict, args: argparse.Namespace, commit: str) -> N
         f"engine threads {VSCODE_SETTINGS['engineThreads']} (engineThreads, the VS Code default); server process "
         f"tree: {len(out.get('threads', {}))} processes, {threads} OS threads; {out['cpus']} CPU cores; load average "
         f"{la0[0]:.2f} {la0[1]:.2f} {la0[2]:.2f} at start, {la1[0]:.2f} {la1[1]:.2f} {la1[2]:.2f} at end"
+        + (f"; {args.hogs} CPU hogs (busy loops) running beside it" if getattr(args, "hogs", 0) else "")
     )
     print(
         f"typing: {args.ms_per_key:.0f} ms/key (80-140), request {args.debounce_ms:.0f} ms after each key, pauses: "
@@ -1016,7 +1017,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-timeout", type=float, default=None, help="bound on the cold wait (default 180 s)")
     ap.add_argument("--max-seconds", type=float, default=None, help="bound on the whole run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hogs", type=int, default=0, help="CPU hogs (busy loops) beside the server for the whole run")
     args = ap.parse_args(argv)
+    if not 0 <= args.hogs <= 64:
+        ap.error("--hogs must be 0-64")
     if args.files is None:
         args.files = DEFAULT_FILES[:1] if args.quick else DEFAULT_FILES
     if args.chars is None:
@@ -1028,11 +1032,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.accept_every is None:
         args.accept_every = 1 if args.quick else 2
     commit = git_commit()
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
     try:
         out = asyncio.run(run(args))
     except (RuntimeError, OSError, TimeoutError) as exc:
         print(f"bench.lsp_typing: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
     out["commit"] = commit
     out["pauses"] = [asdict(p) for p in out["pauses"]]
     s = summarize(out)
