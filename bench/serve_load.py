@@ -31,6 +31,10 @@ with 100 ms think time, 32 x 16 tokens per ~0.15 s is about 3,400 tok/s whatever
 for target passes (the text of the previous step is streamed while a slotted round's graph runs);
 ``sched_gpu_ms`` the graph's GPU time; ``sched_shortened`` the verify blocks the round's block choice cut.
 Where the Python 3.12 daemon's decode loop should be profiled, set ``SERVE_LOAD_PROFILE=path`` (--shape).
+Each level's second line is about stalls: first deltas of ``SLOW_FIRST_DELTA_MS`` or more, grouped where their waits
+overlap (one group holding every editor at once: the server stopped as a whole), the decode loop's rounds of 25 ms or
+more and where their time went, and full garbage collections in the engine's process and the listeners'
+(engine/serve/gc_pauses.py; ``FIMBLE_SERVE_GC_FREEZE=0`` turns the start-up freeze off to compare).
 
 A second peer, another program (issue 27, item 4): ``--llama-server BIN --gguf PATH`` also drives llama.cpp's
 ``llama-server`` (built with CUDA from the vendored llama.cpp that fimble's CPU library comes from, MIT licence;
@@ -221,7 +225,7 @@ async def editor(
     """Open the file (a completion at the line's start: the cold prefill), wait for ``go``, then type."""
     before, typed, after = trace
     s = None
-    cold, warm, errors, final = None, [], 0, None
+    cold, warm, warm_at, errors, final = None, [], [], 0, None
     try:
         try:
             s = await Session.open(url)
@@ -243,13 +247,14 @@ async def editor(
             errors += err
             if first is not None:
                 warm.append(first)
+                warm_at.append(t0)
             if k == len(typed):
                 final = text
             await asyncio.sleep(think_s)
     finally:
         if s is not None:
             await s.close()
-    return {"cold_s": cold, "warm_s": warm, "errors": errors, "final": final}
+    return {"cold_s": cold, "warm_s": warm, "warm_at": warm_at, "errors": errors, "final": final}
 
 
 def shape_engine(shape: str, device: str, batch: bool, max_active: int, warm_graphs: bool, attention: str):
@@ -340,6 +345,31 @@ def serve_shape(args: argparse.Namespace) -> int:
     return run_daemon(engine, ServeOptions(port=0), announce=announce)
 
 
+SLOW_FIRST_DELTA_MS = 150.0  # a first delta this late is part of a stall (the level's p50 is 15-80 ms)
+
+
+def stalls(events: list[tuple[float, float]]) -> dict:
+    """Slow first deltas (``SLOW_FIRST_DELTA_MS`` or more) grouped into stalls: ``events`` are (submit ms, latency
+    ms); slow requests whose waits overlap are one stall. One stall holding many editors at once points at the
+    server stopping as a whole (a collection, a capture); slow requests spread thinly over the level, at load."""
+    slow = sorted((t, t + lat) for t, lat in events if lat >= SLOW_FIRST_DELTA_MS)
+    groups: list[list[float]] = []  # [start, end, requests]
+    for start, end in slow:
+        if groups and start <= groups[-1][1]:
+            groups[-1][1] = max(groups[-1][1], end)
+            groups[-1][2] += 1
+        else:
+            groups.append([start, end, 1])
+    worst = max(groups, key=lambda g: g[2], default=[0.0, 0.0, 0])
+    return {
+        "slow_first_deltas": len(slow),
+        "stalls": len(groups),
+        "worst_stall_requests": worst[2],
+        "worst_stall_at_ms": round(worst[0], 1),
+        "worst_stall_ms": round(worst[1] - worst[0], 1),
+    }
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -377,6 +407,12 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
     await probe.close()
     cold = [r["cold_s"] for r in results if isinstance(r, dict) and r["cold_s"] is not None]
     warm = [x for r in results if isinstance(r, dict) for x in r["warm_s"]]
+    events = sorted(
+        (round((at - t0) * 1e3, 1), round(w * 1e3, 1))
+        for r in results
+        if isinstance(r, dict)
+        for at, w in zip(r["warm_at"], r["warm_s"], strict=True)
+    )
     errors = sum(r["errors"] if isinstance(r, dict) else chars + 1 for r in results)  # a failed editor: all of it
     tokens = after["tokens_generated"] - before["tokens_generated"]
     rounds = after["sched_rounds"] - before["sched_rounds"]
@@ -389,6 +425,10 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
     graph_rounds = after.get("sched_graph_rounds", 0) - before.get("sched_graph_rounds", 0)
     gpu_ms = after.get("sched_gpu_ms", 0) - before.get("sched_gpu_ms", 0)
     shortened = after.get("sched_shortened", 0) - before.get("sched_shortened", 0)
+
+    def diff(name: str) -> float:  # a counter over the typing phase (0 where the daemon lacks it)
+        return round(after.get(name, 0) - before.get(name, 0), 1)
+
     return {
         "editors": editors,
         "requests": editors * (chars + 1),
@@ -413,6 +453,24 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
         "mean_graph_gpu_ms": round(gpu_ms / graph_rounds, 2) if graph_rounds else 0,
         "drafts_shortened": shortened,
         "busy_share": round(round_ms / 1e3 / wall, 2) if wall else 0,
+        # stalls: slow rounds of the decode loop, and the garbage collector's full collections in the engine's
+        # process (gc_) and the listeners' (daemon_gc_; engine/serve/gc_pauses.py)
+        "slow_rounds": diff("sched_slow_rounds"),
+        "slow_round_ms": diff("sched_slow_round_ms"),
+        "slow_drafts_ms": diff("sched_slow_drafts_ms"),
+        "slow_overlap_ms": diff("sched_slow_overlap_ms"),
+        "slow_advance_ms": diff("sched_slow_advance_ms"),
+        "admitted": diff("sched_admitted"),
+        "tokens_prefilled": diff("tokens_prefilled"),
+        "tokens_reused": diff("tokens_reused"),
+        "gc_full": diff("gc_full"),
+        "gc_full_ms": diff("gc_full_ms"),
+        "gc_pause_ms": diff("gc_pause_ms"),
+        "daemon_gc_full": diff("daemon_gc_full"),
+        "daemon_gc_full_ms": diff("daemon_gc_full_ms"),
+        "daemon_gc_pause_ms": diff("daemon_gc_pause_ms"),
+        **stalls(events),
+        "first_delta_events": events,
         "finals": [r.get("final") if isinstance(r, dict) else None for r in results],
     }
 
@@ -669,6 +727,19 @@ def main(argv: list[str] | None = None) -> int:
                     f"overlapped {r['mean_overlap_ms']} ms, advancing {r['mean_advance_ms']} ms, "
                     f"graph GPU {r['mean_graph_gpu_ms']} ms, busy {r['busy_share']:.0%}), drafts cut "
                     f"{r['drafts_shortened']}, load {r['load_average']}",
+                    flush=True,
+                )
+                print(
+                    f"  {'':>11} {'':>3}          stalls: {r['slow_first_deltas']} first deltas >= "
+                    f"{SLOW_FIRST_DELTA_MS:.0f} ms in {r['stalls']} stalls (worst: {r['worst_stall_requests']} "
+                    f"requests over {r['worst_stall_ms']} ms from {r['worst_stall_at_ms']} ms); rounds >= 25 ms "
+                    f"{r['slow_rounds']:.0f} ({r['slow_round_ms']:.0f} ms: drafts {r['slow_drafts_ms']:.0f}, "
+                    f"overlapped {r['slow_overlap_ms']:.0f}, advancing {r['slow_advance_ms']:.0f}); admitted "
+                    f"{r['admitted']:.0f}, prefilled {r['tokens_prefilled']:.0f} tokens, reused "
+                    f"{r['tokens_reused']:.0f}; full collections engine "
+                    f"{r['gc_full']:.0f} ({r['gc_full_ms']:.0f} ms of {r['gc_pause_ms']:.0f} ms collecting), "
+                    f"listeners {r['daemon_gc_full']:.0f} ({r['daemon_gc_full_ms']:.0f} ms of "
+                    f"{r['daemon_gc_pause_ms']:.0f} ms)",
                     flush=True,
                 )
     finally:

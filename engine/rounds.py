@@ -20,6 +20,10 @@ from engine.errors import FimbleError
 from engine.runner import PassRunner
 from engine.steps import STREAM_NOW
 
+# A round this long holds back every active request's next delta by about that much: under fimble serve a round is
+# 2-10 ms, so one of 25 ms or more is a stall (a collection, a capture, a slow admission), counted apart.
+SLOW_ROUND_MS = 25.0
+
 
 @dataclass
 class _Seq:
@@ -90,6 +94,12 @@ class Rounds:
         c.add("sched_advance_ms", (time.perf_counter() - t4) * 1e3)
         round_ms = (time.perf_counter() - t0) * 1e3
         c.add("sched_round_ms", round_ms)
+        if round_ms >= SLOW_ROUND_MS:  # where a stall's time went
+            c.add("sched_slow_rounds")
+            c.add("sched_slow_round_ms", round_ms)
+            c.add("sched_slow_drafts_ms", (t1 - t0) * 1e3)
+            c.add("sched_slow_overlap_ms", (t3 - t2) * 1e3)
+            c.add("sched_slow_advance_ms", round_ms - (t4 - t0) * 1e3)
         self.passes.round_done(round_ms)
         return bool(ended)
 

@@ -79,6 +79,11 @@ SCHED_COUNTERS = (
     "sched_advance_ms",  # of which verifying every sequence's logits and preparing its next pass (after the wait)
     "sched_gpu_ms",  # slotted rounds: GPU time of their graph replays
     "sched_shortened",  # verify blocks cut by the round's block choice (SlottedPasses.shorten)
+    "sched_slow_rounds",  # rounds of SLOW_ROUND_MS or more (engine/rounds.py): stalls every active request sees
+    "sched_slow_round_ms",  # the wall time of those rounds, of which:
+    "sched_slow_drafts_ms",  # drafting, choosing blocks, streaming without overlap (before the launch)
+    "sched_slow_overlap_ms",  # streaming and admitting while the passes ran
+    "sched_slow_advance_ms",  # verifying and preparing each sequence's next pass
     "sched_prebuilt",  # prompts built while their document was busy (_admit)
     "sched_admitted_early",  # of those, admitted in the round that freed their document (_admit(ready_only))
     "sched_refused_unfit",  # prompts refused as too long for the context before being tokenised whole

@@ -51,7 +51,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Response
 
 from engine.api import CompletionRequest, CompletionStream
-from engine.serve import http11, openai_http, protocol
+from engine.serve import gc_pauses, http11, openai_http, protocol
 from engine.serve.protocol import ProtocolError
 from engine.serve.session import SessionHost
 
@@ -93,6 +93,7 @@ class EngineDaemon:
         self.engine = engine
         self.options = options or ServeOptions()
         self.counts = dict.fromkeys(DAEMON_COUNTERS, 0)
+        self._gc = gc_pauses.pauses()
         self.port: int | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -158,8 +159,10 @@ class EngineDaemon:
             ws_server.close()
 
     def counters(self) -> dict:
-        """The engine's counters plus the daemon's (sessions, refusals, freed sequences)."""
-        return {**self.engine.counters(), **self.counts}
+        """The engine's counters plus the daemon's (sessions, refusals, freed sequences, and this process's
+        garbage-collector pauses, ``daemon_gc_*``: the engine's own are ``gc_*``, the same figures when the
+        engine runs in this process)."""
+        return {**self.engine.counters(), **self.counts, **self._gc.snapshot("daemon_gc_")}
 
     # -- the shared port -------------------------------------------------------------------------
     async def _front(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -396,6 +399,9 @@ def run_daemon(engine: Any, options: ServeOptions, announce=print) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    # The listeners' objects of start-up out of every later full collection (engine/serve/gc_pauses.py): a pause
+    # in this process holds every session's frames.
+    gc_pauses.freeze_startup()
     try:
         engine.serve_forever()
     finally:

@@ -16,6 +16,7 @@ against the old kernels (FIMBLE_CUDA_INVARIANT=0), and what it costs.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,8 @@ def _triton() -> bool:
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not _triton(), reason="needs CUDA and Triton")
 
-N_PROMPTS = 200  # the done-when count: every method, eager and graph
+# The done-when count (every method, eager and graph); FIMBLE_GPU_PROMPTS=24 for a quick look.
+N_PROMPTS = int(os.environ.get("FIMBLE_GPU_PROMPTS", "200"))
 MAX_TOKENS = 64
 
 

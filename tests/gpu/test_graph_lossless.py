@@ -17,12 +17,15 @@ rounding steps) of each other. Every tie is printed.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-N_PROMPTS = 200
+# The done-when count; FIMBLE_GPU_PROMPTS=24 for a quick look.
+N_PROMPTS = int(os.environ.get("FIMBLE_GPU_PROMPTS", "200"))
 MAX_TOKENS = 48
 TIE_TOLERANCE = 2**-6  # relative to the logit's size: bf16 keeps 8 significant bits, so 4 rounding steps
 
