@@ -326,7 +326,8 @@ def test_a_prewarm_says_how_long_ago_the_user_acted():
 
 def test_a_decode_without_deltas_is_stopped_for_quiet_too():
     """The quiet stop for a decode that sends nothing (a follow-up's or a prefetch's prefill of seconds): a timer
-    looks at it, not only the deltas; one a request still waits on without text is left alone."""
+    looks at it, not only the deltas. One a request still waits on is left to the deltas, text or not: cut between
+    two, a block header whose body has not come yet would leave the answer empty."""
     import asyncio
     import time
 
@@ -354,6 +355,9 @@ def test_a_decode_without_deltas_is_stopped_for_quiet_too():
         await asyncio.sleep(decodes.QUIET_POLL_S * 3)
         assert idle.cancelled and idle.quiet and d.stats.counters.get("quiet_stops") == 1
         assert not waited.cancelled  # a request waits on it and nothing came yet
+        waited.t_first = time.perf_counter() - decodes.QUIET_MIN_SHOWN_S - 1  # text came long ago: still the deltas'
+        await asyncio.sleep(decodes.QUIET_POLL_S * 3)
+        assert not waited.cancelled
         waited.waiting = 0  # the editor gave up on it
         await asyncio.sleep(decodes.QUIET_POLL_S * 3)
         assert waited.cancelled and d.stats.counters.get("quiet_stops") == 2
