@@ -7,6 +7,11 @@ tokenizer, real runtime, real KV cache.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 
 from engine.api import CompletionRequest
@@ -29,6 +34,28 @@ def target():
 
 def engine(target) -> LocalEngine:
     return LocalEngine(target, None, start_thread=False)
+
+
+@contextmanager
+def serving(target, quiet_for: float = 0.0) -> Iterator[LocalEngine]:
+    """An engine whose request loop runs in a thread, as the engine process runs it; ``quiet_for``: seconds since
+    the host's last message, as if it had been quiet that long."""
+    eng = LocalEngine(target, None, start_thread=False)
+    eng.background.last_message -= quiet_for
+    threading.Thread(target=eng.serve_forever, daemon=True).start()
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def prewarms_done(eng: LocalEngine, timeout_s: float = 60.0) -> int:
+    """The engine's finished pre-warms once there is one, or after ``timeout_s``."""
+    for _ in range(int(timeout_s * 10)):
+        if eng.counters()["prewarms_done"]:
+            break
+        time.sleep(0.1)
+    return eng.counters()["prewarms_done"]
 
 
 def request(prefix: str, suffix: str, doc: str = "doc") -> CompletionRequest:
@@ -120,29 +147,17 @@ def test_a_cold_spot_answers_from_a_small_prompt_while_the_full_one_fills(target
 
 
 def test_background_work_waits_once_the_host_goes_quiet(target, monkeypatch):
-    import threading
-    import time
-
     from engine import background
 
     text = stdlib_source(target.encode, 900)
-    eng = LocalEngine(target, None, start_thread=False)  # its request loop as the engine process runs it
-    loop = threading.Thread(target=eng.serve_forever, daemon=True)
-    loop.start()
-    try:
+    with serving(target) as eng:
         monkeypatch.setattr(background, "BACKGROUND_S", 1e-6)  # the window closes right after each message
         eng.prewarm(request(text, "", doc="quiet"))
         time.sleep(0.5)
         assert eng.counters()["tokens_prewarmed"] == 0  # nothing ran, nothing was dropped
         monkeypatch.setattr(background, "BACKGROUND_S", 600.0)
         eng.prewarm(request(text, "", doc="quiet"))  # the host speaks again: the work goes on
-        for _ in range(600):
-            if eng.counters()["prewarms_done"]:
-                break
-            time.sleep(0.1)
-        assert eng.counters()["prewarms_done"] == 1
-    finally:
-        eng.close()
+        assert prewarms_done(eng) == 1
 
 
 def test_a_prewarm_at_a_cold_spot_fills_the_small_prompt_first(target):
@@ -165,8 +180,6 @@ def test_a_prewarm_counts_its_window_from_the_users_activity(target, monkeypatch
     """A pre-warm the host sends late (after a decode, or for a ring that changed) says how long ago the user
     acted (``idle_s``): past the background window it starts no work, so the engine stays quiet."""
     import dataclasses
-    import threading
-    import time
 
     from engine import background
     from engine.wire import request_from_dict
@@ -177,24 +190,14 @@ def test_a_prewarm_counts_its_window_from_the_users_activity(target, monkeypatch
     assert request_from_dict({"prefix": "x", "idle_s": 2}).idle_s == 2.0
 
     text = stdlib_source(target.encode, 900)
-    eng = LocalEngine(target, None, start_thread=False)
-    eng.background.last_message = time.monotonic() - 100  # the host has been quiet a while
     monkeypatch.setattr(background, "BACKGROUND_S", 5.0)
-    loop = threading.Thread(target=eng.serve_forever, daemon=True)
-    loop.start()
-    try:
+    with serving(target, quiet_for=100.0) as eng:  # the host has been quiet a while
         eng.prewarm(dataclasses.replace(request(text, "", doc="late"), idle_s=6.0))  # the user left 6 s ago
         time.sleep(0.5)
         assert eng.counters()["tokens_prewarmed"] == 0 and eng.background.window_left() < 0
         monkeypatch.setattr(background, "BACKGROUND_S", 600.0)  # (a window a loaded machine cannot outlast)
         eng.prewarm(dataclasses.replace(request(text, "", doc="late"), idle_s=0.5))  # they just acted
-        for _ in range(600):
-            if eng.counters()["prewarms_done"]:
-                break
-            time.sleep(0.1)
-        assert eng.counters()["prewarms_done"] == 1
-    finally:
-        eng.close()
+        assert prewarms_done(eng) == 1
 
 
 def test_a_background_request_is_not_the_users_activity(target):
