@@ -22,6 +22,14 @@ from tests.conftest import TARGET_DIR
 from tests.engine.kv_sources import stdlib_source
 
 OPTS = DecodeOptions(max_tokens=8)
+# A cross-file context of one chunk (engine/caching/context_prompt.py's wire form), about 200 tokens.
+HELPER_CONTEXT = {
+    "repo": "r",
+    "path": "a.py",
+    "comment": "#",
+    "budget": 512,
+    "chunks": [{"path": "b.py", "text": "def helper(a, b):\n    return a + b\n" * 20}],
+}
 TYPED = "    total = compute(a, b)\n    if total > limit:\n        return None\n    "
 
 
@@ -219,13 +227,7 @@ def test_the_cold_prompt_keeps_the_cross_file_context_and_borrows_its_cache(targ
 
     text = stdlib_source(target.encode, 900)
     cursor = text.index("\n", len(text) * 3 // 4) + 1
-    context = {
-        "repo": "r",
-        "path": "a.py",
-        "comment": "#",
-        "budget": 512,
-        "chunks": [{"path": "b.py", "text": "def helper(a, b):\n    return a + b\n" * 20}],
-    }
+    context = HELPER_CONTEXT
 
     def at(doc: str, prefix: str, suffix: str) -> CompletionRequest:
         return CompletionRequest(
@@ -259,13 +261,7 @@ def test_context_wait_answers_without_the_context_until_the_background_fills_it(
     """FIMBLE_CONTEXT_WAIT (on by default): a keystroke never pays for the context's prefill."""
     text = stdlib_source(target.encode, 900)
     cursor = text.index("\n", len(text) * 3 // 4) + 1
-    context = {
-        "repo": "r",
-        "path": "a.py",
-        "comment": "#",
-        "budget": 512,
-        "chunks": [{"path": "b.py", "text": "def helper(a, b):\n    return a + b\n" * 20}],
-    }
+    context = HELPER_CONTEXT
 
     def at(doc: str, prefix: str, suffix: str) -> CompletionRequest:
         return CompletionRequest(
@@ -299,13 +295,7 @@ def test_a_ring_change_leaves_the_keystroke_on_the_warm_prompt_until_the_context
     text = stdlib_source(target.encode, 900)
     cursor = text.index("\n", len(text) * 3 // 4) + 1
     prefix, suffix = text[:cursor] + "    x", text[cursor:]
-    context = {
-        "repo": "r",
-        "path": "a.py",
-        "comment": "#",
-        "budget": 512,
-        "chunks": [{"path": "b.py", "text": "def helper(a, b):\n    return a + b\n" * 20}],
-    }
+    context = HELPER_CONTEXT
 
     def at(typed: str, ctx: dict | None) -> CompletionRequest:
         return CompletionRequest(
