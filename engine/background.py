@@ -61,13 +61,16 @@ class Background:
     def note_submit(self, request: CompletionRequest) -> None:
         """A completion was submitted: it computes the document's current prompt, so an older pre-warm would
         only undo it."""
+        if request.background:
+            # Tab-Tab's follow-up runs in the document's stage caches (DocumentPrompts.open): it leaves the
+            # keystrokes' caches, and the pre-warm and re-anchor that serve them, as they are.
+            return
         key = request.document_id or ""
         with self._lock:
             self._prewarms.pop(key, None)
             self._reanchors.pop(key, None)
             self._submitted[key] = self._submitted.get(key, 0) + 1
-            if not request.background:
-                self.last_submit = self.last_message = time.monotonic()
+            self.last_submit = self.last_message = time.monotonic()
 
     def want(self, request: CompletionRequest) -> None:
         """Fill the document's cache for this prompt when idle (the newest pre-warm of a document wins). The
@@ -160,8 +163,8 @@ class Background:
 
         ``submitted``: the document's completion count when this pre-warm was taken; a
         pre-empted pre-warm resumes later (``resume``) only if no completion for the document came since.
-        ``whole``: a re-anchor, worth starting only if it can end in the background window (half done,
-        it would have overwritten the anchored prompt the next keystroke reuses).
+        ``whole``: a re-anchor, worth starting only if it can end in the background window (it works on a copy, so
+        half done it costs the keystrokes nothing, but the CPU time spent is lost when the user types on).
         """
         docs = self.documents
         if not whole and docs.defers_context(request):
@@ -171,10 +174,17 @@ class Background:
                 self._resume(request, submitted)
                 return False
         plan = docs.prompts.build(request)
-        doc = docs.open(request, plan)
+        doc = own = docs.open(request, plan)
         reuse = 0
         done = False
         try:
+            if not whole:
+                # The prompt a keystroke there would run: where the cache holds an anchored prompt (lines typed
+                # since its anchor after the middle sentinel), that one costs a few tokens. The canonical one would
+                # re-evaluate the suffix, and at a cost over the cold budget, fill the cold window's prompt first,
+                # neither of which the keystroke would use (bench/reports/typing-shutil-*-2026-12-04.txt). The
+                # move to the canonical prompt is the re-anchor's, once the user is idle.
+                plan = docs.anchored(request, plan, doc, count=False)
             reuse = common_prefix(doc.ids, plan.ids, min(len(plan.ids), doc.exact_len))
             reuse = docs.store.borrow(doc, plan, reuse)
             rate = docs.prefill_rate
@@ -185,32 +195,49 @@ class Background:
             if cold is not None:  # the small prompt first: the next keystroke there answers from it
                 self._prewarm(dataclasses.replace(cold, cold_window=False))
 
-            def target_holds(n: int) -> None:
-                doc.ids = plan.ids[:n]
-                doc.exact_len = n
-
-            pos = self._prefill_chunks(docs.target.runtime, doc.target, plan.ids, reuse, PREWARM_CHUNK, target_holds)
-            self.counters.add("tokens_prewarmed", pos - reuse)
-            if self.draft_runtime is not None and doc.draft is not None:
-                ids = plan.ids[:pos]
-                # The draft model is ~10x cheaper per token: bigger chunks yield as fast.
-                self._prefill_chunks(
-                    self.draft_runtime,
-                    doc.draft,
-                    ids,
-                    common_prefix(doc.draft_ids, ids, pos),
-                    4 * PREWARM_CHUNK,
-                    lambda n: setattr(doc, "draft_ids", ids[:n]),
-                )
+            if reuse < doc.exact_len and docs.store.sizable:
+                # It would overwrite the prompt the next keystroke reuses (a re-anchor re-evaluates the suffix; a
+                # pre-warm at another cursor differs after it): work on a copy, which takes over only once done. A
+                # re-anchor cut short here used to leave the keystroke ~150-250 tokens to prefill, and send it to
+                # the cold window (bench/reports/typing-shutil-cold-window-on-vs-off-2026-12-04.txt).
+                doc = docs.store.staging(own, plan.ids, reuse, docs.room(request, plan))
+                reuse = common_prefix(doc.ids, plan.ids, min(len(plan.ids), doc.exact_len))
+            pos = self._fill(doc, plan.ids, reuse)
             done = pos == len(plan.ids)
+            if done and doc is not own:
+                docs.store.promote(doc, own)  # (``own`` is the stage now)
             if done and docs.hold(doc, request, plan):
                 self.reanchor_later(request)
         finally:
+            if own is not doc:
+                docs.store.release(own)
             docs.store.release(doc, plan, reuse)
         self.counters.add("prewarms_done" if done else "prewarms_preempted")
         if not done and resume:
             self._resume(request, submitted)
         return done
+
+    def _fill(self, doc, ids: list[int], reuse: int) -> int:
+        """Prefill ``ids[reuse:]`` into ``doc``'s caches until done or a completion waits; how far the target got."""
+
+        def target_holds(n: int) -> None:
+            doc.ids = ids[:n]
+            doc.exact_len = n
+
+        pos = self._prefill_chunks(self.documents.target.runtime, doc.target, ids, reuse, PREWARM_CHUNK, target_holds)
+        self.counters.add("tokens_prewarmed", pos - reuse)
+        if self.draft_runtime is not None and doc.draft is not None:
+            held = ids[:pos]
+            # The draft model is ~10x cheaper per token: bigger chunks yield as fast.
+            self._prefill_chunks(
+                self.draft_runtime,
+                doc.draft,
+                held,
+                common_prefix(doc.draft_ids, held, pos),
+                4 * PREWARM_CHUNK,
+                lambda n: setattr(doc, "draft_ids", held[:n]),
+            )
+        return pos
 
     def _resume(self, request: CompletionRequest, submitted: int) -> None:
         """Run ``request`` again later unless something newer for its document arrived."""

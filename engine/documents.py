@@ -12,7 +12,7 @@ import dataclasses
 import os
 
 from engine.api import CompletionRequest
-from engine.caching.cold_window import COLD_BUDGET_S, cache_key, cold_request
+from engine.caching.cold_window import COLD_BUDGET_S, STAGE_KEY, cache_key, cold_request
 from engine.caching.kv_shift import apply_moves, plan_shift
 from engine.caching.kv_store import DocumentKV, KVStore, common_prefix
 from engine.caching.prompt_plan import PromptBuilder, PromptPlan, anchor_at
@@ -51,9 +51,22 @@ class DocumentPrompts:
 
     def open(self, request: CompletionRequest, plan: PromptPlan) -> DocumentKV:
         """``request``'s cache for ``plan``, pinned. A prompt that leads with cross-file context has a cache of its
-        own beside the same document's prompt without it (engine/caching/cold_window.py ``cache_key``)."""
-        need = len(plan.ids) + request.options.max_tokens + request.options.max_gamma + 2
-        return self.store.open(cache_key(request.document_id or "", bool(plan.context_chunks)), need)
+        own beside the same document's prompt without it (engine/caching/cold_window.py ``cache_key``). A
+        background request (Tab-Tab's follow-up, nobody asked for yet) runs on a copy of it, the stage
+        (KVStore.staging): it never overwrites what the next keystroke reuses, and starts from the same prompt."""
+        key, need = cache_key(request.document_id or "", bool(plan.context_chunks)), self.room(request, plan)
+        main = self.store.docs.get(key) if request.background else None
+        if not request.background:
+            return self.store.open(key, need)
+        if main is None or not main.exact_len:
+            return self.store.open(key + STAGE_KEY, need)
+        stage = self.store.staging(main, main.ids, main.exact_len, need)
+        stage.held = main.held  # (its anchor too: a follow-up's lines go after it, as the next keystrokes' would)
+        return stage
+
+    def room(self, request: CompletionRequest, plan: PromptPlan) -> int:
+        """Positions a cache needs for ``plan`` and ``request``'s answer."""
+        return len(plan.ids) + request.options.max_tokens + request.options.max_gamma + 2
 
     def reuse(self, doc: DocumentKV, plan: PromptPlan, mode: str) -> tuple[int, list[tuple[int, int]] | None, int]:
         """(exactly reused positions, runs to compute or None for "from there on", positions shifted)."""
@@ -160,9 +173,10 @@ class DocumentPrompts:
             rate = tokens / seconds
             self.prefill_rate = rate if self.prefill_rate is None else 0.7 * self.prefill_rate + 0.3 * rate
 
-    def anchored(self, request: CompletionRequest, plan: PromptPlan, doc: DocumentKV) -> PromptPlan:
+    def anchored(self, request: CompletionRequest, plan: PromptPlan, doc: DocumentKV, count: bool = True) -> PromptPlan:
         """``plan`` (canonical layout), or the anchored layout at the anchor ``doc``'s cache holds where that
-        prefills less: lines typed below the anchor then cost what keys within a line cost."""
+        prefills less: lines typed below the anchor then cost what keys within a line cost. ``count``: in the
+        ``anchored_prompts`` counter (a completion's prompt, not a pre-warm's)."""
         anchor = anchor_at(request.prefix, request.suffix, doc.held) if self.anchored_layout else None
         if anchor is None or request.reuse == "none":
             return plan
@@ -173,7 +187,8 @@ class DocumentPrompts:
             return plan
         if len(alt.ids) > len(plan.ids):
             self.open(request, alt)  # (room for it)
-        self.counters.add("anchored_prompts")
+        if count:
+            self.counters.add("anchored_prompts")
         return alt
 
     def hold(self, doc: DocumentKV, request: CompletionRequest, plan: PromptPlan) -> bool:

@@ -59,13 +59,13 @@ def request_steps(eng, request: CompletionRequest, stream: CompletionStream) -> 
         plan = docs.prompts.build(request)
     doc = docs.open(request, plan)
     served, plan, doc = docs.choose(request, plan, doc)
-    if served is not request:
+    if served is not request and not request.background:
         # The full prompt (with its cross-file context) fills when the user leaves the engine a moment (a
         # pre-warm). A chunk of it before each cold answer was tried: it filled a spot within ~40 keystrokes,
         # but the chunk's time on every answer cut the pauses with text within 1 s from 66% to 38%
         # (bench/lsp_typing.py, default model).
         eng.background.later(request)
-        request = served
+    request = served
     prompt, heal, constrained = plan.ids, plan.heal, plan.constrained
     if plan.context_chunks:  # cross-file context at the prompt's head (engine/caching/context_prompt.py)
         counts.add("context_prompts")
@@ -112,7 +112,7 @@ def request_steps(eng, request: CompletionRequest, stream: CompletionStream) -> 
         # Keys/values of prompt + accepted output stay valid for the next request.
         doc.ids = decoder.ids[: doc.target.length]
         doc.exact_len = len(doc.ids) if runs is None or not shifted else reuse
-        if docs.hold(doc, request, plan):
+        if docs.hold(doc, request, plan) and not request.background:  # (a follow-up's cache is a scratch one)
             eng.background.reanchor_later(request)
     finally:
         eng.passes.give_slot(doc, own)

@@ -32,7 +32,8 @@ from engine.api import CompletionRequest
 # that need the cold window with a fast model).
 COLD_BUDGET_S = float(os.environ.get("FIMBLE_COLD_BUDGET_S", 0.5))
 COLD_KEY = "\x00cold"  # appended to a document's key: the cold prompt's cache
-CONTEXT_KEY = "\x00ctx"  # appended last: the cache of a prompt that leads with cross-file context (cache_key)
+CONTEXT_KEY = "\x00ctx"  # appended next: the cache of a prompt that leads with cross-file context (cache_key)
+STAGE_KEY = "\x00stage"  # appended last: where background work fills a cache's next prompt (KVStore.staging)
 COLD_PREFIX_LINES = 12  # at least this many lines before the cursor's line ...
 COLD_STRIDE = 8  # ... and fewer than this many more: the start moves in jumps of this many lines
 COLD_PREFIX_CHARS = 1500  # long lines: fewer lines
@@ -74,13 +75,19 @@ def cache_key(document_id: str, with_context: bool) -> str:
 
 
 def document_of(doc_id: str) -> str:
-    """The document a cache's key belongs to: its cold window's and its context's caches are part of it."""
-    return doc_id.removesuffix(CONTEXT_KEY).removesuffix(COLD_KEY)
+    """The document a cache's key belongs to: its cold window's, its context's and their stages are part of it."""
+    return doc_id.removesuffix(STAGE_KEY).removesuffix(CONTEXT_KEY).removesuffix(COLD_KEY)
 
 
 def cache_keys(document_id: str) -> list[str]:
-    """Every cache a document may have: its own, its cold window's, each with and without the context."""
-    return [document_id + cold + ctx for cold in ("", COLD_KEY) for ctx in ("", CONTEXT_KEY)]
+    """Every cache a document may have: its own, its cold window's, each with and without the context, and the
+    stage of each."""
+    return [
+        document_id + cold + ctx + stage
+        for cold in ("", COLD_KEY)
+        for ctx in ("", CONTEXT_KEY)
+        for stage in ("", STAGE_KEY)
+    ]
 
 
 def _line_start(text: str, line: int) -> int:

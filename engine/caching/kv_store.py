@@ -22,7 +22,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.caching.cold_window import document_of
+from engine.caching.cold_window import STAGE_KEY, document_of
 from engine.caching.prompt_plan import Piece, PromptPlan, Segment
 from engine.errors import FimbleError
 
@@ -39,6 +39,8 @@ STAT_NAMES = (
     "kv_documents_evicted",
     "kv_grows",
     "kv_borrowed_tokens",
+    "kv_staged_tokens",
+    "kv_promoted",
 )
 
 
@@ -182,6 +184,42 @@ class KVStore:
         if doc is not None:
             self._unindex(doc)
         return doc is not None
+
+    # -- background work on a copy ------------------------------------------------------
+    def staging(self, doc: DocumentKV, ids: list[int], keep: int, need: int) -> DocumentKV:
+        """A cache beside ``doc`` (pinned) for background work that would overwrite what ``doc`` holds past ``keep``:
+        it holds ``doc``'s first ``keep`` positions (one copy), or more of ``ids`` where an earlier, pre-empted run
+        left them there. ``doc`` stays as it is for the keystrokes until ``promote``."""
+        stage = self.open(doc.doc_id + STAGE_KEY, need)
+        if common_prefix(stage.ids, ids, stage.exact_len) >= keep:
+            return stage
+        for a, b in ((doc.target, stage.target), (doc.draft, stage.draft)):
+            if a is None or b is None:
+                continue
+            if hasattr(b, "copy_prefix_from"):  # llama.cpp contexts
+                b.copy_prefix_from(a, keep, ids[:keep])
+            else:
+                b.keys[:, :, :keep] = a.keys[:, :, :keep]
+                b.values[:, :, :keep] = a.values[:, :, :keep]
+                b.length = keep
+        stage.ids, stage.exact_len = list(ids[:keep]), keep
+        draft_keep = common_prefix(doc.draft_ids, ids, keep)
+        stage.draft_ids = list(ids[:draft_keep])
+        if stage.draft is not None:
+            stage.draft.length = min(stage.draft.length, draft_keep)
+        self.stats["kv_staged_tokens"] += keep
+        return stage
+
+    def promote(self, stage: DocumentKV, doc: DocumentKV) -> DocumentKV:
+        """Make ``stage`` (its work done) the cache of ``doc``'s key; ``doc``'s old cache becomes the next stage.
+        Returns the promoted cache, still pinned."""
+        self._unindex(stage)
+        self._unindex(doc)
+        stage.doc_id, doc.doc_id = doc.doc_id, stage.doc_id
+        self.docs[stage.doc_id], self.docs[doc.doc_id] = stage, doc
+        doc.segments, doc.held = [], None  # (the old prompt: only a copy's starting point now)
+        self.stats["kv_promoted"] += 1
+        return stage
 
     # -- sharing across documents -----------------------------------------------------
     def borrow(self, doc: DocumentKV, plan: PromptPlan, have: int) -> int:

@@ -121,6 +121,81 @@ def test_idle_moves_the_anchor_to_the_cursor_line(target):
     assert r.stats["prefilled_tokens"] <= 6
 
 
+def test_a_reanchor_cut_short_leaves_the_anchored_prompt_for_the_next_key(target):
+    """A re-anchor works on a copy of the cache (KVStore.staging) that takes over only once done: cut short by a
+    keystroke, it leaves the anchored prompt the keystroke reuses, and its work is kept for the next idle moment."""
+    text = stdlib_source(target.encode, 600)
+    cursor = text.index("\n", len(text) // 2) + 1
+    prefix, suffix = text[:cursor], text[cursor:]
+    eng = engine(target)
+    eng.complete(request(prefix + "    x", suffix))
+    eng.complete(request(prefix + "    x = 1\n    y", suffix))  # anchored; a re-anchor is due when idle
+    checks = iter([False] + [True] * 10)  # a completion arrives after the re-anchor's first chunk
+    eng.background._completion_waiting = lambda: next(checks)
+    assert eng.background.take_due_reanchors(idle=True)  # the user went idle ...
+    eng.background.run_next()  # ... the re-anchor starts, and a keystroke cuts it short
+    assert eng.counters()["prewarms_preempted"] == 1
+    assert eng.store.stats["kv_staged_tokens"] > 0
+
+    r = eng.complete(request(prefix + "    x = 1\n    y =", suffix))
+    assert r.stats["prefilled_tokens"] <= 6  # the anchored prompt is intact: no re-evaluated suffix
+    same = engine(target)  # the same anchor, no re-anchor: the same prompt, so the same answer
+    same.complete(request(prefix + "    x", suffix))
+    assert same.complete(request(prefix + "    x = 1\n    y =", suffix)).text == r.text
+
+    anchored = eng.counters()["anchored_prompts"]
+    eng.background._completion_waiting = lambda: False
+    eng.run_pending(idle=True)  # the re-anchor runs to its end and takes over the document's cache
+    assert eng.store.stats["kv_promoted"] == 1
+    r = eng.complete(request(prefix + "    x = 1\n    y = 2", suffix))
+    assert r.stats["prefilled_tokens"] <= 6
+    assert eng.counters()["anchored_prompts"] == anchored  # the canonical prompt, as one computation runs it
+    assert engine(target).complete(request(prefix + "    x = 1\n    y = 2", suffix)).text == r.text
+
+
+def test_a_follow_up_leaves_the_keystrokes_cache_and_their_re_anchor(target):
+    """Tab-Tab's follow-up (a background request) runs on a copy of the keystrokes' cache: it reuses their anchored
+    prompt, the next keystroke still reuses it and answers as it would have without the follow-up, and the
+    re-anchor due for it still runs."""
+    import dataclasses
+
+    text = stdlib_source(target.encode, 600)
+    cursor = text.index("\n", len(text) // 2) + 1
+    prefix, suffix = text[:cursor], text[cursor:]
+    keys = [prefix + "    x", prefix + "    x = 1\n    y", prefix + "    x = 1\n    y ="]
+    eng, same = engine(target), engine(target)
+    for key in keys[:2]:
+        eng.complete(request(key, suffix))
+        same.complete(request(key, suffix))  # (no follow-up)
+    follow_up = request(prefix + "    x = 1\n    y = 2\n    z = 3\n    ", suffix)
+    r = eng.complete(dataclasses.replace(follow_up, background=True))
+    assert eng.store.docs["doc\x00stage"].ids  # it ran in the stage, a copy of the keystrokes' cache ...
+    assert eng.counters()["anchored_prompts"] == 2  # ... at their anchor: its lines cost what typed ones do
+    assert r.stats["prefilled_tokens"] <= 12
+
+    r = eng.complete(request(keys[2], suffix))
+    assert r.stats["prefilled_tokens"] <= 6
+    assert r.text == same.complete(request(keys[2], suffix)).text
+    assert eng.background.take_due_reanchors(idle=True)  # the keystroke's re-anchor, not dropped
+
+
+def test_a_prewarm_where_the_anchored_prompt_is_warm_fills_only_the_new_lines(target):
+    """The host's pre-warm at a new line fills the prompt a keystroke there would run: the anchored one, a few
+    tokens, not the canonical one, which re-evaluates the suffix (that is the idle re-anchor's work)."""
+    text = stdlib_source(target.encode, 600)
+    cursor = text.index("\n", len(text) // 2) + 1
+    prefix, suffix = text[:cursor], text[cursor:]
+    eng = engine(target)
+    eng.complete(request(prefix + "    x", suffix))
+    eng.complete(request(prefix + "    x = 1\n    y", suffix))  # anchored
+    eng.prewarm(request(prefix + "    x = 1\n    y = 2\n    ", suffix))
+    eng.run_pending()
+    assert eng.counters()["prewarms_done"] == 1
+    assert eng.counters()["tokens_prewarmed"] <= 12
+    r = eng.complete(request(prefix + "    x = 1\n    y = 2\n    z", suffix))
+    assert r.stats["prefilled_tokens"] <= 6
+
+
 def test_an_edit_above_the_anchor_takes_the_canonical_layout(target):
     text = stdlib_source(target.encode, 600)
     cursor = text.index("\n", len(text) // 2) + 1
