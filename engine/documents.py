@@ -12,7 +12,7 @@ import dataclasses
 import os
 
 from engine.api import CompletionRequest
-from engine.caching.cold_window import COLD_BUDGET_S, STAGE_KEY, cache_key, cold_request
+from engine.caching.cold_window import COLD_BUDGET_S, COLD_KEY, STAGE_KEY, cache_key, cold_request
 from engine.caching.kv_shift import apply_moves, plan_shift
 from engine.caching.kv_store import DocumentKV, KVStore, common_prefix
 from engine.caching.prompt_plan import PromptBuilder, PromptPlan, anchor_at
@@ -166,7 +166,10 @@ class DocumentPrompts:
         """The cold window's request where the full prompt would prefill ``full_cost`` tokens, over budget."""
         if not (self._windowed(request) and self.prefill_rate):
             return None
-        return cold_request(request) if self._over_budget(full_cost) else None
+        if not self._over_budget(full_cost):
+            return None
+        cold = self.store.docs.get(cache_key((request.document_id or "") + COLD_KEY, bool(request.context)))
+        return cold_request(request, cold.held[0] if cold is not None and cold.held else None)
 
     def time_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= 64 and seconds > 0:  # short passes say more about per-pass overhead than the rate

@@ -41,12 +41,21 @@ COLD_SUFFIX_LINES = 4
 COLD_SUFFIX_CHARS = 400
 
 
-def cold_request(request: CompletionRequest) -> CompletionRequest | None:
-    """``request`` with short windows and the cold cache's key, or None where its windows are short already."""
+def cold_request(request: CompletionRequest, held: str | None = None) -> CompletionRequest | None:
+    """``request`` with short windows and the cold cache's key, or None where its windows are short already.
+
+    ``held``: the text the cold cache's prompt starts with (before its anchor). Where the prefix still holds it
+    at a line start, within twice the usual length and with enough lines after it, the window starts there
+    rather than on the grid: new lines then go after the anchor at a few tokens each, where a jump on the grid
+    re-evaluated the whole small prompt (~120 tokens, ~1.2 s on a 2-core CPU), and Tab-Tab's follow-up a few
+    lines further down shares the keystrokes' prompt instead of paying for its own."""
     prefix, suffix = request.prefix, request.suffix
     lines = prefix.count("\n")  # the cursor's line, counted from the window's first
     first = max(0, (lines - COLD_PREFIX_LINES) // COLD_STRIDE * COLD_STRIDE)
     start = _line_start(prefix, first)
+    kept = _held_start(prefix, held)
+    if kept is not None:
+        first, start = prefix.count("\n", 0, kept), kept
     if len(prefix) - start > COLD_PREFIX_CHARS:  # long lines: the first line start within the cap
         cut = prefix.find("\n", len(prefix) - COLD_PREFIX_CHARS)
         if cut < 0 or cut + 1 >= len(prefix):
@@ -88,6 +97,18 @@ def cache_keys(document_id: str) -> list[str]:
         for ctx in ("", CONTEXT_KEY)
         for stage in ("", STAGE_KEY)
     ]
+
+
+def _held_start(prefix: str, held: str | None) -> int | None:
+    """Where ``held`` starts in ``prefix`` as a window start may (see ``cold_request``), or None."""
+    if not held:
+        return None
+    at = prefix.rfind(held, max(0, len(prefix) - 2 * COLD_PREFIX_CHARS))
+    if at < 0 or (at > 0 and prefix[at - 1] != "\n"):
+        return None
+    if prefix.count("\n", at) < COLD_PREFIX_LINES:  # the cursor moved up to it: too little before the cursor
+        return None
+    return at
 
 
 def _line_start(text: str, line: int) -> int:
