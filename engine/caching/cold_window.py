@@ -8,12 +8,9 @@ a cache of its own (the document's key plus COLD_KEY), while the full prompt fil
 cache in the background, in pre-warm chunks that yield to completions. Later completions take the full
 prompt once it costs no more than the budget.
 
-Stable while the user types: the cold prefix starts COLD_PREFIX_LINES lines above the cursor's line at a new
-spot, and then where the cold cache's prompt starts for as long as that fits (``cold_request``'s ``held``),
-and the cold suffix is the suffix's first lines (the text after the cursor does not change while typing).
-(The start used to move on a grid of 8 lines instead: every 8th new line re-evaluated the whole small prompt,
-and the first prompt at a spot had 12-19 lines before the cursor, ~35 tokens more on average than now: ~0.35 s
-of the first answer in a file just opened, on a 2-core CPU at ~100 prompt tokens a second.)
+Stable while the user types: the cold prefix starts at a line on a grid of COLD_STRIDE lines counted
+from the prefix window's own start, so it moves only in jumps, and the cold suffix is the suffix's
+first lines (the text after the cursor does not change while typing).
 
 The cold prompt keeps the request's cross-file context (engine/caching/context_prompt.py) at its head.
 Without it, a typist who never leaves the engine the seconds the full prompt needs was served by the cold
@@ -37,7 +34,8 @@ COLD_BUDGET_S = float(os.environ.get("FIMBLE_COLD_BUDGET_S", 0.5))
 COLD_KEY = "\x00cold"  # appended to a document's key: the cold prompt's cache
 CONTEXT_KEY = "\x00ctx"  # appended next: the cache of a prompt that leads with cross-file context (cache_key)
 STAGE_KEY = "\x00stage"  # appended last: where background work fills a cache's next prompt (KVStore.staging)
-COLD_PREFIX_LINES = 12  # lines before the cursor's line at a new spot
+COLD_PREFIX_LINES = 12  # at least this many lines before the cursor's line ...
+COLD_STRIDE = 8  # ... and fewer than this many more: the start moves in jumps of this many lines
 COLD_PREFIX_CHARS = 1500  # long lines: fewer lines
 COLD_SUFFIX_LINES = 4
 COLD_SUFFIX_CHARS = 400
@@ -48,12 +46,12 @@ def cold_request(request: CompletionRequest, held: str | None = None) -> Complet
 
     ``held``: the text the cold cache's prompt starts with (before its anchor). Where the prefix still holds it
     at a line start, within twice the usual length and with enough lines after it, the window starts there
-    rather than COLD_PREFIX_LINES above the cursor: new lines then go after the anchor at a few tokens each,
-    where a moved start re-evaluates the whole small prompt (~120-165 tokens, 1.2-1.6 s on a 2-core CPU), and
-    Tab-Tab's follow-up a few lines further down shares the keystrokes' prompt instead of paying for its own."""
+    rather than on the grid: new lines then go after the anchor at a few tokens each, where a jump on the grid
+    re-evaluated the whole small prompt (~120 tokens, ~1.2 s on a 2-core CPU), and Tab-Tab's follow-up a few
+    lines further down shares the keystrokes' prompt instead of paying for its own."""
     prefix, suffix = request.prefix, request.suffix
     lines = prefix.count("\n")  # the cursor's line, counted from the window's first
-    first = max(0, lines - COLD_PREFIX_LINES)
+    first = max(0, (lines - COLD_PREFIX_LINES) // COLD_STRIDE * COLD_STRIDE)
     start = _line_start(prefix, first)
     kept = _held_start(prefix, held)
     if kept is not None:

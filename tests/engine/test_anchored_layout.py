@@ -230,8 +230,10 @@ def test_a_cold_spot_answers_from_a_small_prompt_while_the_full_one_fills(target
 
 
 def test_new_lines_at_a_cold_spot_keep_the_small_prompts_start(target):
-    """The cold window starts where its cache's prompt starts while that still fits: new lines go after the
-    anchor at a few tokens each, instead of re-evaluating the whole small prompt."""
+    """The cold window starts where its cache's prompt starts while that still fits: new lines across the grid's
+    step go after the anchor at a few tokens each, instead of re-evaluating the whole small prompt."""
+    from engine.caching.cold_window import COLD_STRIDE
+
     text = stdlib_source(target.encode, 900)
     cursor = text.index("\n", len(text) * 3 // 4) + 1
     prefix, suffix = text[:cursor], text[cursor:]
@@ -242,10 +244,10 @@ def test_new_lines_at_a_cold_spot_keep_the_small_prompts_start(target):
     typed = "    x"
     eng.complete(request(prefix + typed, suffix))
     costs = []
-    for n in range(10):
+    for n in range(COLD_STRIDE + 2):  # past the grid's next step, whichever line it falls on
         typed += f" = {n}\n    x"
         costs.append(eng.complete(request(prefix + typed, suffix)).stats["prefilled_tokens"])
-    assert eng.counters()["cold_prompts"] == 11
+    assert eng.counters()["cold_prompts"] == COLD_STRIDE + 3
     assert max(costs) <= 12, costs
 
 
@@ -254,13 +256,14 @@ def test_cold_request_keeps_a_held_start_only_where_it_fits():
 
     prefix = "".join(f"line{i}\n" for i in range(40)) + "    x"
     at = CompletionRequest(prefix, "\nrest\n" * 10, document_id="d")
-    assert cold_request(at).prefix.startswith("line28\n")  # COLD_PREFIX_LINES above the cursor's line
+    grid = cold_request(at)
+    assert grid.prefix.startswith("line24\n")  # (40 - 12) // 8 * 8
     held = "line16\nline17\n"
     assert cold_request(at, held).prefix.startswith("line16\n")
-    assert cold_request(at, "ine16\n").prefix.startswith("line28\n")  # not at a line start
-    assert cold_request(at, "missing\n").prefix.startswith("line28\n")
+    assert cold_request(at, "ine16\n").prefix.startswith("line24\n")  # not at a line start
+    assert cold_request(at, "missing\n").prefix.startswith("line24\n")
     late = "".join(f"line{i}\n" for i in range(40 - COLD_PREFIX_LINES + 1, 40))
-    assert cold_request(at, late).prefix.startswith("line28\n")  # too few lines before the cursor
+    assert cold_request(at, late).prefix.startswith("line24\n")  # too few lines before the cursor
 
 
 def test_background_work_waits_once_the_host_goes_quiet(target, monkeypatch):
