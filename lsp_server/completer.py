@@ -337,9 +337,7 @@ class Completer:
         """The editor's cursor rests at ``cursor`` (fimble/cursor): pre-warm the prompt a completion there would
         send, unless the engine already got (or is about to get) that very prompt (lsp_server/prewarm.py)."""
         if self.warm.needs_prewarm(doc, cursor):
-            # No prewarmDelayMs on top: the editor sends this once the cursor has rested (150 ms in VS Code), and
-            # in a file just opened the small prompt's ~160 tokens need every moment before the first key.
-            self.schedule_prewarm(doc, cursor, settings, delay_ms=0, exact=True)
+            self.schedule_prewarm(doc, cursor, settings, exact=True)
 
     def schedule_prewarm(
         self,
