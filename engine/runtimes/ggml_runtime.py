@@ -54,6 +54,7 @@ import hashlib
 import itertools
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -139,6 +140,7 @@ class GGMLCache:
 
     def __init__(self, runtime: GGMLRuntime, max_len: int):
         self.runtime = runtime  # keeps the model alive as long as its contexts
+        runtime._contexts += 1  # (and GGMLRuntime.__del__ waits for the last one)
         lib = runtime.lib
         self.ctx = lib.new_context(
             runtime.model, max_len, min(PREFILL_BATCH, max_len), runtime.threads, runtime.flash_attn
@@ -173,10 +175,11 @@ class GGMLCache:
 
     def __del__(self) -> None:
         rt = getattr(self, "runtime", None)
-        if rt is not None and getattr(self, "ctx", None) is not None:
+        if rt is not None and getattr(self, "ctx", None) is not None and not sys.is_finalizing():
             rt.lib.lib.llama_batch_free(self.batch)
             rt.lib.lib.llama_free(self.ctx)
             self.ctx = None
+            rt.context_closed()
 
 
 class GGMLRuntime:
@@ -195,6 +198,7 @@ class GGMLRuntime:
     ):
         """``loaded``: ``load_weights``'s answer, where the caller loaded the model already (``WeightsLoad``)."""
         self.lib = get_lib()
+        self._contexts, self._closing = 0, False  # live GGMLCache contexts of this model (``__del__``)
         self.path = path
         self.cfg = cfg
         self.threads = resolve_threads(threads)
@@ -249,7 +253,21 @@ class GGMLRuntime:
         return flash, pad, invariant, self.threads
 
     def __del__(self) -> None:
-        if getattr(self, "model", None) is not None:
+        # A cache and its runtime dropped together (a reference cycle, a test's engines) are finalised in any
+        # order: the model is freed only once no context of it is left, or a context freed after it would touch
+        # freed memory. At interpreter exit nothing is freed: the process ends, and llama.cpp's objects torn down
+        # in arbitrary order crashed a test run's exit (SIGSEGV after the last test, 2026-12-04).
+        self._closing = True
+        if getattr(self, "_contexts", 0) == 0:
+            self._free_model()
+
+    def context_closed(self) -> None:
+        self._contexts -= 1
+        if self._contexts == 0 and getattr(self, "_closing", False):
+            self._free_model()
+
+    def _free_model(self) -> None:
+        if getattr(self, "model", None) is not None and not sys.is_finalizing():
             self.lib.lib.llama_model_free(self.model)
             self.model = None
 

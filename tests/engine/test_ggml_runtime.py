@@ -254,3 +254,21 @@ def test_greedy_rounds_on_numpy_rows_decode_as_the_torch_path(pair):
                 dec.step()
             outs.append(dec.output)
         assert len(outs[0]) == 48 and outs[0] == outs[1], drafter
+
+
+def test_the_model_outlives_its_last_context():
+    """A runtime finalised before its caches (a reference cycle collected in any order) frees its model only once
+    the last context is gone: a context freed after its model touched freed memory (a test run's exit crashed)."""
+    import gc
+
+    runtime = load_model(TARGET_DIR).runtime
+    caches = [runtime.new_cache(64) for _ in range(2)]
+    assert runtime._contexts == 2
+    runtime.__del__()  # as a collected cycle may call it first
+    assert runtime.model is not None
+    del caches[0]
+    gc.collect()
+    assert runtime._contexts == 1 and runtime.model is not None
+    caches.clear()
+    gc.collect()
+    assert runtime._contexts == 0 and runtime.model is None
