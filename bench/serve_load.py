@@ -71,6 +71,7 @@ from pathlib import Path
 
 from websockets.asyncio.client import connect
 
+from bench import serve_timers
 from engine.serve import protocol
 
 REPO = Path(__file__).resolve().parent.parent
@@ -296,6 +297,10 @@ def shape_engine(shape: str, device: str, batch: bool, max_active: int, warm_gra
     )
     if os.environ.get("SERVE_LOAD_CHILD"):  # as engine/process.py --serve does
         sys.setswitchinterval(switch_interval())
+    if os.environ.get("SERVE_LOAD_TIMERS"):  # where a round's host time goes (bench/serve_timers.py)
+        from bench import serve_timers
+
+        serve_timers.install(engine)
     profile = os.environ.get("SERVE_LOAD_PROFILE")  # a path: cProfile the decode loop, stats written at its end
     if profile:
         import cProfile
@@ -470,6 +475,7 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
         "daemon_gc_full_ms": diff("daemon_gc_full_ms"),
         "daemon_gc_pause_ms": diff("daemon_gc_pause_ms"),
         **stalls(events),
+        "timers": serve_timers.summary(diff),
         "first_delta_events": events,
         "finals": [r.get("final") if isinstance(r, dict) else None for r in results],
     }
@@ -742,6 +748,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['daemon_gc_pause_ms']:.0f} ms)",
                     flush=True,
                 )
+                if r.get("timers"):
+                    print(f"  {'':>11} {'':>3}          timers: {serve_timers.line(r['timers'])}", flush=True)
     finally:
         for d in daemons.values():
             if d is llama:
