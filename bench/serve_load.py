@@ -660,6 +660,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", help="--llama-server's model (python -m bench.harness.llama_server_cuda --write-gguf)")
     ap.add_argument("--llama-slots", type=int, default=0, help="llama-server's parallel slots (0: the largest level)")
     ap.add_argument("--rounds", type=int, default=1, help="run the levels this many times, interleaved")
+    ap.add_argument(
+        "--fresh-traces",
+        action="store_true",
+        help="a new trace every round (seed level + 1000 x round): without it every round re-types the same lines "
+        "into the same documents, so the server's memos of earlier rounds answer later ones",
+    )
     ap.add_argument("--serve-shape", help=argparse.SUPPRESS)  # internal: be the daemon (serve_shape)
     ap.add_argument("--no-batch", action="store_true", help=argparse.SUPPRESS)  # internal, with --serve-shape
     args = ap.parse_args(argv)
@@ -703,12 +709,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     try:
         for rnd, n in ((r, n) for r in range(args.rounds) for n in levels):  # every system at a level, then the next
+            seed = n + 1000 * rnd if args.fresh_traces else n
             for name, daemon in daemons.items():
                 think = args.think_ms / 1e3
                 if daemon is llama:
-                    r = asyncio.run(llama_level(llama, n, args.chars, think, args.max_tokens, seed=n))
+                    r = asyncio.run(llama_level(llama, n, args.chars, think, args.max_tokens, seed=seed))
                 else:
-                    r = asyncio.run(level(daemon.url, n, args.chars, think, args.max_tokens, seed=n))
+                    r = asyncio.run(level(daemon.url, n, args.chars, think, args.max_tokens, seed=seed))
                 r["scheduler"] = name
                 r["round"] = rnd
                 r["load_average"] = round(os.getloadavg()[0], 2)
@@ -832,6 +839,7 @@ def main(argv: list[str] | None = None) -> int:
                     "load_average_end": os.getloadavg(),
                     "cpu_count": os.cpu_count(),
                     "rounds": args.rounds,
+                    "fresh_traces": args.fresh_traces,
                     "peer": llama.cmd if llama is not None else None,
                     "rows": rows,
                     "headline": headline,

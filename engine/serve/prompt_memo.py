@@ -14,6 +14,11 @@ before the cursor's line, the suffix and the cross-file context are the same as 
   head's pieces are folded onto it: the head always begins a segment, so the body's segments are exactly those the
   whole prompt has before the head, and the head's chain starts from the body's last one.
 
+- the text that is new at a keystroke (the cursor's line) is tokenised by the tokenizer's Rust backend directly,
+  as transformers' ``encode(..., split_special_tokens=True)`` does it underneath (about a tenth of the time: the
+  wrapper's Python was most of a keystroke's build), and healing's one-token decodes are remembered. Both are
+  checked against the model's own at start on probe texts, and left as they were where anything differs.
+
 The ids, pieces and segments are the same as ``PromptBuilder.build``'s, for every request
 (tests/serve/test_prompt_memo.py checks it over typing traces, truncation, context and healing).
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engine.caching.prompt_plan import Piece, PromptBuilder, PromptPlan, Segment, _digest, _Part
 
@@ -30,11 +35,80 @@ PARTS_REMEMBERED = 1024  # parts (three a keystroke: prefix, suffix, the cursor'
 BODIES_REMEMBERED = 256  # prompts without their head (one per editor typing in a line)
 
 
+# Texts the direct tokenizer call must tokenise as the model does before it is used: code, blank lines and
+# indentation, non-ASCII, and control tokens typed as text (which must stay text).
+PROBES = (
+    "def f(x):\n    return x  # done\n\n\n",
+    "\t\tvalue = {'a': [1, 2.5e-3]}\r\n",
+    "caf\u00e9 \u4e2d\u6587 \U0001f600 \u00a0end",
+    "<|fim_prefix|>x<|fim_middle|><|endoftext|><|file_sep|>",
+    "   ",
+)
+
+
+def direct_encoder(model) -> Callable[[str], list[int]] | None:
+    """``model.encode`` as one call of its tokenizer's Rust backend (a copy of it, splitting control tokens as
+    text), or None where the tokenizer has no such backend or any probe tokenises differently."""
+    backend = getattr(model.tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(backend.to_str())
+        tok.encode_special_tokens = True  # what split_special_tokens=True sets on transformers' own
+    except Exception:  # noqa: BLE001 - any failure: the model's own encode stays
+        return None
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids if text else []
+
+    try:
+        if any(encode(t) != model.encode(t) for t in PROBES):
+            return None
+    except Exception:  # noqa: BLE001
+        return None
+    return encode
+
+
+class _DirectModel:
+    """The model as PromptBuilder sees it, with ``encode`` the direct call and one-token decodes remembered."""
+
+    def __init__(self, model, encode: Callable[[str], list[int]]):
+        self._model, self.encode = model, encode
+        self.tokenizer = _RememberedDecodes(model.tokenizer)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
+class _RememberedDecodes:
+    """A tokenizer whose decodes of one token are remembered (healing decodes the prompt's last token)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._one: dict[tuple, str] = {}
+
+    def decode(self, ids, **kwargs) -> str:
+        if len(ids) != 1:
+            return self._tokenizer.decode(ids, **kwargs)
+        key = (int(ids[0]), *sorted(kwargs.items()))
+        text = self._one.get(key)
+        if text is None:
+            text = self._one[key] = self._tokenizer.decode(ids, **kwargs)
+        return text
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+
 class IncrementalPromptBuilder(PromptBuilder):
     """``PromptBuilder`` with its parts and head-less prompts remembered (see the module docstring)."""
 
     def __init__(self, model, **kwargs):
-        super().__init__(model, **kwargs)
+        encode = direct_encoder(model)
+        super().__init__(_DirectModel(model, encode) if encode is not None else model, **kwargs)
+        self.direct = encode is not None
         self._parts: OrderedDict[tuple, tuple[list[list[int]], list[bool]]] = OrderedDict()
         self._bodies: OrderedDict[tuple, tuple[tuple, PromptPlan]] = OrderedDict()
         self.part_hits = self.body_hits = 0

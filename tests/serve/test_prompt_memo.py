@@ -9,9 +9,10 @@ import pytest
 
 from bench.harness.llama_server_cuda import tokenizer_only
 from engine.api import CompletionRequest
-from engine.caching.prompt_plan import PromptBuilder
+from engine.caching.prompt_plan import LINE_CUT, PromptBuilder
+from engine.errors import PromptError
 from engine.options import DecodeOptions
-from engine.serve.prompt_memo import IncrementalPromptBuilder
+from engine.serve.prompt_memo import IncrementalPromptBuilder, direct_encoder
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "lossless_corpus"
 
@@ -21,9 +22,16 @@ def model():
     return tokenizer_only()  # the embedded target's tokenizer and template; no weights read
 
 
+def outcome(builder: PromptBuilder, request: CompletionRequest, anchor: int | None):
+    try:
+        return builder.build(request, anchor)
+    except PromptError as exc:  # (a prompt past the context, without truncate: the same refusal)
+        return str(exc)
+
+
 def same(memo: IncrementalPromptBuilder, model, request: CompletionRequest, anchor: int | None = None) -> None:
     fresh = PromptBuilder(model)  # no memo of any kind carried over
-    assert memo.build(request, anchor) == fresh.build(request, anchor)
+    assert outcome(memo, request, anchor) == outcome(fresh, request, anchor)
 
 
 def typing(text: str, rng: random.Random, keys: int) -> list[tuple[str, str]]:
@@ -42,7 +50,7 @@ def typing(text: str, rng: random.Random, keys: int) -> list[tuple[str, str]]:
             typed += line[k % len(line)]
         out.append((before + typed, after))
     j = rng.randrange(1, len(text) - 1)
-    out.append((text[:j], text[j:]))  # the cursor jumps elsewhere
+    out.append((text[:j], text[j:]))  # the cursor jumps elsewhere (a long file: past the context)
     return out
 
 
@@ -55,7 +63,9 @@ def test_typing_builds_the_same_prompts(model, seed):
         text = f.read_text()
         lines = sorted(rng.sample(range(text.count("\n")), 6)) if seed % 2 else None  # with and without a parse
         for prefix, suffix in typing(text, rng, 14):
-            same(memo, model, CompletionRequest(prefix, suffix, document_id=f.name, segment_lines=lines))
+            for truncate in (False, True):
+                request = CompletionRequest(prefix, suffix, document_id=f.name, segment_lines=lines, truncate=truncate)
+                same(memo, model, request)
     assert memo.body_hits > 10 and memo.part_hits > 20  # the memo was used, not only filled
 
 
@@ -88,3 +98,25 @@ def test_truncation_context_and_anchor(model):
         same(memo, model, CompletionRequest(prefix[-3000:], text[cut : cut + 500], context=context))
         anchor = prefix.rfind("\n", 0, prefix.rfind("\n"))  # a line break above the cursor's line
         same(memo, model, CompletionRequest(prefix[-3000:], "\n", document_id="a"), anchor - len(prefix) + 3000)
+
+
+def test_the_direct_tokenizer_call_tokenises_as_the_model(model):
+    encode = direct_encoder(model)
+    assert encode is not None  # the embedded tokenizer has a Rust backend: the fast path is the one tested above
+    assert IncrementalPromptBuilder(model).direct
+    for f in sorted(CORPUS.glob("*.py.txt")):
+        for piece in LINE_CUT.split(f.read_text())[:400]:
+            assert encode(piece) == model.encode(piece)
+    typed = "x = '<|fim_middle|>'  # <|endoftext|> caf\u00e9\n"
+    assert encode(typed) == model.encode(typed) and model.token_id("<|fim_middle|>") not in encode(typed)
+
+
+def test_a_tokenizer_that_differs_keeps_the_models_encode(model):
+    class Odd:
+        def __init__(self, inner):
+            self.inner, self.tokenizer = inner, inner.tokenizer
+
+        def encode(self, text):
+            return self.inner.encode(text)[::-1]  # not what the backend gives
+
+    assert direct_encoder(Odd(model)) is None
