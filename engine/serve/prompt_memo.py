@@ -2,22 +2,22 @@
 
 Under ``fimble serve`` every keystroke of every editor is a new request, and 32 editors typing in step bring 32 of
 them into one round, each built while the others wait (issue 27: a 32-keystroke burst, chiefly its prompt builds,
-was what was left of the slow rounds at 32 editors on the H200). Typing within a line changes only the text after
-the middle sentinel (the cursor's line: engine/caching/prompt_plan.py puts it there for PSM templates); the text
-before the cursor's line, the suffix and the cross-file context are the same as the previous keystroke's. So:
+was what was left of the slow rounds at 32 editors on the H200). A keystroke changes the prompt at the cursor: the
+last piece or two of the text before it (suffix-first templates put the prefix last; prefix-first ones put the
+cursor's line after the middle sentinel, engine/caching/prompt_plan.py). So:
 
-- each part (prefix, suffix, the cursor's line) is remembered by its text, line numbering and segment lines: a
-  repeat costs one dictionary lookup instead of the line split and a memo lookup per line;
-- the prompt without its head (everything up to and including the middle sentinel, ``PromptBuilder._assemble``
-  with no head) is remembered by the identity of its pieces' token lists (the builder's memo hands out the same
-  list for the same text; the entry holds them, so an identity cannot be reused while it is remembered), and the
-  head's pieces are folded onto it: the head always begins a segment, so the body's segments are exactly those the
-  whole prompt has before the head, and the head's chain starts from the body's last one.
-
-- the text that is new at a keystroke (the cursor's line) is tokenised by the tokenizer's Rust backend directly,
-  as transformers' ``encode(..., split_special_tokens=True)`` does it underneath (about a tenth of the time: the
-  wrapper's Python was most of a keystroke's build), and healing's one-token decodes are remembered. Both are
-  checked against the model's own at start on probe texts, and left as they were where anything differs.
+- a part (prefix, suffix, the cursor's line) is remembered by its text, line numbering and segment lines, and a new
+  one is made from the remembered part of its text up to its last cut point (``last_piece``) plus that last piece:
+  the line split, the memo lookups and the segment count run over the one line that changed;
+- the assembled prompt (ids, pieces, segment chain keys: ``Fold``) is remembered as it stood before each of its
+  last ``CHECKPOINTS`` pieces, keyed by those pieces (token lists by identity: the builder's memo hands out the same
+  list for the same text, and the entry holds them, so no other list can take an identity while it is remembered;
+  one- and two-token pieces, the template's own tokens among them, by value); a prompt resumes from the latest
+  such state its own pieces lead to and adds only the pieces after it;
+- the text that is new at a keystroke is tokenised by the tokenizer's Rust backend directly, as transformers'
+  ``encode(..., split_special_tokens=True)`` does it underneath (the wrapper's Python was most of that call), and
+  healing's one-token decodes are remembered. Both are checked against the model's own at start on probe texts,
+  and left as they were where anything differs.
 
 The ids, pieces and segments are the same as ``PromptBuilder.build``'s, for every request
 (tests/serve/test_prompt_memo.py checks it over typing traces, truncation, context and healing).
@@ -25,14 +25,15 @@ The ids, pieces and segments are the same as ``PromptBuilder.build``'s, for ever
 
 from __future__ import annotations
 
-from array import array
+import copy
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from engine.caching.prompt_plan import Piece, PromptBuilder, PromptPlan, Segment, _digest, _Part
+from engine.caching.prompt_plan import LINE_CUT, Breaks, Fold, PromptBuilder, PromptPlan, _Part, last_piece
 
 PARTS_REMEMBERED = 1024  # parts (three a keystroke: prefix, suffix, the cursor's line), least recently used dropped
-BODIES_REMEMBERED = 256  # prompts without their head (one per editor typing in a line)
+CHECKPOINTS = 3  # a prompt's fold remembered before each of its last this many pieces
+FOLDS_REMEMBERED = 1024  # fold states (up to CHECKPOINTS a prompt)
 
 
 # Texts the direct tokenizer call must tokenise as the model does before it is used: code, blank lines and
@@ -103,29 +104,48 @@ class _RememberedDecodes:
 
 
 class IncrementalPromptBuilder(PromptBuilder):
-    """``PromptBuilder`` with its parts and head-less prompts remembered (see the module docstring)."""
+    """``PromptBuilder`` with its parts and assembled prompts remembered (see the module docstring)."""
 
     def __init__(self, model, **kwargs):
         encode = direct_encoder(model)
         super().__init__(_DirectModel(model, encode) if encode is not None else model, **kwargs)
         self.direct = encode is not None
         self._parts: OrderedDict[tuple, tuple[list[list[int]], list[bool]]] = OrderedDict()
-        self._bodies: OrderedDict[tuple, tuple[tuple, PromptPlan]] = OrderedDict()
-        self.part_hits = self.body_hits = 0
+        self._leads: OrderedDict[tuple, tuple[list[list[int]], list[bool], Breaks]] = OrderedDict()
+        self._folds: OrderedDict[tuple, tuple] = OrderedDict()
+        self.part_hits = self.lead_hits = self.fold_hits = 0
 
     def _part(self, text: str, first_line: int, lines: Sequence[int] | None) -> _Part:
         if not text:
             return _Part()
-        key = (text, first_line, None if lines is None else tuple(lines))
+        lines_key = None if lines is None else tuple(lines)
+        key = (text, first_line, lines_key)
         hit = self._parts.get(key)
         if hit is not None:
             self._parts.move_to_end(key)
             self.part_hits += 1
             return _Part(list(hit[0]), list(hit[1]))  # the caller may cut its lists (truncation)
-        part = super()._part(text, first_line, lines)
-        self._parts[key] = (list(part.tokens), list(part.starts))
-        if len(self._parts) > PARTS_REMEMBERED:
-            self._parts.popitem(last=False)
+        tail = last_piece(text)
+        cut = len(text) - len(tail)
+        if cut:  # the text up to its last cut point (remembered), then the last piece
+            lead_key = (text[:cut], first_line, lines_key)
+            lead = self._leads.get(lead_key)
+            if lead is None:
+                breaks, head = Breaks(first_line, lines), _Part()
+                for piece in LINE_CUT.split(text[:cut]):
+                    if piece:
+                        head.add(self._encode(piece)[0], breaks.starts(piece))
+                lead = (head.tokens, head.starts, breaks)
+                _remember(self._leads, lead_key, lead, PARTS_REMEMBERED)
+            else:
+                self._leads.move_to_end(lead_key)
+                self.lead_hits += 1
+            breaks = copy.copy(lead[2])
+            part = _Part(list(lead[0]), list(lead[1]))
+            part.add(self._encode(tail)[0], breaks.starts(tail))
+        else:
+            part = super()._part(text, first_line, lines)
+        _remember(self._parts, key, (list(part.tokens), list(part.starts)), PARTS_REMEMBERED)
         return part
 
     def _assemble(
@@ -138,36 +158,39 @@ class IncrementalPromptBuilder(PromptBuilder):
         dropped: int,
         context: _Part | None = None,
     ) -> PromptPlan:
-        context = context if context is not None else _Part()
-        key = tuple(
-            (tuple(map(id, part.tokens)), tuple(part.starts)) for part in (prefix, suffix, context)
-        )  # token lists by identity: the entry keeps them alive, so no other list takes an id while it is remembered
-        entry = self._bodies.get(key)
-        if entry is None:
-            body = super()._assemble(prefix, suffix, _Part(), heal, constrained, dropped, context)
-            refs = (list(prefix.tokens), list(suffix.tokens), list(context.tokens))
-            self._bodies[key] = (refs, body)
-            if len(self._bodies) > BODIES_REMEMBERED:
-                self._bodies.popitem(last=False)
-        else:
-            self._bodies.move_to_end(key)
-            self.body_hits += 1
-            body = entry[1]
-        ids = list(body.ids)
-        pieces = list(body.pieces)
-        segments = list(body.segments)
-        if head.tokens:
-            # The head's first piece begins a segment (``_Part.add``): the body's segments are closed as they are,
-            # and the head's chain goes on from the body's last segment, as in PromptBuilder._assemble's loop.
-            chain, seg_start, seg_hash = segments[-1].chain, len(ids), b""
-            for toks, starts in zip(head.tokens, head.starts, strict=True):
-                if starts and len(ids) > seg_start:
-                    chain = _digest(seg_hash, chain)
-                    segments.append(Segment(seg_start, len(ids) - seg_start, chain))
-                    seg_start, seg_hash = len(ids), b""
-                raw = array("i", toks).tobytes()
-                seg_hash = _digest(raw, seg_hash)
-                pieces.append(Piece(len(ids), len(toks), _digest(raw)))
-                ids.extend(toks)
-            segments.append(Segment(seg_start, len(ids) - seg_start, _digest(seg_hash, chain)))
+        order = self._order(prefix, suffix, head, context)
+        n = len(order)
+        marks = [id(toks) if len(toks) > 2 else tuple(toks) for toks, _ in order]
+        flags = [starts for _, starts in order]
+        fold, at = None, 0
+        for m in range(n - 1, max(n - CHECKPOINTS, 1) - 1, -1):  # the latest remembered state first
+            entry = self._folds.get((tuple(marks[:m]), tuple(flags[:m])))
+            if entry is not None:
+                _, (ids, pieces, segments), (n_ids, n_pieces, n_segments), chain, seg_start, seg_hash = entry
+                fold = Fold(list(ids[:n_ids]), list(pieces[:n_pieces]), list(segments[:n_segments]))
+                fold.chain, fold.seg_start, fold.seg_hash = chain, seg_start, seg_hash
+                at = m
+                self.fold_hits += 1
+                break
+        if fold is None:
+            fold = Fold()
+        marked = []  # (m, the fold's state before order[m]: its lists' lengths, chain, open segment's start and hash)
+        for m in range(at, n):
+            if m >= max(n - CHECKPOINTS, 1) and m > at:
+                lengths = (len(fold.ids), len(fold.pieces), len(fold.segments))
+                marked.append((m, lengths, fold.chain, fold.seg_start, fold.seg_hash))
+            fold.add(*order[m])
+        ids, pieces, segments = fold.finish()
+        if marked:
+            refs = [toks for toks, _ in order]  # keeps every identity in the keys alive
+            shared = (tuple(ids), tuple(pieces), tuple(fold.segments))
+            for m, lengths, chain, seg_start, seg_hash in marked:
+                key = (tuple(marks[:m]), tuple(flags[:m]))
+                _remember(self._folds, key, (refs, shared, lengths, chain, seg_start, seg_hash), FOLDS_REMEMBERED)
         return PromptPlan(ids, pieces, segments, heal, constrained, dropped)
+
+
+def _remember(memo: OrderedDict, key, value, limit: int) -> None:
+    memo[key] = value
+    if len(memo) > limit:
+        memo.popitem(last=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -9,17 +10,20 @@ import pytest
 
 from bench.harness.llama_server_cuda import tokenizer_only
 from engine.api import CompletionRequest
-from engine.caching.prompt_plan import LINE_CUT, PromptBuilder
+from engine.caching.prompt_plan import LINE_CUT, PromptBuilder, last_piece
 from engine.errors import PromptError
+from engine.fim import TEMPLATES
 from engine.options import DecodeOptions
 from engine.serve.prompt_memo import IncrementalPromptBuilder, direct_encoder
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "lossless_corpus"
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tokenizer_only()  # the embedded target's tokenizer and template; no weights read
+@pytest.fixture(scope="module", params=["fimble", "fimble-psm"])
+def model(request):
+    """The embedded target's tokenizer (no weights read) with its own template (suffix first: a keystroke changes the
+    prompt's last pieces) and the prefix-first one (the cursor's line after the middle sentinel)."""
+    return dataclasses.replace(tokenizer_only(), template=TEMPLATES[request.param])
 
 
 def outcome(builder: PromptBuilder, request: CompletionRequest, anchor: int | None):
@@ -66,7 +70,7 @@ def test_typing_builds_the_same_prompts(model, seed):
             for truncate in (False, True):
                 request = CompletionRequest(prefix, suffix, document_id=f.name, segment_lines=lines, truncate=truncate)
                 same(memo, model, request)
-    assert memo.body_hits > 10 and memo.part_hits > 20  # the memo was used, not only filled
+    assert memo.fold_hits > 20 and memo.part_hits + memo.lead_hits > 20  # the memos were used, not only filled
 
 
 def test_two_editors_interleaved_and_healing_off(model):
@@ -120,3 +124,12 @@ def test_a_tokenizer_that_differs_keeps_the_models_encode(model):
             return self.inner.encode(text)[::-1]  # not what the backend gives
 
     assert direct_encoder(Odd(model)) is None
+
+
+def test_last_piece_is_the_line_splits_last():
+    texts = [f.read_text() for f in sorted(CORPUS.glob("*.py.txt"))[:4]]
+    rng = random.Random(5)
+    odd = ["", "\n", "x", "\n\n", " \n", "a\n", "a \n \n", "a\u00a0\nb", "a\x1c\nb", "\t\n\tx", "a\nb\n\n  "]
+    cuts = [t[: rng.randrange(len(t) + 1)] for t in texts for _ in range(200)]
+    for text in odd + cuts:
+        assert last_piece(text) == (LINE_CUT.split(text)[-1] or text)
