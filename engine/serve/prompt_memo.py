@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 
 from engine.caching.prompt_plan import LINE_CUT, Breaks, Fold, PromptBuilder, PromptPlan, _Part, last_piece
 
-PARTS_REMEMBERED = 1024  # parts (three a keystroke: prefix, suffix, the cursor's line), least recently used dropped
+PARTS_REMEMBERED = 512  # parts and their leads (a few a keystroke: prefix, suffix, the cursor's line), LRU
 CHECKPOINTS = 3  # a prompt's fold remembered before each of its last this many pieces
-FOLDS_REMEMBERED = 1024  # fold states (up to CHECKPOINTS a prompt)
+FOLDS_REMEMBERED = 512  # fold states (up to CHECKPOINTS a prompt; 64 editors need ~200)
 
 
 # Texts the direct tokenizer call must tokenise as the model does before it is used: code, blank lines and
