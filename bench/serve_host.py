@@ -128,6 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--row-ms", type=float, default=0.012, help="its time per row (H200, 1.5B: 32 x 2 rows 2.9 ms)")
     ap.add_argument("--prefill-ms", type=float, default=14.0, help="an eager prefill chunk's time (H200, 1.5B)")
     ap.add_argument("--quick", action="store_true", help="8 editors, 6 characters: under a minute")
+    ap.add_argument(
+        "--layout",
+        choices=("both", "on", "off"),
+        default="both",
+        help="the engine in a child process "
+        "(on: fimble serve's CUDA default), in the daemon's (off), or both, interleaved",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="run the levels this many times, interleaved")
+    ap.add_argument("--fresh-traces", action="store_true", help="a new trace every round (as bench/serve_load.py)")
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # internal: be the daemon
     ap.add_argument("--engine-process", choices=("on", "off"), default="on", help=argparse.SUPPRESS)
@@ -151,13 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{load_start[0]:.2f}",
         flush=True,
     )
-    daemons = {layout: simulated_daemon(serve_load, args, layout) for layout in ("on", "off")}
+    layouts = ("on", "off") if args.layout == "both" else (args.layout,)
+    daemons = {layout: simulated_daemon(serve_load, args, layout) for layout in layouts}
     rows: list[dict] = []
     try:
-        for n in levels:  # interleaved: both layouts at one level before the next
+        for rnd, n in ((r, n) for r in range(args.rounds) for n in levels):  # interleaved: every layout at a level
+            seed = n + 1000 * rnd if args.fresh_traces else n
             for layout, daemon in daemons.items():
-                r = asyncio.run(serve_load.level(daemon.url, n, args.chars, args.think_ms / 1e3, 128, seed=n))
+                r = asyncio.run(serve_load.level(daemon.url, n, args.chars, args.think_ms / 1e3, 128, seed=seed))
                 r.update(layout="engine process" if layout == "on" else "one process", load=os.getloadavg()[0])
+                r["round"] = rnd
                 rows.append(r)
     finally:
         for d in daemons.values():
@@ -173,14 +185,23 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['mean_overlap_ms']:>10.2f} | {r['errors']}"
         )
     top = levels[-1]
-    child = next(r for r in rows if r["editors"] == top and r["layout"] == "engine process")
-    alone = next(r for r in rows if r["editors"] == top and r["layout"] == "one process")
-    headline = (
-        f"serve_host: {top} editors, simulated graphs: engine process {child['tok_per_s']:.0f} tok/s, p95 "
-        f"{child['p95_first_delta_ms']:.0f} ms vs one process {alone['tok_per_s']:.0f} tok/s, p95 "
-        f"{alone['p95_first_delta_ms']:.0f} ms ({child['tok_per_s'] / max(alone['tok_per_s'], 1e-9):.2f}x); "
-        f"round host time advancing {child['mean_advance_ms']:.2f} ms; load average {os.getloadavg()[0]:.2f}"
-    )
+    if args.layout != "both":
+        last = [r for r in rows if r["editors"] == top]
+        rates = "/".join(str(round(r["tok_per_s"])) for r in last)
+        p95s = "/".join(str(round(r["p95_first_delta_ms"])) for r in last)
+        headline = (
+            f"serve_host: {top} editors, simulated graphs, {last[0]['layout']}: {rates} tok/s, p95 {p95s} ms; "
+            f"load average {os.getloadavg()[0]:.2f}"
+        )
+    else:
+        child = next(r for r in rows if r["editors"] == top and r["layout"] == "engine process")
+        alone = next(r for r in rows if r["editors"] == top and r["layout"] == "one process")
+        headline = (
+            f"serve_host: {top} editors, simulated graphs: engine process {child['tok_per_s']:.0f} tok/s, p95 "
+            f"{child['p95_first_delta_ms']:.0f} ms vs one process {alone['tok_per_s']:.0f} tok/s, p95 "
+            f"{alone['p95_first_delta_ms']:.0f} ms ({child['tok_per_s'] / max(alone['tok_per_s'], 1e-9):.2f}x); "
+            f"round host time advancing {child['mean_advance_ms']:.2f} ms; load average {os.getloadavg()[0]:.2f}"
+        )
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -192,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                     "graph_ms": args.graph_ms,
                     "row_ms": args.row_ms,
                     "levels": levels,
+                    "rounds": args.rounds,
+                    "fresh_traces": args.fresh_traces,
+                    "layout": args.layout,
                     "load_average_start": load_start,
                     "load_average_end": os.getloadavg(),
                     "rows": rows,

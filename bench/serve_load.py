@@ -71,6 +71,7 @@ from pathlib import Path
 
 from websockets.asyncio.client import connect
 
+from bench import serve_timers
 from engine.serve import protocol
 
 REPO = Path(__file__).resolve().parent.parent
@@ -296,6 +297,10 @@ def shape_engine(shape: str, device: str, batch: bool, max_active: int, warm_gra
     )
     if os.environ.get("SERVE_LOAD_CHILD"):  # as engine/process.py --serve does
         sys.setswitchinterval(switch_interval())
+    if os.environ.get("SERVE_LOAD_TIMERS"):  # where a round's host time goes (bench/serve_timers.py)
+        from bench import serve_timers
+
+        serve_timers.install(engine)
     profile = os.environ.get("SERVE_LOAD_PROFILE")  # a path: cProfile the decode loop, stats written at its end
     if profile:
         import cProfile
@@ -470,6 +475,7 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
         "daemon_gc_full_ms": diff("daemon_gc_full_ms"),
         "daemon_gc_pause_ms": diff("daemon_gc_pause_ms"),
         **stalls(events),
+        "timers": serve_timers.summary(diff),
         "first_delta_events": events,
         "finals": [r.get("final") if isinstance(r, dict) else None for r in results],
     }
@@ -654,6 +660,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", help="--llama-server's model (python -m bench.harness.llama_server_cuda --write-gguf)")
     ap.add_argument("--llama-slots", type=int, default=0, help="llama-server's parallel slots (0: the largest level)")
     ap.add_argument("--rounds", type=int, default=1, help="run the levels this many times, interleaved")
+    ap.add_argument(
+        "--fresh-traces",
+        action="store_true",
+        help="a new trace every round (seed level + 1000 x round): without it every round re-types the same lines "
+        "into the same documents, so the server's memos of earlier rounds answer later ones",
+    )
     ap.add_argument("--serve-shape", help=argparse.SUPPRESS)  # internal: be the daemon (serve_shape)
     ap.add_argument("--no-batch", action="store_true", help=argparse.SUPPRESS)  # internal, with --serve-shape
     args = ap.parse_args(argv)
@@ -697,12 +709,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     try:
         for rnd, n in ((r, n) for r in range(args.rounds) for n in levels):  # every system at a level, then the next
+            seed = n + 1000 * rnd if args.fresh_traces else n
             for name, daemon in daemons.items():
                 think = args.think_ms / 1e3
                 if daemon is llama:
-                    r = asyncio.run(llama_level(llama, n, args.chars, think, args.max_tokens, seed=n))
+                    r = asyncio.run(llama_level(llama, n, args.chars, think, args.max_tokens, seed=seed))
                 else:
-                    r = asyncio.run(level(daemon.url, n, args.chars, think, args.max_tokens, seed=n))
+                    r = asyncio.run(level(daemon.url, n, args.chars, think, args.max_tokens, seed=seed))
                 r["scheduler"] = name
                 r["round"] = rnd
                 r["load_average"] = round(os.getloadavg()[0], 2)
@@ -742,6 +755,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['daemon_gc_pause_ms']:.0f} ms)",
                     flush=True,
                 )
+                if r.get("timers"):
+                    print(f"  {'':>11} {'':>3}          timers: {serve_timers.line(r['timers'])}", flush=True)
     finally:
         for d in daemons.values():
             if d is llama:
@@ -824,6 +839,7 @@ def main(argv: list[str] | None = None) -> int:
                     "load_average_end": os.getloadavg(),
                     "cpu_count": os.cpu_count(),
                     "rounds": args.rounds,
+                    "fresh_traces": args.fresh_traces,
                     "peer": llama.cmd if llama is not None else None,
                     "rows": rows,
                     "headline": headline,

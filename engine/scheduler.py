@@ -87,6 +87,7 @@ SCHED_COUNTERS = (
     "sched_prebuilt",  # prompts built while their document was busy (_admit)
     "sched_admitted_early",  # of those, admitted in the round that freed their document (_admit(ready_only))
     "sched_refused_unfit",  # prompts refused as too long for the context before being tokenised whole
+    "sched_cancel_overlapped",  # cancelled sequences ended while a round's passes ran (engine/steps.py _decode)
 )
 MAX_SESSIONS_REMEMBERED = 1024  # per-session n-gram drafters kept (least recently used dropped)
 _WAKE = ("wake",)  # queue item: a pre-warm was added

@@ -208,6 +208,13 @@ def _decode(
             draft = Draft((yield draft))
         yield decoder.begin_step(draft)  # answered STREAM_NOW (the pass is launched, or about to be)
         hit = bool(pending) and out.emit(pending)
+        if eng.overlap and not hit and stream.cancelled:
+            # Cancelled (the editor typed on) while the pass ran: drop it and end here, while the round's passes run,
+            # rather than in the round's critical path after them (one wasted row; fimble serve's rounds overlap).
+            decoder.abandon_step()
+            eng.counts.add("sched_cancel_overlapped")
+            reason = "cancelled"
+            break
         logits = yield AWAIT
         if hit:
             decoder.abandon_step()

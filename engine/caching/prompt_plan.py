@@ -111,7 +111,7 @@ class _Part:
 
     @property
     def size(self) -> int:
-        return sum(len(t) for t in self.tokens)
+        return sum(map(len, self.tokens))
 
 
 def segment_breaks(text: str, first_line: int, lines: Sequence[int] | None) -> list[tuple[str, bool]]:
@@ -120,23 +120,40 @@ def segment_breaks(text: str, first_line: int, lines: Sequence[int] | None) -> l
     ``lines``: document lines (same numbering) where a logical block starts; None means
     no parse, so blocks of FALLBACK_BLOCK_LINES lines counted from the text's own start.
     """
-    wanted = set(lines) if lines is not None else None
-    block = FALLBACK_BLOCK_LINES if wanted is None else MAX_SEGMENT_LINES
-    out: list[tuple[str, bool]] = []
-    line = first_line
-    since = 0  # lines since the current segment began
-    for piece in LINE_CUT.split(text):
-        if not piece:
-            continue
+    breaks = Breaks(first_line, lines)
+    return [(piece, breaks.starts(piece)) for piece in LINE_CUT.split(text) if piece]
+
+
+class Breaks:
+    """``segment_breaks``' count, piece after piece: where the pieces of a text (in order) start segments."""
+
+    def __init__(self, first_line: int, lines: Sequence[int] | None):
+        self.wanted = set(lines) if lines is not None else None
+        self.block = FALLBACK_BLOCK_LINES if self.wanted is None else MAX_SEGMENT_LINES
+        self.line = first_line
+        self.since = 0  # lines since the current segment began
+
+    def starts(self, piece: str) -> bool:
+        """Whether ``piece``, the next one, starts a segment."""
         n = piece.count("\n")
-        started = range(line + 1, line + n + 1)  # lines whose first character is in this piece
-        line += n
-        since += n
-        starts = bool(wanted) and any(x in wanted for x in started)
-        if starts or since >= block:
-            since = 0
-        out.append((piece, starts or since == 0))
-    return out
+        started = range(self.line + 1, self.line + n + 1)  # lines whose first character is in this piece
+        self.line += n
+        self.since += n
+        starts = bool(self.wanted) and any(x in self.wanted for x in started)
+        if starts or self.since >= self.block:
+            self.since = 0
+        return starts or self.since == 0
+
+
+def last_piece(text: str) -> str:
+    """``LINE_CUT.split(text)[-1] or text``, found from the end: the text from its last cut point (a line break after
+    a non-blank character), or all of it."""
+    end = len(text)
+    while (cut := text.rfind("\n", 0, end)) > 0:
+        if not text[cut - 1].isspace():
+            return text[cut:]
+        end = cut
+    return text
 
 
 class PromptBuilder:
@@ -192,8 +209,7 @@ class PromptBuilder:
         lines = request.segment_lines
         prefix_text, heal, constrained = request.prefix, "", False
         if request.heal and prefix_text:
-            last_piece = LINE_CUT.split(prefix_text)[-1] or prefix_text
-            ids = self._encode(last_piece)[0]
+            ids = self._encode(last_piece(prefix_text))[0]
             if ids:
                 last = m.tokenizer.decode(ids[-1:], clean_up_tokenization_spaces=False)
                 prefix_text, heal, constrained = split_heal(prefix_text, last, self.newline_healing)
@@ -283,8 +299,17 @@ class PromptBuilder:
         dropped: int,
         context: _Part | None = None,
     ) -> PromptPlan:
+        fold = Fold()
+        for toks, starts in self._order(prefix, suffix, head, context):
+            fold.add(toks, starts)
+        return PromptPlan(*fold.finish(), heal, constrained, dropped)
+
+    def _order(
+        self, prefix: _Part, suffix: _Part, head: _Part, context: _Part | None = None
+    ) -> list[tuple[list[int], bool]]:
+        """The prompt's pieces in order: (piece tokens, starts a segment)."""
         m = self.model
-        order: list[tuple[list[int], bool]] = []  # (piece tokens, starts a segment)
+        order: list[tuple[list[int], bool]] = []
         if getattr(m.tokenizer, "add_bos_token", False) and m.tokenizer.bos_token_id is not None:
             order.append(([m.tokenizer.bos_token_id], True))
         if context is not None:  # other files first: the prompt's stable, leading segments
@@ -299,22 +324,35 @@ class PromptBuilder:
                 order.append((lead, False))
             order.extend(zip(part.tokens, part.starts, strict=True))
         order.extend(zip(head.tokens, head.starts, strict=True))  # after the middle sentinel
-        ids: list[int] = []
-        pieces: list[Piece] = []
-        segments: list[Segment] = []
-        chain, seg_start, seg_hash = b"", 0, b""
-        for toks, starts in order:
-            if starts and ids and len(ids) > seg_start:
-                chain = _digest(seg_hash, chain)
-                segments.append(Segment(seg_start, len(ids) - seg_start, chain))
-                seg_start, seg_hash = len(ids), b""
-            raw = array("i", toks).tobytes()
-            key = _digest(raw)
-            seg_hash = _digest(raw, seg_hash)
-            pieces.append(Piece(len(ids), len(toks), key))
-            ids.extend(toks)
-        segments.append(Segment(seg_start, len(ids) - seg_start, _digest(seg_hash, chain)))
-        return PromptPlan(ids, pieces, segments, heal, constrained, dropped)
+        return order
+
+
+@dataclass
+class Fold:
+    """A prompt's ids, pieces and segments, made piece by piece (``add``); ``finish`` closes the last segment."""
+
+    ids: list[int] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    chain: bytes = b""  # the last closed segment's chain key
+    seg_start: int = 0
+    seg_hash: bytes = b""  # the open segment's tokens so far
+
+    def add(self, toks: list[int], starts: bool) -> None:
+        ids = self.ids
+        if starts and ids and len(ids) > self.seg_start:
+            self.chain = _digest(self.seg_hash, self.chain)
+            self.segments.append(Segment(self.seg_start, len(ids) - self.seg_start, self.chain))
+            self.seg_start, self.seg_hash = len(ids), b""
+        raw = array("i", toks).tobytes()
+        self.seg_hash = _digest(raw, self.seg_hash)
+        self.pieces.append(Piece(len(ids), len(toks), _digest(raw)))
+        ids.extend(toks)
+
+    def finish(self) -> tuple[list[int], list[Piece], list[Segment]]:
+        """(ids, pieces, segments) with the open segment closed; the fold itself is left as it was."""
+        last = Segment(self.seg_start, len(self.ids) - self.seg_start, _digest(self.seg_hash, self.chain))
+        return self.ids, self.pieces, [*self.segments, last]
 
 
 def split_line_head(prefix: str, healed: str, anchor: int | None = None) -> tuple[str, str]:

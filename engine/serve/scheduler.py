@@ -33,6 +33,7 @@ from engine.runner import PassRunner
 from engine.scheduler import SCHED_COUNTERS, Policy, Scheduler
 from engine.serve import gc_pauses
 from engine.serve.batched import supports_batch
+from engine.serve.prompt_memo import IncrementalPromptBuilder
 from engine.steps import AWAIT, STREAM_NOW
 
 __all__ = [
@@ -125,6 +126,13 @@ class ServeEngine(Scheduler):
             overlap = asynchronous and os.environ.get("FIMBLE_SERVE_OVERLAP", "1") != "0"
         self.overlap = overlap
         self.batched = batched
+        # A keystroke's prompt from the editor's previous one (engine/serve/prompt_memo.py): 32 editors' keystrokes
+        # come in one round, and each build held every running sequence back.
+        # FIMBLE_SERVE_PROMPT_MEMO=0: PromptBuilder's own build, to compare.
+        if os.environ.get("FIMBLE_SERVE_PROMPT_MEMO", "1") != "0":
+            self.documents.prompts = self.prompts = IncrementalPromptBuilder(target)
+            if self._unfit is not None:
+                self._unfit.prompts = self.prompts
         self._gc = gc_pauses.pauses()
         # Healing's prefix search scans every token text until its index is sorted (engine/decoding/healing.py):
         # under fimble serve that scan ran at every keystroke's admission, in the round every other sequence waits

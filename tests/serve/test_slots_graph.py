@@ -129,6 +129,33 @@ def test_cancelled_sequences_free_their_slots(compact_target):
     assert engine.slots.in_use() == 0 and not counters.get("failed")
 
 
+def test_a_cancel_ends_while_the_pass_runs_and_leaves_the_cache_exact(compact_target, one_thread):
+    """With overlap a cancelled sequence ends at the round's launch (its pass in flight dropped: engine/steps.py),
+    not after the pass; what its document's cache keeps must still be exact for the next request."""
+    plain = LocalEngine(compact_target, None, start_thread=False)
+    expected = [plain.complete(r).text for r in _requests(4)]
+    engine = ServeEngine(compact_target, None, batch=True, slots=True, overlap=True)
+    thread = threading.Thread(target=engine.serve_forever, daemon=True)
+    thread.start()
+    try:
+        long = [engine.submit(r) for r in _requests(4, max_tokens=400)]
+        wait_for(lambda: engine.counters()["decode_steps"] > 12)
+        for s in long:
+            s.cancel()
+        for s in long:
+            s.collect()
+        wait_for(lambda: engine.slots.in_use() == 0 and not engine.active_documents())
+        cancelled = engine.counters()["sched_cancel_overlapped"]
+        again = [engine.submit(r).collect() for r in _requests(4)]  # the same documents: their caches reused
+        counters = engine.counters()
+    finally:
+        engine.close()
+        thread.join(10)
+    assert cancelled >= 1 and not counters.get("failed")
+    assert counters["tokens_reused"] > 0
+    assert again == expected
+
+
 class _StubDecoder:
     """The two calls ``SlottedPasses.shorten`` makes of a SpeculativeDecoder, with a fixed acceptance rate."""
 
