@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 25: the held-out cursor set (training/held_out_set.py) scored on the GPU machine, the FIM-tuned default
-# against the Instruct file, raw (the engine alone), per language.
+# against the Instruct file, raw (the engine alone), per language. NOT RUN YET: written 2026-12-04, when no GPU
+# machine was lent again that session (the set was scored on the 2-core CPU instead).
 #
 #   bash bench/held_out_h200.sh job      # detached on the device (setsid), from the carried code's root
 #   bash bench/held_out_h200.sh status   # the job's log tail
