@@ -297,7 +297,7 @@ def test_install_step_15b_builds_its_own_file_and_no_fim_file(tmp_path, monkeypa
     record = (out_dir / fq.SOURCE_TXT).read_text()
     assert "Qwen2.5-Coder-1.5B-Instruct" in record and "fake15-part2==0.2.0" in record
     assert f"source_sha256 {sha(src)}" in record and f"output_sha256 {sha(out)}" in record
-    assert "fim_" not in record
+    assert "fim_adapter_sha256" not in record and "fim_output_sha256" not in record
     assert fields(out)["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q8_0)
     assert fq.ensure_qwen(None, folder, "1.5b") == out  # built once
 
@@ -310,6 +310,7 @@ def test_install_step_15b_builds_its_own_file_and_no_fim_file(tmp_path, monkeypa
 def test_15b_is_a_setting_away_and_never_the_default(tmp_path, monkeypatch, caplog):
     from engine import model_info
 
+    real = model_info.QWEN_15B_TARGET  # where the install step writes it, before the test moves it
     fim = tmp_path / "q05" / model_info.QWEN_FIM_NAME
     fim.parent.mkdir()
     fim.write_bytes(b"GGUF")
@@ -328,4 +329,4 @@ def test_15b_is_a_setting_away_and_never_the_default(tmp_path, monkeypatch, capl
     assert model_info.default_target() == big
     monkeypatch.delenv("FIMBLE_DEFAULT_MODEL")
     assert model_info.default_target() == fim  # installed, but only a setting selects it
-    assert big.name == fq.OUT_NAME_15B and big.parent.name == fq.DEFAULT_OUT_15B.name
+    assert real == fq.DEFAULT_OUT_15B / fq.OUT_NAME_15B  # the engine looks where the install step writes
