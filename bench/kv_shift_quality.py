@@ -101,8 +101,8 @@ def _complete(prefix: str, suffix: str, opts, doc: str, reuse: str):
     from engine.api import CompletionRequest
 
     eng = quality._ENGINE
-    eng.ngram_drafter.recent.clear()
     req = CompletionRequest(prefix, suffix, opts, document_id=doc, reuse=reuse, truncate=True, heal=True)
+    eng.drafters(req)[1].recent.clear()  # the request's n-gram drafter (engine/scheduler.py Drafters)
     t0 = time.perf_counter()
     result = eng.complete(req)
     return result, (time.perf_counter() - t0) * 1e3

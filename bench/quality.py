@@ -560,7 +560,10 @@ def _init_worker(
         torch.set_num_threads(threads)
     from engine.local import open_engine
 
-    _ENGINE = open_engine(model, use_draft=True, start_thread=False, template=template)
+    # --device (FIMBLE_QUALITY_DEVICE): cuda runs the compact runtime there (a GGUF's weights dequantised to
+    # float32), not the CPU default's llama.cpp kernels: a few greedy answers may differ from the CPU's.
+    device = os.environ.get("FIMBLE_QUALITY_DEVICE", "cpu")
+    _ENGINE = open_engine(model, use_draft=True, start_thread=False, template=template, device=device)
     _ENGINE.prompts.newline_healing = newline_heal  # engine/decoding/healing.py; off only to measure the older rule
     _ENGINE.prompts.line_in_middle = line_in_middle  # engine/caching/prompt_plan.py; off only to measure it
     _ENGINE.prompts.anchor_lines = anchor_lines  # the anchored layout, as after typing that many lines
@@ -698,10 +701,11 @@ def run_one(job: tuple[int, Problem, str, object, bool]) -> dict:
     job_id, p, variant, opts, shape = job
     # Completions remembered by the n-gram drafter would let a variant draft from another
     # variant's answer to the same problem: every job starts with none.
-    _ENGINE.ngram_drafter.recent.clear()
-    t0 = time.perf_counter()
     # Held-out files are dense: a window can exceed a small model's context, so it is trimmed to fit.
-    result = _ENGINE.complete(CompletionRequest(p.prompt, p.suffix, opts, truncate=p.set.startswith("held-out-")))
+    request = CompletionRequest(p.prompt, p.suffix, opts, truncate=p.set.startswith("held-out-"))
+    _ENGINE.drafters(request)[1].recent.clear()  # the request's n-gram drafter (engine/scheduler.py Drafters)
+    t0 = time.perf_counter()
+    result = _ENGINE.complete(request)
     ms = (time.perf_counter() - t0) * 1e3
     s = result.stats
     return {
@@ -1091,6 +1095,11 @@ def main() -> None:
         default="{}",
         help="the lsp variant's initializationOptions as JSON (default: none, the server's defaults)",
     )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="raw/policy variants' engine device (cuda: the compact runtime on the GPU, float32; lsp: always CPU)",
+    )
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument(
         "--procs",
@@ -1112,6 +1121,7 @@ def main() -> None:
     if unknown:
         sys.exit(f"quality: unknown set(s) {unknown}")
     limit = args.limit or (20 if args.quick else None)
+    os.environ["FIMBLE_QUALITY_DEVICE"] = args.device  # read by each worker's _init_worker
     t0 = time.time()
     if args.rescore:
         old = json.loads(args.rescore.read_text())

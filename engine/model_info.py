@@ -32,9 +32,13 @@ QWEN_TARGET = EMBEDDED_TARGET.parent / "qwen2.5-coder-0.5b" / "qwen2.5-coder-0.5
 # step: same architecture and q8_0, so the same speed per token; through fimble lsp on HumanEval it beat the
 # Instruct file on every set (bench/reports/quality-qwen-fim-lsp-h200-2026-12-03.txt), so it is the default.
 QWEN_FIM_NAME = "qwen2.5-coder-0.5b-fim-q8_0.gguf"  # in QWEN_TARGET's folder
-# FIMBLE_DEFAULT_MODEL pins one: "embedded" (the test suite sets it), "smollm2", "qwen" (the FIM-tuned file) or
-# "qwen-instruct" (the Instruct file, the default before the FIM-tuned one).
-DEFAULT_CHOICES = ("embedded", "smollm2", "qwen", "qwen-instruct")
+# The larger option, not installed by default (``python -m training.fetch_qwen --size 1.5b``):
+# Qwen2.5-Coder-1.5B-Instruct as q8_0, used only when pinned (FIMBLE_DEFAULT_MODEL=qwen-1.5b) or named by the
+# model setting.
+QWEN_15B_TARGET = EMBEDDED_TARGET.parent / "qwen2.5-coder-1.5b" / "qwen2.5-coder-1.5b-instruct-q8_0.gguf"
+# FIMBLE_DEFAULT_MODEL pins one: "embedded" (the test suite sets it), "smollm2", "qwen" (the FIM-tuned file),
+# "qwen-instruct" (the Instruct file, the default before the FIM-tuned one) or "qwen-1.5b" (the larger option).
+DEFAULT_CHOICES = ("embedded", "smollm2", "qwen", "qwen-instruct", "qwen-1.5b")
 INFO_FILE = "fimble.json"
 MAX_INFO_BYTES = 64 * 1024  # a metadata file, not a data set: refuse anything bigger
 
@@ -54,6 +58,10 @@ def _qwen_fetched() -> bool:
     return QWEN_TARGET.is_file() and (QWEN_TARGET.parent / "SOURCE.txt").is_file()
 
 
+def _qwen_15b_fetched() -> bool:
+    return QWEN_15B_TARGET.is_file() and (QWEN_15B_TARGET.parent / "SOURCE.txt").is_file()
+
+
 def qwen_fim_target() -> Path:
     return QWEN_TARGET.parent / QWEN_FIM_NAME
 
@@ -65,7 +73,7 @@ def _qwen_fim_built() -> bool:
 def default_target() -> Path:
     """The model used when none is named: the FIM-tuned Qwen2.5-Coder-0.5B once built, else the Instruct
     file, else fimble-smollm2 once built, else the embedded model. ``FIMBLE_DEFAULT_MODEL`` pins one (a
-    pinned model not installed falls back the same way, with a log line)."""
+    pinned model not installed falls back the same way, with a log line); "qwen-1.5b" is used only when pinned."""
     pinned = os.environ.get("FIMBLE_DEFAULT_MODEL", "")
     if pinned == "embedded":
         return EMBEDDED_TARGET
@@ -76,6 +84,8 @@ def default_target() -> Path:
         order.insert(0, order.pop(2))
     elif pinned == "qwen-instruct":
         order.insert(0, order.pop(1))
+    elif pinned == "qwen-1.5b":
+        order.insert(0, (QWEN_15B_TARGET, _qwen_15b_fetched))
     if pinned in DEFAULT_CHOICES[1:] and not order[0][1]():
         log.warning("FIMBLE_DEFAULT_MODEL=%s is not installed (README's first command); using the next one", pinned)
     for target, installed in order:

