@@ -178,22 +178,21 @@ def build(
         st.update(candidates=len(kept), files=len(chosen), chars=total, held_out=n_held)
         stats[lang] = st
         print(f"{lang}: {st}", flush=True)
-    blob = lzma.compress("".join(json.dumps(r) + "\n" for r in rows).encode(), preset=9 | lzma.PRESET_EXTREME)
+    fields = {"seed": seed, "scale": scale, "budgets": BUDGETS, "stats": stats}
+    return write_bundle(out, rows, part_mib, fields, preset=9 | lzma.PRESET_EXTREME)
+
+
+def write_bundle(out: Path, rows: list[dict], part_mib: float, fields: dict, preset: int) -> dict:
+    """``rows`` as xz-compressed JSON lines in parts of ``part_mib`` MiB, with the manifest ``read_parts`` checks
+    (``fields`` first, then the parts and the whole blob's sha256). Returns the manifest."""
+    blob = lzma.compress("".join(json.dumps(r) + "\n" for r in rows).encode(), preset=preset)
     part = int(part_mib * 2**20)
     names = []
     for i in range(0, len(blob), part):
         name = f"langs.jsonl.xz.part{i // part:02d}"
         (out / name).write_bytes(blob[i : i + part])
         names.append(name)
-    manifest = {
-        "seed": seed,
-        "scale": scale,
-        "budgets": BUDGETS,
-        "stats": stats,
-        "parts": names,
-        "sha256": hashlib.sha256(blob).hexdigest(),
-        "bytes": len(blob),
-    }
+    manifest = {**fields, "parts": names, "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
     (out / "langs_manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 

@@ -22,7 +22,6 @@ HumanEval-like files (a fingerprint line of the infilling sets) are dropped as t
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import lzma
 import random
@@ -32,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from training.corpus import normalized_hash
+from training.corpus_langs import write_bundle
 
 REPO = Path(__file__).resolve().parent.parent
 MIN_CHARS, MAX_CHARS = 300, 150_000
@@ -237,24 +237,8 @@ def build(
         st["sources"] = sorted({src for _p, _t, src in chosen})
         stats[lang] = st
         print(f"held_out_set: {lang}: {st}", flush=True)
-    blob = lzma.compress("".join(json.dumps(r) + "\n" for r in rows).encode(), preset=6)
-    part = int(part_mib * 2**20)
-    names = []
-    for i in range(0, len(blob), part):
-        name = f"langs.jsonl.xz.part{i // part:02d}"
-        (out / name).write_bytes(blob[i : i + part])
-        names.append(name)
-    manifest = {
-        "what": "held-out files only (training/held_out_set.py)",
-        "seed": seed,
-        "per_lang": per_lang,
-        "stats": stats,
-        "parts": names,
-        "sha256": hashlib.sha256(blob).hexdigest(),
-        "bytes": len(blob),
-    }
-    (out / "langs_manifest.json").write_text(json.dumps(manifest, indent=1))
-    return manifest
+    fields = {"what": "held-out files only (training/held_out_set.py)", "seed": seed, "per_lang": per_lang}
+    return write_bundle(out, rows, part_mib, {**fields, "stats": stats}, preset=6)
 
 
 def read_train_hashes(path: Path) -> set[str]:
