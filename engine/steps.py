@@ -21,6 +21,7 @@ import time
 from collections.abc import Generator
 
 from engine.api import CompletionRequest, CompletionStream, Delta
+from engine.background import PREWARM_CHUNK
 from engine.decoding.detok import IncrementalDetokenizer, StopRules
 from engine.decoding.drafters import Draft
 from engine.decoding.healing import unheal
@@ -39,6 +40,12 @@ AWAIT = object()
 # left; the rest is the answer's own pass (which computes the logits it needs and carries the heal draft): as in
 # llama.cpp's own prefill, its rows take the many-row kernels (engine/runtimes/ggml_runtime.py ``_blocks``).
 PREFILL_TAIL = 128
+# A background request (Tab-Tab's follow-up: nobody waits on it yet) prefills in passes no longer than a pre-warm's
+# (engine/background.py PREWARM_CHUNK), its last one included: the host's quiet stop (lsp_server/decodes.py) lands
+# between passes, and one pass of PREFILL_TAIL tokens is over a second on a 2-core CPU. A follow-up of a cold answer
+# prefilled 117 tokens in one pass, from 1.4 s to 2.6 s after the user's last key: the CPU was still busy 2-3 s
+# after it (bench/reports/typing-default-follow-up-quiet-2026-12-05.txt).
+BACKGROUND_PREFILL_CHUNK = PREWARM_CHUNK
 
 
 def request_steps(eng, request: CompletionRequest, stream: CompletionStream) -> Generator[object, object, None]:
@@ -98,7 +105,10 @@ def request_steps(eng, request: CompletionRequest, stream: CompletionStream) -> 
         if runs:  # shift reuse: scattered positions, its own pass (compact runtime)
             first = decoder.prefill(prompt, reuse, runs)
         else:
-            first = yield from _prefill(eng, decoder, doc, prompt, reuse, own is not None, stream)
+            chunk, tail = eng.prefill_chunk, PREFILL_TAIL
+            if request.background:
+                chunk, tail = min(chunk, BACKGROUND_PREFILL_CHUNK), BACKGROUND_PREFILL_CHUNK
+            first = yield from _prefill(eng, decoder, doc, prompt, reuse, own is not None, stream, chunk, tail)
             if first is None:  # cancelled between chunks: the cache keeps what was filled for the next keystroke
                 counts.add("tokens_prefilled", doc.exact_len - reuse)
                 eng.finish(stream, "", "cancelled", 0, {"queue_ms": 0.0, "prompt_tokens": len(prompt)})
@@ -145,17 +155,25 @@ def request_steps(eng, request: CompletionRequest, stream: CompletionStream) -> 
 
 
 def _prefill(
-    eng, decoder: SpeculativeDecoder, doc, prompt: list[int], pos: int, slotted: bool, stream: CompletionStream
+    eng,
+    decoder: SpeculativeDecoder,
+    doc,
+    prompt: list[int],
+    pos: int,
+    slotted: bool,
+    stream: CompletionStream,
+    chunk_len: int,
+    tail: int,
 ) -> Generator[object, object, list[int] | None]:
-    """The prompt from ``pos`` on, a chunk per pass while more than PREFILL_TAIL tokens are left, then the
+    """The prompt from ``pos`` on, ``chunk_len`` tokens per pass while more than ``tail`` tokens are left, then the
     rest in the answer's own pass with the heal draft; its first tokens. None once ``stream`` is cancelled
     between two chunks (``doc`` then says what the cache holds)."""
     cache, device = doc.target, decoder.runtime.device
     if pos < cache.length:
         cache.rollback(pos)
     while True:
-        last = len(prompt) - pos <= PREFILL_TAIL
-        end = len(prompt) if last else pos + eng.prefill_chunk
+        last = len(prompt) - pos <= tail
+        end = len(prompt) if last else pos + chunk_len
         draft = []
         if last:  # the last pass carries the heal draft, where it stays a short pass
             draft = decoder.prefill_draft(len(prompt))

@@ -28,8 +28,25 @@ from lsp_server.stats import Stats
 from lsp_server.typethrough import TypeThrough
 
 log = logging.getLogger(__name__)
+
+
+def _seconds_setting(name: str, default: float, low: float, high: float) -> float:
+    """A seconds setting from the environment, range-checked: a bad or out-of-range value keeps the default."""
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        return default
+    return value if low <= value <= high else default
+
+
 # Tab-Tab's follow-up decode (lsp_server/follow_up.py) starts only this soon after the document's last edit.
-FOLLOW_UP_WITHIN_S = float(os.environ.get("FIMBLE_FOLLOW_UP_WITHIN_S", 1.5))
+FOLLOW_UP_WITHIN_S = _seconds_setting("FIMBLE_FOLLOW_UP_WITHIN_S", 1.5, 0.0, 600.0)
+# ... and with at least this long left before the quiet stop (QUIET_AFTER_S): one pass on a 2-core CPU (a prefill
+# chunk, a few steps) takes 0.1-0.4 s, so a follow-up started later is cut before it shows anything, and the pass
+# it is in runs on past the quiet. One started 1.42 s after the key (a cold answer came late) ran its prefill to
+# 2.6 s: the CPU still busy 2-3 s after the key (bench/reports/typing-default-follow-up-quiet-2026-12-05.txt).
+FOLLOW_UP_MIN_LEFT_S = 0.5
 
 
 def _quiet_after_s() -> float:
@@ -54,6 +71,13 @@ QUIET_AFTER_DEFAULT_S = 1.5
 QUIET_AFTER_S = _quiet_after_s()
 QUIET_MIN_SHOWN_S = 0.6
 QUIET_POLL_S = 0.1  # how often a decode past its quiet time without a delta is looked at again
+
+
+def follow_up_in_time(since: float) -> bool:
+    """Whether a follow-up may start ``since`` seconds after the user's last key or request."""
+    if since > FOLLOW_UP_WITHIN_S:
+        return False
+    return not QUIET_AFTER_S or since <= QUIET_AFTER_S - FOLLOW_UP_MIN_LEFT_S
 
 
 def _settled_follow_up(gen: Generation) -> bool:
@@ -213,7 +237,7 @@ class Decodes:
         # decodes afresh from the warm cache). Quiet wins over Tab-Tab (see QUIET_AFTER_S).
         last = max(self.last_edit.get(gen.ctx.uri, 0.0), gen.t_request)
         since = time.perf_counter() - last
-        if since > FOLLOW_UP_WITHIN_S or (QUIET_AFTER_S and since > QUIET_AFTER_S) or doc.changing or doc.parsing:
+        if not follow_up_in_time(since) or doc.changing or doc.parsing:
             return
         try:
             accept = follow_up_context(doc, gen, settings.prefix_chars, settings.suffix_chars)

@@ -60,3 +60,43 @@ def test_a_cancelled_prefill_stops_and_its_prefix_serves_the_next_request(target
     fresh = LocalEngine(target, None, start_thread=False).complete(request(text))
     assert fresh.stats["reused_tokens"] == 0
     assert resumed.text == fresh.text and resumed.finish_reason == fresh.finish_reason
+
+
+def test_a_background_request_prefills_in_short_passes_and_stops_between_them(target):
+    """Tab-Tab's follow-up (``background``): nobody waits on it yet, and the host stops it when the user goes quiet.
+    Its prompt goes in passes of BACKGROUND_PREFILL_CHUNK, so the stop lands within one; a completion's prompt
+    takes its last PREFILL_TAIL tokens in one pass (over a second on a 2-core CPU)."""
+    import dataclasses
+
+    from engine.steps import BACKGROUND_PREFILL_CHUNK, PREFILL_TAIL
+
+    text = stdlib_source(target.encode, 120)
+    assert BACKGROUND_PREFILL_CHUNK < len(target.encode(text)) <= PREFILL_TAIL
+    runtime = LocalEngine(target, None, start_thread=False).target.runtime
+    entry = "numpy_logits" if getattr(runtime, "numpy_rows", False) else "__call__"
+    original = getattr(type(runtime), entry)
+
+    def first_pass(background: bool, cancel: bool) -> int:
+        eng = LocalEngine(target, None, start_thread=False)
+        stream = eng.submit(dataclasses.replace(request(text), background=background))
+        passes = []
+
+        def record(self, tokens, cache, start=None, num_logits=1):
+            passes.append(len(tokens))
+            if cancel:
+                stream.cancel()  # the host's quiet stop, during this pass
+            return original(self, tokens, cache, start, num_logits)
+
+        setattr(type(runtime), entry, record)
+        try:
+            eng.run_pending()
+        finally:
+            setattr(type(runtime), entry, original)
+        stream.collect()
+        if cancel:
+            assert stream.result is not None and stream.result.finish_reason == "cancelled"
+            assert len(passes) == 1
+        return passes[0]
+
+    assert first_pass(background=True, cancel=True) == BACKGROUND_PREFILL_CHUNK
+    assert first_pass(background=False, cancel=False) > BACKGROUND_PREFILL_CHUNK  # (one pass, with the heal draft)

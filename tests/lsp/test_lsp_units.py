@@ -381,3 +381,29 @@ def test_a_decode_without_deltas_is_stopped_for_quiet_too():
         assert waited.cancelled and d.stats.counters.get("quiet_stops") == 2
 
     asyncio.run(scenario())
+
+
+def test_a_follow_up_starts_only_with_time_left_before_the_quiet(monkeypatch):
+    """Tab-Tab's follow-up after an answer that came late would be cut by the quiet stop before it showed anything,
+    while its pass ran on past it (the CPU busy 2-3 s after the key): it is not started then."""
+    from lsp_server import decodes
+
+    monkeypatch.setattr(decodes, "FOLLOW_UP_WITHIN_S", 1.5)
+    monkeypatch.setattr(decodes, "QUIET_AFTER_S", 1.5)
+    assert decodes.follow_up_in_time(0.3)
+    assert decodes.follow_up_in_time(1.5 - decodes.FOLLOW_UP_MIN_LEFT_S)
+    assert not decodes.follow_up_in_time(1.42)  # the answer of a cold prompt, 1.42 s after the key
+    monkeypatch.setattr(decodes, "QUIET_AFTER_S", 0.0)  # no quiet stop: only the follow-up's own limit
+    assert decodes.follow_up_in_time(1.42)
+    assert not decodes.follow_up_in_time(1.6)
+
+
+def test_the_follow_up_setting_is_range_checked(monkeypatch):
+    from lsp_server.decodes import _seconds_setting
+
+    monkeypatch.setenv("FIMBLE_X_S", "nonsense")
+    assert _seconds_setting("FIMBLE_X_S", 1.5, 0.0, 600.0) == 1.5
+    monkeypatch.setenv("FIMBLE_X_S", "-3")
+    assert _seconds_setting("FIMBLE_X_S", 1.5, 0.0, 600.0) == 1.5
+    monkeypatch.setenv("FIMBLE_X_S", "2.5")
+    assert _seconds_setting("FIMBLE_X_S", 1.5, 0.0, 600.0) == 2.5
