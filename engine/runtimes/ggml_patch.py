@@ -40,7 +40,7 @@ SGEMM_NEW = """#if !defined(__MMA__)
         return false;
 #if defined(__AVX2__)
     // q8_0 weights too (with q8_0 activations): ggml's own path has a kernel that reads each weight block
-    // once for up to 8 rows (quants.c, fimble_vec_dot_q8_0_q8_0_rows), where tinyBLAS's 4x2 tiles cost
+    // once for up to 16 rows (quants.c, fimble_vec_dot_q8_0_q8_0_rows), where tinyBLAS's 4x2 tiles cost
     // about a step per extra row here.
     if (n <= 32 && Atype == GGML_TYPE_Q8_0)
         return false;
@@ -250,10 +250,16 @@ static inline __attribute__((always_inline)) void fimble_q8_0_rows_avx2(
             fimble_q8_0_scales(NR, dd + 16*((ib + 1) & 1), x + ib + 1, dyT + 16*(ib + 1));
         }
         const __m256i qx = _mm256_loadu_si256((const __m256i *)x[ib].qs);
+#if !__AVXVNNIINT8__
         const __m256i ax = _mm256_sign_epi8(qx, qx);  // mul_sum_i8_pairs_float's first step, for every row
+#endif
         for (int r = 0; r < NR; ++r) {
             const __m256i qy = _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)(vy + r*by) + ib)->qs);
+#if __AVXVNNIINT8__
+            const __m256 q = mul_sum_i8_pairs_float(qx, qy);
+#else
             const __m256 q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(qy, qx));
+#endif
             acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(d + r), q, acc[r]);
         }
     }
@@ -279,6 +285,7 @@ static inline __attribute__((always_inline)) FIMBLE_VNNI void fimble_q8_0_rows_v
     for (int r = 0; r < NR; ++r) {
         acc[r] = _mm256_setzero_ps();
     }
+#pragma GCC unroll 2  // two blocks a turn: 16 rows ~10% faster (the loop's own work halves)
     for (int ib = 0; ib < nb; ++ib) {
         _mm_prefetch((const char *)(x + ib) + FIMBLE_Q8_0_PREFETCH, _MM_HINT_T0);
         const float * d = dd + 16*(ib & 1);
@@ -316,8 +323,12 @@ static FIMBLE_VNNI __attribute__((noinline)) void fimble_q8_0_rows_vnni_all(
     }
 }
 
-// Whether this CPU takes the VNNI kernel (FIMBLE_Q8_0_AVX2=1 keeps the AVX2 one, to test it here).
+// Whether this CPU takes the VNNI kernel (FIMBLE_Q8_0_AVX2=1 keeps the AVX2 one, to test it here). Not in a build
+// with AVX-VNNI-INT8, whose 1-row loop multiplies signed by signed (an activation of -128 then differs).
 static int fimble_q8_0_vnni(void) {
+#if __AVXVNNIINT8__
+    return 0;
+#endif
     static int known = -1;  // every thread computes the same value
     int v = __atomic_load_n(&known, __ATOMIC_RELAXED);
     if (v < 0) {
@@ -342,12 +353,19 @@ static inline __attribute__((always_inline)) void fimble_q8_0_rows_long(
         const float dx = GGML_CPU_FP16_TO_FP32(x[ib].d);
         _mm_prefetch((const char *)(x + ib) + FIMBLE_Q8_0_PREFETCH, _MM_HINT_T0);
         const __m256i qx = _mm256_loadu_si256((const __m256i *)x[ib].qs);
+#if !__AVXVNNIINT8__
         const __m256i ax = _mm256_sign_epi8(qx, qx);
+#endif
         for (int r = 0; r < NR; ++r) {
             const block_q8_0 * GGML_RESTRICT y = (const block_q8_0 *)(vy + r*by) + ib;
             const __m256 d = _mm256_set1_ps(dx * GGML_CPU_FP16_TO_FP32(y->d));
             const __m256i qy = _mm256_loadu_si256((const __m256i *)y->qs);
-            acc[r] = _mm256_fmadd_ps(d, mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(qy, qx)), acc[r]);
+#if __AVXVNNIINT8__
+            const __m256 q = mul_sum_i8_pairs_float(qx, qy);
+#else
+            const __m256 q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(qy, qx));
+#endif
+            acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
         }
     }
     for (int r = 0; r < NR; ++r) {
