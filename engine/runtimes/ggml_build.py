@@ -21,9 +21,10 @@ products through llamafile's tinyBLAS. The two sum in different orders, so logit
   each sum in ggml_vec_dot_f32's (f16: ggml_vec_dot_f16's) exact order: blocks cost less, so
   speculation pays more.
 - q8_0 weights: stock's gemv and tinyBLAS already agree bit for bit, but tinyBLAS's tiles cost about
-  0.8 of a step per extra row. On AVX2 ggml's own path reads each weight block once for up to 8 rows
-  of a block, each sum in ggml_vec_dot_q8_0_q8_0's exact order, for 2 to 32 rows (bench/verify_rows.py
-  has the figures); tinyBLAS from 33, as for f32.
+  0.8 of a step per extra row. On AVX2 ggml's own path reads each weight block once for up to 16 rows
+  of a block (with AVX-512 VNNI where the CPU has it, chosen at run time), each sum in
+  ggml_vec_dot_q8_0_q8_0's exact order, for 2 to 32 rows (bench/verify_rows.py has the figures);
+  tinyBLAS from 33, as for f32.
 - Flash attention stays off, as llama-cpp-python runs it: with it on, a 1-token step costs ~12% more
   and each verify row ~50% more here (the kernel is per row), so speculation stops paying.
 Measured on this 2-core AVX2 CPU, 1 thread, embedded target f32, 900 cached positions (ms for 1 / 2 /

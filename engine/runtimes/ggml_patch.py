@@ -12,9 +12,11 @@ path, whose sums are stock's 1-row sums, so a verify block's rows equal 1-token 
    for rows with no leftover elements (vec_dot sums those in scalar code, which a compiler may contract
    differently), and only where ggml's generic SIMD code is the vec_dot (not SVE or RISC-V vectors).
 3. quants.h, arch/x86/quants.c, ggml-cpu.c: on AVX2, q8_0 weights (against the q8_0 rows ggml quantises
-   the activations to) take fimble_vec_dot_q8_0_q8_0_rows for 2 to 8 rows of a block at once (9-16 in two
-   groups): each weight block is loaded once for every row, and each row's sum is ggml_vec_dot_q8_0_q8_0's
-   AVX2 loop (the same scale product, integer sums, one FMA a block in order, the same reduction).
+   the activations to) take fimble_vec_dot_q8_0_q8_0_rows for 2 to 16 rows of a block at once: each weight
+   block is loaded once for every row, and each row's sum is ggml_vec_dot_q8_0_q8_0's AVX2 loop (the same
+   scale product, the same integer lane sums, one FMA a block in order, the same reduction). Where the CPU
+   has AVX-512 VNNI (checked at run time; the build stays AVX2) the lane sums come from one vpdpbusd a row
+   and the exact float conversion from one subtraction; the scale products of eight rows from one multiply.
    tinyBLAS's q8_0 tiles (4 weight rows x 2 activation rows) also equal vec_dot bit for bit, but cost
    about 0.8 of a step per extra row here (the probe before this kernel: 2/4/8/16 rows 1.86/3.30/6.10/11.93 steps).
 """
@@ -38,7 +40,7 @@ SGEMM_NEW = """#if !defined(__MMA__)
         return false;
 #if defined(__AVX2__)
     // q8_0 weights too (with q8_0 activations): ggml's own path has a kernel that reads each weight block
-    // once for up to 8 rows (quants.c, fimble_vec_dot_q8_0_q8_0_rows), where tinyBLAS's 4x2 tiles cost
+    // once for up to 16 rows (quants.c, fimble_vec_dot_q8_0_q8_0_rows), where tinyBLAS's 4x2 tiles cost
     // about a step per extra row here.
     if (n <= 32 && Atype == GGML_TYPE_Q8_0)
         return false;
@@ -119,7 +121,7 @@ static void fimble_vec_dot_f16_x2(int n, float * s, const ggml_fp16_t * x, const
 """
 
 TMP_OLD = "    float tmp[32];\n"
-TMP_NEW = "    float tmp[32];\n    float fimble_tmp[128];  // fimble: up to eight rows of 16 results\n"
+TMP_NEW = "    float tmp[32];\n    float fimble_tmp[256];  // fimble: up to sixteen rows of 16 results\n"
 
 LOOP_OLD = """                //for (int64_t ir0 = iir0; ir0 < iir0 + blck_0 && ir0 < ir0_end; ++ir0) {
                 //    vec_dot(ne00, &dst_col[ir0], src0_row + ir0*nb01, src1_col);
@@ -156,8 +158,8 @@ LOOP_NEW = (
                     continue;
                 }
 #if defined(FIMBLE_Q8_0_ROWS)
-                // fimble: q8_0 weights against up to FIMBLE_Q8_0_ROWS rows of this block at once (9-16 rows in
-                // two near-equal groups, never a single row left), each weight block loaded once for all.
+                // fimble: q8_0 weights against up to FIMBLE_Q8_0_ROWS (16) rows of this block at once, each weight
+                // block loaded once for all.
                 if (type == GGML_TYPE_Q8_0 && vec_dot_type == GGML_TYPE_Q8_0 && fimble_left >= 2 &&
                     ne00 <= FIMBLE_Q8_0_MAX_N && num_rows_per_vec_dot == 1 &&
                     (src1_cont || src1->type != vec_dot_type)) {
@@ -190,7 +192,7 @@ Q8_DECL_NEW = (
 // fimble (engine/runtimes/ggml_patch.py): nx q8_0 rows of vx (bx bytes apart) against nr (2..FIMBLE_Q8_0_ROWS)
 // q8_0 rows of vy (by bytes apart), row length n <= FIMBLE_Q8_0_MAX_N; s[i + r*bs] = x row i . y row r, each
 // exactly ggml_vec_dot_q8_0_q8_0's result.
-#define FIMBLE_Q8_0_ROWS 8
+#define FIMBLE_Q8_0_ROWS 16
 #define FIMBLE_Q8_0_MAX_N 32768
 void fimble_vec_dot_q8_0_q8_0_rows(int n, int nx, int nr, float * GGML_RESTRICT s, size_t bs,
                                    const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by);
@@ -199,37 +201,165 @@ void fimble_vec_dot_q8_0_q8_0_rows(int n, int nx, int nr, float * GGML_RESTRICT 
 )
 
 Q8_KERNEL_BEFORE = "void ggml_vec_dot_tq1_0_q8_K("
-# The rows' loop is written once and inlined for each row count, so every count keeps its accumulators in
-# registers (a runtime count would keep them in memory). The per-row body is ggml_vec_dot_q8_0_q8_0's AVX2
-# loop body, through the same helpers: the weight block's abs/sign work is shared by the compiler, the sums
-# are not touched.
-Q8_KERNEL = """#if defined(__AVX2__) && defined(__GNUC__)
-// fimble (engine/runtimes/ggml_patch.py): ggml_vec_dot_q8_0_q8_0's AVX2 loop for NR activation rows at once.
-// Each weight block is loaded (and its absolute value taken) once; row r keeps its own accumulator, updated
-// with the 1-row loop's arithmetic in its order: the scale product dx*dy in single precision (the same value
-// whether multiplied as scalars or as broadcast vectors), mul_sum_i8_pairs_float's integer sums, one FMA per
-// block, hsum_float_8. So every row equals a 1-row product bit for bit. The activations' scales are converted
-// once per call, not once per weight row.
-static inline __attribute__((always_inline)) void fimble_q8_0_rows(
+# Each kernel's loop is written once and inlined for each row count, so every count keeps its accumulators in
+# registers (a runtime count would keep them in memory). The scale products and integer lane sums are the
+# 1-row loop's values, formed fewer times: that is where a row's cost went (per row and weight block the old
+# kernel ran six vector operations, two of them on the multiply ports only to rebuild the scale).
+Q8_KERNEL = r"""#if defined(__AVX2__) && defined(__GNUC__)
+// fimble (engine/runtimes/ggml_patch.py): ggml_vec_dot_q8_0_q8_0's AVX2 loop for up to 16 activation rows at once.
+// Each weight block is loaded once for every row; row r keeps its own accumulator, updated with the 1-row
+// loop's arithmetic in its order: the scale product dx*dy in single precision (the same value whether
+// multiplied as scalars or in vectors), the block's eight integer lane sums (each exact: four int8 products),
+// converted to float exactly, one FMA per block, hsum_float_8. So every row equals a 1-row product bit for bit.
+
+// Rows of up to FIMBLE_Q8_0_FAST_NB blocks against FIMBLE_Q8_0_FAST_ROWS or more rows take the kernels below (their
+// scale tables live on the stack; with two rows, forming the scales a block ahead costs more than it saves).
+#define FIMBLE_Q8_0_FAST_NB 256
+#define FIMBLE_Q8_0_FAST_ROWS 3
+#define FIMBLE_Q8_0_PREFETCH 2048
+
+// The scale products of weight block ib against every activation row, dd[r] = dx_ib * dy_r,ib (dyT holds the rows'
+// scales block-major, 16 a block): eight rows in one multiply. The kernels form them one block ahead, into the
+// other half of a two-block ring, so that the broadcasts that read them back never wait for the store.
+static inline __attribute__((always_inline)) void fimble_q8_0_scales(
+        const int NR, float * GGML_RESTRICT dd, const block_q8_0 * GGML_RESTRICT x, const float * GGML_RESTRICT dyT) {
+    const __m256 dx = _mm256_set1_ps(GGML_CPU_FP16_TO_FP32(x->d));
+    _mm256_store_ps(dd, _mm256_mul_ps(dx, _mm256_loadu_ps(dyT)));
+    if (NR > 8) {
+        _mm256_store_ps(dd + 8, _mm256_mul_ps(dx, _mm256_loadu_ps(dyT + 8)));
+    }
+}
+
+// AVX2: NR (<= 8) rows, the 1-row loop's own instructions (mul_sum_us8_pairs_float), the weight block's
+// absolute value taken once for all rows. dyT: the rows' scales (row r0 first).
+static inline __attribute__((always_inline)) void fimble_q8_0_rows_avx2(
         const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x,
-        const char * GGML_RESTRICT vy, const size_t by, const float * GGML_RESTRICT dy) {
-    __m256 acc[FIMBLE_Q8_0_ROWS];
+        const char * GGML_RESTRICT vy, const size_t by, const float * GGML_RESTRICT dyT) {
+    float dd[32] __attribute__((aligned(32)));
+    fimble_q8_0_scales(NR, dd, x, dyT);
+    __m256 acc[8];
     for (int r = 0; r < NR; ++r) {
         acc[r] = _mm256_setzero_ps();
     }
     for (int ib = 0; ib < nb; ++ib) {
-        const __m256 dx = _mm256_set1_ps(GGML_CPU_FP16_TO_FP32(x[ib].d));
-        // The weights stream from memory while the rows compute: ask for them ~30 blocks (a q8_0 row of 896
-        // weights) ahead, past this row's end into the next one (measured: 4 rows 1.0-1.3x a 1-row pass
-        // over 40 MB of weights where they cost 1.4-1.9x without it).
-        _mm_prefetch((const char *)(x + ib) + 1024, _MM_HINT_T0);
+        // The weights stream from memory while the rows compute: ask for them 2 KB (60 blocks) ahead, into the
+        // next weight rows (measured in the model, 3 and 4 rows: 7-8% faster than 1 KB ahead, 4 KB no better).
+        _mm_prefetch((const char *)(x + ib) + FIMBLE_Q8_0_PREFETCH, _MM_HINT_T0);
+        const float * d = dd + 16*(ib & 1);
+        if (ib + 1 < nb) {
+            fimble_q8_0_scales(NR, dd + 16*((ib + 1) & 1), x + ib + 1, dyT + 16*(ib + 1));
+        }
         const __m256i qx = _mm256_loadu_si256((const __m256i *)x[ib].qs);
 #if !__AVXVNNIINT8__
         const __m256i ax = _mm256_sign_epi8(qx, qx);  // mul_sum_i8_pairs_float's first step, for every row
 #endif
         for (int r = 0; r < NR; ++r) {
             const __m256i qy = _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)(vy + r*by) + ib)->qs);
-            const __m256 d = _mm256_mul_ps(dx, _mm256_broadcast_ss(dy + r*nb + ib));
+#if __AVXVNNIINT8__
+            const __m256 q = mul_sum_i8_pairs_float(qx, qy);
+#else
+            const __m256 q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(qy, qx));
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(d + r), q, acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; ++r) {
+        s[r*bs] = hsum_float_8(acc[r]);
+    }
+}
+
+// AVX-512 VNNI on 256-bit vectors (chosen at run time; the build stays AVX2), NR (<= 16) rows. The same eight
+// integer lane sums as mul_sum_us8_pairs_float, from the same operands (|x| and y signed by x, int8 wrap
+// included) in one vpdpbusd a row instead of maddubs and madd (their sums never saturate int16 here: at most
+// 2 * 128 * 127 or 2 * 128 * -128). Each lane starts at magic = 1.5 * 2^23 as a float's bits, so it ends as the
+// float magic + sum exactly (|sum| < 2^22), and subtracting magic gives the value _mm256_cvtepi32_ps gives.
+#define FIMBLE_VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
+static inline __attribute__((always_inline)) FIMBLE_VNNI void fimble_q8_0_rows_vnni(
+        const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x,
+        const char * GGML_RESTRICT vy, const size_t by, const float * GGML_RESTRICT dyT) {
+    float dd[32] __attribute__((aligned(32)));
+    fimble_q8_0_scales(NR, dd, x, dyT);
+    const __m256i magic = _mm256_set1_epi32(0x4B400000);
+    const __m256 magicf = _mm256_set1_ps(12582912.0f);
+    __m256 acc[16];
+    for (int r = 0; r < NR; ++r) {
+        acc[r] = _mm256_setzero_ps();
+    }
+#pragma GCC unroll 2  // two blocks a turn: 16 rows ~10% faster (the loop's own work halves)
+    for (int ib = 0; ib < nb; ++ib) {
+        _mm_prefetch((const char *)(x + ib) + FIMBLE_Q8_0_PREFETCH, _MM_HINT_T0);
+        const float * d = dd + 16*(ib & 1);
+        if (ib + 1 < nb) {
+            fimble_q8_0_scales(NR, dd + 16*((ib + 1) & 1), x + ib + 1, dyT + 16*(ib + 1));
+        }
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[ib].qs);
+        const __m256i ax = _mm256_sign_epi8(qx, qx);  // mul_sum_i8_pairs_float's first step, for every row
+        for (int r = 0; r < NR; ++r) {
+            const __m256i qy = _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)(vy + r*by) + ib)->qs);
+            const __m256i t = _mm256_dpbusd_epi32(magic, ax, _mm256_sign_epi8(qy, qx));
+            const __m256 q = _mm256_sub_ps(_mm256_castsi256_ps(t), magicf);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[r]), q, acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; ++r) {
+        s[r*bs] = hsum_float_8(acc[r]);
+    }
+}
+
+static FIMBLE_VNNI __attribute__((noinline)) void fimble_q8_0_rows_vnni_all(
+        const int nb, const int nx, const int nr, float * GGML_RESTRICT s, const size_t bs,
+        const char * GGML_RESTRICT vx, const size_t bx, const char * GGML_RESTRICT vy, const size_t by,
+        const float * GGML_RESTRICT dyT) {
+    for (int i = 0; i < nx; ++i) {
+        const block_q8_0 * GGML_RESTRICT x = (const block_q8_0 *)(vx + i*bx);
+        switch (nr) {
+#define FIMBLE_CASE(k) case k: fimble_q8_0_rows_vnni(k, nb, s + i, bs, x, vy, by, dyT); break;
+            FIMBLE_CASE(2) FIMBLE_CASE(3) FIMBLE_CASE(4) FIMBLE_CASE(5) FIMBLE_CASE(6)
+            FIMBLE_CASE(7) FIMBLE_CASE(8) FIMBLE_CASE(9) FIMBLE_CASE(10) FIMBLE_CASE(11)
+            FIMBLE_CASE(12) FIMBLE_CASE(13) FIMBLE_CASE(14) FIMBLE_CASE(15)
+#undef FIMBLE_CASE
+            default: fimble_q8_0_rows_vnni(16, nb, s + i, bs, x, vy, by, dyT); break;
+        }
+    }
+}
+
+// Whether this CPU takes the VNNI kernel (FIMBLE_Q8_0_AVX2=1 keeps the AVX2 one, to test it here). Not in a build
+// with AVX-VNNI-INT8, whose 1-row loop multiplies signed by signed (an activation of -128 then differs).
+static int fimble_q8_0_vnni(void) {
+#if __AVXVNNIINT8__
+    return 0;
+#endif
+    static int known = -1;  // every thread computes the same value
+    int v = __atomic_load_n(&known, __ATOMIC_RELAXED);
+    if (v < 0) {
+        const char * avx2 = getenv("FIMBLE_Q8_0_AVX2");
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+            __builtin_cpu_supports("avx512bw") && !(avx2 && avx2[0] == '1');
+        __atomic_store_n(&known, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
+// Longer rows (past FIMBLE_Q8_0_FAST_NB blocks), and two rows: up to 8 rows, the scale products formed per block.
+static inline __attribute__((always_inline)) void fimble_q8_0_rows_long(
+        const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x,
+        const char * GGML_RESTRICT vy, const size_t by) {
+    __m256 acc[8];
+    for (int r = 0; r < NR; ++r) {
+        acc[r] = _mm256_setzero_ps();
+    }
+    for (int ib = 0; ib < nb; ++ib) {
+        const float dx = GGML_CPU_FP16_TO_FP32(x[ib].d);
+        _mm_prefetch((const char *)(x + ib) + FIMBLE_Q8_0_PREFETCH, _MM_HINT_T0);
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[ib].qs);
+#if !__AVXVNNIINT8__
+        const __m256i ax = _mm256_sign_epi8(qx, qx);
+#endif
+        for (int r = 0; r < NR; ++r) {
+            const block_q8_0 * GGML_RESTRICT y = (const block_q8_0 *)(vy + r*by) + ib;
+            const __m256 d = _mm256_set1_ps(dx * GGML_CPU_FP16_TO_FP32(y->d));
+            const __m256i qy = _mm256_loadu_si256((const __m256i *)y->qs);
 #if __AVXVNNIINT8__
             const __m256 q = mul_sum_i8_pairs_float(qx, qy);
 #else
@@ -243,30 +373,50 @@ static inline __attribute__((always_inline)) void fimble_q8_0_rows(
     }
 }
 
+#define FIMBLE_SWITCH8(F, nr, ...) switch (nr) { \
+        case 1: F(1, __VA_ARGS__); break; case 2: F(2, __VA_ARGS__); break; case 3: F(3, __VA_ARGS__); break; \
+        case 4: F(4, __VA_ARGS__); break; case 5: F(5, __VA_ARGS__); break; case 6: F(6, __VA_ARGS__); break; \
+        case 7: F(7, __VA_ARGS__); break; default: F(8, __VA_ARGS__); break; }
+
 void fimble_vec_dot_q8_0_q8_0_rows(int n, int nx, int nr, float * GGML_RESTRICT s, size_t bs,
                                    const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by) {
     assert(n % QK8_0 == 0 && n <= FIMBLE_Q8_0_MAX_N && nr >= 2 && nr <= FIMBLE_Q8_0_ROWS);
     const int nb = n / QK8_0;
     const char * GGML_RESTRICT y = vy;
-    float dy[FIMBLE_Q8_0_ROWS * (FIMBLE_Q8_0_MAX_N / QK8_0)];
-    for (int r = 0; r < nr; ++r) {
-        for (int ib = 0; ib < nb; ++ib) {
-            dy[r*nb + ib] = GGML_CPU_FP16_TO_FP32(((const block_q8_0 *)(y + r*by) + ib)->d);
+    const int h = nr <= 8 ? nr : (nr + 1) / 2;  // 9-16 rows on AVX2: two groups, the weight row still in cache
+    if (nb > FIMBLE_Q8_0_FAST_NB || nr < FIMBLE_Q8_0_FAST_ROWS) {
+        for (int i = 0; i < nx; ++i) {
+            const block_q8_0 * GGML_RESTRICT x = (const block_q8_0 *)((const char *) vx + i*bx);
+            FIMBLE_SWITCH8(fimble_q8_0_rows_long, h, nb, s + i, bs, x, y, by)
+            if (nr > h) {
+                FIMBLE_SWITCH8(fimble_q8_0_rows_long, nr - h, nb, s + i + h*bs, bs, x, y + h*by, by)
+            }
         }
+        return;
+    }
+    float dyT[16 * FIMBLE_Q8_0_FAST_NB] __attribute__((aligned(32)));
+    for (int ib = 0; ib < nb; ++ib) {  // the rows' scales, 8 or 16 a block (unused lanes zero)
+        _mm256_store_ps(dyT + 16*ib, _mm256_setzero_ps());
+        if (nr > 8) {
+            _mm256_store_ps(dyT + 16*ib + 8, _mm256_setzero_ps());
+        }
+        for (int r = 0; r < nr; ++r) {
+            dyT[16*ib + r] = GGML_CPU_FP16_TO_FP32(((const block_q8_0 *)(y + r*by) + ib)->d);
+        }
+    }
+    if (fimble_q8_0_vnni()) {
+        fimble_q8_0_rows_vnni_all(nb, nx, nr, s, bs, (const char *) vx, bx, y, by, dyT);
+        return;
     }
     for (int i = 0; i < nx; ++i) {
         const block_q8_0 * GGML_RESTRICT x = (const block_q8_0 *)((const char *) vx + i*bx);
-        switch (nr) {
-            case 2: fimble_q8_0_rows(2, nb, s + i, bs, x, y, by, dy); break;
-            case 3: fimble_q8_0_rows(3, nb, s + i, bs, x, y, by, dy); break;
-            case 4: fimble_q8_0_rows(4, nb, s + i, bs, x, y, by, dy); break;
-            case 5: fimble_q8_0_rows(5, nb, s + i, bs, x, y, by, dy); break;
-            case 6: fimble_q8_0_rows(6, nb, s + i, bs, x, y, by, dy); break;
-            case 7: fimble_q8_0_rows(7, nb, s + i, bs, x, y, by, dy); break;
-            default: fimble_q8_0_rows(8, nb, s + i, bs, x, y, by, dy); break;
+        FIMBLE_SWITCH8(fimble_q8_0_rows_avx2, h, nb, s + i, bs, x, y, by, dyT)
+        if (nr > h) {
+            FIMBLE_SWITCH8(fimble_q8_0_rows_avx2, nr - h, nb, s + i + h*bs, bs, x, y + h*by, by, dyT + h)
         }
     }
 }
+#undef FIMBLE_SWITCH8
 #endif
 
 """

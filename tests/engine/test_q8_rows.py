@@ -2,15 +2,20 @@
 every row of a block must equal a 1-token step bit for bit, in the kernel alone and on the default model.
 
 The kernel test calls the built library's C functions directly on random q8_0 blocks (extremes included), so a
-change that alters one row's summation order fails here before any model runs. The model test decodes the
-default GGUF (Qwen2.5-Coder-0.5B q8_0) as 1-token steps and as blocks of every size the kernel splits
-differently (2-8 rows in one group, 9-16 in two, past 16 in several of llama.cpp's 16-row tiles), and compares
-logits exactly. Skipped where the library or the default model is not there (the README's install steps).
+change that alters one row's summation order fails here before any model runs; on a CPU with AVX-512 VNNI it
+runs twice, once more with FIMBLE_Q8_0_AVX2=1 (the AVX2 kernels, which CPUs without VNNI take). The model test
+decodes the default GGUF (Qwen2.5-Coder-0.5B q8_0) as 1-token steps and as blocks of every size the kernel
+splits differently (2 rows, 3-8, 9-16: one pass with VNNI, two groups without; past 16 in several of
+llama.cpp's 16-row tiles), and compares logits exactly. Skipped where the library or the default model is
+not there (the README's install steps).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +28,12 @@ from engine.runtimes.ggml_lib import unavailable_reason
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no llama.cpp library: {REASON}")
 BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])  # ggml's block_q8_0: 34 bytes, packed
-ROWS_MAX = 8  # FIMBLE_Q8_0_ROWS in the patch
+ROWS_MAX = 16  # FIMBLE_Q8_0_ROWS in the patch
 
 
-def _has_avx2() -> bool:
+def _has_avx2(flag: str = "avx2") -> bool:
     try:
-        return " avx2" in Path("/proc/cpuinfo").read_text()
+        return f" {flag}" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
 
@@ -58,7 +63,7 @@ def test_kernel_rows_equal_one_row_dots_bit_for_bit():
     rows_fn.argtypes = [i, i, i, vp, sz, vp, sz, vp, sz]
     one_fn.argtypes = [i, vp, sz, vp, sz, vp, sz, i]
     rng = np.random.default_rng(0)
-    for n, nx in ((896, 16), (4864, 5), (32, 3)):
+    for n, nx in ((896, 16), (4864, 5), (32, 3), (9728, 2)):  # 9728: past the kernels' scale tables (256 blocks)
         nb = n // 32
         x, y = _blocks(rng, nx, nb), _blocks(rng, ROWS_MAX, nb)
         one = np.zeros((ROWS_MAX, nx), np.float32)
@@ -71,6 +76,15 @@ def test_kernel_rows_equal_one_row_dots_bit_for_bit():
             rows_fn(n, nx, nr, got.ctypes.data, 16, x.ctypes.data, x.strides[0], y.ctypes.data, y.strides[0])
             assert np.array_equal(got[:nr, :nx].view(np.uint32), one[:nr].view(np.uint32)), (n, nr)
             assert np.isnan(got[nr:]).all() and np.isnan(got[:nr, nx:]).all()  # nothing written past its rows
+
+
+@pytest.mark.skipif(not _has_avx2("avx512_vnni"), reason="no VNNI: the test above ran the AVX2 kernels")
+def test_kernel_avx2_path_rows_equal_one_row_dots_bit_for_bit():
+    """The same check on the AVX2 kernels, which this CPU (with VNNI) takes only when told to."""
+    env = dict(os.environ, FIMBLE_Q8_0_AVX2="1")
+    test = f"{__file__}::test_kernel_rows_equal_one_row_dots_bit_for_bit"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env)
+    assert done.returncode == 0
 
 
 def test_default_model_blocks_equal_steps_bit_for_bit():
