@@ -459,7 +459,12 @@ def classify_problems(problems: list[Problem]) -> None:
 
 
 def load_problems(
-    sets: list[str], data_dir: Path, limit: int | None, held_langs: Path | None = None, held_python: Path | None = None
+    sets: list[str],
+    data_dir: Path,
+    limit: int | None,
+    held_langs: Path | None = None,
+    held_python: Path | None = None,
+    held_from: int = 0,
 ) -> list[Problem]:
     single = load_rows("single-line", data_dir)
     out: list[Problem] = []
@@ -475,16 +480,14 @@ def load_problems(
         elif name == "random-span-x2":
             probs = random_span_x2_problems(single)
         elif name == "held-out":
+            from bench.harness.cursor_sets import held_out_sample
+
             probs = held_out_problems(held_langs, held_python)
-            if limit:  # the limit applies per language
+            if limit or held_from:  # the limit applies per language
                 by_lang = defaultdict(list)
                 for p in probs:
                     by_lang[p.set].append(p)
-                probs = [
-                    p
-                    for lp in by_lang.values()
-                    for p in (random.Random(0).sample(lp, limit) if limit < len(lp) else lp)
-                ]
+                probs = [p for lp in by_lang.values() for p in held_out_sample(lp, limit)[held_from:]]
             out.extend(probs)
             continue
         else:
@@ -1064,6 +1067,13 @@ def main() -> None:
     ap.add_argument("--held-out-langs", type=Path, help="training/corpus_langs.py output folder (held-out rows)")
     ap.add_argument("--held-out-python", type=Path, help="heldout_python.jsonl.xz from training/fim_lora.py")
     ap.add_argument(
+        "--held-out-from",
+        type=int,
+        default=0,
+        metavar="A",
+        help="held-out: skip the first A cursors of each language's seeded sample (run --limit B in pieces)",
+    )
+    ap.add_argument(
         "--variants",
         default="raw,policy",
         help="comma-separated: raw, policy, lsp (through `fimble lsp`, as an editor drives it)",
@@ -1131,7 +1141,7 @@ def main() -> None:
         records = rescore(records, problems)
         report(records, problems, sets, old.get("decisions", {}), bool(old.get("candidates")), t0, args.json)
         return
-    problems = load_problems(sets, args.data, limit, args.held_out_langs, args.held_out_python)
+    problems = load_problems(sets, args.data, limit, args.held_out_langs, args.held_out_python, args.held_out_from)
     variants = variants_for([v for v in args.variants.split(",") if v], args.sweep)
     # One job per distinct (problem, options, shaping): candidates that leave a problem's options
     # as the policy has them reuse the policy's result.

@@ -48,3 +48,17 @@ def test_bundle_keeps_only_files_outside_training(tmp_path, monkeypatch):
     m2 = hos.build(tmp_path / "out2", device, {trained}, {fingerprint}, per_lang=2, seed=0, debian_root=None)
     m3 = hos.build(tmp_path / "out3", device, {trained}, {fingerprint}, per_lang=2, seed=0, debian_root=None)
     assert m2["sha256"] == m3["sha256"]
+
+
+def test_a_held_out_sample_in_pieces_is_the_whole_sample():
+    """bench/quality.py --held-out-from A --limit B runs cursors A..B of each language's seeded sample: the runs
+    [0, A) and [A, B) together are --limit B's sample, and --limit A's sample is its head."""
+    from bench.harness.cursor_sets import held_out_sample
+
+    for n in (20, 45, 60, 85):
+        lp = list(range(n))
+        for a, b in ((6, 12), (12, 20), (12, 30), (6, 36)):
+            whole = held_out_sample(lp, b)
+            assert held_out_sample(lp, a) == whole[:a]
+            assert len(set(whole)) == min(b, n)
+    assert sorted(held_out_sample([1, 2, 3], 5)) == [1, 2, 3] and held_out_sample([1, 2, 3], None) == [1, 2, 3]
