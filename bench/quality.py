@@ -15,8 +15,9 @@ Sets (from /work/shared/data/humaneval-infilling, or --data DIR):
   (cursor after the header's line break and the body's indentation), tests run (bench/cursor_sets.py).
 - held-out:      only when named (--set held-out --held-out-langs DIR [--held-out-python FILE]):
   per trained language, statement-start, mid-line and block-body cursors in files held out of
-  training (training/corpus_langs.py, training/fim_lora.py); raw variant only, no tests: exact
-  match and edit similarity. --limit applies per language.
+  training (training/corpus_langs.py, training/fim_lora.py); raw and lsp variants (lsp: the file opened
+  with its language id), no tests: exact match and edit similarity. --limit applies per language
+  (--held-out-from A runs a language's sample from its A-th cursor: a long run in pieces).
 - multi-line, random-span-x2: only when named; derived from the same 164 programs with the published
   HumanEval infilling rules (seeded), since those files are not in the data folder: up to 4 spans of 2-6
   whole lines per solution (the cursor on the emptied line, as single-line; 468 problems), and 2 random
@@ -459,7 +460,12 @@ def classify_problems(problems: list[Problem]) -> None:
 
 
 def load_problems(
-    sets: list[str], data_dir: Path, limit: int | None, held_langs: Path | None = None, held_python: Path | None = None
+    sets: list[str],
+    data_dir: Path,
+    limit: int | None,
+    held_langs: Path | None = None,
+    held_python: Path | None = None,
+    held_from: int = 0,
 ) -> list[Problem]:
     single = load_rows("single-line", data_dir)
     out: list[Problem] = []
@@ -475,16 +481,14 @@ def load_problems(
         elif name == "random-span-x2":
             probs = random_span_x2_problems(single)
         elif name == "held-out":
+            from bench.harness.cursor_sets import held_out_sample
+
             probs = held_out_problems(held_langs, held_python)
-            if limit:  # the limit applies per language
+            if limit or held_from:  # the limit applies per language
                 by_lang = defaultdict(list)
                 for p in probs:
                     by_lang[p.set].append(p)
-                probs = [
-                    p
-                    for lp in by_lang.values()
-                    for p in (random.Random(0).sample(lp, limit) if limit < len(lp) else lp)
-                ]
+                probs = [p for lp in by_lang.values() for p in held_out_sample(lp, limit)[held_from:]]
             out.extend(probs)
             continue
         else:
@@ -520,8 +524,6 @@ def options_for(p: Problem, v: Variant):
     from lsp_server.shaping.policy import DEFAULTS, MID_LINE_ONE_LINE, ONE_LINE_CONTEXTS, decide_for_context
 
     seed = zlib.crc32(f"{p.task_id}/{v.name}".encode())
-    if v.name == "lsp" and p.set.startswith("held-out-"):
-        return None  # the lsp variant opens Python documents only
     if not v.policy:
         return DecodeOptions(max_tokens=RAW_MAX_TOKENS, max_lines=1 if p.one_line else p.max_lines, seed=seed), None
     if p.set.startswith("held-out-"):
@@ -734,6 +736,45 @@ def run_one(job: tuple[int, Problem, str, object, bool]) -> dict:
 # (the stream's `done` text over [position, replaceEnd), else the answer's item) applied to the document as
 # the editor applies it; that document runs the tests.
 _LSP: dict = {}
+# Held-out documents: the file's name as an editor would have it (the server reads the languageId; the name is
+# for what the logs show).
+_LSP_FILE_NAMES = {
+    "python": "x.py",
+    "c": "x.c",
+    "cpp": "x.cpp",
+    "cmake": "x.cmake",
+    "css": "x.css",
+    "go": "x.go",
+    "java": "X.java",
+    "javascript": "x.js",
+    "javascriptreact": "x.jsx",
+    "typescript": "x.ts",
+    "typescriptreact": "x.tsx",
+    "lua": "x.lua",
+    "php": "x.php",
+    "rust": "x.rs",
+    "shellscript": "x.sh",
+    "sql": "x.sql",
+    "yaml": "x.yaml",
+    "csharp": "X.cs",
+    "ruby": "x.rb",
+    "kotlin": "X.kt",
+    "swift": "x.swift",
+    "scala": "X.scala",
+    "r": "x.R",
+    "haskell": "X.hs",
+    "dart": "x.dart",
+    "elixir": "x.ex",
+    "julia": "x.jl",
+    "ocaml": "x.ml",
+    "html": "x.html",
+    "vue": "x.vue",
+    "json": "x.json",
+    "dockerfile": "Dockerfile",
+    "makefile": "Makefile",
+    "powershell": "x.ps1",
+    "zig": "x.zig",
+}
 
 
 def _utf16_pos(text: str, offset: int) -> dict:
@@ -812,10 +853,9 @@ async def _lsp_complete(p: Problem) -> tuple[str, int, int, str | None]:
     _LSP["n"] += 1
     doc = p.ctx_text
     cursor = len(p.ctx_text.encode("utf-8")[: p.ctx_cursor].decode("utf-8"))
-    uri = f"file:///tmp/fimble-quality/{_LSP['n']}/{re.sub(r'[^A-Za-z0-9_.-]', '_', p.task_id)}.py"
-    rpc.notify(
-        "textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": "python", "version": 1, "text": doc}}
-    )
+    name = _LSP_FILE_NAMES.get(p.lang, f"x.{p.lang}")
+    uri = f"file:///tmp/fimble-quality/{_LSP['n']}/{re.sub(r'[^A-Za-z0-9_.-]', '_', p.task_id)}/{name}"
+    rpc.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": p.lang, "version": 1, "text": doc}})
     pos = _utf16_pos(doc, cursor)
     req_id, fut = rpc.request(
         "textDocument/inlineCompletion", {"textDocument": {"uri": uri}, "position": pos, "context": {"triggerKind": 1}}
@@ -864,13 +904,21 @@ def run_one_lsp(job: tuple[int, Problem, str, object, bool]) -> dict:
         "finish": reason,
         "replaced": p.ctx_text[a:b],
     }
-    rec.update(score_document(p, text, doc, line_start=a < cursor))
+    # Held-out cursors have no tests: the answer is exact where it rewrites [a, b) as the file has it (the
+    # indentation it replaced, the middle, the suffix text it re-typed over).
+    want = p.ctx_text[a:cursor] + p.middle + p.ctx_text[cursor:b] if p.set.startswith("held-out-") else None
+    rec.update(score_document(p, text, doc, line_start=a < cursor, want=want))
     return rec
 
 
-def score_document(p: Problem, shown: str, doc: str, line_start: bool = False) -> dict:
+def score_document(p: Problem, shown: str, doc: str, line_start: bool = False, want: str | None = None) -> dict:
     """Scores of an answer applied to the editor's document (the lsp variant). ``line_start``: the answer
-    replaced the cursor line's auto-indentation (its text holds the line's own indentation)."""
+    replaced the cursor line's auto-indentation (its text holds the line's own indentation). ``want``: the
+    text the answer's range holds in the original file, where given (exact match against it)."""
+    if want is not None:
+        exact = shown.rstrip() == want.rstrip()
+    else:
+        exact = shown.rstrip() == p.middle.rstrip() if line_start else _norm_exact(p, shown)
     passed = passes(doc + "\n" + p.test + f"\ncheck({p.entry_point})\n") if p.has_tests else None
     retype = rep_line = None
     if shown.strip():
@@ -888,7 +936,7 @@ def score_document(p: Problem, shown: str, doc: str, line_start: bool = False) -
         "retypes_suffix": retype,
         "repeats_suffix_line": rep_line,
         "runs_past": runs_past(p, shown),
-        "exact": shown.rstrip() == p.middle.rstrip() if line_start else _norm_exact(p, shown),
+        "exact": exact,
         "is_shown": bool(shown.strip()),
         "edit_sim": difflib.SequenceMatcher(None, shown.strip(), p.middle.strip()).ratio(),
         "parse_ok": None,
@@ -1064,6 +1112,13 @@ def main() -> None:
     ap.add_argument("--held-out-langs", type=Path, help="training/corpus_langs.py output folder (held-out rows)")
     ap.add_argument("--held-out-python", type=Path, help="heldout_python.jsonl.xz from training/fim_lora.py")
     ap.add_argument(
+        "--held-out-from",
+        type=int,
+        default=0,
+        metavar="A",
+        help="held-out: skip the first A cursors of each language's seeded sample (run --limit B in pieces)",
+    )
+    ap.add_argument(
         "--variants",
         default="raw,policy",
         help="comma-separated: raw, policy, lsp (through `fimble lsp`, as an editor drives it)",
@@ -1109,6 +1164,14 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path)
     ap.add_argument(
+        "--reuse",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="raw records of earlier --json runs OF THE SAME MODEL are taken for the same problems instead of "
+        "running them again (greedy: the same text); marked reused in this run's JSON",
+    )
+    ap.add_argument(
         "--rescore",
         type=Path,
         metavar="JSON",
@@ -1131,7 +1194,7 @@ def main() -> None:
         records = rescore(records, problems)
         report(records, problems, sets, old.get("decisions", {}), bool(old.get("candidates")), t0, args.json)
         return
-    problems = load_problems(sets, args.data, limit, args.held_out_langs, args.held_out_python)
+    problems = load_problems(sets, args.data, limit, args.held_out_langs, args.held_out_python, args.held_out_from)
     variants = variants_for([v for v in args.variants.split(",") if v], args.sweep)
     # One job per distinct (problem, options, shaping): candidates that leave a problem's options
     # as the policy has them reuse the policy's result.
@@ -1156,9 +1219,21 @@ def main() -> None:
         file=sys.stderr,
         flush=True,
     )
-    engine_jobs = [j for j in jobs if j[2] != "lsp"]
+    done, reused = [], []
+    if args.reuse:  # greedy raw answers of the same model: an earlier run's record stands for the job
+        old = {}
+        for path in args.reuse:
+            for r in json.loads(path.read_text())["records"]:
+                if r["variant"] == "raw" and r.get("group") is None:
+                    old[r["task_id"]] = r
+        for j in jobs:
+            if j[2] == "raw" and j[1].task_id in old:
+                done.append({**old[j[1].task_id], "job": j[0], "reused": True})
+                reused.append(j[1].task_id)
+        print(f"quality: {len(reused)} raw completions reused from {len(args.reuse)} earlier runs", file=sys.stderr)
+    taken = {r["job"] for r in done}
+    engine_jobs = [j for j in jobs if j[2] != "lsp" and j[0] not in taken]
     lsp_jobs = [j for j in jobs if j[2] == "lsp"]
-    done = []
     if lsp_jobs:  # before the engine's jobs: each worker's server has the CPUs alone
         done += run_jobs(lsp_jobs, args.procs, args.model, lsp_settings=json.loads(args.lsp_settings))
     if engine_jobs:
@@ -1262,9 +1337,10 @@ def report(
                 f"repeat {'-' if rp is None else f'{rp:.3f}'})"
             )
     for s in sorted(results["sets"]):
-        if s.startswith("held-out-") and "raw" in results["sets"][s]:
-            got = results["sets"][s]["raw"]
-            heads.append(f"{s} exact {got['exact_match']:.3f} edit {got['edit_sim']:.3f}")
+        for v in ("raw", "lsp"):
+            if s.startswith("held-out-") and v in results["sets"][s]:
+                got = results["sets"][s][v]
+                heads.append(f"{s} {v} exact {got['exact_match']:.3f} edit {got['edit_sim']:.3f}")
     tot = results["sets"].get("all", {})
     parse = [
         f"{v} {100 * s['shown_parse_ok']:.1f}% of {s['shown_n']}"

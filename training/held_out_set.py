@@ -1,7 +1,7 @@
 """The held-out cursor set of the FIM-tuned default, in every enabled language this machine has sources for.
 
     python -m training.held_out_set --out DIR --device-held heldout.jsonl.xz --train-files train_files.tsv.xz \
-        [--debian-root DIR] [--per-lang 12] [--seed 0]
+        [--debian-root DIR] [--registry-root DIR] [--per-lang 12] [--seed 0]
 
 Writes a bundle in training/corpus_langs.py's format (``langs.jsonl.xz.partNN`` and ``langs_manifest.json``,
 every row ``held_out``) for ``bench/quality.py --set held-out --held-out-langs DIR``.
@@ -17,11 +17,24 @@ Why these files were not trained on (models/qwen2.5-coder-0.5b-fim, training/qwe
   is dropped and counted). The adapter was trained on Python, C, C++ and 6 JavaScript files (training report
   ``train_files``); for every other language it saw no file at all.
 HumanEval-like files (a fingerprint line of the infilling sets) are dropped as the corpora do.
+
+``--registry-root`` adds the enabled languages this machine has no source for, from registry packages fetched
+by name (REGISTRY below; the adapter saw none of these languages). Under DIR, as the commands lay them out:
+- ``deb/``: ``apt-get download libruby3.1 ocaml`` then ``dpkg -x PKG.deb deb`` (Ruby, OCaml);
+- ``npm/NAME/``: ``npm pack expo-modules-core element-ui @react-navigation/stack @docusaurus/theme-classic``,
+  each ``tar xzf NAME-VERSION.tgz -C npm/NAME-VERSION`` (Swift, Kotlin, Vue, TypeScript React);
+- ``pypi/``: ``pip download --no-deps ziglang`` (its ``ziglang/lib/std`` unzipped into ``pypi/ziglang``) and
+  ``pip download --no-deps --no-binary=:all: pythonnet`` (``tar xzf`` into ``pypi/pythonnet``) (Zig, C#);
+- ``debsrc/SRC/``: Debian source packages (a deb-src entry in a private apt list, ``apt-get source -d
+  elixir-lang xmonad-contrib r-cran-ggplot2 scala``), each orig tarball unpacked into ``debsrc/SRC`` (Elixir,
+  Haskell, R, Scala).
+HTML, JSON, Makefiles, Dockerfiles and PowerShell come from this machine (LOCAL).
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import lzma
 import random
@@ -42,6 +55,7 @@ _SHEBANG = re.compile(rb"^#!\s*(/usr)?/bin/(env\s+)?(ba|da)?sh\b")
 
 # language -> [(root, file suffixes or "shebang", exclude regex, licence)]; roots under {debian} are where
 # `apt-get download golang-1.19-src rust-src openjdk-17-source` were `dpkg -x`ed (as training/corpus_langs.py).
+# A suffix entry starting with "=" is a file-name pattern instead (fnmatch: "=Makefile", "=Dockerfile*").
 LOCAL: dict[str, list[tuple[str, tuple[str, ...] | str, str | None, str]]] = {
     "cpp": [
         ("/usr/include/c++", ("", ".h", ".tcc"), None, "libstdc++ 12 headers: GPL-3.0 with the GCC runtime exception")
@@ -103,6 +117,70 @@ LOCAL: dict[str, list[tuple[str, tuple[str, ...] | str, str | None, str]]] = {
             "Google Cloud SDK: Apache-2.0",
         )
     ],
+    "html": [
+        ("/usr/lib/google-cloud-sdk", (".html",), None, "Google Cloud SDK: Apache-2.0"),
+        ("/usr/lib/node_modules/npm/docs", (".html",), None, "npm 11 documentation: Artistic-2.0"),
+        ("/usr/share/doc/git", (".html",), None, "git documentation: GPL-2.0"),
+    ],
+    "json": [
+        ("/usr/lib/google-cloud-sdk/lib", (".json",), None, "Google Cloud SDK: Apache-2.0"),
+        (
+            "/usr/lib/node_modules/npm",
+            (".json",),
+            _NODE_SKIP,
+            "npm 11 and its dependencies: Artistic-2.0, ISC, MIT, BSD",
+        ),
+    ],
+    "makefile": [
+        ("/usr/share/doc", ("=Makefile", "=*.mk"), None, "Debian packages' examples (git GPL-2.0, xz, xmlsec, ...)"),
+        (
+            "/usr/lib/google-cloud-sdk/platform",
+            ("=Makefile", "=*.mk"),
+            None,
+            "Google Cloud SDK's third party (MIT, BSD)",
+        ),
+        ("/usr/share/postgresql-common", ("=Makefile",), None, "postgresql-common: GPL-2.0"),
+        ("/usr/lib/python3.11/config-3.11-x86_64-linux-gnu", ("=Makefile",), None, "CPython 3.11: PSF-2.0"),
+    ],
+    "dockerfile": [
+        ("/usr/lib/google-cloud-sdk/platform/ext-runtime", ("=Dockerfile*",), None, "Google Cloud SDK: Apache-2.0"),
+    ],
+    "powershell": [
+        ("/usr/lib/node_modules", (".ps1", ".psm1"), None, "npm 11 and corepack: Artistic-2.0, MIT"),
+        ("/usr/lib/python3.11/venv", (".ps1",), None, "CPython 3.11 venv: PSF-2.0"),
+    ],
+}
+
+# Languages with no source on this machine, from registry packages (the module's docstring says how
+# --registry-root is filled): language -> [(root under {registry}, suffixes, exclude regex, licence)].
+REGISTRY: dict[str, list[tuple[str, tuple[str, ...] | str, str | None, str]]] = {
+    "ruby": [
+        ("{registry}/deb/usr/lib/ruby", (".rb",), None, "Debian libruby3.1 (Ruby 3.1 stdlib): BSD-2-Clause or Ruby")
+    ],
+    "ocaml": [
+        ("{registry}/deb/usr/lib/ocaml", (".ml",), None, "Debian ocaml 4.13 stdlib: LGPL-2.1 with the OCaml exception")
+    ],
+    "swift": [("{registry}/npm", (".swift",), r"/Tests?/", "npm expo-modules-core 58: MIT")],
+    "kotlin": [("{registry}/npm", (".kt", ".kts"), r"/(test|androidTest)/", "npm expo-modules-core 58: MIT")],
+    "vue": [("{registry}/npm", (".vue",), None, "npm element-ui 2.15: MIT")],
+    "typescriptreact": [
+        (
+            "{registry}/npm",
+            (".tsx",),
+            r"/(__tests__|__fixtures__)/",
+            "npm @react-navigation/stack 7, @docusaurus/theme-classic 3, expo-modules-core: MIT",
+        )
+    ],
+    "zig": [("{registry}/pypi/ziglang", (".zig",), None, "PyPI ziglang 0.17 (Zig standard library): MIT")],
+    "csharp": [("{registry}/pypi/pythonnet", (".cs",), r"(?i)/[^/]*test", "PyPI pythonnet 3.2 sdist: MIT")],
+    "elixir": [
+        ("{registry}/debsrc/elixir-lang", (".ex", ".exs"), r"/test/", "Debian source elixir-lang 1.14: Apache-2.0")
+    ],
+    "haskell": [
+        ("{registry}/debsrc/xmonad-contrib", (".hs",), r"/tests/", "Debian source xmonad-contrib 0.17: BSD-3-Clause")
+    ],
+    "r": [("{registry}/debsrc/r-cran-ggplot2", (".R", ".r"), r"/tests/", "Debian source r-cran-ggplot2 3.4: MIT")],
+    "scala": [("{registry}/debsrc/scala", (".scala",), r"/(test|tests)/", "Debian source scala 2.11: BSD-3-Clause")],
 }
 
 
@@ -149,12 +227,17 @@ def local_files(root: Path, kind: tuple[str, ...] | str, exclude: str | None) ->
         rel = str(path)
         if skip and skip.search(rel):
             continue
-        if kind != "shebang" and path.suffix not in kind:
+        if kind != "shebang" and not _kind_matches(path, kind):
             continue
         if not path.is_file() or path.is_symlink():
             continue
         out.append((rel, _reader(path, kind == "shebang")))
     return out
+
+
+def _kind_matches(path: Path, kind: tuple[str, ...]) -> bool:
+    names = [k[1:] for k in kind if k.startswith("=")]
+    return path.suffix in kind or any(fnmatch.fnmatchcase(path.name, n) for n in names)
 
 
 def _reader(path: Path, shebang: bool) -> Callable:
@@ -180,6 +263,7 @@ def build(
     debian_root: Path | None,
     part_mib: float = 4.0,
     vscode_modules: Path = REPO / "editors/vscode/node_modules",
+    registry_root: Path | None = None,
 ) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
@@ -188,16 +272,18 @@ def build(
     for r in device_rows:
         if r["lang"] in DEVICE_LANGS:
             by_lang.setdefault(r["lang"], []).append((r["path"], (lambda t=r["text"]: t), DEVICE_SOURCE))
-    for lang, srcs in LOCAL.items():
-        for root, kind, exclude, licence in srcs:
-            if "{debian}" in root:
-                if debian_root is None:
-                    continue
-                root = root.replace("{debian}", str(debian_root))
-            root = root.replace("{vscode_modules}", str(vscode_modules))
-            path = Path(root) if Path(root).is_absolute() else REPO / root
-            for p, read in local_files(path, kind, exclude):
-                by_lang.setdefault(lang, []).append((p, read, licence))
+    sources = [(lang, src) for lang, srcs in LOCAL.items() for src in srcs]
+    sources += [(lang, src) for lang, srcs in REGISTRY.items() for src in srcs] if registry_root else []
+    for lang, (root, kind, exclude, licence) in sources:
+        if "{debian}" in root:
+            if debian_root is None:
+                continue
+            root = root.replace("{debian}", str(debian_root))
+        root = root.replace("{registry}", str(registry_root))
+        root = root.replace("{vscode_modules}", str(vscode_modules))
+        path = Path(root) if Path(root).is_absolute() else REPO / root
+        for p, read in local_files(path, kind, exclude):
+            by_lang.setdefault(lang, []).append((p, read, licence))
     for lang in sorted(by_lang):
         st = {"candidates": len(by_lang[lang]), "read": 0, "unusable": 0, "in_training": 0, "duplicates": 0}
         st.update(generated=0, humaneval_like=0)
@@ -254,6 +340,7 @@ def main() -> None:
     ap.add_argument("--device-held", type=Path, required=True, help="the split's heldout.jsonl.xz")
     ap.add_argument("--train-files", type=Path, required=True, help="the split's train_files.tsv.xz (sha1 first)")
     ap.add_argument("--debian-root", type=Path)
+    ap.add_argument("--registry-root", type=Path, help="registry packages for the languages with no source here")
     ap.add_argument(
         "--vscode-modules",
         type=Path,
@@ -276,6 +363,7 @@ def main() -> None:
         args.seed,
         args.debian_root,
         vscode_modules=args.vscode_modules,
+        registry_root=args.registry_root,
     )
     print(json.dumps({k: m[k] for k in ("parts", "bytes")}))
 

@@ -126,3 +126,12 @@ def held_out_cursors(row: dict, per_kind: int, rng: random.Random) -> list[dict]
                 }
             )
     return out
+
+
+def held_out_sample(lp: list, limit: int | None) -> list:
+    """One language's seeded sample of ``limit`` cursors (all of them, in order, without a limit; all of them
+    in the sample's order when the language has no more). For limit >= 6 and len(lp) <= 85, random.sample
+    draws from a pool, so a smaller limit's sample is the larger one's head: ``--held-out-from`` A with
+    ``--limit`` B runs cursors A..B of the same order, and runs of [0, A) and [A, B) together are the sample
+    of B (tests/training/test_held_out_set.py)."""
+    return random.Random(0).sample(lp, min(limit, len(lp))) if limit else lp

@@ -48,3 +48,49 @@ def test_bundle_keeps_only_files_outside_training(tmp_path, monkeypatch):
     m2 = hos.build(tmp_path / "out2", device, {trained}, {fingerprint}, per_lang=2, seed=0, debian_root=None)
     m3 = hos.build(tmp_path / "out3", device, {trained}, {fingerprint}, per_lang=2, seed=0, debian_root=None)
     assert m2["sha256"] == m3["sha256"]
+
+
+def test_a_held_out_sample_in_pieces_is_the_whole_sample():
+    """bench/quality.py --held-out-from A --limit B runs cursors A..B of each language's seeded sample: the runs
+    [0, A) and [A, B) together are --limit B's sample, and --limit A's sample is its head."""
+    from bench.harness.cursor_sets import held_out_sample
+
+    for n in (20, 45, 60, 85):
+        lp = list(range(n))
+        for a, b in ((6, 12), (12, 20), (12, 30), (6, 36)):
+            whole = held_out_sample(lp, b)
+            assert held_out_sample(lp, a) == whole[:a]
+            assert len(set(whole)) == min(b, n)
+    assert sorted(held_out_sample([1, 2, 3], 5)) == [1, 2, 3] and held_out_sample([1, 2, 3], None) == [1, 2, 3]
+
+
+def test_registry_sources_and_file_name_patterns(tmp_path, monkeypatch):
+    """--registry-root adds REGISTRY's languages only when given; "=PATTERN" kinds match file names (Makefile,
+    Dockerfile.template), suffix kinds stay suffixes."""
+    reg = tmp_path / "reg" / "deb" / "lib"
+    reg.mkdir(parents=True)
+    for i in range(3):
+        (reg / f"m{i}.rb").write_text("".join(f"def m{i}_{k}(a)\n  a + {k}\nend\n\n" for k in range(40)))
+    local = tmp_path / "local"
+    (local / "a").mkdir(parents=True)
+    rule = "".join(f"target{k}: dep{k}.o\n\t$(CC) -o $@ $^ -lm{k}\n\n" for k in range(30))
+    (local / "a" / "Makefile").write_text(rule)
+    (local / "a" / "rules.mk").write_text(rule.replace("target", "rule"))
+    (local / "a" / "Makefile.txt").write_text(rule.replace("target", "other"))  # a suffix, not the name
+    (local / "Dockerfile.template").write_text("".join(f"RUN apt-get install -y pkg{k}\n" for k in range(30)))
+    monkeypatch.setattr(
+        hos,
+        "LOCAL",
+        {
+            "makefile": [(str(local), ("=Makefile", "=*.mk"), None, "l")],
+            "dockerfile": [(str(local), ("=Dockerfile*",), None, "l")],
+        },
+    )
+    monkeypatch.setattr(hos, "REGISTRY", {"ruby": [("{registry}/deb/lib", (".rb",), None, "r")]})
+    hos.build(tmp_path / "o1", [], set(), set(), per_lang=10, seed=0, debian_root=None)
+    got = {(r["lang"], Path(r["path"]).name) for r in read_parts(tmp_path / "o1")}
+    assert got == {("makefile", "Makefile"), ("makefile", "rules.mk"), ("dockerfile", "Dockerfile.template")}
+    hos.build(tmp_path / "o2", [], set(), set(), per_lang=10, seed=0, debian_root=None, registry_root=tmp_path / "reg")
+    rows = read_parts(tmp_path / "o2")
+    assert {Path(r["path"]).name for r in rows if r["lang"] == "ruby"} == {"m0.rb", "m1.rb", "m2.rb"}
+    assert {r["source"] for r in rows if r["lang"] == "ruby"} == {"r"}
