@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from math import comb
 from pathlib import Path
 
+from bench.harness.stats import sign_test_p
 from bench.lsp_latency import percentile
 
 
@@ -72,15 +72,6 @@ def run_row(label: str, run: dict) -> dict:
     }
 
 
-def sign_test(slower: int, faster: int) -> float:
-    """Two-sided sign test: the chance of a split at least this uneven if neither setting were faster."""
-    n = slower + faster
-    if n == 0:
-        return 1.0
-    k = min(slower, faster)
-    return min(1.0, 2 * sum(comb(n, i) for i in range(k + 1)) / 2**n)
-
-
 def paired(a_runs: list[dict], b_runs: list[dict], margin: float, tie_ms: float = 20.0) -> dict:
     diffs: list[float] = []
     a_slower = b_slower = only_a = only_b = 0
@@ -101,7 +92,7 @@ def paired(a_runs: list[dict], b_runs: list[dict], margin: float, tie_ms: float 
         "pairs_with_text": len(diffs),
         "a_slower_any": slower,  # by more than tie_ms: a pause's own jitter
         "b_slower_any": faster,
-        "sign_test_p": sign_test(slower, faster),
+        "sign_test_p": sign_test_p(slower, faster),
         "median_diff_ms": statistics.median(diffs) if diffs else None,
         "mean_diff_ms": statistics.fmean(diffs) if diffs else None,
         "a_slower": a_slower,

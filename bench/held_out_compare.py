@@ -16,18 +16,10 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 from collections import defaultdict
 from pathlib import Path
 
-
-def sign_p(wins: int, losses: int) -> float:
-    """Two-sided exact sign test (binomial, p = 1/2) on the discordant pairs."""
-    n = wins + losses
-    if n == 0:
-        return 1.0
-    k = min(wins, losses)
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+from bench.harness.stats import sign_test_p
 
 
 def past_or_repeat(r: dict) -> bool:
@@ -70,7 +62,7 @@ def compare(ref: dict[str, dict], other: dict[str, dict]) -> dict:
         a, b = figures([ref[t] for t in tids]), figures([other[t] for t in tids])
         wins = sum(bool(ref[t]["exact"]) and not other[t]["exact"] for t in tids)
         losses = sum(bool(other[t]["exact"]) and not ref[t]["exact"] for t in tids)
-        rows[name] = {"ref": a, "other": b, "wins": wins, "losses": losses, "sign_p": sign_p(wins, losses)}
+        rows[name] = {"ref": a, "other": b, "wins": wins, "losses": losses, "sign_p": sign_test_p(wins, losses)}
     return rows
 
 

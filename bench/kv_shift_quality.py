@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import math
 import multiprocessing as mp
 import os
 import random
@@ -74,6 +73,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import bench.quality as quality
+from bench.harness.stats import sign_test_p
 from bench.quality import DATA, Problem, _init_worker, load_problems, options_for, shape_and_score
 
 SETS = ("single-line", "random-span")
@@ -195,13 +195,6 @@ def run_all(
 
 
 # -- aggregation ---------------------------------------------------------------------------------
-def mcnemar_p(b: int, c: int) -> float:
-    """Two-sided exact McNemar p-value: binomial(b + c, 1/2) on the discordant pairs."""
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
-    return min(1.0, 2 * tail)
 
 
 def summarize(rs: list[dict]) -> dict:
@@ -246,7 +239,7 @@ def summarize(rs: list[dict]) -> dict:
             "pass_delta": mean("shift", "pass") - mean("recompute", "pass"),
             "recompute_only_pass": rec_only,
             "shift_only_pass": shift_only,
-            "mcnemar_p": mcnemar_p(rec_only, shift_only),
+            "mcnemar_p": sign_test_p(rec_only, shift_only),
         }
     )
     return out

@@ -18,14 +18,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-
-def sign_p(b: int, c: int) -> float:
-    """Two-sided exact sign test: binomial(b + c, 1/2) on the discordant pairs."""
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
-    return min(1.0, 2 * tail)
+from bench.harness.stats import sign_test_p
 
 
 def load(path: Path, variant: str, first: int | None) -> dict[str, list[dict]]:
@@ -60,12 +53,12 @@ def compare(base: list[dict], other: list[dict]) -> dict:
         "pass_other": sum(1 for _, b in tested if b["pass"]),
         "pass_lost": p_lost,
         "pass_gained": p_gain,
-        "pass_p": sign_p(p_lost, p_gain),
+        "pass_p": sign_test_p(p_lost, p_gain),
         "exact_base": sum(a["exact"] for a in base),
         "exact_other": sum(b["exact"] for b in other),
         "exact_lost": e_lost,
         "exact_gained": e_gain,
-        "exact_p": sign_p(e_lost, e_gain),
+        "exact_p": sign_test_p(e_lost, e_gain),
         "edit_base": sum(a["edit_sim"] for a in base) / n,
         "edit_other": sum(b["edit_sim"] for b in other) / n,
         "edit_diff": mean,
