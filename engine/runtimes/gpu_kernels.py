@@ -264,17 +264,22 @@ def _kernels():
     # same whatever rows share its pass (Triton would otherwise compile M == 1 apart).
     @triton.jit(do_not_specialize=["M"])
     def linear_kernel(
-        x, w, out, bias, res, nw,
+        x, w, out, bias, res, nw, part, lock,
         M, N, x_stride, res_stride, out_stride, eps,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # K is a weight's own size (a constant): the slab loop has a fixed trip count, and Triton's interpreter can
-        # range() over it
+        # range() over it. SPLITS > 1 (split-K): program `split` reduces its own K range (KS, whole slabs); the last
+        # program of a tile to finish adds the SPLITS partial sums in split order, so the order is fixed by the
+        # weight's shape alone, never by timing or the row count.
+        KS: tl.constexpr = tl.cdiv(tl.cdiv(K, BK), SPLITS) * BK
         pid = tl.program_id(0)
+        split = pid % SPLITS  # a tile's splits run side by side
+        tile = pid // SPLITS
         tiles_m = tl.cdiv(M, BM)
-        pid_m = pid % tiles_m  # row tiles of one column strip run side by side: the strip's weights are read once
-        pid_n = pid // tiles_m
+        pid_m = tile % tiles_m  # row tiles of one column strip run side by side: the strip's weights are read once
+        pid_n = tile // tiles_m
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
         rmask = rows < M
@@ -284,9 +289,9 @@ def _kernels():
         wrow = w + cols[:, None].to(tl.int64) * K
         acc = tl.zeros((BM, BN), tl.float32)
         ss = tl.zeros((BM, BK), tl.float32)  # squares summed per column slot, reduced once after the loop
-        for k0 in range(0, K, BK):
-            k = k0 + kk
-            if K % BK == 0:
+        for k0 in range(0, KS, BK):  # constant bounds (the interpreter and the pipeliner want them), offset by split
+            k = split * KS + k0 + kk
+            if K % (BK * SPLITS) == 0:  # every split's slabs inside K: no mask on K
                 amask = rmask[:, None]
                 bmask = cmask[:, None]
             else:
@@ -305,11 +310,30 @@ def _kernels():
                     a = (af * g[None, :]).to(w.dtype.element_ty)
             b = tl.load(wrow + k[None, :], mask=bmask, other=0.0)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        last = True  # this program writes the tile (with splits: the last of its tile's programs to finish)
+        if SPLITS > 1:
+            sub = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+            tl.store(part + (tile * SPLITS + split) * (BM * BN) + sub, acc)
+            tl.debug_barrier()  # every thread's partial is written before the count says so (released below)
+            last = tl.atomic_add(lock + tile, 1, sem="acq_rel") == SPLITS - 1
+            tl.debug_barrier()
+            tile_part = part + tile * SPLITS * (BM * BN) + sub
+            acc = tl.load(tile_part, mask=last, other=0.0, cache_modifier=".cg")
+            for sp in tl.static_range(1, SPLITS):
+                acc += tl.load(tile_part + sp * (BM * BN), mask=last, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(lock + tile, 0, mask=last)  # back to 0 for the next kernel that counts on this tile
+            if NORM:  # the whole row's squares, in the one-split loop's order
+                ss = tl.zeros((BM, BK), tl.float32)
+                for k0 in range(0, K, BK):
+                    k = k0 + kk
+                    xm = last & rmask[:, None] & (k[None, :] < K)
+                    af = tl.load(xrow + k[None, :], mask=xm, other=0.0).to(tl.float32)
+                    ss += af * af
         if NORM:
             acc = acc * tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
         if HAS_BIAS:
             acc += tl.load(bias + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        omask = rmask[:, None] & cmask[None, :]
+        omask = rmask[:, None] & cmask[None, :] & last
         if HAS_RES:
             r = tl.load(res + rows[:, None].to(tl.int64) * res_stride + cols[None, :], mask=omask, other=0.0)
             acc += r.to(tl.float32)
@@ -405,23 +429,45 @@ def attention_scratch(q: Tensor, keys_len: int, seqs: int, kv_heads: int, hd: in
 
 
 LINEAR_ROWS = 16  # rows of one output tile (tl.dot needs 16): the only tile size a pass's row count meets
+SM_TARGET = 132  # the H200's streaming multiprocessors: a decode product wants at least this many programs
 
 
-def linear_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BN, BK, warps, stages) of ``linear`` for a weight of ``n`` outputs by ``k`` inputs: a function of the weight's
-    shape alone, never of the row count, so a row's reduction order is the same in every pass (batch invariance).
+def linear_config(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BN, BK, warps, stages, splits) of ``linear`` for a weight of ``n`` outputs by ``k`` inputs: a function of the
+    weight's shape alone, never of the row count, so a row's reduction order is the same in every pass (batch
+    invariance).
 
     Decode passes are 1-16 rows: reading the weight is the cost, so a narrow-output weight gets narrow column tiles
-    (more programs streaming it at once) and wide slabs of K (more bytes in flight per program)."""
+    (more programs streaming it at once) and wide slabs of K (more bytes in flight per program); where the column
+    tiles are still too few to keep every multiprocessor reading, K is split (summed in split order by the tile's
+    last program), as few splits as fill the GPU, each a whole number of slabs."""
     bn = 16 if n <= 4096 else 32 if n <= 65536 else 64
     bk = 128 if k <= 1024 else 256
-    return bn, bk, 4, 4
+    slabs = -(-k // bk)
+    splits = 1
+    while -(-n // bn) * splits < SM_TARGET and splits * 2 <= slabs:
+        splits *= 2
+    return bn, bk, 4, 4, splits
+
+
+_LOCKS: dict[torch.device, Tensor] = {}
+
+
+def _split_locks(device: torch.device, tiles: int) -> Tensor:
+    """Per-tile arrival counters of split-K ``linear``, zero between kernels (each tile's last program resets its
+    own). One buffer a device: the engine runs a device's kernels in one stream's order, so no two products count
+    on it at once."""
+    locks = _LOCKS.get(device)
+    if locks is None or locks.numel() < tiles:
+        locks = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _LOCKS[device] = locks
+    return locks
 
 
 def linear(
     x: Tensor, weight: Tensor, *, bias: Tensor | None = None, residual: Tensor | None = None,
     norm: Tensor | None = None, eps: float = 0.0, gated: bool = False, out_dtype: torch.dtype | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
 ) -> Tensor:  # fmt: skip
     """``x @ weight.T`` (+ ``bias``) (+ ``residual``), batch-invariant: row i of the result has the same bits
     whatever the other rows are and however many there are.
@@ -429,7 +475,8 @@ def linear(
     ``x`` [M, K] (rows contiguous); ``weight`` [N, K] contiguous (an nn.Linear's). ``norm``: an RMSNorm weight [K]
     applied to ``x`` first (eps ``eps``). ``gated``: ``x`` is [M, 2K], gate then up, and the product's input is
     ``silu(gate) * up``. ``out_dtype``: the result's dtype (x's by default; float32 for logits, which then skip a
-    rounding to bf16). ``config``: (BN, BK, warps, stages), ``linear_config``'s by default (benchmarks only)."""
+    rounding to bf16). ``config``: (BN, BK, warps, stages, splits), ``linear_config``'s by default (benchmarks
+    only)."""
     kernel = _kernels()[4]
     m = x.shape[0]
     n, k = weight.shape
@@ -440,15 +487,20 @@ def linear(
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
-    bn, bk, warps, stages = config or linear_config(n, k)
-    grid = (triton_cdiv(m, LINEAR_ROWS) * triton_cdiv(n, bn),)
-    kernel[grid](
+    bn, bk, warps, stages, splits = config or linear_config(n, k)
+    tiles = triton_cdiv(m, LINEAR_ROWS) * triton_cdiv(n, bn)
+    if splits > 1:
+        part = torch.empty(tiles * splits * LINEAR_ROWS * bn, dtype=torch.float32, device=x.device)
+        lock = _split_locks(x.device, tiles)
+    else:
+        part = lock = out
+    kernel[(tiles * splits,)](
         x, weight, out,
         bias if bias is not None else weight, residual if residual is not None else out,
-        norm if norm is not None else weight,
+        norm if norm is not None else weight, part, lock,
         m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), float(eps),
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm is not None, GATED=gated,
-        BM=LINEAR_ROWS, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+        BM=LINEAR_ROWS, BN=bn, BK=bk, SPLITS=splits, num_warps=warps, num_stages=stages,
         # float32 weights: true fp32 products (a dot's default there is tf32, ~1e-3); bf16/fp16 ignore it
         PRECISION="ieee" if weight.dtype == torch.float32 else None,
     )  # fmt: skip

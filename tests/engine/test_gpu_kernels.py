@@ -236,6 +236,46 @@ def test_linear_row_does_not_depend_on_its_pass():
             assert torch.allclose(part, full[lo:hi], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["plain", "bias+residual", "norm", "gated"])
+def test_split_k_linear_matches_its_function_and_keeps_rows(kind):
+    """Split-K (the tile's last program sums the splits in order): the same function, a row's bits the same in any
+    pass, and every arrival counter back at 0 afterwards (the next product counts from there)."""
+    from engine.runtimes import gpu_kernels
+    from engine.runtimes.gpu_kernels import linear
+
+    torch.manual_seed(7)
+    n, k = 40, 700  # 3 column tiles; K in 6 slabs of 128 (the last partial), 3 splits of 2 slabs
+    w = (torch.randn(n, k) * 0.1).to(DTYPE).to(DEV)
+    x = torch.randn(37, 2 * k if kind == "gated" else k).to(DTYPE).to(DEV)
+    kw = {}
+    if kind in ("bias+residual", "gated"):
+        kw["residual"] = torch.randn(37, n).to(DTYPE).to(DEV)
+    if kind == "bias+residual":
+        kw["bias"] = torch.randn(n).to(DTYPE).to(DEV)
+    if kind == "norm":
+        kw["norm"], kw["eps"] = (torch.rand(k) + 0.5).to(DTYPE).to(DEV), 1e-6
+    split = (16, 128, 4, 2, 3)
+    # K in 5 whole slabs over 2 splits: the second split's third slab lies past K and must be masked
+    x640 = torch.cat((x[:, :640], x[:, k : k + 640]), 1) if kind == "gated" else x[:, :640].contiguous()
+    w640 = w[:, :640].contiguous()
+    uneven = linear(x640, w640, config=(16, 128, 4, 2, 2), gated=kind == "gated")
+    want_uneven = _reference_linear(x640.cpu(), w640.cpu(), gated=kind == "gated")
+    assert torch.allclose(uneven.cpu().double(), want_uneven, atol=3e-2, rtol=3e-2)
+    full = linear(x, w, gated=kind == "gated", config=split, out_dtype=torch.float32, **kw)
+    want = _reference_linear(x.cpu(), w.cpu(), gated=kind == "gated", **{a: b.cpu() if torch.is_tensor(b) else b
+                                                                          for a, b in kw.items()})  # fmt: skip
+    tol = 3e-2 if DTYPE == torch.bfloat16 else 1e-4
+    assert torch.allclose(full.cpu().double(), want, atol=tol, rtol=tol)
+    for lo, hi in ((0, 1), (5, 6), (3, 19), (20, 37)):
+        part_kw = {a: (b[lo:hi] if a == "residual" else b) for a, b in kw.items()}
+        part = linear(x[lo:hi], w, gated=kind == "gated", config=split, out_dtype=torch.float32, **part_kw)
+        if CUDA:
+            assert torch.equal(part, full[lo:hi])
+        else:
+            assert torch.allclose(part, full[lo:hi], atol=1e-5, rtol=0)
+    assert int(gpu_kernels._LOCKS[full.device].count_nonzero()) == 0
+
+
 def _small_model(vocab=300, hidden=128, inter=256, layers=2, heads=4, kv=2):
     from engine.runtimes.compact import CompactConfig, CompactTransformer
 

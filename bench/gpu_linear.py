@@ -1,0 +1,248 @@
+"""The batch-invariant projection kernel (engine/runtimes/gpu_kernels.py ``linear``) against cuBLAS, weight by weight,
+and the graph step it gives: which tile shape and K split each Qwen2.5 weight wants on this GPU.
+
+    python -m bench.gpu_linear [--quick] [--shapes 0.5B,1.5B] [--step] [--json PATH]
+
+1. Per weight of each shape (qkv with its RMSNorm and bias, o with the residual, gate_up with its RMSNorm, down with
+   the silu gate and the residual, the LM head with the final norm and float32 logits; exactly the fused variants a
+   step runs), 1 and 16 rows: cuBLAS's plain product on 16 rows (what the default kernel set runs, its norms and
+   adds not counted), ``linear`` at ``linear_config``'s choice, and a sweep of (BN, BK, warps, stages, splits).
+   Each figure is the time of one product inside a CUDA graph of many, each on another copy of the weight, so the
+   weights come from HBM as in a step (the copies together exceed the 50 MB L2 several times).
+2. Rows: the best config's row i equals, bit for bit, the same row computed in a pass of 1..16 and of 48 rows.
+3. ``--step``: the graph 1-token step and 16-token verify of the random-weight shape, cache at 1,024 tokens, with
+   the default kernels ("invariant-cublas") against the Triton set ("invariant") at the sweep's best configs,
+   measured alternately (bench/gpu_invariant.py ``cost_table``); step / floor for both.
+
+Times on a CUDA GPU only; the headline (last line) is the step / floor of the Triton set per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.harness.random_models import SHAPES
+from engine.runtimes import gpu_kernels as gk
+
+DEV, DTYPE = "cuda", torch.bfloat16
+L2_BUST_BYTES = 400e6  # weight copies per timed graph: several times the H200's 50 MB L2
+
+
+def weights_of(shape: str) -> dict[str, tuple[int, int, str]]:
+    s = SHAPES[shape]
+    d, f, h, kv = s["hidden_size"], s["intermediate_size"], s["num_attention_heads"], s["num_key_value_heads"]
+    hd = d // h
+    return {
+        "qkv": ((h + 2 * kv) * hd, d, "norm+bias"),
+        "o": (d, d, "residual"),
+        "gate_up": (2 * f, d, "norm"),
+        "down": (d, f, "gated+residual"),
+        "lm_head": (s["vocab_size"], d, "norm, float32"),
+    }
+
+
+def candidates(n: int, k: int, quick: bool) -> list[tuple[int, int, int, int, int]]:
+    """(BN, BK, warps, stages, splits) worth timing: programs between half and ~8x the multiprocessors."""
+    out = []
+    for bn in (16, 32, 64) if not quick else (16, 32):
+        for bk in (128, 256):
+            slabs = -(-k // bk)
+            for splits in (1, 2, 3, 4, 6, 8):
+                programs = -(-n // bn) * splits
+                if splits <= slabs and (splits == 1 or programs <= 8 * gk.SM_TARGET) and programs >= gk.SM_TARGET // 2:
+                    out.append((bn, bk, 4, 3 if bn == 64 and bk == 256 else 4, splits))
+    return out
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def graph_us(fns: list) -> float:
+    """Median time of one call of ``fns`` (each on its own weight copy), replayed from one CUDA graph, in us."""
+    for fn in fns[:2]:
+        fn()
+    sync()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns[:2]:
+            fn()
+        with torch.cuda.graph(graph):
+            for fn in fns:
+                fn()
+    torch.cuda.current_stream().wait_stream(side)
+    times = []
+    for _ in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        sync()
+        times.append(a.elapsed_time(b) * 1e3 / len(fns))
+    del graph
+    return statistics.median(times)
+
+
+class Weight:
+    """One weight's copies and the inputs of its fused variant."""
+
+    def __init__(self, n: int, k: int, kind: str) -> None:
+        copies = max(2, min(48, int(L2_BUST_BYTES // (n * k * 2)) + 1))
+        self.ws = [torch.randn(n, k, device=DEV, dtype=DTYPE) * 0.02 for _ in range(copies)]
+        self.n, self.k, self.kind = n, k, kind
+        gen = torch.Generator(device=DEV).manual_seed(3)
+        self.x = torch.randn(48, 2 * k if "gated" in kind else k, device=DEV, dtype=DTYPE, generator=gen)
+        self.res = torch.randn(48, n, device=DEV, dtype=DTYPE, generator=gen)
+        self.bias = torch.randn(n, device=DEV, dtype=DTYPE, generator=gen) * 0.1
+        self.norm = torch.rand(k, device=DEV, dtype=DTYPE, generator=gen) + 0.5
+
+    def call(self, w: torch.Tensor, m: int, cfg=None) -> torch.Tensor:
+        kw: dict = {"config": cfg}
+        if "norm" in self.kind:
+            kw.update(norm=self.norm, eps=1e-6)
+        if "bias" in self.kind:
+            kw["bias"] = self.bias
+        if "residual" in self.kind:
+            kw["residual"] = self.res[:m]
+        if "float32" in self.kind:
+            kw["out_dtype"] = torch.float32
+        return gk.linear(self.x[:m], w, gated="gated" in self.kind, **kw)
+
+    def triton_us(self, m: int, cfg=None) -> float:
+        return graph_us([lambda w=w: self.call(w, m, cfg) for w in self.ws])
+
+    def cublas_us(self) -> float:
+        x = torch.randn(16, self.k, device=DEV, dtype=DTYPE)
+        return graph_us([lambda w=w: F.linear(x, w) for w in self.ws])
+
+    def rows_equal(self, cfg) -> bool:
+        w = self.ws[0]
+        full = self.call(w, 48, cfg)
+        ok = all(torch.equal(self.call(w, m, cfg), full[:m]) for m in range(1, 17))
+        return ok and torch.equal(self.call(w, 16, cfg), full[:16])
+
+
+@torch.inference_mode()
+def sweep(shapes: list[str], quick: bool) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        for label, (n, k, kind) in weights_of(shape).items():
+            t0 = time.perf_counter()
+            wt = Weight(n, k, kind)
+            row = {"shape": shape, "weight": label, "n": n, "k": k, "fused": kind, "copies": len(wt.ws)}
+            row["floor_us"] = n * k * 2 / 4.2e12 * 1e6
+            row["cublas16_us"] = wt.cublas_us()
+            row["config_default"] = list(gk.linear_config(n, k))
+            row["default_m1_us"] = wt.triton_us(1)
+            old = (*gk.linear_config(n, k)[:4], 1)
+            row["unsplit_m1_us"] = wt.triton_us(1, old)
+            tried = {}
+            for cfg in candidates(n, k, quick):
+                try:
+                    tried[cfg] = wt.triton_us(1, cfg)
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile: noted, skipped
+                    row.setdefault("errors", []).append(f"{cfg}: {type(exc).__name__}")
+            best = min(tried, key=tried.get)
+            for warps, stages in ((8, best[3]), (2, best[3]), (best[2], 2), (best[2], 3), (best[2], 5)):
+                cfg = (best[0], best[1], warps, stages, best[4])
+                if cfg not in tried and not quick:
+                    try:
+                        tried[cfg] = wt.triton_us(1, cfg)
+                    except Exception as exc:  # noqa: BLE001
+                        row.setdefault("errors", []).append(f"{cfg}: {type(exc).__name__}")
+            best = min(tried, key=tried.get)
+            row["best"] = list(best)
+            row["best_m1_us"] = tried[best]
+            row["best_m16_us"] = wt.triton_us(16, best)
+            row["best_rows_equal"] = wt.rows_equal(best)
+            row["tried"] = {str(list(c)): round(t, 2) for c, t in sorted(tried.items(), key=lambda kv: kv[1])}
+            row["seconds"] = time.perf_counter() - t0
+            rows.append(row)
+            print(
+                f"  {shape:5s} {label:8s} {n:6d}x{k:<5d} floor {row['floor_us']:6.1f} us  cuBLAS16 "
+                f"{row['cublas16_us']:6.1f}  unsplit {row['unsplit_m1_us']:6.1f}  default {row['default_m1_us']:6.1f}"
+                f"  best {row['best_m1_us']:6.1f} (m16 {row['best_m16_us']:6.1f}) {best} rows-equal "
+                f"{row['best_rows_equal']}  [{len(tried)} configs, {row['seconds']:.0f} s]",
+                flush=True,
+            )
+            del wt
+            torch.cuda.empty_cache()
+    return rows
+
+
+def step_costs(shapes: list[str], table: dict, context: int) -> list[dict]:
+    """bench/gpu_invariant.py's graph step table, default kernels against the Triton set on ``table``'s configs."""
+    from bench import gpu as gb
+    from bench import gpu_invariant as gi
+    from bench.harness.random_models import random_model
+
+    plain = gk.linear_config
+    gk.linear_config = lambda n, k: tuple(table.get((n, k)) or plain(n, k))
+    gi.MODES = ("invariant-cublas", "invariant")
+    bw = gb.copy_bandwidth()
+    out = []
+    try:
+        for shape in shapes:
+            model = random_model(shape)
+            row = gi.cost_table(shape, model, context, bw, 20, 3)
+            row["copy_bandwidth_TBps"] = bw / 1e12
+            out.append(row)
+            print(f"  step {shape}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)))
+            del model
+            torch.cuda.empty_cache()
+    finally:
+        gk.linear_config = plain
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="0.5B, fewer configs: under a minute")
+    ap.add_argument("--shapes", default=None, help="comma list of 0.5B,1.5B,7B (default 0.5B,1.5B)")
+    ap.add_argument("--step", action="store_true", help="also the graph step at the best configs (3.)")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or not gk.available():
+        sys.exit("bench/gpu_linear.py needs CUDA and Triton")
+    import triton
+
+    shapes = (args.shapes or ("0.5B" if args.quick else "0.5B,1.5B")).split(",")
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    print(f"device {result['device']}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    result["sweep"] = sweep(shapes, args.quick)
+    table = {(r["n"], r["k"]): tuple(r["best"]) for r in result["sweep"]}
+    if args.step:
+        result["step"] = step_costs(shapes, table, args.context)
+    result["loadavg"] = os.getloadavg()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+    print(f"\n{'weight':16s} {'floor us':>8s} {'cuBLAS16':>8s} {'unsplit':>8s} {'best':>8s}  best config")
+    for r in result["sweep"]:
+        print(
+            f"{r['shape'] + ' ' + r['weight']:16s} {r['floor_us']:8.1f} {r['cublas16_us']:8.1f} "
+            f"{r['unsplit_m1_us']:8.1f} {r['best_m1_us']:8.1f}  {r['best']} rows-equal {r['best_rows_equal']}"
+        )
+    heads = []
+    for r in result.get("step", []):
+        heads.append(
+            f"{r['shape']} step/floor cuBLAS {r['step_over_floor_invariant-cublas']:.2f}x, "
+            f"Triton {r['step_over_floor_invariant']:.2f}x ({r['graph_step_ms_invariant']:.3f} ms)"
+        )
+    print("headline: " + ("; ".join(heads) if heads else "projection sweep only (--step for the graph step)"))
+
+
+if __name__ == "__main__":
+    main()
