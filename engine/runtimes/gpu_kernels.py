@@ -62,6 +62,10 @@ BLOCK_M = 16  # query rows of one kv head per program (tl.dot needs 16)
 BLOCK_N = 64  # keys per inner iteration
 SPLIT_KEYS = 256  # keys per split: the split layout depends on positions only, never on the batch
 MIN_SPLITS_TILE = 64  # the combine kernel's split tile: one compiled variant up to 16,384 keys
+# Ordered attention combines its splits in the split kernel (the block's last split to finish, summing in split order:
+# the same arithmetic as attention_combine_ordered_kernel, one launch fewer a layer); the
+# separate combine kernel when False (tests and benchmarks compare the two: the same bits).
+COMBINE_IN_SPLIT = True
 
 
 INVARIANT_SETS = ("invariant-cublas", "invariant")  # the default first (see invariant_default)
@@ -142,12 +146,12 @@ def _kernels():
     # block size and cache length: a new variant mid-decode would stall a step for a compile.
     @triton.jit(do_not_specialize=["T", "keys_len", "SPLITS"])
     def attention_split_kernel(
-        q, keys, values, positions, out, part_acc, part_ml,
+        q, keys, values, positions, out, part_acc, part_ml, lock,
         T, keys_len, q_stride, out_stride,
         k_s, k_h, k_p, v_s, v_h, v_p,
         scale, SPLITS,
         KV: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)  # (sequence, kv head, block of BM query rows)
         split = tl.program_id(1)
@@ -194,6 +198,31 @@ def _kernels():
             tl.store(part_acc + (slot + tl.arange(0, BM))[:, None] * HD + d[None, :], acc)
             tl.store(part_ml + (slot + tl.arange(0, BM)) * 2, m)
             tl.store(part_ml + (slot + tl.arange(0, BM)) * 2 + 1, l)
+            if COMBINE:  # the block's last split to finish combines all of them, as attention_combine_ordered_kernel
+                tl.debug_barrier()  # every thread's partials are written before the count says so (released below)
+                last = tl.atomic_add(lock + pid, 1, sem="acq_rel") == SPLITS - 1
+                tl.debug_barrier()
+                rows = pid * SPLITS * BM + tl.arange(0, BM)  # split 0's slots of the block's rows
+                top = tl.load(part_ml + rows * 2, mask=last, other=0.0, cache_modifier=".cg")
+                sp = 1
+                while sp < SPLITS:
+                    top = tl.maximum(top, tl.load(part_ml + (rows + sp * BM) * 2, mask=last, other=0.0,
+                                                  cache_modifier=".cg"))  # fmt: skip
+                    sp += 1
+                total = tl.zeros((BM,), tl.float32)
+                res = tl.zeros((BM, HD), tl.float32)
+                sp = 0
+                while sp < SPLITS:  # in split order: each row's sums as the ordered combine kernel forms them
+                    at = rows + sp * BM
+                    w = tl.exp(tl.load(part_ml + at * 2, mask=last, other=0.0, cache_modifier=".cg") - top)
+                    total += tl.load(part_ml + at * 2 + 1, mask=last, other=0.0, cache_modifier=".cg") * w
+                    res += tl.load(part_acc + at[:, None] * HD + d[None, :], mask=last, other=0.0,
+                                   cache_modifier=".cg") * w[:, None]  # fmt: skip
+                    sp += 1
+                tl.atomic_xchg(lock + pid, 0, mask=last)  # back to 0 for the next kernel that counts on it
+                res = res / tl.where(total > 0, total, 1.0)[:, None]
+                optr = out + qrow[:, None] * out_stride + head[:, None] * HD + d[None, :]
+                tl.store(optr, res.to(out.dtype.element_ty), mask=live[:, None] & last)
 
     @triton.jit(do_not_specialize=["T", "SPLITS"])
     def attention_combine_kernel(
@@ -396,14 +425,16 @@ def attention(
     if scratch is None:
         scratch = attention_scratch(q, keys_len, seqs, kv_heads, hd)
     part_acc, part_ml = scratch
+    combine_in_split = ordered and COMBINE_IN_SPLIT
     split_kernel[(programs, splits)](
         q, keys, values, positions, out, part_acc, part_ml,
+        _split_locks(q.device, programs) if combine_in_split and splits > 1 else part_ml,
         t, keys_len, q.stride(0), out.stride(0),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         hd**-0.5, splits,
-        KV=kv_heads, G=group, HD=hd, BM=BLOCK_M, BN=BLOCK_N, SPLIT=SPLIT_KEYS,
+        KV=kv_heads, G=group, HD=hd, BM=BLOCK_M, BN=BLOCK_N, SPLIT=SPLIT_KEYS, COMBINE=combine_in_split,
     )  # fmt: skip
-    if splits > 1 and ordered:
+    if splits > 1 and ordered and not combine_in_split:
         ordered_kernel[(programs, BLOCK_M)](
             out, part_acc, part_ml, t, out.stride(0), splits, KV=kv_heads, G=group, HD=hd, BM=BLOCK_M,
         )  # fmt: skip

@@ -123,6 +123,31 @@ def test_attention_matches_masked_softmax(seqs, t, heads, kv_heads, hd, keys_len
     assert torch.allclose(got.cpu().double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("keys_len,starts", [(1024, [700, 1000]), (512, [3, 300])])
+def test_ordered_combine_in_the_split_kernel_equals_the_combine_kernel(monkeypatch, keys_len, starts):
+    """Ordered attention combined by each block's last split (one launch) gives the separate ordered combine
+    kernel's bits, including splits past a row's position, and leaves every arrival counter at 0."""
+    from engine.runtimes import gpu_kernels
+    from engine.runtimes.gpu_kernels import attention
+
+    torch.manual_seed(9)
+    seqs, t, heads, kv_heads, hd = 2, 3, 14, 2, 64
+    q = torch.randn(seqs * t, heads * hd).to(DTYPE).to(DEV)
+    keys = torch.randn(seqs, kv_heads, keys_len + 64, hd).to(DTYPE).to(DEV)
+    values = torch.randn(seqs, kv_heads, keys_len + 64, hd).to(DTYPE).to(DEV)
+    positions = (torch.tensor(starts)[:, None] + torch.arange(t)[None, :]).reshape(-1).to(DEV)
+    fused = attention(q, keys, values, positions, keys_len, seqs, kv_heads, ordered=True)
+    assert int(gpu_kernels._LOCKS[fused.device].count_nonzero()) == 0
+    monkeypatch.setattr(gpu_kernels, "COMBINE_IN_SPLIT", False)
+    apart = attention(q, keys, values, positions, keys_len, seqs, kv_heads, ordered=True)
+    if CUDA:
+        assert torch.equal(fused, apart)
+    else:  # numpy's vectorised exp rounds by an element's place in its array: not a property of the kernel
+        assert torch.allclose(fused, apart, atol=1e-6, rtol=0)
+    want = _reference_attention(q.cpu(), keys.cpu(), values.cpu(), positions.cpu(), keys_len, seqs, kv_heads)
+    assert torch.allclose(fused.cpu().double(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_attention_row_does_not_depend_on_its_pass():
     """A query row's result is the same alone (a 1-token step) and in a block or batch (batch invariance)."""
     from engine.runtimes.gpu_kernels import attention
