@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -295,8 +296,10 @@ def _kernels():
     def linear_kernel(
         x, w, out, bias, res, nw, part, lock,
         M, N, x_stride, res_stride, out_stride, eps,
+        cos, sin, positions, keys, values, T, k_s, k_h, k_p, v_s, v_h, v_p,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+        ROPE: tl.constexpr, H: tl.constexpr, KV: tl.constexpr,
     ):  # fmt: skip
         # K is a weight's own size (a constant): the slab loop has a fixed trip count, and Triton's interpreter can
         # range() over it. SPLITS > 1 (split-K): program `split` reduces its own K range (KS, whole slabs); the last
@@ -366,9 +369,35 @@ def _kernels():
         if HAS_RES:
             r = tl.load(res + rows[:, None].to(tl.int64) * res_stride + cols[None, :], mask=omask, other=0.0)
             acc += r.to(tl.float32)
-        tl.store(
-            out + rows[:, None].to(tl.int64) * out_stride + cols[None, :], acc.to(out.dtype.element_ty), mask=omask
-        )
+        if ROPE:  # the qkv projection, a head per column tile (BN = head size): rope_store_kernel's work, same bits
+            half: tl.constexpr = BN // 2
+            xr = acc.to(out.dtype.element_ty).to(tl.float32)  # rounded as the product's output, then rotated
+            x1, x2 = tl.split(tl.permute(tl.reshape(xr, (BM, 2, half)), (0, 2, 1)))  # a head's two halves
+            dh = tl.arange(0, half)[None, :]
+            hmask = rmask[:, None] & last
+            pos = tl.load(positions + rows, mask=rmask, other=0)[:, None]
+            if pid_n < H + KV:  # query or key: rotated (in fp32, rounded once), as x * c + swapped(x) * sign * sin
+                c1 = tl.load(cos + pos * BN + dh, mask=hmask, other=0.0).to(tl.float32)
+                c2 = tl.load(cos + pos * BN + half + dh, mask=hmask, other=0.0).to(tl.float32)
+                s1 = -tl.load(sin + pos * BN + dh, mask=hmask, other=0.0).to(tl.float32)
+                s2 = tl.load(sin + pos * BN + half + dh, mask=hmask, other=0.0).to(tl.float32)
+                r1 = (x1 * c1 + x2 * s1).to(out.dtype.element_ty)
+                r2 = (x2 * c2 + x1 * s2).to(out.dtype.element_ty)
+                if pid_n < H:
+                    qptr = out + rows[:, None].to(tl.int64) * out_stride + pid_n * BN + dh
+                    tl.store(qptr, r1, mask=hmask)
+                    tl.store(qptr + half, r2, mask=hmask)
+                else:
+                    kptr = keys + (rows // T)[:, None] * k_s + (pid_n - H) * k_h + pos * k_p + dh
+                    tl.store(kptr, r1, mask=hmask)
+                    tl.store(kptr + half, r2, mask=hmask)
+            else:  # value: stored as it is
+                vptr = values + (rows // T)[:, None] * v_s + (pid_n - H - KV) * v_h + pos * v_p + dh
+                tl.store(vptr, x1.to(out.dtype.element_ty), mask=hmask)
+                tl.store(vptr + half, x2.to(out.dtype.element_ty), mask=hmask)
+        else:
+            optr = out + rows[:, None].to(tl.int64) * out_stride + cols[None, :]
+            tl.store(optr, acc.to(out.dtype.element_ty), mask=omask)
 
     return (
         rope_store_kernel,
@@ -495,10 +524,34 @@ def _split_locks(device: torch.device, tiles: int) -> Tensor:
     return locks
 
 
+@dataclass(frozen=True)
+class RopeStore:
+    """``linear``'s qkv epilogue: rotate the query and key heads at ``positions`` ([S*T], flattened rows of ``seqs``
+    sequences), store the keys and values into ``keys``/``values`` [S, kv_heads, max_len, hd], return the queries;
+    what ``rope_store`` does after a plain product, in the same arithmetic."""
+
+    keys: Tensor
+    values: Tensor
+    cos: Tensor
+    sin: Tensor
+    positions: Tensor
+    seqs: int
+    heads: int
+    kv_heads: int
+
+
+def rope_config(n: int, k: int, hd: int) -> tuple[int, int, int, int, int]:
+    """``linear_config`` for a qkv weight with its RoPE epilogue: a column tile is one head (BN = ``hd``); K is split
+    until the heads' tiles fill the GPU (a function of the weight's shape alone, as ``linear_config``)."""
+    _, bk, warps, stages, _ = linear_config(n, k)
+    slabs = -(-k // bk)
+    return hd, bk, warps, stages, max(1, min(slabs, -(-SM_TARGET // -(-n // hd))))
+
+
 def linear(
     x: Tensor, weight: Tensor, *, bias: Tensor | None = None, residual: Tensor | None = None,
     norm: Tensor | None = None, eps: float = 0.0, gated: bool = False, out_dtype: torch.dtype | None = None,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, int] | None = None, rope: RopeStore | None = None,
 ) -> Tensor:  # fmt: skip
     """``x @ weight.T`` (+ ``bias``) (+ ``residual``), batch-invariant: row i of the result has the same bits
     whatever the other rows are and however many there are.
@@ -507,7 +560,8 @@ def linear(
     applied to ``x`` first (eps ``eps``). ``gated``: ``x`` is [M, 2K], gate then up, and the product's input is
     ``silu(gate) * up``. ``out_dtype``: the result's dtype (x's by default; float32 for logits, which then skip a
     rounding to bf16). ``config``: (BN, BK, warps, stages, splits), ``linear_config``'s by default (benchmarks
-    only)."""
+    only). ``rope``: ``weight`` is a qkv projection; the result is the rotated queries, the keys and values go to the
+    cache (``RopeStore``)."""
     kernel = _kernels()[4]
     m = x.shape[0]
     n, k = weight.shape
@@ -515,7 +569,17 @@ def linear(
         raise ValueError("linear needs rows with unit stride and a contiguous weight")
     if x.shape[1] != (2 * k if gated else k):
         raise ValueError(f"linear: x has {x.shape[1]} columns for a weight of {k} inputs{' (gated)' if gated else ''}")
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if rope is not None:
+        hd = rope.keys.shape[-1]
+        if n != (rope.heads + 2 * rope.kv_heads) * hd or residual is not None or gated or out_dtype is not None:
+            raise ValueError("linear: a RoPE epilogue needs a plain qkv weight of (heads + 2 kv_heads) x head size")
+        out = torch.empty(m, rope.heads * hd, dtype=x.dtype, device=x.device)
+        config = config or rope_config(n, k, hd)
+        r = rope
+    else:
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+        r = RopeStore(out, out, out, out, out, 1, 0, 0)  # unused
+    cache_strides = (*r.keys.stride()[:3], *r.values.stride()[:3]) if rope is not None else (0,) * 6
     if m == 0:
         return out
     bn, bk, warps, stages, splits = config or linear_config(n, k)
@@ -530,8 +594,10 @@ def linear(
         bias if bias is not None else weight, residual if residual is not None else out,
         norm if norm is not None else weight, part, lock,
         m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), float(eps),
+        r.cos, r.sin, r.positions, r.keys, r.values, m // r.seqs, *cache_strides,
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm is not None, GATED=gated,
         BM=LINEAR_ROWS, BN=bn, BK=bk, SPLITS=splits, num_warps=warps, num_stages=stages,
+        ROPE=rope is not None, H=r.heads, KV=r.kv_heads,
         # float32 weights: true fp32 products (a dot's default there is tf32, ~1e-3); bf16/fp16 ignore it
         PRECISION="ieee" if weight.dtype == torch.float32 else None,
     )  # fmt: skip
@@ -544,6 +610,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 __all__ = [
     "BLOCK_M",
+    "RopeStore",
     "LINEAR_ROWS",
     "SPLIT_KEYS",
     "attention",

@@ -197,14 +197,15 @@ def invariant_layers(
             x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
     scratch = None
     for i, layer in enumerate(model.layers):
-        if triton_gemms:
+        if triton_gemms:  # the product, RoPE and the cache writes in one kernel (the same bits as rope_store)
             norm = layer.attn_norm
-            qkv = gk.linear(x, layer.qkv.weight, bias=layer.qkv.bias, norm=norm.weight, eps=norm.eps)
+            rope = gk.RopeStore(keys[i], values[i], model.rope_cos, model.rope_sin, positions, seqs, heads, kv_heads)
+            q = gk.linear(x, layer.qkv.weight, bias=layer.qkv.bias, norm=norm.weight, eps=norm.eps, rope=rope)
         else:
             qkv = rl.qkv_rows(layer, lim, x)
             if pad:
                 qkv = qkv[:rows]
-        q = gk.rope_store(qkv, keys[i], values[i], model.rope_cos, model.rope_sin, positions, seqs, heads, kv_heads)
+            q = gk.rope_store(qkv, keys[i], values[i], model.rope_cos, model.rope_sin, positions, seqs, heads, kv_heads)
         if scratch is None:  # one buffer of partial sums for every layer's attention
             scratch = gk.attention_scratch(q, keys_len, seqs, kv_heads, cfg.head_dim)
         attn = gk.attention(q, keys[i], values[i], positions, keys_len, seqs, kv_heads, scratch, ordered=True)

@@ -301,6 +301,32 @@ def test_split_k_linear_matches_its_function_and_keeps_rows(kind):
     assert int(gpu_kernels._LOCKS[full.device].count_nonzero()) == 0
 
 
+@pytest.mark.parametrize("seqs,t,heads,kv_heads,hd", [(1, 1, 14, 2, 64), (2, 3, 12, 2, 128)])
+def test_qkv_with_rope_epilogue_equals_linear_then_rope_store(seqs, t, heads, kv_heads, hd):
+    """The qkv product with its RoPE epilogue (one launch, K split) gives the queries, keys and values that the
+    product followed by rope_store gives, and writes nothing else into the cache."""
+    from engine.runtimes.gpu_kernels import RopeStore, linear, rope_store
+
+    torch.manual_seed(10)
+    k, max_len = 320, 300
+    cos, sin = _rope_tables(max_len, hd)
+    w = (torch.randn((heads + 2 * kv_heads) * hd, k) * 0.1).to(DTYPE).to(DEV)
+    bias = torch.randn(w.shape[0]).to(DTYPE).to(DEV)
+    norm = (torch.rand(k) + 0.5).to(DTYPE).to(DEV)
+    x = torch.randn(seqs * t, k).to(DTYPE).to(DEV)
+    positions = (torch.tensor([7, 120][:seqs])[:, None] + torch.arange(t)[None, :]).reshape(-1).to(DEV)
+    caches = [torch.zeros(seqs, kv_heads, max_len, hd, dtype=DTYPE, device=DEV) for _ in range(4)]
+    qkv = linear(x, w, bias=bias, norm=norm, eps=1e-6, config=(hd, 128, 4, 2, 3))
+    q_apart = rope_store(qkv, caches[0], caches[1], cos, sin, positions, seqs, heads, kv_heads)
+    rope = RopeStore(caches[2], caches[3], cos, sin, positions, seqs, heads, kv_heads)
+    q = linear(x, w, bias=bias, norm=norm, eps=1e-6, config=(hd, 128, 4, 2, 3), rope=rope)
+    same = torch.equal if CUDA else lambda a, b: torch.allclose(a.float(), b.float(), atol=1e-2, rtol=0)
+    assert same(q, q_apart) and same(caches[2], caches[0]) and same(caches[3], caches[1])
+    assert caches[2].abs().sum() > 0 and caches[3].abs().sum() > 0
+    with pytest.raises(ValueError):
+        linear(x, w[:-hd].contiguous(), rope=rope)  # not (heads + 2 kv_heads) heads
+
+
 def _small_model(vocab=300, hidden=128, inter=256, layers=2, heads=4, kv=2):
     from engine.runtimes.compact import CompactConfig, CompactTransformer
 
