@@ -56,7 +56,7 @@ def candidates(n: int, k: int, quick: bool) -> list[tuple[int, int, int, int, in
     for bn in (16, 32, 64) if not quick else (16, 32):
         for bk in (128, 256):
             slabs = -(-k // bk)
-            for splits in (1, 2, 3, 4, 6, 8):
+            for splits in (1, 2, 4, 8):
                 programs = -(-n // bn) * splits
                 if splits <= slabs and (splits == 1 or programs <= 8 * gk.SM_TARGET) and programs >= gk.SM_TARGET // 2:
                     out.append((bn, bk, 4, 3 if bn == 64 and bk == 256 else 4, splits))
@@ -147,8 +147,10 @@ def sweep(shapes: list[str], quick: bool) -> list[dict]:
             row["default_m1_us"] = wt.triton_us(1)
             old = (*gk.linear_config(n, k)[:4], 1)
             row["unsplit_m1_us"] = wt.triton_us(1, old)
-            tried = {}
+            tried = {tuple(row["config_default"]): row["default_m1_us"]}
             for cfg in candidates(n, k, quick):
+                if cfg in tried:
+                    continue
                 try:
                     tried[cfg] = wt.triton_us(1, cfg)
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile: noted, skipped

@@ -503,11 +503,15 @@ def linear_config(n: int, k: int) -> tuple[int, int, int, int, int]:
     last program), as few splits as fill the GPU, each a whole number of slabs."""
     bn = 16 if n <= 4096 else 32 if n <= 65536 else 64
     bk = 128 if k <= 1024 else 256
-    slabs = -(-k // bk)
-    splits = 1
-    while -(-n // bn) * splits < SM_TARGET and splits * 2 <= slabs:
-        splits *= 2
-    return bn, bk, 4, 4, splits
+    return bn, bk, 4, 4, _splits(-(-n // bn), -(-k // bk))
+
+
+def _splits(tiles: int, slabs: int) -> int:
+    """K splits that bring ``tiles`` column tiles up to the multiprocessors' count, each the same whole number of
+    the ``slabs`` slabs of K (the last one may hold fewer)."""
+    want = -(-SM_TARGET // tiles)
+    per = -(-slabs // min(want, slabs))
+    return -(-slabs // per)
 
 
 _LOCKS: dict[torch.device, Tensor] = {}
@@ -543,9 +547,9 @@ class RopeStore:
 def rope_config(n: int, k: int, hd: int) -> tuple[int, int, int, int, int]:
     """``linear_config`` for a qkv weight with its RoPE epilogue: a column tile is one head (BN = ``hd``); K is split
     until the heads' tiles fill the GPU (a function of the weight's shape alone, as ``linear_config``)."""
-    _, bk, warps, stages, _ = linear_config(n, k)
-    slabs = -(-k // bk)
-    return hd, bk, warps, stages, max(1, min(slabs, -(-SM_TARGET // -(-n // hd))))
+    _, _, warps, _, _ = linear_config(n, k)
+    bk = 128  # a 128-column head tile and 128-wide slabs: 4 stages fit the shared memory (256 would not)
+    return hd, bk, warps, 4 if hd <= 64 else 3, _splits(-(-n // hd), -(-k // bk))
 
 
 def linear(
