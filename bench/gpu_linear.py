@@ -50,16 +50,22 @@ def weights_of(shape: str) -> dict[str, tuple[int, int, str]]:
     }
 
 
-def candidates(n: int, k: int, quick: bool) -> list[tuple[int, int, int, int, int]]:
-    """(BN, BK, warps, stages, splits) worth timing: programs between half and ~8x the multiprocessors."""
+def candidates(n: int, k: int, quick: bool) -> list[tuple[int, int, int, int, int, int]]:
+    """(BN, BK, warps, stages, splits, BM) worth timing: programs between half and ~8x the multiprocessors. BM 16:
+    tensor-core tiles of 16 rows; BM 1: a row a program, fp32 products summed by a tree (a GEMV)."""
     out = []
-    for bn in (16, 32, 64) if not quick else (16, 32):
-        for bk in (128, 256):
-            slabs = -(-k // bk)
-            for splits in (1, 2, 4, 8):
-                programs = -(-n // bn) * splits
-                if splits <= slabs and (splits == 1 or programs <= 8 * gk.SM_TARGET) and programs >= gk.SM_TARGET // 2:
-                    out.append((bn, bk, 4, 3 if bn == 64 and bk == 256 else 4, splits))
+    for bm, bns, bks in ((16, (32, 64), (128, 256)), (1, (8, 16, 32), (256, 512))):
+        for bn in bns if not quick else bns[:2]:
+            for bk in bks:
+                slabs = -(-k // bk)
+                for splits in (1, 2, 4, 8):
+                    programs = -(-n // bn) * splits
+                    if (
+                        splits <= slabs
+                        and (splits == 1 or programs <= 8 * gk.SM_TARGET)
+                        and programs >= gk.SM_TARGET // 2
+                    ):
+                        out.append((bn, bk, 4, 3 if bn == 64 and bk == 256 else 4, splits, bm))
     return out
 
 
@@ -145,7 +151,7 @@ def sweep(shapes: list[str], quick: bool) -> list[dict]:
             row["cublas16_us"] = wt.cublas_us()
             row["config_default"] = list(gk.linear_config(n, k))
             row["default_m1_us"] = wt.triton_us(1)
-            old = (*gk.linear_config(n, k)[:4], 1)
+            old = (*gk.linear_config(n, k)[:4], 1, gk.LINEAR_ROWS)
             row["unsplit_m1_us"] = wt.triton_us(1, old)
             tried = {tuple(row["config_default"]): row["default_m1_us"]}
             for cfg in candidates(n, k, quick):
@@ -157,7 +163,7 @@ def sweep(shapes: list[str], quick: bool) -> list[dict]:
                     row.setdefault("errors", []).append(f"{cfg}: {type(exc).__name__}")
             best = min(tried, key=tried.get)
             for warps, stages in ((8, best[3]), (2, best[3]), (best[2], 2), (best[2], 3), (best[2], 5)):
-                cfg = (best[0], best[1], warps, stages, best[4])
+                cfg = (best[0], best[1], warps, stages, best[4], best[5])
                 if cfg not in tried and not quick:
                     try:
                         tried[cfg] = wt.triton_us(1, cfg)

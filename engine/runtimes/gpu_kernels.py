@@ -341,7 +341,10 @@ def _kernels():
                     g = tl.load(nw + k, mask=k < K, other=0.0).to(tl.float32)
                     a = (af * g[None, :]).to(w.dtype.element_ty)
             b = tl.load(wrow + k[None, :], mask=bmask, other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+            if BM == 1:  # one row a program: products in fp32 (exact for bf16), summed by a fixed tree per slab
+                acc += tl.sum(b.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
+            else:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
         last = True  # this program writes the tile (with splits: the last of its tile's programs to finish)
         if SPLITS > 1:
             sub = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
@@ -492,7 +495,7 @@ LINEAR_ROWS = 16  # rows of one output tile (tl.dot needs 16): the only tile siz
 SM_TARGET = 132  # the H200's streaming multiprocessors: a decode product wants at least this many programs
 
 
-def linear_config(n: int, k: int) -> tuple[int, int, int, int, int]:
+def linear_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """(BN, BK, warps, stages, splits) of ``linear`` for a weight of ``n`` outputs by ``k`` inputs: a function of the
     weight's shape alone, never of the row count, so a row's reduction order is the same in every pass (batch
     invariance).
@@ -503,7 +506,7 @@ def linear_config(n: int, k: int) -> tuple[int, int, int, int, int]:
     last program), as few splits as fill the GPU, each a whole number of slabs."""
     bn = 16 if n <= 4096 else 32 if n <= 65536 else 64
     bk = 128 if k <= 1024 else 256
-    return bn, bk, 4, 4, _splits(-(-n // bn), -(-k // bk))
+    return bn, bk, 4, 4, _splits(-(-n // bn), -(-k // bk)), LINEAR_ROWS
 
 
 def _splits(tiles: int, slabs: int) -> int:
@@ -544,18 +547,18 @@ class RopeStore:
     kv_heads: int
 
 
-def rope_config(n: int, k: int, hd: int) -> tuple[int, int, int, int, int]:
+def rope_config(n: int, k: int, hd: int) -> tuple[int, int, int, int, int, int]:
     """``linear_config`` for a qkv weight with its RoPE epilogue: a column tile is one head (BN = ``hd``); K is split
     until the heads' tiles fill the GPU (a function of the weight's shape alone, as ``linear_config``)."""
-    _, _, warps, _, _ = linear_config(n, k)
+    _, _, warps, _, _, bm = linear_config(n, k)
     bk = 128  # a 128-column head tile and 128-wide slabs: 4 stages fit the shared memory (256 would not)
-    return hd, bk, warps, 4 if hd <= 64 else 3, _splits(-(-n // hd), -(-k // bk))
+    return hd, bk, warps, 4 if hd <= 64 else 3, _splits(-(-n // hd), -(-k // bk)), bm
 
 
 def linear(
     x: Tensor, weight: Tensor, *, bias: Tensor | None = None, residual: Tensor | None = None,
     norm: Tensor | None = None, eps: float = 0.0, gated: bool = False, out_dtype: torch.dtype | None = None,
-    config: tuple[int, int, int, int, int] | None = None, rope: RopeStore | None = None,
+    config: tuple[int, ...] | None = None, rope: RopeStore | None = None,
 ) -> Tensor:  # fmt: skip
     """``x @ weight.T`` (+ ``bias``) (+ ``residual``), batch-invariant: row i of the result has the same bits
     whatever the other rows are and however many there are.
@@ -563,9 +566,9 @@ def linear(
     ``x`` [M, K] (rows contiguous); ``weight`` [N, K] contiguous (an nn.Linear's). ``norm``: an RMSNorm weight [K]
     applied to ``x`` first (eps ``eps``). ``gated``: ``x`` is [M, 2K], gate then up, and the product's input is
     ``silu(gate) * up``. ``out_dtype``: the result's dtype (x's by default; float32 for logits, which then skip a
-    rounding to bf16). ``config``: (BN, BK, warps, stages, splits), ``linear_config``'s by default (benchmarks
-    only). ``rope``: ``weight`` is a qkv projection; the result is the rotated queries, the keys and values go to the
-    cache (``RopeStore``)."""
+    rounding to bf16). ``config``: (BN, BK, warps, stages, splits[, BM]), ``linear_config``'s by default
+    (benchmarks and tests; BM 16 where left out). ``rope``: ``weight`` is a qkv projection; the result is the
+    rotated queries, the keys and values go to the cache (``RopeStore``)."""
     kernel = _kernels()[4]
     m = x.shape[0]
     n, k = weight.shape
@@ -586,10 +589,10 @@ def linear(
     cache_strides = (*r.keys.stride()[:3], *r.values.stride()[:3]) if rope is not None else (0,) * 6
     if m == 0:
         return out
-    bn, bk, warps, stages, splits = config or linear_config(n, k)
-    tiles = triton_cdiv(m, LINEAR_ROWS) * triton_cdiv(n, bn)
+    bn, bk, warps, stages, splits, bm = (*config, LINEAR_ROWS)[:6] if config else linear_config(n, k)
+    tiles = triton_cdiv(m, bm) * triton_cdiv(n, bn)
     if splits > 1:
-        part = torch.empty(tiles * splits * LINEAR_ROWS * bn, dtype=torch.float32, device=x.device)
+        part = torch.empty(tiles * splits * bm * bn, dtype=torch.float32, device=x.device)
         lock = _split_locks(x.device, tiles)
     else:
         part = lock = out
@@ -600,7 +603,7 @@ def linear(
         m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), float(eps),
         r.cos, r.sin, r.positions, r.keys, r.values, m // r.seqs, *cache_strides,
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm is not None, GATED=gated,
-        BM=LINEAR_ROWS, BN=bn, BK=bk, SPLITS=splits, num_warps=warps, num_stages=stages,
+        BM=bm, BN=bn, BK=bk, SPLITS=splits, num_warps=warps, num_stages=stages,
         ROPE=rope is not None, H=r.heads, KV=r.kv_heads,
         # float32 weights: true fp32 products (a dot's default there is tf32, ~1e-3); bf16/fp16 ignore it
         PRECISION="ieee" if weight.dtype == torch.float32 else None,

@@ -261,8 +261,9 @@ def test_linear_row_does_not_depend_on_its_pass():
             assert torch.allclose(part, full[lo:hi], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("bm", [16, 1])
 @pytest.mark.parametrize("kind", ["plain", "bias+residual", "norm", "gated"])
-def test_split_k_linear_matches_its_function_and_keeps_rows(kind):
+def test_split_k_linear_matches_its_function_and_keeps_rows(kind, bm):
     """Split-K (the tile's last program sums the splits in order): the same function, a row's bits the same in any
     pass, and every arrival counter back at 0 afterwards (the next product counts from there)."""
     from engine.runtimes import gpu_kernels
@@ -279,11 +280,11 @@ def test_split_k_linear_matches_its_function_and_keeps_rows(kind):
         kw["bias"] = torch.randn(n).to(DTYPE).to(DEV)
     if kind == "norm":
         kw["norm"], kw["eps"] = (torch.rand(k) + 0.5).to(DTYPE).to(DEV), 1e-6
-    split = (16, 128, 4, 2, 3)
+    split = (16, 128, 4, 2, 3, bm)
     # K in 5 whole slabs over 2 splits: the second split's third slab lies past K and must be masked
     x640 = torch.cat((x[:, :640], x[:, k : k + 640]), 1) if kind == "gated" else x[:, :640].contiguous()
     w640 = w[:, :640].contiguous()
-    uneven = linear(x640, w640, config=(16, 128, 4, 2, 2), gated=kind == "gated")
+    uneven = linear(x640, w640, config=(16, 128, 4, 2, 2, bm), gated=kind == "gated")
     want_uneven = _reference_linear(x640.cpu(), w640.cpu(), gated=kind == "gated")
     assert torch.allclose(uneven.cpu().double(), want_uneven, atol=3e-2, rtol=3e-2)
     full = linear(x, w, gated=kind == "gated", config=split, out_dtype=torch.float32, **kw)
@@ -301,8 +302,9 @@ def test_split_k_linear_matches_its_function_and_keeps_rows(kind):
     assert int(gpu_kernels._LOCKS[full.device].count_nonzero()) == 0
 
 
+@pytest.mark.parametrize("bm", [16, 1])
 @pytest.mark.parametrize("seqs,t,heads,kv_heads,hd", [(1, 1, 14, 2, 64), (2, 3, 12, 2, 128)])
-def test_qkv_with_rope_epilogue_equals_linear_then_rope_store(seqs, t, heads, kv_heads, hd):
+def test_qkv_with_rope_epilogue_equals_linear_then_rope_store(seqs, t, heads, kv_heads, hd, bm):
     """The qkv product with its RoPE epilogue (one launch, K split) gives the queries, keys and values that the
     product followed by rope_store gives, and writes nothing else into the cache."""
     from engine.runtimes.gpu_kernels import RopeStore, linear, rope_store
@@ -316,10 +318,10 @@ def test_qkv_with_rope_epilogue_equals_linear_then_rope_store(seqs, t, heads, kv
     x = torch.randn(seqs * t, k).to(DTYPE).to(DEV)
     positions = (torch.tensor([7, 120][:seqs])[:, None] + torch.arange(t)[None, :]).reshape(-1).to(DEV)
     caches = [torch.zeros(seqs, kv_heads, max_len, hd, dtype=DTYPE, device=DEV) for _ in range(4)]
-    qkv = linear(x, w, bias=bias, norm=norm, eps=1e-6, config=(hd, 128, 4, 2, 3))
+    qkv = linear(x, w, bias=bias, norm=norm, eps=1e-6, config=(hd, 128, 4, 2, 3, bm))
     q_apart = rope_store(qkv, caches[0], caches[1], cos, sin, positions, seqs, heads, kv_heads)
     rope = RopeStore(caches[2], caches[3], cos, sin, positions, seqs, heads, kv_heads)
-    q = linear(x, w, bias=bias, norm=norm, eps=1e-6, config=(hd, 128, 4, 2, 3), rope=rope)
+    q = linear(x, w, bias=bias, norm=norm, eps=1e-6, config=(hd, 128, 4, 2, 3, bm), rope=rope)
     same = torch.equal if CUDA else lambda a, b: torch.allclose(a.float(), b.float(), atol=1e-2, rtol=0)
     assert same(q, q_apart) and same(caches[2], caches[0]) and same(caches[3], caches[1])
     assert caches[2].abs().sum() > 0 and caches[3].abs().sum() > 0
