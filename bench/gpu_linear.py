@@ -219,6 +219,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="0.5B, fewer configs: under a minute")
     ap.add_argument("--shapes", default=None, help="comma list of 0.5B,1.5B,7B (default 0.5B,1.5B)")
     ap.add_argument("--step", action="store_true", help="also the graph step at the best configs (3.)")
+    ap.add_argument("--step-only", action="store_true", help="only the graph step, at linear_config's configs")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -229,9 +230,9 @@ def main() -> None:
     shapes = (args.shapes or ("0.5B" if args.quick else "0.5B,1.5B")).split(",")
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     print(f"device {result['device']}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    result["sweep"] = sweep(shapes, args.quick)
+    result["sweep"] = [] if args.step_only else sweep(shapes, args.quick)
     table = {(r["n"], r["k"]): tuple(r["best"]) for r in result["sweep"]}
-    if args.step:
+    if args.step or args.step_only:
         result["step"] = step_costs(shapes, table, args.context)
     result["loadavg"] = os.getloadavg()
     if args.json:

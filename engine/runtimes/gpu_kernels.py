@@ -495,18 +495,39 @@ LINEAR_ROWS = 16  # rows of one output tile (tl.dot needs 16): the only tile siz
 SM_TARGET = 132  # the H200's streaming multiprocessors: a decode product wants at least this many programs
 
 
+# (BN, BK, warps, stages, splits, BM) per weight shape (n, k) of the Qwen2.5 0.5B and 1.5B shapes: the fastest 1-row
+# product of bench/gpu_linear.py's sweep on the H200 (bench/reports/gpu-linear-h200-2026-12-05-run2.json), each with
+# its rows equal in any pass. All one row a program (BM 1): on these shapes 1.1-3.5x faster than 16-row tensor-core
+# tiles and at or under cuBLAS's 16-row product.
+MEASURED_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int, int]] = {
+    (1152, 896): (8, 512, 4, 3, 1, 1),  # 0.5B qkv
+    (896, 896): (8, 512, 4, 4, 1, 1),  # 0.5B o
+    (9728, 896): (16, 256, 4, 5, 1, 1),  # 0.5B gate_up
+    (896, 4864): (8, 256, 4, 5, 8, 1),  # 0.5B down
+    (151936, 896): (16, 256, 4, 5, 1, 1),  # 0.5B LM head
+    (2048, 1536): (8, 512, 4, 5, 1, 1),  # 1.5B qkv
+    (1536, 1536): (8, 512, 4, 3, 1, 1),  # 1.5B o
+    (17920, 1536): (32, 256, 4, 2, 1, 1),  # 1.5B gate_up
+    (1536, 8960): (16, 256, 8, 4, 8, 1),  # 1.5B down
+    (151936, 1536): (16, 256, 4, 4, 1, 1),  # 1.5B LM head
+}
+
+
 def linear_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
-    """(BN, BK, warps, stages, splits) of ``linear`` for a weight of ``n`` outputs by ``k`` inputs: a function of the
-    weight's shape alone, never of the row count, so a row's reduction order is the same in every pass (batch
+    """(BN, BK, warps, stages, splits, BM) of ``linear`` for a weight of ``n`` outputs by ``k`` inputs: a function of
+    the weight's shape alone, never of the row count, so a row's reduction order is the same in every pass (batch
     invariance).
 
-    Decode passes are 1-16 rows: reading the weight is the cost, so a narrow-output weight gets narrow column tiles
-    (more programs streaming it at once) and wide slabs of K (more bytes in flight per program); where the column
-    tiles are still too few to keep every multiprocessor reading, K is split (summed in split order by the tile's
-    last program), as few splits as fill the GPU, each a whole number of slabs."""
-    bn = 16 if n <= 4096 else 32 if n <= 65536 else 64
-    bk = 128 if k <= 1024 else 256
-    return bn, bk, 4, 4, _splits(-(-n // bn), -(-k // bk)), LINEAR_ROWS
+    Decode passes are 1-16 rows and reading the weight is the cost: one row a program (BM 1, a GEMV), narrow column
+    tiles (many programs streaming the weight at once) and wide slabs of K (bytes in flight); where the column tiles
+    are still too few to keep every multiprocessor reading, K is split (summed in split order by the tile's last
+    program). Shapes measured on the H200 take their measured configs (``MEASURED_CONFIGS``), others this rule (the
+    measured ones' tiles and slabs; splits only as many as fill the GPU once)."""
+    if (n, k) in MEASURED_CONFIGS:
+        return MEASURED_CONFIGS[(n, k)]
+    bn = 8 if n <= 4096 else 16
+    bk = 512 if n <= 4096 and k <= 2048 else 256
+    return bn, bk, 4, 4, _splits(-(-n // bn), -(-k // bk)), 1
 
 
 def _splits(tiles: int, slabs: int) -> int:
