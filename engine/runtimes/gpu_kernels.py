@@ -11,7 +11,8 @@ time. Three kernels here replace about a dozen of a layer's:
   within bf16's rounding of torch's (tests/engine/test_gpu_kernels.py bounds both against exact fp32).
 - ``attention``: grouped-query attention of each query row over the cache's first ``keys_len``
   positions, masked by position (key p is visible to the row at position q when p <= q), as a split-key
-  flash-decoding pass (online softmax per ``SPLIT_KEYS`` keys, fp32 accumulators) and a combine kernel.
+  flash-decoding pass (online softmax per ``SPLIT_KEYS`` keys, fp32 accumulators) and a combine: ordered (the
+  batch-invariant sets), in the split kernel by each block's last split to finish; otherwise a combine kernel.
   torch: the mask add, a product, softmax, a cast, a product and the layout copies.
 
 Every query row is computed on its own with the same tile shapes whatever the block or batch size
@@ -30,17 +31,17 @@ sets give it (cuda_graphs ``invariant_layers``; ``invariant_default`` picks one)
   from 32): engine/runtimes/row_limits.py probes where, per model, and runs such products in pieces (or every
   pass of one on 32-64 rows), so batched rounds equal their sequences alone at any batch size
   (bench/reports/gpu-row-limits-h200-2026-12-03.txt).
-- "invariant" (FIMBLE_CUDA_INVARIANT=triton): ``linear`` below for every projection, one program per 16-row by
-  ``BN``-column output tile, the whole K extent in ``BK`` slabs, fp32 accumulators, no split-K; ``BN``/``BK``/warps/
-  stages come from the weight's shape alone (``linear_config``), the row count is not specialised, so one compiled
-  kernel serves every M and a row's bits never depend on the rows beside it, batched rounds included. Fused into
-  it: the RMSNorm before a projection (the row's sum of squares accumulates in the same slab loop; the norm weight
-  scales the activation as it is loaded, 1/rms scales the accumulator at the end), the residual add and bias in
-  the epilogue (rounded once), the MLP's ``silu(gate) * up`` as the down projection's prologue, and float32
-  logits straight from the LM head's accumulators. Today it costs 2.4-3.3x the graph step: the plain kernel is at
-  or under cuBLAS's time on four of the 0.5B shape's five weights and takes 1.6x on the down projection (few column
-  tiles, no split-K); the rest of the gap lies in the fused variants (the norm and gate prologues, not yet timed
-  apart). A fixed, shape-chosen split-K with an ordered reduction would keep it invariant and fill the GPU.
+- "invariant" (FIMBLE_CUDA_INVARIANT=triton): ``linear`` below for every projection, its config (tile, slabs of K,
+  K splits, rows a program) a function of the weight's shape alone (``linear_config``), the row count never
+  specialised, so one compiled kernel serves every M and a row's bits never depend on the rows beside it, batched
+  rounds included. A row is one program's (BM 1: fp32 products summed by a fixed tree, a GEMV) or one of 16 rows of a
+  tensor-core tile; a split K is summed in split order by the tile's last program. Fused into it: the RMSNorm before
+  a projection (the norm weight scales the activation as it is loaded, 1/rms the accumulator at the end), the residual
+  add and bias (rounded once), the MLP's ``silu(gate) * up`` as the down projection's prologue, RoPE and the cache
+  writes after the qkv product (``RopeStore``: rope_store's arithmetic), float32 logits straight from the LM head's
+  accumulators. On the H200 (bench/reports/gpu-linear-h200-2026-12-05.txt) its 1-token graph step is 1.4x faster
+  than "invariant-cublas"'s (0.5B 1.15 ms, 1.5B 1.76 ms), but a verify block re-reads the weights per row: 8 rows
+  cost 2-2.7x a step, where cuBLAS prices 16 rows like 1. So it stays opt-in.
 
 Both sets run ``attention`` with ``ordered=True``: the split combine sums the splits one by one in split order, so
 trailing splits that hold no visible key (a longer key bucket) add exact zeros whatever their number, and the
