@@ -51,21 +51,16 @@ def weights_of(shape: str) -> dict[str, tuple[int, int, str]]:
 
 
 def candidates(n: int, k: int, quick: bool) -> list[tuple[int, int, int, int, int, int]]:
-    """(BN, BK, warps, stages, splits, BM) worth timing: programs between half and ~8x the multiprocessors. BM 16:
-    tensor-core tiles of 16 rows; BM 1: a row a program, fp32 products summed by a tree (a GEMV)."""
+    """(BN, BK, warps, stages, splits, BM) worth timing beside ``linear_config``'s: a few rows a program (BM 4 or 8:
+    the weight slab read once for them, each row's tree as alone), narrow tiles, K split 8 ways only where K is
+    long (as the one-row sweep found best: bench/reports/gpu-linear-h200-2026-12-05-run2.json)."""
     out = []
-    for bm, bns, bks in ((16, (32, 64), (128, 256)), (1, (8, 16, 32), (256, 512))):
-        for bn in bns if not quick else bns[:2]:
-            for bk in bks:
-                slabs = -(-k // bk)
-                for splits in (1, 2, 4, 8):
-                    programs = -(-n // bn) * splits
-                    if (
-                        splits <= slabs
-                        and (splits == 1 or programs <= 8 * gk.SM_TARGET)
-                        and programs >= gk.SM_TARGET // 2
-                    ):
-                        out.append((bn, bk, 4, 3 if bn == 64 and bk == 256 else 4, splits, bm))
+    for bm in (4, 8):
+        for bn in (8, 16) if not quick else (8,):
+            for bk in (64, 128):
+                splits = 8 if k >= 4096 else 1
+                if -(-n // bn) * splits >= gk.SM_TARGET // 2:
+                    out.append((bn, bk, 4, 4, splits, bm))
     return out
 
 
@@ -139,6 +134,16 @@ class Weight:
         return ok and torch.equal(self.call(w, 16, cfg), full[:16])
 
 
+def measure(wt: Weight, row: dict, tried: dict, cfg: tuple) -> None:
+    """``tried[cfg]`` = (1-row, 8-row) us of ``cfg`` on ``wt`` (a config that does not compile: noted in ``row``)."""
+    if cfg in tried:
+        return
+    try:
+        tried[cfg] = (wt.triton_us(1, cfg), wt.triton_us(8, cfg))
+    except Exception as exc:  # noqa: BLE001 - noted, skipped
+        row.setdefault("errors", []).append(f"{cfg}: {type(exc).__name__}")
+
+
 @torch.inference_mode()
 def sweep(shapes: list[str], quick: bool) -> list[dict]:
     rows = []
@@ -153,34 +158,32 @@ def sweep(shapes: list[str], quick: bool) -> list[dict]:
             row["default_m1_us"] = wt.triton_us(1)
             old = (*gk.linear_config(n, k)[:4], 1, gk.LINEAR_ROWS)
             row["unsplit_m1_us"] = wt.triton_us(1, old)
-            tried = {tuple(row["config_default"]): row["default_m1_us"]}
+            tried: dict = {}  # config -> (1 row, 8 rows) us; the sweep's score is their sum (a step and a verify)
+            measure(wt, row, tried, tuple(row["config_default"]))
             for cfg in candidates(n, k, quick):
-                if cfg in tried:
-                    continue
-                try:
-                    tried[cfg] = wt.triton_us(1, cfg)
-                except Exception as exc:  # noqa: BLE001 - a config that does not compile: noted, skipped
-                    row.setdefault("errors", []).append(f"{cfg}: {type(exc).__name__}")
-            best = min(tried, key=tried.get)
-            for warps, stages in ((8, best[3]), (2, best[3]), (best[2], 2), (best[2], 3), (best[2], 5)):
-                cfg = (best[0], best[1], warps, stages, best[4], best[5])
-                if cfg not in tried and not quick:
-                    try:
-                        tried[cfg] = wt.triton_us(1, cfg)
-                    except Exception as exc:  # noqa: BLE001
-                        row.setdefault("errors", []).append(f"{cfg}: {type(exc).__name__}")
-            best = min(tried, key=tried.get)
+                measure(wt, row, tried, cfg)
+            best = min(tried, key=lambda c: sum(tried[c]))
+            for warps, stages in ((8, best[3]), (best[2], 2)):
+                if not quick:
+                    measure(wt, row, tried, (best[0], best[1], warps, stages, best[4], best[5]))
+            best = min(tried, key=lambda c: sum(tried[c]))
+            fastest_step = min(tried, key=lambda c: tried[c][0])
             row["best"] = list(best)
-            row["best_m1_us"] = tried[best]
+            row["best_m1_us"], row["best_m8_us"] = tried[best]
             row["best_m16_us"] = wt.triton_us(16, best)
+            row["fastest_1row"] = list(fastest_step)
+            row["fastest_1row_us"] = tried[fastest_step]
             row["best_rows_equal"] = wt.rows_equal(best)
-            row["tried"] = {str(list(c)): round(t, 2) for c, t in sorted(tried.items(), key=lambda kv: kv[1])}
+            row["tried"] = {
+                str(list(c)): [round(t, 2) for t in ts] for c, ts in sorted(tried.items(), key=lambda kv: sum(kv[1]))
+            }
             row["seconds"] = time.perf_counter() - t0
             rows.append(row)
             print(
                 f"  {shape:5s} {label:8s} {n:6d}x{k:<5d} floor {row['floor_us']:6.1f} us  cuBLAS16 "
                 f"{row['cublas16_us']:6.1f}  unsplit {row['unsplit_m1_us']:6.1f}  default {row['default_m1_us']:6.1f}"
-                f"  best {row['best_m1_us']:6.1f} (m16 {row['best_m16_us']:6.1f}) {best} rows-equal "
+                f"  best {row['best_m1_us']:6.1f} (m8 {row['best_m8_us']:6.1f}, m16 {row['best_m16_us']:6.1f}) {best}"
+                f" fastest 1-row {fastest_step} {row['fastest_1row_us'][0]:.1f} rows-equal "
                 f"{row['best_rows_equal']}  [{len(tried)} configs, {row['seconds']:.0f} s]",
                 flush=True,
             )
@@ -238,11 +241,15 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1, default=str))
-    print(f"\n{'weight':16s} {'floor us':>8s} {'cuBLAS16':>8s} {'unsplit':>8s} {'best':>8s}  best config")
+    print(
+        f"\n{'weight':16s} {'floor us':>8s} {'cuBLAS16':>8s} {'best m1':>8s} {'m8':>7s} {'m16':>7s}  "
+        "best (step + 8-row verify)"
+    )
     for r in result["sweep"]:
         print(
             f"{r['shape'] + ' ' + r['weight']:16s} {r['floor_us']:8.1f} {r['cublas16_us']:8.1f} "
-            f"{r['unsplit_m1_us']:8.1f} {r['best_m1_us']:8.1f}  {r['best']} rows-equal {r['best_rows_equal']}"
+            f"{r['best_m1_us']:8.1f} {r['best_m8_us']:7.1f} {r['best_m16_us']:7.1f}  {r['best']} "
+            f"rows-equal {r['best_rows_equal']}"
         )
     heads = []
     for r in result.get("step", []):

@@ -344,6 +344,8 @@ def _kernels():
             b = tl.load(wrow + k[None, :], mask=bmask, other=0.0)
             if BM == 1:  # one row a program: products in fp32 (exact for bf16), summed by a fixed tree per slab
                 acc += tl.sum(b.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
+            elif BM < 16:  # a few rows a program, the weight slab read once for them; each row's tree as its own
+                acc += tl.sum(b.to(tl.float32)[None, :, :] * a.to(tl.float32)[:, None, :], axis=2)
             else:
                 acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
         last = True  # this program writes the tile (with splits: the last of its tile's programs to finish)

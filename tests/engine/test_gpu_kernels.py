@@ -261,7 +261,7 @@ def test_linear_row_does_not_depend_on_its_pass():
             assert torch.allclose(part, full[lo:hi], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("bm", [16, 1])
+@pytest.mark.parametrize("bm", [16, 1, 4])
 @pytest.mark.parametrize("kind", ["plain", "bias+residual", "norm", "gated"])
 def test_split_k_linear_matches_its_function_and_keeps_rows(kind, bm):
     """Split-K (the tile's last program sums the splits in order): the same function, a row's bits the same in any
@@ -302,7 +302,7 @@ def test_split_k_linear_matches_its_function_and_keeps_rows(kind, bm):
     assert int(gpu_kernels._LOCKS[full.device].count_nonzero()) == 0
 
 
-@pytest.mark.parametrize("bm", [16, 1])
+@pytest.mark.parametrize("bm", [16, 1, 4])
 @pytest.mark.parametrize("seqs,t,heads,kv_heads,hd", [(1, 1, 14, 2, 64), (2, 3, 12, 2, 128)])
 def test_qkv_with_rope_epilogue_equals_linear_then_rope_store(seqs, t, heads, kv_heads, hd, bm):
     """The qkv product with its RoPE epilogue (one launch, K split) gives the queries, keys and values that the
