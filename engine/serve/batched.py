@@ -168,15 +168,17 @@ def _batched_invariant(model: CompactTransformer, calls: list[Forward], spans: l
     lim = None if triton_gemms else rl.limits(model, gk.CUBLAS_ROWS)  # engine/runtimes/row_limits.py
     positions = [torch.arange(c.start, c.start + b - a, device=dev) for c, (a, b) in zip(calls, spans, strict=True)]
     for li, layer in enumerate(model.layers):
-        if triton_gemms:
-            norm = layer.attn_norm
-            qkv = gk.linear(x, layer.qkv.weight, bias=layer.qkv.bias, norm=norm.weight, eps=norm.eps)
-        else:
+        if not triton_gemms:
             qkv = rl.qkv_rows(layer, lim, x)
         outs = []
         for c, (a, b), pos in zip(calls, spans, positions, strict=True):
             keys, values = c.cache.keys[li].unsqueeze(0), c.cache.values[li].unsqueeze(0)
-            q = gk.rope_store(qkv[a:b], keys, values, model.rope_cos, model.rope_sin, pos, 1, heads, kv_heads)
+            if triton_gemms:  # the qkv product with its RoPE epilogue, as the graph path runs it (the same bits)
+                norm = layer.attn_norm
+                rope = gk.RopeStore(keys, values, model.rope_cos, model.rope_sin, pos, 1, heads, kv_heads)
+                q = gk.linear(x[a:b], layer.qkv.weight, bias=layer.qkv.bias, norm=norm.weight, eps=norm.eps, rope=rope)
+            else:
+                q = gk.rope_store(qkv[a:b], keys, values, model.rope_cos, model.rope_sin, pos, 1, heads, kv_heads)
             outs.append(gk.attention(q, keys, values, pos, c.start + b - a, 1, kv_heads, ordered=True))
         if triton_gemms:
             x = gk.linear(torch.cat(outs), layer.o_proj.weight, residual=x)

@@ -375,3 +375,51 @@ def test_invariant_verify_block_equals_steps():
     else:
         assert torch.allclose(eager_block, steps, atol=1e-4, rtol=0)
         assert torch.allclose(graph_block, steps, atol=1e-4, rtol=0)
+
+
+def test_triton_set_batched_pass_runs_each_product_as_the_sequence_alone(monkeypatch):
+    """fimble serve's eager batched pass (Triton projections) calls every product in the variant the sequence's own
+    forward uses: the same weight, the same fused prologue/epilogue (RoPE included), the same config, so each row's
+    bits are the ones it gets alone (on the H200 the qkv product once ran unfused there: 14 of 29 rows differed).
+    Under the interpreter rows are compared with a tolerance; the variants must match exactly."""
+    from engine.runtimes import gpu_kernels
+    from engine.serve.batched import Forward, _batched_invariant
+
+    model = _small_model()
+    model.invariant = "invariant"
+    seen: list[tuple] = []
+    real = gpu_kernels.linear
+
+    def recording(x, weight, **kw):
+        kinds = tuple(sorted(k for k, v in kw.items() if v is not None and v is not False))
+        seen.append((weight.data_ptr(), kinds, kw.get("config")))
+        return real(x, weight, **kw)
+
+    monkeypatch.setattr(gpu_kernels, "linear", recording)
+    torch.manual_seed(12)
+    depths, blocks = (37, 120), (3, 1)
+    bases = []
+    for d in depths:
+        c = model.new_cache(256)
+        model(torch.randint(0, 300, (d,), device=DEV), c, 0, 1)
+        bases.append(c)
+    toks = [torch.randint(0, 300, (k,), device=DEV) for k in blocks]
+
+    def fresh(c):
+        tmp = model.new_cache(256)
+        tmp.keys.copy_(c.keys)
+        tmp.values.copy_(c.values)
+        tmp.length = c.length
+        return tmp
+
+    seen.clear()
+    alone = [model(t, fresh(c), d, len(t)).clone() for c, d, t in zip(bases, depths, toks, strict=True)]
+    alone_calls = set(seen)
+    seen.clear()
+    spans = [(0, blocks[0]), (blocks[0], blocks[0] + blocks[1])]
+    calls = [Forward(t, fresh(c), d, len(t)) for c, d, t in zip(bases, depths, toks, strict=True)]
+    batched = _batched_invariant(model, calls, spans)
+    assert set(seen) == alone_calls
+    assert any("rope" in kinds for _, kinds, _ in seen)
+    for a, b in zip(alone, batched, strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=0)
