@@ -197,9 +197,10 @@ def step_costs(shapes: list[str], table: dict, context: int) -> list[dict]:
     from bench import gpu as gb
     from bench import gpu_invariant as gi
     from bench.harness.random_models import random_model
+    from engine.runtimes import gpu_linear as gl  # linear() reads its own module's linear_config
 
-    plain = gk.linear_config
-    gk.linear_config = lambda n, k: tuple(table.get((n, k)) or plain(n, k))
+    plain = gl.linear_config
+    gl.linear_config = lambda n, k: tuple(table.get((n, k)) or plain(n, k))
     gi.MODES = ("invariant-cublas", "invariant")
     bw = gb.copy_bandwidth()
     out = []
@@ -213,7 +214,7 @@ def step_costs(shapes: list[str], table: dict, context: int) -> list[dict]:
             del model
             torch.cuda.empty_cache()
     finally:
-        gk.linear_config = plain
+        gl.linear_config = plain
     return out
 
 

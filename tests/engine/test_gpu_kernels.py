@@ -127,7 +127,7 @@ def test_attention_matches_masked_softmax(seqs, t, heads, kv_heads, hd, keys_len
 def test_ordered_combine_in_the_split_kernel_equals_the_combine_kernel(monkeypatch, keys_len, starts):
     """Ordered attention combined by each block's last split (one launch) gives the separate ordered combine
     kernel's bits, including splits past a row's position, and leaves every arrival counter at 0."""
-    from engine.runtimes import gpu_kernels
+    from engine.runtimes import gpu_kernels, gpu_linear
     from engine.runtimes.gpu_kernels import attention
 
     torch.manual_seed(9)
@@ -137,7 +137,7 @@ def test_ordered_combine_in_the_split_kernel_equals_the_combine_kernel(monkeypat
     values = torch.randn(seqs, kv_heads, keys_len + 64, hd).to(DTYPE).to(DEV)
     positions = (torch.tensor(starts)[:, None] + torch.arange(t)[None, :]).reshape(-1).to(DEV)
     fused = attention(q, keys, values, positions, keys_len, seqs, kv_heads, ordered=True)
-    assert int(gpu_kernels._LOCKS[fused.device].count_nonzero()) == 0
+    assert int(gpu_linear._LOCKS[fused.device].count_nonzero()) == 0
     monkeypatch.setattr(gpu_kernels, "COMBINE_IN_SPLIT", False)
     apart = attention(q, keys, values, positions, keys_len, seqs, kv_heads, ordered=True)
     if CUDA:
@@ -266,7 +266,7 @@ def test_linear_row_does_not_depend_on_its_pass():
 def test_split_k_linear_matches_its_function_and_keeps_rows(kind, bm):
     """Split-K (the tile's last program sums the splits in order): the same function, a row's bits the same in any
     pass, and every arrival counter back at 0 afterwards (the next product counts from there)."""
-    from engine.runtimes import gpu_kernels
+    from engine.runtimes import gpu_linear
     from engine.runtimes.gpu_kernels import linear
 
     torch.manual_seed(7)
@@ -299,7 +299,7 @@ def test_split_k_linear_matches_its_function_and_keeps_rows(kind, bm):
             assert torch.equal(part, full[lo:hi])
         else:
             assert torch.allclose(part, full[lo:hi], atol=1e-5, rtol=0)
-    assert int(gpu_kernels._LOCKS[full.device].count_nonzero()) == 0
+    assert int(gpu_linear._LOCKS[full.device].count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("bm", [16, 1, 4])

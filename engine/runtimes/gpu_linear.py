@@ -1,0 +1,286 @@
+"""The batch-invariant projection of the CUDA path's Triton kernel set ("invariant"; engine/runtimes/gpu_kernels.py
+says what the sets are): ``x @ W.T`` with its fused prologue (RMSNorm, the MLP's silu gate) and epilogue (bias,
+residual, RoPE and the cache writes, float32 logits), every row's reduction in an order fixed by the weight's shape.
+
+A row is one program's (BM 1: fp32 products summed by a fixed tree per slab of K, a GEMV), one of a few rows sharing
+a program's weight slab (BM 2-8, each row's tree as alone), or one of 16 rows of a tensor-core tile (BM 16). K may be
+split; the tile's last program to arrive (an atomic count) adds the splits' partial sums in split order. The config
+comes from the weight's shape alone (``linear_config``), never from the row count, so a row's bits are the same in
+a 1-token step, a verify block and a batched round (tests/engine/test_gpu_kernels.py; on the H200,
+bench/reports/gpu-linear-h200-2026-12-05.txt). Triton is imported lazily, as in gpu_kernels.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@functools.cache
+def _linear_kernel():
+    import triton
+    import triton.language as tl
+
+    # M (the row count) is not specialised: one compiled kernel for every pass size, so a row's arithmetic is the
+    # same whatever rows share its pass (Triton would otherwise compile M == 1 apart).
+    @triton.jit(do_not_specialize=["M"])
+    def linear_kernel(
+        x, w, out, bias, res, nw, part, lock,
+        M, N, x_stride, res_stride, out_stride, eps,
+        cos, sin, positions, keys, values, T, k_s, k_h, k_p, v_s, v_h, v_p,
+        K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+        ROPE: tl.constexpr, H: tl.constexpr, KV: tl.constexpr,
+    ):  # fmt: skip
+        # K is a weight's own size (a constant): the slab loop has a fixed trip count, and Triton's interpreter can
+        # range() over it. SPLITS > 1 (split-K): program `split` reduces its own K range (KS, whole slabs); the last
+        # program of a tile to finish adds the SPLITS partial sums in split order, so the order is fixed by the
+        # weight's shape alone, never by timing or the row count.
+        KS: tl.constexpr = tl.cdiv(tl.cdiv(K, BK), SPLITS) * BK
+        pid = tl.program_id(0)
+        split = pid % SPLITS  # a tile's splits run side by side
+        tile = pid // SPLITS
+        tiles_m = tl.cdiv(M, BM)
+        pid_m = tile % tiles_m  # row tiles of one column strip run side by side: the strip's weights are read once
+        pid_n = tile // tiles_m
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        rmask = rows < M
+        cmask = cols < N
+        kk = tl.arange(0, BK)
+        xrow = x + rows[:, None].to(tl.int64) * x_stride
+        wrow = w + cols[:, None].to(tl.int64) * K
+        acc = tl.zeros((BM, BN), tl.float32)
+        ss = tl.zeros((BM, BK), tl.float32)  # squares summed per column slot, reduced once after the loop
+        for k0 in range(0, KS, BK):  # constant bounds (the interpreter and the pipeliner want them), offset by split
+            k = split * KS + k0 + kk
+            if K % (BK * SPLITS) == 0:  # every split's slabs inside K: no mask on K
+                amask = rmask[:, None]
+                bmask = cmask[:, None]
+            else:
+                amask = rmask[:, None] & (k[None, :] < K)
+                bmask = cmask[:, None] & (k[None, :] < K)
+            if GATED:  # x holds [gate | up] (K columns each): the activation is silu(gate) * up, rounded once
+                g = tl.load(xrow + k[None, :], mask=amask, other=0.0).to(tl.float32)
+                u = tl.load(xrow + K + k[None, :], mask=amask, other=0.0).to(tl.float32)
+                a = (g * tl.sigmoid(g) * u).to(w.dtype.element_ty)
+            else:
+                a = tl.load(xrow + k[None, :], mask=amask, other=0.0)
+                if NORM:  # RMSNorm: sum of squares here, the norm weight on the activation, 1/rms at the end
+                    af = a.to(tl.float32)
+                    ss += af * af
+                    g = tl.load(nw + k, mask=k < K, other=0.0).to(tl.float32)
+                    a = (af * g[None, :]).to(w.dtype.element_ty)
+            b = tl.load(wrow + k[None, :], mask=bmask, other=0.0)
+            if BM == 1:  # one row a program: products in fp32 (exact for bf16), summed by a fixed tree per slab
+                acc += tl.sum(b.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
+            elif BM < 16:  # a few rows a program, the weight slab read once for them; each row's tree as its own
+                acc += tl.sum(b.to(tl.float32)[None, :, :] * a.to(tl.float32)[:, None, :], axis=2)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        last = True  # this program writes the tile (with splits: the last of its tile's programs to finish)
+        if SPLITS > 1:
+            sub = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+            tl.store(part + (tile * SPLITS + split) * (BM * BN) + sub, acc)
+            tl.debug_barrier()  # every thread's partial is written before the count says so (released below)
+            last = tl.atomic_add(lock + tile, 1, sem="acq_rel") == SPLITS - 1
+            tl.debug_barrier()
+            tile_part = part + tile * SPLITS * (BM * BN) + sub
+            acc = tl.load(tile_part, mask=last, other=0.0, cache_modifier=".cg")
+            for sp in tl.static_range(1, SPLITS):
+                acc += tl.load(tile_part + sp * (BM * BN), mask=last, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(lock + tile, 0, mask=last)  # back to 0 for the next kernel that counts on this tile
+            if NORM:  # the whole row's squares, in the one-split loop's order
+                ss = tl.zeros((BM, BK), tl.float32)
+                for k0 in range(0, K, BK):
+                    k = k0 + kk
+                    xm = last & rmask[:, None] & (k[None, :] < K)
+                    af = tl.load(xrow + k[None, :], mask=xm, other=0.0).to(tl.float32)
+                    ss += af * af
+        if NORM:
+            acc = acc * tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        omask = rmask[:, None] & cmask[None, :] & last
+        if HAS_RES:
+            r = tl.load(res + rows[:, None].to(tl.int64) * res_stride + cols[None, :], mask=omask, other=0.0)
+            acc += r.to(tl.float32)
+        if ROPE:  # the qkv projection, a head per column tile (BN = head size): rope_store_kernel's work, same bits
+            half: tl.constexpr = BN // 2
+            xr = acc.to(out.dtype.element_ty).to(tl.float32)  # rounded as the product's output, then rotated
+            x1, x2 = tl.split(tl.permute(tl.reshape(xr, (BM, 2, half)), (0, 2, 1)))  # a head's two halves
+            dh = tl.arange(0, half)[None, :]
+            hmask = rmask[:, None] & last
+            pos = tl.load(positions + rows, mask=rmask, other=0)[:, None]
+            if pid_n < H + KV:  # query or key: rotated (in fp32, rounded once), as x * c + swapped(x) * sign * sin
+                c1 = tl.load(cos + pos * BN + dh, mask=hmask, other=0.0).to(tl.float32)
+                c2 = tl.load(cos + pos * BN + half + dh, mask=hmask, other=0.0).to(tl.float32)
+                s1 = -tl.load(sin + pos * BN + dh, mask=hmask, other=0.0).to(tl.float32)
+                s2 = tl.load(sin + pos * BN + half + dh, mask=hmask, other=0.0).to(tl.float32)
+                r1 = (x1 * c1 + x2 * s1).to(out.dtype.element_ty)
+                r2 = (x2 * c2 + x1 * s2).to(out.dtype.element_ty)
+                if pid_n < H:
+                    qptr = out + rows[:, None].to(tl.int64) * out_stride + pid_n * BN + dh
+                    tl.store(qptr, r1, mask=hmask)
+                    tl.store(qptr + half, r2, mask=hmask)
+                else:
+                    kptr = keys + (rows // T)[:, None] * k_s + (pid_n - H) * k_h + pos * k_p + dh
+                    tl.store(kptr, r1, mask=hmask)
+                    tl.store(kptr + half, r2, mask=hmask)
+            else:  # value: stored as it is
+                vptr = values + (rows // T)[:, None] * v_s + (pid_n - H - KV) * v_h + pos * v_p + dh
+                tl.store(vptr, x1.to(out.dtype.element_ty), mask=hmask)
+                tl.store(vptr + half, x2.to(out.dtype.element_ty), mask=hmask)
+        else:
+            optr = out + rows[:, None].to(tl.int64) * out_stride + cols[None, :]
+            tl.store(optr, acc.to(out.dtype.element_ty), mask=omask)
+
+    return linear_kernel
+
+
+LINEAR_ROWS = 16  # rows of one output tile (tl.dot needs 16): the only tile size a pass's row count meets
+SM_TARGET = 132  # the H200's streaming multiprocessors: a decode product wants at least this many programs
+
+
+# (BN, BK, warps, stages, splits, BM) per weight shape (n, k) of the Qwen2.5 0.5B and 1.5B shapes: the fastest 1-row
+# product of bench/gpu_linear.py's sweep on the H200 (bench/reports/gpu-linear-h200-2026-12-05-run2.json), each with
+# its rows equal in any pass. All one row a program (BM 1): on these shapes 1.1-3.5x faster than 16-row tensor-core
+# tiles and at or under cuBLAS's 16-row product.
+MEASURED_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int, int]] = {
+    (1152, 896): (8, 512, 4, 3, 1, 1),  # 0.5B qkv
+    (896, 896): (8, 512, 4, 4, 1, 1),  # 0.5B o
+    (9728, 896): (16, 256, 4, 5, 1, 1),  # 0.5B gate_up
+    (896, 4864): (8, 256, 4, 5, 8, 1),  # 0.5B down
+    (151936, 896): (16, 256, 4, 5, 1, 1),  # 0.5B LM head
+    (2048, 1536): (8, 512, 4, 5, 1, 1),  # 1.5B qkv
+    (1536, 1536): (8, 512, 4, 3, 1, 1),  # 1.5B o
+    (17920, 1536): (32, 256, 4, 2, 1, 1),  # 1.5B gate_up
+    (1536, 8960): (16, 256, 8, 4, 8, 1),  # 1.5B down
+    (151936, 1536): (16, 256, 4, 4, 1, 1),  # 1.5B LM head
+}
+
+
+def linear_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
+    """(BN, BK, warps, stages, splits, BM) of ``linear`` for a weight of ``n`` outputs by ``k`` inputs: a function of
+    the weight's shape alone, never of the row count, so a row's reduction order is the same in every pass (batch
+    invariance).
+
+    Decode passes are 1-16 rows and reading the weight is the cost: one row a program (BM 1, a GEMV), narrow column
+    tiles (many programs streaming the weight at once) and wide slabs of K (bytes in flight); where the column tiles
+    are still too few to keep every multiprocessor reading, K is split (summed in split order by the tile's last
+    program). Shapes measured on the H200 take their measured configs (``MEASURED_CONFIGS``), others this rule (the
+    measured ones' tiles and slabs; splits only as many as fill the GPU once)."""
+    if (n, k) in MEASURED_CONFIGS:
+        return MEASURED_CONFIGS[(n, k)]
+    bn = 8 if n <= 4096 else 16
+    bk = 512 if n <= 4096 and k <= 2048 else 256
+    return bn, bk, 4, 4, _splits(-(-n // bn), -(-k // bk)), 1
+
+
+def _splits(tiles: int, slabs: int) -> int:
+    """K splits that bring ``tiles`` column tiles up to the multiprocessors' count, each the same whole number of
+    the ``slabs`` slabs of K (the last one may hold fewer)."""
+    want = -(-SM_TARGET // tiles)
+    per = -(-slabs // min(want, slabs))
+    return -(-slabs // per)
+
+
+_LOCKS: dict[torch.device, Tensor] = {}
+
+
+def _split_locks(device: torch.device, tiles: int) -> Tensor:
+    """Per-tile arrival counters of split-K ``linear``, zero between kernels (each tile's last program resets its
+    own). One buffer a device: the engine runs a device's kernels in one stream's order, so no two products count
+    on it at once."""
+    locks = _LOCKS.get(device)
+    if locks is None or locks.numel() < tiles:
+        locks = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _LOCKS[device] = locks
+    return locks
+
+
+@dataclass(frozen=True)
+class RopeStore:
+    """``linear``'s qkv epilogue: rotate the query and key heads at ``positions`` ([S*T], flattened rows of ``seqs``
+    sequences), store the keys and values into ``keys``/``values`` [S, kv_heads, max_len, hd], return the queries;
+    what ``rope_store`` does after a plain product, in the same arithmetic."""
+
+    keys: Tensor
+    values: Tensor
+    cos: Tensor
+    sin: Tensor
+    positions: Tensor
+    seqs: int
+    heads: int
+    kv_heads: int
+
+
+def rope_config(n: int, k: int, hd: int) -> tuple[int, int, int, int, int, int]:
+    """``linear_config`` for a qkv weight with its RoPE epilogue: a column tile is one head (BN = ``hd``); K is split
+    until the heads' tiles fill the GPU (a function of the weight's shape alone, as ``linear_config``)."""
+    _, _, warps, _, _, bm = linear_config(n, k)
+    bk = 128  # a 128-column head tile and 128-wide slabs: 4 stages fit the shared memory (256 would not)
+    return hd, bk, warps, 4 if hd <= 64 else 3, _splits(-(-n // hd), -(-k // bk)), bm
+
+
+def linear(
+    x: Tensor, weight: Tensor, *, bias: Tensor | None = None, residual: Tensor | None = None,
+    norm: Tensor | None = None, eps: float = 0.0, gated: bool = False, out_dtype: torch.dtype | None = None,
+    config: tuple[int, ...] | None = None, rope: RopeStore | None = None,
+) -> Tensor:  # fmt: skip
+    """``x @ weight.T`` (+ ``bias``) (+ ``residual``), batch-invariant: row i of the result has the same bits
+    whatever the other rows are and however many there are.
+
+    ``x`` [M, K] (rows contiguous); ``weight`` [N, K] contiguous (an nn.Linear's). ``norm``: an RMSNorm weight [K]
+    applied to ``x`` first (eps ``eps``). ``gated``: ``x`` is [M, 2K], gate then up, and the product's input is
+    ``silu(gate) * up``. ``out_dtype``: the result's dtype (x's by default; float32 for logits, which then skip a
+    rounding to bf16). ``config``: (BN, BK, warps, stages, splits[, BM]), ``linear_config``'s by default
+    (benchmarks and tests; BM 16 where left out). ``rope``: ``weight`` is a qkv projection; the result is the
+    rotated queries, the keys and values go to the cache (``RopeStore``)."""
+    kernel = _linear_kernel()
+    m = x.shape[0]
+    n, k = weight.shape
+    if x.stride(-1) != 1 or weight.stride(-1) != 1 or weight.stride(0) != k:
+        raise ValueError("linear needs rows with unit stride and a contiguous weight")
+    if x.shape[1] != (2 * k if gated else k):
+        raise ValueError(f"linear: x has {x.shape[1]} columns for a weight of {k} inputs{' (gated)' if gated else ''}")
+    if rope is not None:
+        hd = rope.keys.shape[-1]
+        if n != (rope.heads + 2 * rope.kv_heads) * hd or residual is not None or gated or out_dtype is not None:
+            raise ValueError("linear: a RoPE epilogue needs a plain qkv weight of (heads + 2 kv_heads) x head size")
+        out = torch.empty(m, rope.heads * hd, dtype=x.dtype, device=x.device)
+        config = config or rope_config(n, k, hd)
+        r = rope
+    else:
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+        r = RopeStore(out, out, out, out, out, 1, 0, 0)  # unused
+    cache_strides = (*r.keys.stride()[:3], *r.values.stride()[:3]) if rope is not None else (0,) * 6
+    if m == 0:
+        return out
+    bn, bk, warps, stages, splits, bm = (*config, LINEAR_ROWS)[:6] if config else linear_config(n, k)
+    tiles = triton_cdiv(m, bm) * triton_cdiv(n, bn)
+    if splits > 1:
+        part = torch.empty(tiles * splits * bm * bn, dtype=torch.float32, device=x.device)
+        lock = _split_locks(x.device, tiles)
+    else:
+        part = lock = out
+    kernel[(tiles * splits,)](
+        x, weight, out,
+        bias if bias is not None else weight, residual if residual is not None else out,
+        norm if norm is not None else weight, part, lock,
+        m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), float(eps),
+        r.cos, r.sin, r.positions, r.keys, r.values, m // r.seqs, *cache_strides,
+        K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm is not None, GATED=gated,
+        BM=bm, BN=bn, BK=bk, SPLITS=splits, num_warps=warps, num_stages=stages,
+        ROPE=rope is not None, H=r.heads, KV=r.kv_heads,
+        # float32 weights: true fp32 products (a dot's default there is tf32, ~1e-3); bf16/fp16 ignore it
+        PRECISION="ieee" if weight.dtype == torch.float32 else None,
+    )  # fmt: skip
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
