@@ -197,6 +197,10 @@ def _split_locks(device: torch.device, tiles: int) -> Tensor:
     on it at once."""
     locks = _LOCKS.get(device)
     if locks is None or locks.numel() < tiles:
+        # Never inside a CUDA graph capture: the buffer would live in that graph's pool and be reused once the
+        # graph is freed. Captures run their pass once first (graph_forward.capture), which allocates it here.
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K counters must be allocated before a CUDA graph capture (run the pass once)")
         locks = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
         _LOCKS[device] = locks
     return locks
