@@ -736,7 +736,6 @@ def run_one(job: tuple[int, Problem, str, object, bool]) -> dict:
 # (the stream's `done` text over [position, replaceEnd), else the answer's item) applied to the document as
 # the editor applies it; that document runs the tests.
 _LSP: dict = {}
-CURSOR_NOTIFICATION = "fimble/cursor"  # where the editor's cursor rests (lsp_server/PROTOCOL.md)
 # Held-out documents: the file's name as an editor would have it (the server reads the languageId; the name is
 # for what the logs show).
 _LSP_FILE_NAMES = {
@@ -796,7 +795,7 @@ def _offset(text: str, pos: dict) -> int:
     return start + i
 
 
-def _lsp_init(model: str | None, settings: dict, prewarm: bool = False) -> None:
+def _lsp_init(model: str | None, settings: dict, full_prompt: bool = False) -> None:
     import asyncio
 
     from bench import lsp_latency as lat
@@ -806,8 +805,8 @@ def _lsp_init(model: str | None, settings: dict, prewarm: bool = False) -> None:
     cmd = [sys.executable, "-m", "lsp_server", "lsp"] + (["--model", model] if model else [])
     log = open(os.devnull, "wb")
     env = dict(os.environ)
-    if prewarm:  # the user rests at the cursor until the pre-warm is done (engine/background.py's window)
-        env["FIMBLE_BACKGROUND_S"] = "600"
+    if full_prompt:  # the cold window never serves: every request runs its full prompt
+        env["FIMBLE_COLD_BUDGET_S"] = "100000"
 
     async def start():
         proc = await asyncio.create_subprocess_exec(
@@ -847,26 +846,12 @@ def _lsp_init(model: str | None, settings: dict, prewarm: bool = False) -> None:
         return proc, rpc, deltas
 
     proc, rpc, deltas = loop.run_until_complete(start())
-    _LSP.update(loop=loop, proc=proc, rpc=rpc, deltas=deltas, n=0, prewarm=prewarm)
+    _LSP.update(loop=loop, proc=proc, rpc=rpc, deltas=deltas, n=0, full_prompt=full_prompt)
 
 
-async def _kv_counters() -> dict:
-    return (await _LSP["rpc"].call("fimble/stats", None, timeout=300)).get("kvCache") or {}
-
-
-async def _wait_prewarmed(before: dict, timeout: float = 120.0) -> bool:
-    """Until every pre-warm sent since ``before`` has ended (done or pre-empted); False on the timeout."""
-    import asyncio
-
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        kv = await _kv_counters()
-        sent = kv.get("prewarmsSent", 0) - before.get("prewarmsSent", 0)
-        ended = sum(kv.get(k, 0) - before.get(k, 0) for k in ("prewarmsDone", "prewarmsPreempted"))
-        if sent > 0 and ended >= sent and kv.get("prewarmsDone", 0) > before.get("prewarmsDone", 0):
-            return True
-        await asyncio.sleep(0.1)
-    return False
+async def _engine_counters() -> dict:
+    got = await _LSP["rpc"].call("fimble/stats", None, timeout=300)
+    return (got.get("engine") or {}).get("counters") or {}
 
 
 async def _lsp_complete(p: Problem) -> tuple[str, int, int, str | None]:
@@ -879,13 +864,9 @@ async def _lsp_complete(p: Problem) -> tuple[str, int, int, str | None]:
     cursor = len(p.ctx_text.encode("utf-8")[: p.ctx_cursor].decode("utf-8"))
     name = _LSP_FILE_NAMES.get(p.lang, f"x.{p.lang}")
     uri = f"file:///tmp/fimble-quality/{_LSP['n']}/{re.sub(r'[^A-Za-z0-9_.-]', '_', p.task_id)}/{name}"
-    before = await _kv_counters() if _LSP["prewarm"] else {}
+    before = await _engine_counters()
     rpc.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": p.lang, "version": 1, "text": doc}})
     pos = _utf16_pos(doc, cursor)
-    if _LSP["prewarm"]:  # --lsp-prewarm: the editor reports the resting cursor, and the user waits for the pre-warm
-        rpc.notify(CURSOR_NOTIFICATION, {"textDocument": {"uri": uri}, "position": pos})
-        _LSP["prewarm_timeouts"] = _LSP.get("prewarm_timeouts", 0) + (not await _wait_prewarmed(before))
-        before = await _kv_counters()
     req_id, fut = rpc.request(
         "textDocument/inlineCompletion", {"textDocument": {"uri": uri}, "position": pos, "context": {"triggerKind": 1}}
     )
@@ -902,8 +883,9 @@ async def _lsp_complete(p: Problem) -> tuple[str, int, int, str | None]:
     if done is not None:  # as the VS Code extension applies it: [replaceStart or position, replaceEnd)
         text, end, reason = done["text"], done.get("replaceEnd"), done.get("finishReason")
         start = done.get("replaceStart")
-    if _LSP["prewarm"]:  # what the completion itself prefilled: small where the pre-warm did its work
-        _LSP["prefilled"] = (await _kv_counters()).get("prefilledTokens", 0) - before.get("prefilledTokens", 0)
+    # Whether the cold window (engine/caching/cold_window.py) served it, and what the engine prefilled meanwhile.
+    after = await _engine_counters()
+    _LSP["cold"], _LSP["prefilled"] = (after.get(k, 0) - before.get(k, 0) for k in ("cold_prompts", "tokens_prefilled"))
     rpc.notify("textDocument/didClose", {"textDocument": {"uri": uri}})
     end_off = _offset(doc, end) if end else cursor
     # A range may start before the cursor on its line (a dedent over the auto-indentation: lsp_server/line_start.py)
@@ -935,8 +917,7 @@ def run_one_lsp(job: tuple[int, Problem, str, object, bool]) -> dict:
         "finish": reason,
         "replaced": p.ctx_text[a:b],
     }
-    if _LSP["prewarm"]:
-        rec.update(prefilled=_LSP["prefilled"], prewarm_timeouts=_LSP.get("prewarm_timeouts", 0))
+    rec.update(cold=_LSP["cold"], prefilled=_LSP["prefilled"])
     # Held-out cursors have no tests: the answer is exact where it rewrites [a, b) as the file has it (the
     # indentation it replaced, the middle, the suffix text it re-typed over).
     want = p.ctx_text[a:cursor] + p.middle + p.ctx_text[cursor:b] if p.set.startswith("held-out-") else None
@@ -1009,17 +990,17 @@ def run_jobs(
     line_in_middle: bool = True,
     anchor_lines: int = 0,
     lsp_settings: dict | None = None,
-    lsp_prewarm: bool = False,
+    lsp_full_prompt: bool = False,
 ) -> list[dict]:
     done: list[dict] = []
     t0 = time.time()
     if lsp_settings is not None:
         if procs <= 1:
-            _lsp_init(model, lsp_settings, lsp_prewarm)
+            _lsp_init(model, lsp_settings, lsp_full_prompt)
             results = map(run_one_lsp, jobs)
             pool = None
         else:
-            pool = mp.get_context("spawn").Pool(procs, _lsp_init, (model, lsp_settings, lsp_prewarm))
+            pool = mp.get_context("spawn").Pool(procs, _lsp_init, (model, lsp_settings, lsp_full_prompt))
             results = pool.imap_unordered(run_one_lsp, jobs, chunksize=1)
     elif procs <= 1:
         _init_worker(model, 1, newline_heal, template, line_in_middle, anchor_lines)
@@ -1185,11 +1166,11 @@ def main() -> None:
         help="the lsp variant's initializationOptions as JSON (default: none, the server's defaults)",
     )
     ap.add_argument(
-        "--lsp-prewarm",
+        "--lsp-full-prompt",
         action="store_true",
-        help="lsp variant: the editor reports the cursor (fimble/cursor) and the request waits until the pre-warm "
-        "has filled the document's full prompt (as once a user has rested there), instead of the first request "
-        "after opening, which a cold window serves (engine/caching/cold_window.py)",
+        help="lsp variant: every request runs its full prompt (the server's FIMBLE_COLD_BUDGET_S set past any "
+        "prompt), as a request does once the pre-warm has filled the document's cache; by default the first "
+        "request after opening is the cold window's (engine/caching/cold_window.py), which sees ~16 lines",
     )
     ap.add_argument(
         "--device",
@@ -1277,7 +1258,11 @@ def main() -> None:
     lsp_jobs = [j for j in jobs if j[2] == "lsp"]
     if lsp_jobs:  # before the engine's jobs: each worker's server has the CPUs alone
         done += run_jobs(
-            lsp_jobs, args.procs, args.model, lsp_settings=json.loads(args.lsp_settings), lsp_prewarm=args.lsp_prewarm
+            lsp_jobs,
+            args.procs,
+            args.model,
+            lsp_settings=json.loads(args.lsp_settings),
+            lsp_full_prompt=args.lsp_full_prompt,
         )
     if engine_jobs:
         done += run_jobs(
