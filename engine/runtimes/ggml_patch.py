@@ -11,14 +11,27 @@ path, whose sums are stock's 1-row sums, so a verify block's rows equal 1-token 
    ggml_vec_dot_f16's order: the same four accumulators over the same steps, the same reduction. Only
    for rows with no leftover elements (vec_dot sums those in scalar code, which a compiler may contract
    differently), and only where ggml's generic SIMD code is the vec_dot (not SVE or RISC-V vectors).
-3. quants.h, arch/x86/quants.c, ggml-cpu.c: on AVX2, q8_0 weights (against the q8_0 rows ggml quantises
-   the activations to) take fimble_vec_dot_q8_0_q8_0_rows for 2 to 16 rows of a block at once: each weight
-   block is loaded once for every row, and each row's sum is ggml_vec_dot_q8_0_q8_0's AVX2 loop (the same
-   scale product, the same integer lane sums, one FMA a block in order, the same reduction). Where the CPU
-   has AVX-512 VNNI (checked at run time; the build stays AVX2) the lane sums come from one vpdpbusd a row
-   and the exact float conversion from one subtraction; the scale products of eight rows from one multiply.
-   tinyBLAS's q8_0 tiles (4 weight rows x 2 activation rows) also equal vec_dot bit for bit, but cost
-   about 0.8 of a step per extra row here (the probe before this kernel: 2/4/8/16 rows 1.86/3.30/6.10/11.93 steps).
+3. quants.h, arch/x86/quants.c, ggml-cpu.c: q8_0 weights against the q8_0 rows ggml quantises the
+   activations to.
+   - Where the CPU has AVX-512 VNNI (checked at run time; the build stays AVX2), every such product, 1-token
+     steps and prefills included (tinyBLAS declines q8_0 there), takes fimble_vec_dot_q8_0_q8_0_lanes, 16 rows
+     at a time: fimble's lane order, where each of
+     eight consecutive blocks owns one float lane and a block's 32 products are summed in integers (exact), so
+     a row costs one vpdpbusd per block and one convert, multiply and FMA per eight blocks (stock: a float FMA
+     per block and lane). Every row runs the same operations whatever the pass's size, so blocks equal steps
+     bit for bit, and a prefill's q8_0 sums are a step's too (as stock's gemv and tinyBLAS agree; attention's
+     kernels still differ between prefills and steps, as in llama.cpp). Its sums are not stock's:
+     fimble's greedy output can differ from stock llama.cpp's where two logits nearly tie (llama.cpp through
+     this library, llama-cpp-python, runs the same kernel). Measured at 1 thread
+     (bench/reports/verify-rows-lanes-2026-12-05.txt): a 1-token step 23% faster (13% at 2 threads), 4 and 8
+     rows 25% and 31% faster than the exact-stock-order kernel before it, a 1,024-token prefill 1.9x faster
+     than tinyBLAS.
+   - Elsewhere on AVX2, fimble_vec_dot_q8_0_q8_0_rows takes 2 to 16 rows of a block at once: each weight block
+     is loaded once for every row, and each row's sum is ggml_vec_dot_q8_0_q8_0's AVX2 loop (the same scale
+     product, the same integer lane sums, one FMA a block in order, the same reduction); 1-token steps run
+     stock's loop. tinyBLAS's q8_0 tiles (4 weight rows x 2 activation rows) also equal vec_dot bit for bit,
+     but cost about 0.8 of a step per extra row here (the probe before this kernel: 2/4/8/16 rows
+     1.86/3.30/6.10/11.93 steps).
 """
 
 from __future__ import annotations
@@ -42,10 +55,25 @@ SGEMM_NEW = """#if !defined(__MMA__)
     // q8_0 weights too (with q8_0 activations): ggml's own path has a kernel that reads each weight block
     // once for up to 16 rows (quants.c, fimble_vec_dot_q8_0_q8_0_rows), where tinyBLAS's 4x2 tiles cost
     // about a step per extra row here.
+    // Where the CPU has AVX-512 VNNI, q8_0 never takes tinyBLAS: every row count runs fimble's lane order
+    // (quants.c, fimble_vec_dot_q8_0_q8_0_lanes), so a prefill's rows equal 1-token steps' bit for bit, as
+    // stock's gemv and tinyBLAS do.
+#if defined(__GNUC__)
+    if (Atype == GGML_TYPE_Q8_0 && (n <= 32 || fimble_q8_0_lanes()))
+        return false;
+#else
     if (n <= 32 && Atype == GGML_TYPE_Q8_0)
         return false;
 #endif
+#endif
 #endif"""
+
+SGEMM_DECL_OLD = '#include "simd-mappings.h"\n'
+SGEMM_DECL_NEW = """#include "simd-mappings.h"
+#if defined(__AVX2__) && defined(__GNUC__) && !defined(__MMA__)
+extern "C" int fimble_q8_0_lanes(void);  // fimble (engine/runtimes/ggml_patch.py): quants.c
+#endif
+"""
 
 KERNELS_BEFORE = "static void ggml_compute_forward_mul_mat_one_chunk("
 # The two- and three-row f32 kernels are written out, not one loop over a row count: each must keep its
@@ -160,14 +188,17 @@ LOOP_NEW = (
 #if defined(FIMBLE_Q8_0_ROWS)
                 // fimble: q8_0 weights against up to FIMBLE_Q8_0_ROWS (16) rows of this block at once, each weight
                 // block loaded once for all.
-                if (type == GGML_TYPE_Q8_0 && vec_dot_type == GGML_TYPE_Q8_0 && fimble_left >= 2 &&
+                // With AVX-512 VNNI, every row count: the lane-order kernel takes 1-token steps and prefills too.
+                const int fimble_lanes = type == GGML_TYPE_Q8_0 && fimble_q8_0_lanes();
+                if (type == GGML_TYPE_Q8_0 && vec_dot_type == GGML_TYPE_Q8_0 && fimble_left >= 2 - fimble_lanes &&
                     ne00 <= FIMBLE_Q8_0_MAX_N && num_rows_per_vec_dot == 1 &&
                     (src1_cont || src1->type != vec_dot_type)) {
                     const int64_t fimble_q8 = fimble_left <= FIMBLE_Q8_0_ROWS ? fimble_left
                                             : MIN((fimble_left + 1) / 2, FIMBLE_Q8_0_ROWS);
                     const int64_t fimble_nx = MIN(iir0 + blck_0, ir0_end) - iir0;
-                    fimble_vec_dot_q8_0_q8_0_rows((int) ne00, (int) fimble_nx, (int) fimble_q8, fimble_tmp, 16,
-                                                  src0_row + iir0 * nb01, nb01, src1_col, row_size);
+                    (fimble_lanes ? fimble_vec_dot_q8_0_q8_0_lanes : fimble_vec_dot_q8_0_q8_0_rows)(
+                        (int) ne00, (int) fimble_nx, (int) fimble_q8, fimble_tmp, 16, src0_row + iir0 * nb01, nb01,
+                        src1_col, row_size);
                     for (int64_t r = 0; r < fimble_q8; r++) {
                         memcpy((char *) &dst_col[iir0] + r*nb1, fimble_tmp + 16*r, fimble_nx * sizeof(float));
                     }
@@ -196,6 +227,13 @@ Q8_DECL_NEW = (
 #define FIMBLE_Q8_0_MAX_N 32768
 void fimble_vec_dot_q8_0_q8_0_rows(int n, int nx, int nr, float * GGML_RESTRICT s, size_t bs,
                                    const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by);
+// Where the CPU has AVX-512 VNNI: every q8_0 product of 1..FIMBLE_Q8_0_ROWS rows in fimble's lane order (the same
+// arguments, nr >= 1), 1-token steps included. fimble_q8_0_lanes says whether this CPU takes it;
+// fimble_q8_0_lanes_forget starts a product (the rows a thread prepared may be overwritten from here on).
+int fimble_q8_0_lanes(void);
+void fimble_q8_0_lanes_forget(void);
+void fimble_vec_dot_q8_0_q8_0_lanes(int n, int nx, int nr, float * GGML_RESTRICT s, size_t bs,
+                                    const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by);
 #endif
 """
 )
@@ -268,37 +306,161 @@ static inline __attribute__((always_inline)) void fimble_q8_0_rows_avx2(
     }
 }
 
-// AVX-512 VNNI on 256-bit vectors (chosen at run time; the build stays AVX2), NR (<= 16) rows. The same eight
-// integer lane sums as mul_sum_us8_pairs_float, from the same operands (|x| and y signed by x, int8 wrap
-// included) in one vpdpbusd a row instead of maddubs and madd (their sums never saturate int16 here: at most
-// 2 * 128 * 127 or 2 * 128 * -128). Each lane starts at magic = 1.5 * 2^23 as a float's bits, so it ends as the
-// float magic + sum exactly (|sum| < 2^22), and subtracting magic gives the value _mm256_cvtepi32_ps gives.
-#define FIMBLE_VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
-static inline __attribute__((always_inline)) FIMBLE_VNNI void fimble_q8_0_rows_vnni(
-        const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x,
-        const char * GGML_RESTRICT vy, const size_t by, const float * GGML_RESTRICT dyT) {
-    float dd[32] __attribute__((aligned(32)));
-    fimble_q8_0_scales(NR, dd, x, dyT);
-    const __m256i magic = _mm256_set1_epi32(0x4B400000);
-    const __m256 magicf = _mm256_set1_ps(12582912.0f);
+// fimble (engine/runtimes/ggml_patch.py): q8_0 products in the lane order, on CPUs with AVX-512 VNNI (256-bit
+// vectors; the build stays AVX2). ggml_vec_dot_q8_0_q8_0 sums a block's 32 products in eight float lanes and
+// FMAs them into eight accumulators: a float operation per lane per block for every activation row, which put an
+// 8-row verify pass at ~2.9x a step here. The lane order instead gives each of eight consecutive blocks one lane:
+// a block's 32 products are summed in integers (exact, in any order), so a row needs one vpdpbusd per block and
+// one convert, multiply and FMA per eight blocks. Lane j of the accumulator adds blocks j, j+8, j+16, ... in order
+// (fmaf(dx*dy, isum, acc): dx*dy is exact, two halves' product), then ggml's hsum_float_8. Every row, in a pass of
+// 1 to 16, runs exactly these operations: a verify block's rows equal 1-token steps bit for bit, and 1-token
+// steps take this kernel too (an order of fimble's own, so near-ties may resolve unlike stock llama.cpp).
+// Weights are used as unsigned (w + 128, an xor): dpbusd(w + 128, y) = w.y + 128 * sum(y), and each activation
+// row's -128 * sum(y) per block starts its integer sum.
+#define FIMBLE_LANES_T __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+
+// Eight consecutive blocks' quants transposed: lane j of c[k] holds bytes 4k..4k+3 of block j. Blocks at or past
+// m (1..8) read as zero.
+static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_transpose(
+        const block_q8_0 * GGML_RESTRICT x, const int m, __m256i c[8]) {
+    const __m256i z = _mm256_setzero_si256();
+#define FIMBLE_LD(j) (m > j ? _mm256_loadu_si256((const __m256i *) x[j].qs) : z)
+    const __m256i r0 = FIMBLE_LD(0), r1 = FIMBLE_LD(1), r2 = FIMBLE_LD(2), r3 = FIMBLE_LD(3);
+    const __m256i r4 = FIMBLE_LD(4), r5 = FIMBLE_LD(5), r6 = FIMBLE_LD(6), r7 = FIMBLE_LD(7);
+#undef FIMBLE_LD
+    const __m256i t0 = _mm256_unpacklo_epi32(r0, r1), t1 = _mm256_unpackhi_epi32(r0, r1);
+    const __m256i t2 = _mm256_unpacklo_epi32(r2, r3), t3 = _mm256_unpackhi_epi32(r2, r3);
+    const __m256i t4 = _mm256_unpacklo_epi32(r4, r5), t5 = _mm256_unpackhi_epi32(r4, r5);
+    const __m256i t6 = _mm256_unpacklo_epi32(r6, r7), t7 = _mm256_unpackhi_epi32(r6, r7);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    c[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+    c[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+    c[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+    c[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+    c[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+    c[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+    c[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+    c[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+// The eight blocks' scales as floats (zero at or past m).
+static inline __attribute__((always_inline)) FIMBLE_LANES_T __m256 fimble_lanes_scales(
+        const block_q8_0 * GGML_RESTRICT x, const int m) {
+    if (m == 8) {
+        return _mm256_cvtph_ps(_mm_setr_epi16(x[0].d, x[1].d, x[2].d, x[3].d, x[4].d, x[5].d, x[6].d, x[7].d));
+    }
+    ggml_half h[8] = {0};
+    for (int j = 0; j < m; ++j) {
+        h[j] = x[j].d;
+    }
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) h));
+}
+
+// The activation rows in lane order, per row and group of eight blocks: 256 bytes of quants (fimble_lanes_transpose),
+// eight scales and eight -128 * sum(quants). Kept per thread, grown as needed (never freed: ggml's threads persist),
+// and prepared once per product: every call of a product reads the same rows (src1 is quantised before its chunks
+// run), so the rows' key (where, how many, how long) is valid until ggml_compute_forward_mul_mat's next call
+// (fimble_q8_0_lanes_forget), where the same memory may hold other rows.
+typedef struct {
+    int8_t * q; float * d; int32_t * c; size_t cap;  // the rows
+    const char * vy; int nr, nb; size_t by;          // their key
+} fimble_lanes_rows_t;
+static __thread fimble_lanes_rows_t fimble_lanes_buf;
+
+void fimble_q8_0_lanes_forget(void) {
+    fimble_lanes_buf.vy = NULL;
+}
+
+static FIMBLE_LANES_T void fimble_lanes_prepare(const int nb, const int nr, const char * GGML_RESTRICT vy,
+                                                const size_t by) {
+    fimble_lanes_rows_t * b = &fimble_lanes_buf;
+    if (b->vy == vy && b->nr == nr && b->nb == nb && b->by == by) {
+        return;  // this product's rows, prepared by an earlier call
+    }
+    const int ng = (nb + 7) / 8;
+    const size_t groups = (size_t) nr * ng;
+    if (groups > b->cap) {
+        free(b->q); free(b->d); free(b->c);
+        b->q = aligned_alloc(32, groups * 256);
+        b->d = aligned_alloc(32, groups * 32);
+        b->c = aligned_alloc(32, groups * 32);
+        b->cap = groups;
+        if (!b->q || !b->d || !b->c) {  // (another kernel would sum in another order: no fallback)
+            GGML_ABORT("fimble: out of memory for the q8_0 lane-order rows");
+        }
+    }
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int r = 0; r < nr; ++r) {
+        const block_q8_0 * GGML_RESTRICT y = (const block_q8_0 *) (vy + r*by);
+        for (int g = 0; g < ng; ++g) {
+            const size_t at = (size_t) r*ng + g;
+            const int m = nb - 8*g < 8 ? nb - 8*g : 8;
+            __m256i c[8];
+            if (m == 8) {
+                fimble_lanes_transpose(y + 8*g, 8, c);
+            } else {
+                fimble_lanes_transpose(y + 8*g, m, c);
+            }
+            __m256i sum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; ++k) {
+                _mm256_store_si256((__m256i *) (b->q + 256*at + 32*k), c[k]);
+                sum = _mm256_dpbusd_epi32(sum, ones, c[k]);
+            }
+            _mm256_store_si256((__m256i *) (b->c + 8*at), _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                                           _mm256_slli_epi32(sum, 7)));
+            _mm256_store_ps(b->d + 8*at, fimble_lanes_scales(y + 8*g, m));
+        }
+    }
+    b->vy = vy, b->nr = nr, b->nb = nb, b->by = by;
+}
+
+static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_rows(
+        const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x) {
+    const int8_t * GGML_RESTRICT bq = fimble_lanes_buf.q;  // (locals: the loop never reads thread-local memory)
+    const float * GGML_RESTRICT bd = fimble_lanes_buf.d;
+    const int32_t * GGML_RESTRICT bc = fimble_lanes_buf.c;
+    const int ng = (nb + 7) / 8;
+    const __m256i sign = _mm256_set1_epi8((char) 0x80);
     __m256 acc[16];
     for (int r = 0; r < NR; ++r) {
         acc[r] = _mm256_setzero_ps();
     }
-#pragma GCC unroll 2  // two blocks a turn: 16 rows ~10% faster (the loop's own work halves)
-    for (int ib = 0; ib < nb; ++ib) {
-        _mm_prefetch((const char *)(x + ib) + FIMBLE_Q8_0_PREFETCH, _MM_HINT_T0);
-        const float * d = dd + 16*(ib & 1);
-        if (ib + 1 < nb) {
-            fimble_q8_0_scales(NR, dd + 16*((ib + 1) & 1), x + ib + 1, dyT + 16*(ib + 1));
+    for (int g = 0; g < ng; ++g) {
+        const int m = nb - 8*g < 8 ? nb - 8*g : 8;
+        // the weights stream from memory while the rows compute: ask for them 2 KB ahead
+#pragma GCC unroll 5
+        for (int p = 0; p < 5; ++p) {
+            _mm_prefetch((const char *) (x + 8*g) + 2048 + 64*p, _MM_HINT_T0);
         }
-        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[ib].qs);
-        const __m256i ax = _mm256_sign_epi8(qx, qx);  // mul_sum_i8_pairs_float's first step, for every row
+        __m256i c[8];
+        __m256 dx;
+        if (m == 8) {  // (a constant for the inlined loads: no test per block)
+            fimble_lanes_transpose(x + 8*g, 8, c);
+            dx = fimble_lanes_scales(x + 8*g, 8);
+        } else {
+            fimble_lanes_transpose(x + 8*g, m, c);
+            dx = fimble_lanes_scales(x + 8*g, m);
+        }
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+            c[k] = _mm256_xor_si256(c[k], sign);
+        }
         for (int r = 0; r < NR; ++r) {
-            const __m256i qy = _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)(vy + r*by) + ib)->qs);
-            const __m256i t = _mm256_dpbusd_epi32(magic, ax, _mm256_sign_epi8(qy, qx));
-            const __m256 q = _mm256_sub_ps(_mm256_castsi256_ps(t), magicf);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[r]), q, acc[r]);
+            const size_t at = (size_t) r*ng + g;
+            const int8_t * GGML_RESTRICT q = bq + 256*at;
+            __m256i i0 = _mm256_load_si256((const __m256i *) (bc + 8*at));
+            __m256i i1 = _mm256_setzero_si256();
+#pragma GCC unroll 4  // (unrolled, c[] stays in registers)
+            for (int k = 0; k < 8; k += 2) {
+                i0 = _mm256_dpbusd_epi32(i0, c[k], _mm256_load_si256((const __m256i *) (q + 32*k)));
+                i1 = _mm256_dpbusd_epi32(i1, c[k + 1], _mm256_load_si256((const __m256i *) (q + 32*k + 32)));
+            }
+            const __m256 d = _mm256_mul_ps(dx, _mm256_load_ps(bd + 8*at));
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), acc[r]);
         }
     }
     for (int r = 0; r < NR; ++r) {
@@ -306,26 +468,36 @@ static inline __attribute__((always_inline)) FIMBLE_VNNI void fimble_q8_0_rows_v
     }
 }
 
-static FIMBLE_VNNI __attribute__((noinline)) void fimble_q8_0_rows_vnni_all(
+// nx weight rows of vx (bx bytes apart) against nr (1..16) activation rows of vy (by bytes apart) in the lane order:
+// s[i + r*bs].
+static FIMBLE_LANES_T __attribute__((noinline)) void fimble_lanes_all(
         const int nb, const int nx, const int nr, float * GGML_RESTRICT s, const size_t bs,
-        const char * GGML_RESTRICT vx, const size_t bx, const char * GGML_RESTRICT vy, const size_t by,
-        const float * GGML_RESTRICT dyT) {
+        const char * GGML_RESTRICT vx, const size_t bx, const char * GGML_RESTRICT vy, const size_t by) {
+    fimble_lanes_prepare(nb, nr, vy, by);
     for (int i = 0; i < nx; ++i) {
-        const block_q8_0 * GGML_RESTRICT x = (const block_q8_0 *)(vx + i*bx);
+        const block_q8_0 * GGML_RESTRICT x = (const block_q8_0 *) (vx + i*bx);
         switch (nr) {
-#define FIMBLE_CASE(k) case k: fimble_q8_0_rows_vnni(k, nb, s + i, bs, x, vy, by, dyT); break;
-            FIMBLE_CASE(2) FIMBLE_CASE(3) FIMBLE_CASE(4) FIMBLE_CASE(5) FIMBLE_CASE(6)
-            FIMBLE_CASE(7) FIMBLE_CASE(8) FIMBLE_CASE(9) FIMBLE_CASE(10) FIMBLE_CASE(11)
-            FIMBLE_CASE(12) FIMBLE_CASE(13) FIMBLE_CASE(14) FIMBLE_CASE(15)
+#define FIMBLE_CASE(k) case k: fimble_lanes_rows(k, nb, s + i, bs, x); break;
+            FIMBLE_CASE(1) FIMBLE_CASE(2) FIMBLE_CASE(3) FIMBLE_CASE(4) FIMBLE_CASE(5) FIMBLE_CASE(6)
+            FIMBLE_CASE(7) FIMBLE_CASE(8) FIMBLE_CASE(9) FIMBLE_CASE(10) FIMBLE_CASE(11) FIMBLE_CASE(12)
+            FIMBLE_CASE(13) FIMBLE_CASE(14) FIMBLE_CASE(15)
 #undef FIMBLE_CASE
-            default: fimble_q8_0_rows_vnni(16, nb, s + i, bs, x, vy, by, dyT); break;
+            default: fimble_lanes_rows(16, nb, s + i, bs, x); break;
         }
     }
 }
 
-// Whether this CPU takes the VNNI kernel (FIMBLE_Q8_0_AVX2=1 keeps the AVX2 one, to test it here). Not in a build
-// with AVX-VNNI-INT8, whose 1-row loop multiplies signed by signed (an activation of -128 then differs).
-static int fimble_q8_0_vnni(void) {
+void fimble_vec_dot_q8_0_q8_0_lanes(int n, int nx, int nr, float * GGML_RESTRICT s, size_t bs,
+                                    const void * GGML_RESTRICT vx, size_t bx,
+                                    const void * GGML_RESTRICT vy, size_t by) {
+    assert(n % QK8_0 == 0 && n <= FIMBLE_Q8_0_MAX_N && nr >= 1 && nr <= FIMBLE_Q8_0_ROWS);
+    fimble_lanes_all(n / QK8_0, nx, nr, s, bs, (const char *) vx, bx, (const char *) vy, by);
+}
+
+// Whether this CPU takes the lane-order kernel for every q8_0 product of 1 to 16 rows (FIMBLE_Q8_0_AVX2=1 keeps
+// ggml's own 1-row loop and the AVX2 rows kernel, to test them here). Not in a build with AVX-VNNI-INT8, whose
+// 1-row loop the AVX2 rows kernel would have to follow.
+int fimble_q8_0_lanes(void) {
 #if __AVXVNNIINT8__
     return 0;
 #endif
@@ -335,7 +507,7 @@ static int fimble_q8_0_vnni(void) {
         const char * avx2 = getenv("FIMBLE_Q8_0_AVX2");
         __builtin_cpu_init();
         v = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-            __builtin_cpu_supports("avx512bw") && !(avx2 && avx2[0] == '1');
+            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f") && !(avx2 && avx2[0] == '1');
         __atomic_store_n(&known, v, __ATOMIC_RELAXED);
     }
     return v;
@@ -404,10 +576,6 @@ void fimble_vec_dot_q8_0_q8_0_rows(int n, int nx, int nr, float * GGML_RESTRICT 
             dyT[16*ib + r] = GGML_CPU_FP16_TO_FP32(((const block_q8_0 *)(y + r*by) + ib)->d);
         }
     }
-    if (fimble_q8_0_vnni()) {
-        fimble_q8_0_rows_vnni_all(nb, nx, nr, s, bs, (const char *) vx, bx, y, by, dyT);
-        return;
-    }
     for (int i = 0; i < nx; ++i) {
         const block_q8_0 * GGML_RESTRICT x = (const block_q8_0 *)((const char *) vx + i*bx);
         FIMBLE_SWITCH8(fimble_q8_0_rows_avx2, h, nb, s + i, bs, x, y, by, dyT)
@@ -421,11 +589,24 @@ void fimble_vec_dot_q8_0_q8_0_rows(int n, int nx, int nr, float * GGML_RESTRICT 
 
 """
 
+# Each product starts with its threads' lane-order rows forgotten (quants.c, fimble_q8_0_lanes_forget): the rows a
+# thread prepared belong to one product's src1, and the next product may quantise other rows into the same memory.
+# (ggml_compute_forward_mul_mat's chunk loop; mul_mat_id's is indented deeper.)
+FORGET_OLD = "\n    int current_chunk = ith;\n"
+FORGET_NEW = """
+#if defined(FIMBLE_Q8_0_ROWS)
+    fimble_q8_0_lanes_forget();  // fimble (engine/runtimes/ggml_patch.py)
+#endif
+    int current_chunk = ith;
+"""
+
 PATCHES: tuple[tuple[str, str, str], ...] = (
+    (SGEMM, SGEMM_DECL_OLD, SGEMM_DECL_NEW),
     (SGEMM, SGEMM_OLD, SGEMM_NEW),
     (GGML_CPU, KERNELS_BEFORE, KERNELS + KERNELS_BEFORE),
     (GGML_CPU, TMP_OLD, TMP_NEW),
     (GGML_CPU, LOOP_OLD, LOOP_NEW),
+    (GGML_CPU, FORGET_OLD, FORGET_NEW),
     (QUANTS_H, Q8_DECL_OLD, Q8_DECL_NEW),
     (QUANTS_X86, Q8_KERNEL_BEFORE, Q8_KERNEL + Q8_KERNEL_BEFORE),
 )

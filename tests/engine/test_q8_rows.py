@@ -6,8 +6,9 @@ change that alters one row's summation order fails here before any model runs; o
 runs twice, once more with FIMBLE_Q8_0_AVX2=1 (the AVX2 kernels, which CPUs without VNNI take). The model test
 decodes the default GGUF (Qwen2.5-Coder-0.5B q8_0) as 1-token steps and as blocks of every size the kernel
 splits differently (2 rows, 3-8, 9-16: one pass with VNNI, two groups without; past 16 in several of
-llama.cpp's 16-row tiles), and compares logits exactly. Skipped where the library or the default model is
-not there (the README's install steps).
+llama.cpp's 16-row tiles), and compares logits exactly. With VNNI every q8_0 product runs fimble's lane-order
+kernel, 1-token steps and prefills included (the kernel test checks that order). Skipped where the library
+or the default model is not there (the README's install steps).
 """
 
 from __future__ import annotations
@@ -76,6 +77,47 @@ def test_kernel_rows_equal_one_row_dots_bit_for_bit():
             rows_fn(n, nx, nr, got.ctypes.data, 16, x.ctypes.data, x.strides[0], y.ctypes.data, y.strides[0])
             assert np.array_equal(got[:nr, :nx].view(np.uint32), one[:nr].view(np.uint32)), (n, nr)
             assert np.isnan(got[nr:]).all() and np.isnan(got[:nr, nx:]).all()  # nothing written past its rows
+
+
+def _lanes_reference(x: np.ndarray, y: np.ndarray) -> float:
+    """The lane order in float64: lane j adds blocks j, j+8, ... (an exact integer sum times dx*dy), then
+    hsum_float_8's pairs. Not bit-exact (float64 rounds the FMAs differently), but close."""
+    isum = (x["qs"].astype(np.int64) * y["qs"].astype(np.int64)).sum(-1)
+    terms = x["d"].astype(np.float64) * y["d"].astype(np.float64) * isum
+    lanes = [terms[j::8].sum() for j in range(8)]
+    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+
+
+@pytest.mark.skipif(not _has_avx2("avx512_vnni"), reason="the lane-order kernel needs AVX-512 VNNI")
+def test_lane_kernel_rows_equal_its_one_row_products_bit_for_bit():
+    """With VNNI every q8_0 product of 1-16 rows takes the lane-order kernel, 1-token steps included: each row of
+    a pass of 2-16 equals that row alone, bit for bit, for every tail length of the last group of 8 blocks, and
+    the sums are the products' (within float rounding of the documented order)."""
+    cpu = _ggml_cpu()
+    lanes_fn, forget = cpu.fimble_vec_dot_q8_0_q8_0_lanes, cpu.fimble_q8_0_lanes_forget
+    vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    lanes_fn.argtypes = [i, i, i, vp, sz, vp, sz, vp, sz]
+    assert cpu.fimble_q8_0_lanes() == 1
+    rng = np.random.default_rng(1)
+    for n, nx in ((896, 16), (4864, 5), (32, 3), (224, 4), (288, 2), (9728, 2)):  # 7, 1, 7, 1 blocks past 8s
+        nb = n // 32
+        x, y = _blocks(rng, nx, nb), _blocks(rng, ROWS_MAX, nb)
+        one = np.zeros((ROWS_MAX, nx), np.float32)
+        for r in range(ROWS_MAX):
+            forget()  # a new product (the rows are prepared once per product and thread)
+            lanes_fn(n, nx, 1, one[r].ctypes.data, 1, x.ctypes.data, x.strides[0], y[r].ctypes.data, y.strides[0])
+        ref = np.array([[_lanes_reference(x[k], y[r]) for k in range(nx)] for r in range(ROWS_MAX)])
+        assert np.abs(one).max() > 0 and np.allclose(one, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max()), n
+        for nr in range(1, ROWS_MAX + 1):
+            forget()
+            got = np.full((ROWS_MAX, 16), np.nan, np.float32)
+            lanes_fn(n, nx, nr, got.ctypes.data, 16, x.ctypes.data, x.strides[0], y.ctypes.data, y.strides[0])
+            assert np.array_equal(got[:nr, :nx].view(np.uint32), one[:nr].view(np.uint32)), (n, nr)
+            assert np.isnan(got[nr:]).all() and np.isnan(got[:nr, nx:]).all()  # nothing written past its rows
+            # a second call of the same product (ggml's next chunk) reuses the prepared rows: same values
+            again = np.full((ROWS_MAX, 16), np.nan, np.float32)
+            lanes_fn(n, nx, nr, again.ctypes.data, 16, x.ctypes.data, x.strides[0], y.ctypes.data, y.strides[0])
+            assert np.array_equal(again[:nr, :nx].view(np.uint32), got[:nr, :nx].view(np.uint32))
 
 
 @pytest.mark.skipif(not _has_avx2("avx512_vnni"), reason="no VNNI: the test above ran the AVX2 kernels")
