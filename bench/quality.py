@@ -33,7 +33,11 @@ Variants:
           that ask for one line cap every decision at one line (as an editor's maxLines would).
 - lsp:    through a real `fimble lsp` per worker (default settings, or --lsp-settings), as an editor drives
           it: the document opened, one invoked inlineCompletion, the stream's final shown text applied
-          over [position, replaceEnd); the resulting document runs the tests (Python sets only).
+          over [position, replaceEnd); the resulting document runs the tests (Python sets only). A request
+          right after opening is the cold window's (engine/caching/cold_window.py: ~16 lines around the
+          cursor) wherever the full prompt would prefill over its budget; --lsp-full-prompt runs every
+          request on its full prompt instead, as once the pre-warm has filled the document's cache. Each
+          record says whether the cold window served it (cold) and what the engine prefilled.
 past|r: the share of shown answers that run past the middle (the whole middle, then more non-blank
 text) or re-type the suffix (retype or repLn below).
 --sweep adds every candidate in CANDIDATES: the policy with one group of contexts changed
