@@ -1,0 +1,198 @@
+"""The lane-order q8_0 kernel's C text (ggml_patch.py item 3, where it is spliced into arch/x86/quants.c):
+every q8_0 product of 1-16 rows on a CPU with AVX-512 VNNI, 1-token steps and prefills included. Kept apart so
+each patch module stays small; ggml_patch.PATCHES holds the whole text, so editing this rebuilds the library.
+"""
+
+from __future__ import annotations
+
+LANES_KERNEL = (
+    "// fimble (engine/runtimes/ggml_patch.py): q8_0 products in the lane order, on CPUs with AVX-512 VNNI (256-bit\n"
+    r"""// vectors; the build stays AVX2). ggml_vec_dot_q8_0_q8_0 sums a block's 32 products in eight float lanes and
+// FMAs them into eight accumulators: a float operation per lane per block for every activation row, which put an
+// 8-row verify pass at ~2.9x a step here. The lane order instead gives each of eight consecutive blocks one lane:
+// a block's 32 products are summed in integers (exact, in any order), so a row needs one vpdpbusd per block and
+// one convert, multiply and FMA per eight blocks. Lane j of the accumulator adds blocks j, j+8, j+16, ... in order
+// (fmaf(dx*dy, isum, acc): dx*dy is exact, two halves' product), then ggml's hsum_float_8. Every row, in a pass of
+// 1 to 16, runs exactly these operations: a verify block's rows equal 1-token steps bit for bit, and 1-token
+// steps take this kernel too (an order of fimble's own, so near-ties may resolve unlike stock llama.cpp).
+// Weights are used as unsigned (w + 128, an xor): dpbusd(w + 128, y) = w.y + 128 * sum(y), and each activation
+// row's -128 * sum(y) per block starts its integer sum.
+#define FIMBLE_LANES_T __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+
+// Eight consecutive blocks' quants transposed: lane j of c[k] holds bytes 4k..4k+3 of block j. Blocks at or past
+// m (1..8) read as zero.
+static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_transpose(
+        const block_q8_0 * GGML_RESTRICT x, const int m, __m256i c[8]) {
+    const __m256i z = _mm256_setzero_si256();
+#define FIMBLE_LD(j) (m > j ? _mm256_loadu_si256((const __m256i *) x[j].qs) : z)
+    const __m256i r0 = FIMBLE_LD(0), r1 = FIMBLE_LD(1), r2 = FIMBLE_LD(2), r3 = FIMBLE_LD(3);
+    const __m256i r4 = FIMBLE_LD(4), r5 = FIMBLE_LD(5), r6 = FIMBLE_LD(6), r7 = FIMBLE_LD(7);
+#undef FIMBLE_LD
+    const __m256i t0 = _mm256_unpacklo_epi32(r0, r1), t1 = _mm256_unpackhi_epi32(r0, r1);
+    const __m256i t2 = _mm256_unpacklo_epi32(r2, r3), t3 = _mm256_unpackhi_epi32(r2, r3);
+    const __m256i t4 = _mm256_unpacklo_epi32(r4, r5), t5 = _mm256_unpackhi_epi32(r4, r5);
+    const __m256i t6 = _mm256_unpacklo_epi32(r6, r7), t7 = _mm256_unpackhi_epi32(r6, r7);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    c[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+    c[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+    c[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+    c[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+    c[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+    c[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+    c[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+    c[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+// The eight blocks' scales as floats (zero at or past m).
+static inline __attribute__((always_inline)) FIMBLE_LANES_T __m256 fimble_lanes_scales(
+        const block_q8_0 * GGML_RESTRICT x, const int m) {
+    if (m == 8) {
+        return _mm256_cvtph_ps(_mm_setr_epi16(x[0].d, x[1].d, x[2].d, x[3].d, x[4].d, x[5].d, x[6].d, x[7].d));
+    }
+    ggml_half h[8] = {0};
+    for (int j = 0; j < m; ++j) {
+        h[j] = x[j].d;
+    }
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) h));
+}
+
+// The activation rows in lane order, per row and group of eight blocks: 256 bytes of quants (fimble_lanes_transpose),
+// eight scales and eight -128 * sum(quants). Kept per thread, grown as needed (never freed: ggml's threads persist),
+// and prepared once per product: every call of a product reads the same rows (src1 is quantised before its chunks
+// run), so the rows' key (where, how many, how long) is valid until ggml_compute_forward_mul_mat's next call
+// (fimble_q8_0_lanes_forget), where the same memory may hold other rows.
+typedef struct {
+    int8_t * q; float * d; int32_t * c; size_t cap;  // the rows
+    const char * vy; int nr, nb; size_t by;          // their key
+} fimble_lanes_rows_t;
+static __thread fimble_lanes_rows_t fimble_lanes_buf;
+
+void fimble_q8_0_lanes_forget(void) {
+    fimble_lanes_buf.vy = NULL;
+}
+
+static FIMBLE_LANES_T void fimble_lanes_prepare(const int nb, const int nr, const char * GGML_RESTRICT vy,
+                                                const size_t by) {
+    fimble_lanes_rows_t * b = &fimble_lanes_buf;
+    if (b->vy == vy && b->nr == nr && b->nb == nb && b->by == by) {
+        return;  // this product's rows, prepared by an earlier call
+    }
+    const int ng = (nb + 7) / 8;
+    const size_t groups = (size_t) nr * ng;
+    if (groups > b->cap) {
+        free(b->q); free(b->d); free(b->c);
+        b->q = aligned_alloc(32, groups * 256);
+        b->d = aligned_alloc(32, groups * 32);
+        b->c = aligned_alloc(32, groups * 32);
+        b->cap = groups;
+        if (!b->q || !b->d || !b->c) {  // (another kernel would sum in another order: no fallback)
+            GGML_ABORT("fimble: out of memory for the q8_0 lane-order rows");
+        }
+    }
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int r = 0; r < nr; ++r) {
+        const block_q8_0 * GGML_RESTRICT y = (const block_q8_0 *) (vy + r*by);
+        for (int g = 0; g < ng; ++g) {
+            const size_t at = (size_t) r*ng + g;
+            const int m = nb - 8*g < 8 ? nb - 8*g : 8;
+            __m256i c[8];
+            if (m == 8) {
+                fimble_lanes_transpose(y + 8*g, 8, c);
+            } else {
+                fimble_lanes_transpose(y + 8*g, m, c);
+            }
+            __m256i sum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; ++k) {
+                _mm256_store_si256((__m256i *) (b->q + 256*at + 32*k), c[k]);
+                sum = _mm256_dpbusd_epi32(sum, ones, c[k]);
+            }
+            _mm256_store_si256((__m256i *) (b->c + 8*at), _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                                           _mm256_slli_epi32(sum, 7)));
+            _mm256_store_ps(b->d + 8*at, fimble_lanes_scales(y + 8*g, m));
+        }
+    }
+    b->vy = vy, b->nr = nr, b->nb = nb, b->by = by;
+}
+
+static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_rows(
+        const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x) {
+    const int8_t * GGML_RESTRICT bq = fimble_lanes_buf.q;  // (locals: the loop never reads thread-local memory)
+    const float * GGML_RESTRICT bd = fimble_lanes_buf.d;
+    const int32_t * GGML_RESTRICT bc = fimble_lanes_buf.c;
+    const int ng = (nb + 7) / 8;
+    const __m256i sign = _mm256_set1_epi8((char) 0x80);
+    __m256 acc[16];
+    for (int r = 0; r < NR; ++r) {
+        acc[r] = _mm256_setzero_ps();
+    }
+    for (int g = 0; g < ng; ++g) {
+        const int m = nb - 8*g < 8 ? nb - 8*g : 8;
+        // the weights stream from memory while the rows compute: ask for them 2 KB ahead
+#pragma GCC unroll 5
+        for (int p = 0; p < 5; ++p) {
+            _mm_prefetch((const char *) (x + 8*g) + 2048 + 64*p, _MM_HINT_T0);
+        }
+        __m256i c[8];
+        __m256 dx;
+        if (m == 8) {  // (a constant for the inlined loads: no test per block)
+            fimble_lanes_transpose(x + 8*g, 8, c);
+            dx = fimble_lanes_scales(x + 8*g, 8);
+        } else {
+            fimble_lanes_transpose(x + 8*g, m, c);
+            dx = fimble_lanes_scales(x + 8*g, m);
+        }
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+            c[k] = _mm256_xor_si256(c[k], sign);
+        }
+        for (int r = 0; r < NR; ++r) {
+            const size_t at = (size_t) r*ng + g;
+            const int8_t * GGML_RESTRICT q = bq + 256*at;
+            __m256i i0 = _mm256_load_si256((const __m256i *) (bc + 8*at));
+            __m256i i1 = _mm256_setzero_si256();
+#pragma GCC unroll 4  // (unrolled, c[] stays in registers)
+            for (int k = 0; k < 8; k += 2) {
+                i0 = _mm256_dpbusd_epi32(i0, c[k], _mm256_load_si256((const __m256i *) (q + 32*k)));
+                i1 = _mm256_dpbusd_epi32(i1, c[k + 1], _mm256_load_si256((const __m256i *) (q + 32*k + 32)));
+            }
+            const __m256 d = _mm256_mul_ps(dx, _mm256_load_ps(bd + 8*at));
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; ++r) {
+        s[r*bs] = hsum_float_8(acc[r]);
+    }
+}
+
+// nx weight rows of vx (bx bytes apart) against nr (1..16) activation rows of vy (by bytes apart) in the lane order:
+// s[i + r*bs].
+static FIMBLE_LANES_T __attribute__((noinline)) void fimble_lanes_all(
+        const int nb, const int nx, const int nr, float * GGML_RESTRICT s, const size_t bs,
+        const char * GGML_RESTRICT vx, const size_t bx, const char * GGML_RESTRICT vy, const size_t by) {
+    fimble_lanes_prepare(nb, nr, vy, by);
+    for (int i = 0; i < nx; ++i) {
+        const block_q8_0 * GGML_RESTRICT x = (const block_q8_0 *) (vx + i*bx);
+        switch (nr) {
+#define FIMBLE_CASE(k) case k: fimble_lanes_rows(k, nb, s + i, bs, x); break;
+            FIMBLE_CASE(1) FIMBLE_CASE(2) FIMBLE_CASE(3) FIMBLE_CASE(4) FIMBLE_CASE(5) FIMBLE_CASE(6)
+            FIMBLE_CASE(7) FIMBLE_CASE(8) FIMBLE_CASE(9) FIMBLE_CASE(10) FIMBLE_CASE(11) FIMBLE_CASE(12)
+            FIMBLE_CASE(13) FIMBLE_CASE(14) FIMBLE_CASE(15)
+#undef FIMBLE_CASE
+            default: fimble_lanes_rows(16, nb, s + i, bs, x); break;
+        }
+    }
+}
+
+void fimble_vec_dot_q8_0_q8_0_lanes(int n, int nx, int nr, float * GGML_RESTRICT s, size_t bs,
+                                    const void * GGML_RESTRICT vx, size_t bx,
+                                    const void * GGML_RESTRICT vy, size_t by) {
+    assert(n % QK8_0 == 0 && n <= FIMBLE_Q8_0_MAX_N && nr >= 1 && nr <= FIMBLE_Q8_0_ROWS);
+    fimble_lanes_all(n / QK8_0, nx, nr, s, bs, (const char *) vx, bx, (const char *) vy, by);
+}
+
+"""
+)
