@@ -3,9 +3,10 @@ them and says why): (file, text there, its replacement). Each text must occur ex
 
 All serve one rule: for 1 to 32 rows, every f32 and f16 product (and q8_0 on AVX2) runs ggml's own
 path, whose sums are stock's 1-row sums, so a verify block's rows equal 1-token steps' bit for bit
-(fimble is lossless) and a 1-token step runs stock's kernel at stock's speed.
+(fimble is lossless) and a 1-token step runs stock's kernel at stock's speed. The one exception: q8_0 on a
+CPU with AVX-512 VNNI runs fimble's own lane order at every row count (item 3), faster, blocks still equal steps.
 1. sgemm.cpp: llamafile's tinyBLAS takes f32 and f16 products (and q8_0 on AVX2) from 33 rows only
-   (stock: from 2).
+   (stock: from 2); q8_0 never on a VNNI CPU.
 2. ggml-cpu.c: ggml's own product reads each weight row once for two rows of a block (f32 and f16) or
    three (f32), where stock reads it once per row. Each sum runs in exactly ggml_vec_dot_f32's or
    ggml_vec_dot_f16's order: the same four accumulators over the same steps, the same reduction. Only
