@@ -56,13 +56,20 @@ collect)
     ;;
 job)
     # LLAMA_SERVER_ARGS: more llama-server arguments (e.g. -bs, backend sampling); PEER_F16=0: bf16 only;
-    # PEER_TAG: a suffix for the result files; PEER_STEP=0: no single-stream step; PEER_LEVELS: the bf16 trace's levels
+    # PEER_TAG: a suffix for the result files; PEER_STEP=0: no single-stream step; PEER_LEVELS: the bf16 trace's levels;
+    # PEER_ROUNDS: the traces' rounds (2); PEER_FRESH=1: --fresh-traces (a new trace each round); PEER_AFTER=PATH: after
+    # the build and the GGUFs, wait until PATH exists before any timing (e.g. the end of GPU tests run beside this job)
     F16=${PEER_F16:-1}
     STEP=${PEER_STEP:-1}
     LEVELS=${PEER_LEVELS:-1,8,32}
     TAG=${PEER_TAG:-}
+    ROUNDS=${PEER_ROUNDS:-2}
+    AFTER=${PEER_AFTER:-}
+    FR=()
+    [ "${PEER_FRESH:-0}" = 1 ] && FR=(--fresh-traces)
     set -x
-    echo "LLAMA_SERVER_ARGS='${LLAMA_SERVER_ARGS:-}' F16=$F16 TAG=$TAG STEP=$STEP LEVELS=$LEVELS"
+    echo "LLAMA_SERVER_ARGS='${LLAMA_SERVER_ARGS:-}' F16=$F16 TAG=$TAG STEP=$STEP LEVELS=$LEVELS ROUNDS=$ROUNDS" \
+        "FRESH=${PEER_FRESH:-0} AFTER=$AFTER"
     export PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
     nproc
@@ -118,17 +125,24 @@ job)
         exit 1
     }
     $B --version 2>&1 | tail -3
+    if [ -n "$AFTER" ]; then
+        echo "waiting for $AFTER at $(($(date +%s) - t0)) s"
+        while [ ! -e "$AFTER" ]; do sleep 2; done
+        echo "$AFTER there at $(($(date +%s) - t0)) s"
+    fi
     G=(--gguf $J/r15-bf16.gguf)
     [ "$F16" = 1 ] && G+=(--gguf $J/r15-f16.gguf)
     [ "$STEP" = 1 ] && python3 -m bench.harness.llama_server_cuda --step --llama-server $B --shape 1.5B \
         "${G[@]}" --json $J/out/step$TAG.json 2>&1 | tee $J/out/step$TAG.txt
     echo "step done at $(($(date +%s) - t0)) s"
     python3 -m bench.serve_load --device cuda --shape 1.5B --levels $LEVELS --no-peer --max-tokens 128 \
-        --max-lines 0 --llama-server $B --gguf $J/r15-bf16.gguf --rounds 2 --json $J/out/serve-bf16$TAG.json 2>&1 |
+        --max-lines 0 --llama-server $B --gguf $J/r15-bf16.gguf --rounds "$ROUNDS" "${FR[@]}" \
+        --json $J/out/serve-bf16$TAG.json 2>&1 |
         tee $J/out/serve-bf16$TAG.txt
     echo "serve bf16 done at $(($(date +%s) - t0)) s"
     [ "$F16" = 1 ] && python3 -m bench.serve_load --device cuda --shape 1.5B --levels 32 --no-peer --max-tokens 128 \
-        --max-lines 0 --llama-server $B --gguf $J/r15-f16.gguf --rounds 2 --json $J/out/serve-f16.json 2>&1 |
+        --max-lines 0 --llama-server $B --gguf $J/r15-f16.gguf --rounds "$ROUNDS" "${FR[@]}" \
+        --json $J/out/serve-f16.json 2>&1 |
         tee $J/out/serve-f16.txt
     echo "serve f16 done at $(($(date +%s) - t0)) s"
     cp /tmp/llama-server-*.log $J/ 2>/dev/null
