@@ -34,11 +34,16 @@ COLD_BUDGET_S = float(os.environ.get("FIMBLE_COLD_BUDGET_S", 0.5))
 COLD_KEY = "\x00cold"  # appended to a document's key: the cold prompt's cache
 CONTEXT_KEY = "\x00ctx"  # appended next: the cache of a prompt that leads with cross-file context (cache_key)
 STAGE_KEY = "\x00stage"  # appended last: where background work fills a cache's next prompt (KVStore.staging)
-COLD_PREFIX_LINES = 12  # at least this many lines before the cursor's line ...
-COLD_STRIDE = 8  # ... and fewer than this many more: the start moves in jumps of this many lines
-COLD_PREFIX_CHARS = 1500  # long lines: fewer lines
-COLD_SUFFIX_LINES = 4
-COLD_SUFFIX_CHARS = 400
+# The window's size is what its prefill costs. It was 12-20 lines before the cursor and 4 after (caps 1,500 and 400
+# characters) when a prompt token cost ~8.5 ms at 1 thread; the q8_0 lane-order kernel made that ~4.9 ms (1.75x,
+# bench/reports/verify-rows-lanes-2026-12-05.txt), so the same wait now buys twice the lines, and the character caps
+# (which bound the wait on long lines) grow by the same 1.75x. What the small window cost in answers: through the
+# LSP the held-out cursors scored a third below the raw harness's 4,000 + 1,500 characters.
+COLD_PREFIX_LINES = 24  # at least this many lines before the cursor's line ...
+COLD_STRIDE = 16  # ... and fewer than this many more: the start moves in jumps of this many lines
+COLD_PREFIX_CHARS = 2600  # long lines: fewer lines
+COLD_SUFFIX_LINES = 8
+COLD_SUFFIX_CHARS = 700
 
 
 def cold_request(request: CompletionRequest, held: str | None = None) -> CompletionRequest | None:
@@ -47,7 +52,7 @@ def cold_request(request: CompletionRequest, held: str | None = None) -> Complet
     ``held``: the text the cold cache's prompt starts with (before its anchor). Where the prefix still holds it
     at a line start, within twice the usual length and with enough lines after it, the window starts there
     rather than on the grid: new lines then go after the anchor at a few tokens each, where a jump on the grid
-    re-evaluated the whole small prompt (~120 tokens, ~1.2 s on a 2-core CPU), and Tab-Tab's follow-up a few
+    re-evaluated the whole small prompt (~250 tokens, ~1.2 s at 1 thread on a 2-core CPU), and Tab-Tab's follow-up a few
     lines further down shares the keystrokes' prompt instead of paying for its own."""
     prefix, suffix = request.prefix, request.suffix
     lines = prefix.count("\n")  # the cursor's line, counted from the window's first

@@ -209,7 +209,7 @@ def test_an_edit_above_the_anchor_takes_the_canonical_layout(target):
 def test_a_cold_spot_answers_from_a_small_prompt_while_the_full_one_fills(target):
     from engine.caching.cold_window import COLD_KEY
 
-    text = stdlib_source(target.encode, 900)
+    text = stdlib_source(target.encode, 1500)
     cursor = text.index("\n", len(text) * 3 // 4) + 1
     prefix, suffix = text[:cursor], text[cursor:]
     eng = engine(target)
@@ -217,7 +217,7 @@ def test_a_cold_spot_answers_from_a_small_prompt_while_the_full_one_fills(target
     eng.documents.prefill_rate = 20.0  # as slow as a big model on a small CPU: a budget of 10 prompt tokens
     first = eng.complete(request(prefix + "    x", suffix))
     assert eng.counters()["cold_prompts"] == 1
-    assert first.stats["prompt_tokens"] < 300 < len(target.encode(prefix + suffix))
+    assert first.stats["prompt_tokens"] * 2 < len(target.encode(prefix + suffix))  # under half: the rule
     assert eng.store.docs.get("doc" + COLD_KEY) is not None
     eng.run_pending()  # the full prompt fills the document's own cache (a pre-warm)
     assert eng.counters()["prewarms_done"] >= 1
@@ -234,7 +234,7 @@ def test_new_lines_at_a_cold_spot_keep_the_small_prompts_start(target):
     step go after the anchor at a few tokens each, instead of re-evaluating the whole small prompt."""
     from engine.caching.cold_window import COLD_STRIDE
 
-    text = stdlib_source(target.encode, 900)
+    text = stdlib_source(target.encode, 1500)
     cursor = text.index("\n", len(text) * 3 // 4) + 1
     prefix, suffix = text[:cursor], text[cursor:]
     eng = engine(target)
@@ -252,18 +252,19 @@ def test_new_lines_at_a_cold_spot_keep_the_small_prompts_start(target):
 
 
 def test_cold_request_keeps_a_held_start_only_where_it_fits():
-    from engine.caching.cold_window import COLD_PREFIX_LINES, cold_request
+    from engine.caching.cold_window import COLD_PREFIX_LINES, COLD_STRIDE, cold_request
 
-    prefix = "".join(f"line{i}\n" for i in range(40)) + "    x"
+    prefix = "".join(f"line{i}\n" for i in range(80)) + "    x"
     at = CompletionRequest(prefix, "\nrest\n" * 10, document_id="d")
-    grid = cold_request(at)
-    assert grid.prefix.startswith("line24\n")  # (40 - 12) // 8 * 8
-    held = "line16\nline17\n"
-    assert cold_request(at, held).prefix.startswith("line16\n")
-    assert cold_request(at, "ine16\n").prefix.startswith("line24\n")  # not at a line start
-    assert cold_request(at, "missing\n").prefix.startswith("line24\n")
-    late = "".join(f"line{i}\n" for i in range(40 - COLD_PREFIX_LINES + 1, 40))
-    assert cold_request(at, late).prefix.startswith("line24\n")  # too few lines before the cursor
+    on_grid = f"line{(80 - COLD_PREFIX_LINES) // COLD_STRIDE * COLD_STRIDE}\n"
+    assert on_grid == "line48\n"  # (the numbers below assume the windows of cold_window.py)
+    assert cold_request(at).prefix.startswith(on_grid)
+    held = "line36\nline37\n"
+    assert cold_request(at, held).prefix.startswith("line36\n")
+    assert cold_request(at, "ine36\n").prefix.startswith(on_grid)  # not at a line start
+    assert cold_request(at, "missing\n").prefix.startswith(on_grid)
+    late = "".join(f"line{i}\n" for i in range(80 - COLD_PREFIX_LINES + 1, 80))
+    assert cold_request(at, late).prefix.startswith(on_grid)  # too few lines before the cursor
 
 
 def test_background_work_waits_once_the_host_goes_quiet(target, monkeypatch):
@@ -283,7 +284,7 @@ def test_background_work_waits_once_the_host_goes_quiet(target, monkeypatch):
 def test_a_prewarm_at_a_cold_spot_fills_the_small_prompt_first(target):
     from engine.caching.cold_window import COLD_KEY
 
-    text = stdlib_source(target.encode, 900)
+    text = stdlib_source(target.encode, 1500)
     cursor = text.index("\n", len(text) * 3 // 4) + 1
     prefix, suffix = text[:cursor], text[cursor:]
     eng = engine(target)
@@ -337,7 +338,7 @@ def test_the_cold_prompt_keeps_the_cross_file_context_and_borrows_its_cache(targ
     document copies them from the cache that holds them and prefills only its own small window."""
     from engine.caching.cold_window import cold_request
 
-    text = stdlib_source(target.encode, 900)
+    text = stdlib_source(target.encode, 2000)
     cursor = text.index("\n", len(text) * 3 // 4) + 1
     context = HELPER_CONTEXT
 
@@ -371,7 +372,7 @@ def test_the_cold_prompt_keeps_the_cross_file_context_and_borrows_its_cache(targ
 
 def test_context_wait_answers_without_the_context_until_the_background_fills_it(target):
     """FIMBLE_CONTEXT_WAIT (on by default): a keystroke never pays for the context's prefill."""
-    text = stdlib_source(target.encode, 900)
+    text = stdlib_source(target.encode, 2000)
     cursor = text.index("\n", len(text) * 3 // 4) + 1
     context = HELPER_CONTEXT
 
@@ -386,7 +387,7 @@ def test_context_wait_answers_without_the_context_until_the_background_fills_it(
     first = eng.complete(at("doc", text[:cursor] + "    x", text[cursor:]))
     assert eng.counters()["cold_prompts"] == 1 and first.stats["context_chunks"] == 0
     assert eng.counters()["context_deferred"] == 1
-    assert first.stats["prompt_tokens"] < 300
+    assert first.stats["prompt_tokens"] * 2 < len(target.encode(text))  # the small window, no context
     # Idle: first the prompts without the context (what the keystrokes run until it is cached: the cold one is
     # warm already, the full one fills), then the cold prompt with the context, then the full one.
     eng.run_pending()

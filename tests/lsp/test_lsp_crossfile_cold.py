@@ -49,7 +49,7 @@ def polygon_perimeter(points):
 FILLER = "".join(
     f"\n\ndef helper_{i}(values, limit={i}):\n    total = 0\n    for v in values:\n        if v > limit:\n"
     f"            total += v * {i}\n    return total\n"
-    for i in range(8)
+    for i in range(20)
 )
 BEFORE = (
     '"""Draw shapes."""\nfrom pkg.util import polygon_perimeter, scale_polygon\n'
