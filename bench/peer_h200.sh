@@ -58,7 +58,8 @@ job)
     # LLAMA_SERVER_ARGS: more llama-server arguments (e.g. -bs, backend sampling); PEER_F16=0: bf16 only;
     # PEER_TAG: a suffix for the result files; PEER_STEP=0: no single-stream step; PEER_LEVELS: the bf16 trace's levels;
     # PEER_ROUNDS: the traces' rounds (2); PEER_FRESH=1: --fresh-traces (a new trace each round); PEER_AFTER=PATH: after
-    # the build and the GGUFs, wait until PATH exists before any timing (e.g. the end of GPU tests run beside this job)
+    # the build and the GGUFs, wait until PATH exists before any timing (e.g. the end of GPU tests run beside this job),
+    # at most PEER_AFTER_S seconds (1500)
     F16=${PEER_F16:-1}
     STEP=${PEER_STEP:-1}
     LEVELS=${PEER_LEVELS:-1,8,32}
@@ -127,7 +128,12 @@ job)
     $B --version 2>&1 | tail -3
     if [ -n "$AFTER" ]; then
         echo "waiting for $AFTER at $(($(date +%s) - t0)) s"
-        while [ ! -e "$AFTER" ]; do sleep 2; done
+        until_s=$(($(date +%s) + ${PEER_AFTER_S:-1500})) # bounded: a job whose tests died does not wait forever
+        while [ ! -e "$AFTER" ] && [ "$(date +%s)" -lt $until_s ]; do sleep 2; done
+        [ -e "$AFTER" ] || {
+            echo "$AFTER never came (PEER_AFTER_S ${PEER_AFTER_S:-1500} s): no timing"
+            exit 1
+        }
         echo "$AFTER there at $(($(date +%s) - t0)) s"
     fi
     G=(--gguf $J/r15-bf16.gguf)
