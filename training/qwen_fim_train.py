@@ -250,10 +250,29 @@ def pack(samples: list, seq: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
     if x:
         rows_x.append(x + [pad] * (seq + 1 - len(x)))
         rows_y.append(y + [-100] * (seq + 1 - len(y)))
-    xs = np.asarray(rows_x, dtype=np.int32)
-    ys = np.asarray(rows_y, dtype=np.int32)
+    xs = np.asarray(rows_x, dtype=np.int32).reshape(-1, seq + 1)  # (0, seq + 1) when nothing fits
+    ys = np.asarray(rows_y, dtype=np.int32).reshape(-1, seq + 1)
     # Position t predicts token t+1: inputs [:, :-1], labels [:, 1:].
     return xs[:, :-1], ys[:, 1:]
+
+
+def _load_init(wrapped: dict, folder: Path, rank: int, alpha: float) -> dict:
+    """Fill the wrapped layers' A and B from an exported adapter (GGUF tensor names); returns its meta."""
+    import torch
+    from safetensors.torch import load_file
+
+    from training.qwen_fim import ADAPTER_FILE, ADAPTER_META, gguf_name
+
+    meta = json.loads((folder / ADAPTER_META).read_text())
+    if int(meta["rank"]) != rank or float(meta["alpha"]) != alpha:
+        raise SystemExit(f"qwen_fim_train: --init-adapter has rank {meta['rank']} alpha {meta['alpha']}; pass the same")
+    tensors = load_file(str(folder / ADAPTER_FILE))
+    with torch.no_grad():
+        for name, m in wrapped.items():
+            g = gguf_name(name)
+            m.lora_a.copy_(tensors[f"{g}.lora_a"].float())
+            m.lora_b.copy_(tensors[f"{g}.lora_b"].float())
+    return meta
 
 
 # -- the model ------------------------------------------------------------------------------------------
@@ -338,6 +357,25 @@ def main() -> None:
     ap.add_argument("--max-chars", type=float, default=120e6, help="training text, all languages")
     ap.add_argument("--procs", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--checkpoint-seconds", type=float, default=150)
+    ap.add_argument(
+        "--langs",
+        type=Path,
+        action="append",
+        default=[],
+        help="more files: bundles in training/corpus_langs.py's format (held_out rows: per-language loss only)",
+    )
+    ap.add_argument(
+        "--init-adapter",
+        type=Path,
+        help="continue from a trained adapter (training/qwen_fim.py's format, GGUF tensor names, same rank)",
+    )
+    ap.add_argument(
+        "--exclude",
+        type=Path,
+        action="append",
+        default=[],
+        help="held-out cursor bundles (training/corpus_langs.py's format): no training file may equal one of theirs",
+    )
     args = ap.parse_args()
 
     import torch
@@ -357,7 +395,32 @@ def main() -> None:
     with lzma.open(args.out / "heldout.jsonl.xz", "wt", encoding="utf-8") as f:
         for lang, path, text in held:
             f.write(json.dumps({"lang": lang, "path": path, "text": text, "held_out": True}) + "\n")
+    if args.exclude:
+        # The GPU machine's packages may have changed since the held-out cursors were cut from its corpus:
+        # a file the bench scores is never trained on, whatever split the corpus makes today.
+        from training.corpus import normalized_hash
+        from training.corpus_langs import read_parts
+
+        scored = {normalized_hash(r["text"]) for folder in args.exclude for r in read_parts(folder)}
+        kept = [row for row in train if normalized_hash(row[2]) not in scored]
+        corpus["dropped_scored_copies"] = len(train) - len(kept)
+        train = kept
+        log(f"{corpus['dropped_scored_copies']} training files equal a held-out cursor's file: dropped")
     files = [(p, t) for _lang, p, t in train]
+    extra_held: dict[str, list[tuple[str, str]]] = {}
+    if args.langs:
+        from training.corpus_langs import read_parts
+
+        extra = [r for folder in args.langs for r in read_parts(folder)]
+        files += [(r["path"], r["text"]) for r in extra if not r["held_out"]]
+        for r in extra:
+            if r["held_out"]:
+                extra_held.setdefault(r["lang"], []).append((r["path"], r["text"]))
+        corpus["extra_train_files"] = {
+            lang: sum(1 for r in extra if r["lang"] == lang and not r["held_out"])
+            for lang in {r["lang"] for r in extra}
+        }
+        log(f"extra files: {json.dumps(corpus['extra_train_files'])}")
     random.Random(args.seed).shuffle(files)
     samples = build_samples(args.gguf, files, args.seed, args.per_file, args.procs)
     kinds = {k: sum(1 for s in samples if s[2] == k) for k in KINDS}
@@ -367,6 +430,10 @@ def main() -> None:
     pad = prompt_model(args.gguf).token_id(EOT)
     xs, ys = pack(samples, args.seq_len, pad)
     hx, hy = pack(held_samples, args.seq_len, pad)
+    extra_sets = {
+        lang: pack(build_samples(args.gguf, fs, args.seed + 7, 2, args.procs), args.seq_len, pad)
+        for lang, fs in sorted(extra_held.items())
+    }
     n_target = int((ys != -100).sum())
     log(
         f"{len(samples)} samples {kinds}, {xs.shape[0]} rows of {args.seq_len}, {n_target} target tokens; "
@@ -378,18 +445,35 @@ def main() -> None:
     hx_t, hy_t = torch.from_numpy(hx).to(device), torch.from_numpy(hy).to(device)
 
     @torch.no_grad()
-    def held_loss() -> float:
+    def held_loss(x_t=None, y_t=None) -> float:
+        x_t, y_t = (hx_t, hy_t) if x_t is None else (x_t, y_t)
         model.eval()
         losses = []
-        for k in range(0, min(len(hx_t), 64), 8):
+        for k in range(0, min(len(x_t), 64), 8):
             with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-                losses.append(masked_loss(model, hx_t[k : k + 8].long(), hy_t[k : k + 8]).item())
+                losses.append(masked_loss(model, x_t[k : k + 8].long(), y_t[k : k + 8]).item())
         model.train()
         return float(np.mean(losses)) if losses else float("nan")
 
+    extra_t = {
+        lang: (torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)) for lang, (x, y) in extra_sets.items()
+    }
+
+    def held_losses() -> dict[str, float]:
+        """The device corpus's held-out loss, then each extra language's."""
+        out = {"device": round(held_loss(), 4)}
+        out.update({lang: round(held_loss(x, y), 4) for lang, (x, y) in extra_t.items()})
+        return out
+
     base_held = held_loss()
-    log(f"held-out target loss, base: {base_held:.4f}")
+    base_by_lang = held_losses()
+    log(f"held-out target loss, base: {json.dumps(base_by_lang)}")
     wrapped = lora.attach(model, args.rank, args.alpha)
+    init_by_lang = None
+    if args.init_adapter:
+        init_meta = _load_init(wrapped, args.init_adapter, args.rank, args.alpha)
+        init_by_lang = held_losses()
+        log(f"from {args.init_adapter} ({init_meta.get('steps')} steps): held-out loss {json.dumps(init_by_lang)}")
     params = [p for m in wrapped.values() for p in (m.lora_a, m.lora_b)]
     log(f"adapters on {len(wrapped)} linear layers, rank {args.rank}: {sum(p.numel() for p in params) / 1e6:.2f}M")
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
@@ -401,6 +485,8 @@ def main() -> None:
         "seed": args.seed,
         "targets": list(lora.TARGETS),
     }
+    if args.init_adapter:
+        meta["continued_from"] = {k: init_meta.get(k) for k in ("steps", "tokens_seen", "rank", "seed")}
     total, step, cursor, tokens_seen = args.steps, 0, 0, 0
     start = last_print = last_ckpt = time.time()
     curve = []
@@ -451,6 +537,7 @@ def main() -> None:
             export(wrapped, args.rank, args.alpha, args.out / "checkpoint", {**meta, "steps": step})
     train_s = time.time() - start
     tuned_held = held_loss()
+    tuned_by_lang = held_losses()
     export(wrapped, args.rank, args.alpha, args.out / "adapter", {**meta, "steps": step, "tokens_seen": tokens_seen})
     report = {
         "corpus": corpus,
@@ -465,6 +552,7 @@ def main() -> None:
         "train_seconds": train_s,
         "held_out_target_loss_base": base_held,
         "held_out_target_loss_tuned": tuned_held,
+        "held_out_loss_by_lang": {"base": base_by_lang, "init": init_by_lang, "tuned": tuned_by_lang},
         "loss_curve": curve,
         "args": {k: str(v) for k, v in vars(args).items()},
     }
