@@ -880,8 +880,14 @@ async def _lsp_complete(p: Problem) -> tuple[str, int, int, str | None]:
     if items:
         rng = items[0].get("range", {})
         text, start, end = items[0]["insertText"], rng.get("start"), rng.get("end")
+    # The stream's end carries the final shaped text. Every request gets one done (lsp_server/PROTOCOL.md), and
+    # one answered without a decode (a language the model does not complete: finishReason "disabled", nothing to
+    # complete, no model) gets it before its response, so it is here already. An empty or error response with no
+    # done yet ends the wait too: a server from before that rule sent none (120 s a cursor made a 32-language run
+    # look hung), and this one sends it later only for a decode past its request budget with no text. A non-empty
+    # answer waits for its decode's end, 120 s at most (a safety net).
     t0 = time.time()
-    while req_id not in deltas and time.time() - t0 < 120:  # the stream's end: the final shaped text
+    while req_id not in deltas and items and time.time() - t0 < 120:
         await asyncio.sleep(0.01)
     done = deltas.pop(req_id, None)
     if done is not None:  # as the VS Code extension applies it: [replaceStart or position, replaceEnd)

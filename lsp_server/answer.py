@@ -46,6 +46,11 @@ class RequestInfo:
     t0: float
     invoked: bool = False  # explicitly asked for: skip the debounce
     encoding: str = "utf-16"  # the session's position encoding (units of ``position`` and deltas' replaceEnd)
+    # Streaming: every request gets exactly one ``done`` delta (PROTOCOL.md). ``streamed``: a subscription
+    # (lsp_server/streaming.py) was made for it and sends that ``done``. Else FimbleServer.answer sends one
+    # with empty text when the request ends, ``no_decode`` its finishReason (set where the request stops).
+    streamed: bool = False
+    no_decode: str = "empty"
 
 
 def early_text(rem: str, done: bool, past_deadline: bool) -> str | None:

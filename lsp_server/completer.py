@@ -52,6 +52,23 @@ log = logging.getLogger(__name__)
 PREFETCH_MIN_GAP_S = 0.02
 
 
+async def debounce(
+    doc: Document, ctx: Context, settings: Settings, req: RequestInfo, seq: int, seqs: dict[str, int], stats: Stats
+) -> bool:
+    """Wait ``debounceMs`` before an automatic request's decode; whether it goes on then. ``seq``: the request's
+    number in its document, ``seqs``: each document's latest. One that a newer request or an edit overtook
+    meanwhile is dropped, and ``req.no_decode`` says which (PROTOCOL.md, completionDelta)."""
+    if not settings.debounce_ms or req.invoked:
+        return True
+    await asyncio.sleep(settings.debounce_ms / 1e3)
+    latest = seqs.get(doc.uri)  # (None: the document was closed meanwhile)
+    if latest == seq and doc.version == ctx.version:
+        return True
+    stats.count("debounced")
+    req.no_decode = "closed" if latest is None else "superseded" if latest != seq else "stale"
+    return False
+
+
 class Completer:
     def __init__(
         self,
@@ -136,13 +153,11 @@ class Completer:
         if hit is not None:
             gen, offset, cached, instant = hit
         else:
+            # (A return before ``subscribe`` sets ``req.no_decode``, its done delta's finishReason, unless "empty".)
             if not ctx.prefix.strip() and not ctx.suffix.strip():
                 return None  # nothing to complete from
-            if settings.debounce_ms and not req.invoked:
-                await asyncio.sleep(settings.debounce_ms / 1e3)
-                if self._seq.get(doc.uri) != seq or doc.version != ctx.version:
-                    self.stats.count("debounced")
-                    return None
+            if not await debounce(doc, ctx, settings, req, seq, self._seq, self.stats):
+                return None
             t_plan = time.perf_counter()
             ls = at_start
             try:
@@ -154,6 +169,7 @@ class Completer:
             build_ms += (time.perf_counter() - t_plan) * 1e3
             gen = await self.decodes.start(ls.ctx if ls else ctx, settings, req.t0, build_ms, plan)  # submit
             if gen is None:
+                req.no_decode = "unavailable"  # no engine (the model did not load)
                 return None
             offset, cached, instant = 0, False, False
         completion_id = self.telemetry.new_id()
@@ -172,6 +188,7 @@ class Completer:
                 replace_end=stage.delta_replace_end(doc, ctx, gen, offset, req.position, req.encoding),
                 indent=ls.indent if ls else "",
             )
+            req.streamed = True  # the subscription sends the request's one done delta (not FimbleServer.answer)
             self.streamer.subscribe(sub)
         text = await self._wait(doc, ctx, gen, offset, settings, req, sub, ls)
         answer = self._finish(doc, ctx, gen, offset, text, completion_id, cached, req, ls)  # finish

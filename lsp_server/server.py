@@ -92,8 +92,11 @@ class FimbleServer(LanguageServer):
         return value if value in ENCODINGS else UTF16
 
     # -- helpers for handlers ----------------------------------------------------------------
-    def cursor(self, uri: str, pos: types.Position) -> tuple[Document, tuple[int, int]] | None:
-        """The open document and the code-point cursor, or None (unknown URI, line past the end).
+    def cursor(
+        self, uri: str, pos: types.Position, req: RequestInfo | None = None
+    ) -> tuple[Document, tuple[int, int]] | None:
+        """The open document and the code-point cursor, or None (unknown URI, line past the end, a
+        language not enabled: then ``req.no_decode`` says ``disabled``).
 
         A column inside a character is a client bug we can name: InvalidParams.
         """
@@ -102,6 +105,8 @@ class FimbleServer(LanguageServer):
             return None
         if not self.settings.enabled_for(doc.language_id):
             self.stats.count("language_disabled")
+            if req is not None:
+                req.no_decode = "disabled"
             if doc.language_id not in self._skipped_languages:
                 self._skipped_languages.add(doc.language_id)
                 log.info(
@@ -271,23 +276,48 @@ class FimbleServer(LanguageServer):
     async def answer(
         self, uri: str, pos: types.Position, token: Any, invoked: bool, *, stream: bool
     ) -> tuple[Document, Answer] | None:
-        t0 = time.perf_counter()
-        target = self.cursor(uri, pos)
-        if target is None:
-            return None
-        doc, cursor = target
+        """A completion request's answer (None: nothing to show).
+
+        With ``stream``, the request gets exactly one ``done`` delta (PROTOCOL.md), whichever way it ends.
+        A request the Completer subscribed gets it from its subscription (lsp_server/streaming.py); every
+        other one (a disabled language, nothing to complete, debounced, no model, cancelled or failed before
+        its decode started) gets it here, with empty text, when it ends: one place for every early return,
+        so a client waiting for the ``done`` (bench/quality.py, the editors) never waits in vain."""
         req = RequestInfo(
             self.protocol.msg_id,
             token,
             {"line": pos.line, "character": pos.character},
-            t0,
+            time.perf_counter(),
             invoked,
             encoding=self.encoding,
         )
+        seen = self.docs.get(uri)
+        version = seen.version if seen is not None else None  # the version the request saw
+        try:
+            return await self._answer(uri, pos, req, stream=stream)
+        except asyncio.CancelledError:
+            req.no_decode = "cancelled"
+            raise
+        except Exception:
+            req.no_decode = "error"
+            raise
+        finally:
+            if stream and not req.streamed:
+                self.completer.streamer.end_without_decode(
+                    req.request_id, token, uri, version, req.position, req.no_decode
+                )
+
+    async def _answer(
+        self, uri: str, pos: types.Position, req: RequestInfo, *, stream: bool
+    ) -> tuple[Document, Answer] | None:
+        target = self.cursor(uri, pos, req)
+        if target is None:
+            return None
+        doc, cursor = target
         answer = await self.completer.complete(doc, cursor, self.settings, req, stream=stream)
         self.model.report_engine_error()
         if answer is not None and self.model.first_latency_ms is None and self.host.state == "ready":
-            self.model.first_latency_ms = round((time.perf_counter() - t0) * 1e3)
+            self.model.first_latency_ms = round((time.perf_counter() - req.t0) * 1e3)
             self.publish_status()
         return None if answer is None else (doc, answer)
 

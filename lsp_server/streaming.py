@@ -4,6 +4,11 @@ A subscription ties one request to one generation at an offset (the characters t
 had already typed through). It is valid for one document version: any edit of the
 document ends it, so a delta never applies to text the client no longer has. Every
 subscription ends with exactly one notification that has ``done: true``.
+
+A request that got no subscription (answered without a decode: its language is off, nothing to
+complete, cancelled or failed before the decode started) gets its one ``done`` from
+``end_without_decode``, sent by FimbleServer.answer when the request ends: so every streaming
+request gets exactly one (PROTOCOL.md), and a client that waits for it never waits in vain.
 """
 
 from __future__ import annotations
@@ -75,6 +80,27 @@ class DeltaStreamer:
         # Ended early (edit, newer request, cancel): repeat what the client has, add nothing.
         upto = None if sub.gen.done and reason == sub.gen.finish_reason else sub.offset + max(sub.sent, 0)
         self._send(sub, sub.gen.text[sub.offset : upto], True, reason)
+
+    def end_without_decode(
+        self, request_id: Any, token: Any, uri: str, version: int | None, position: dict, reason: str
+    ) -> None:
+        """The ``done`` delta of a request no subscription was made for: empty text, ``reason`` why."""
+        self._notify(
+            METHOD,
+            {
+                "requestId": request_id,
+                "token": token,
+                "completionId": None,
+                "uri": uri,
+                "version": version,
+                "position": position,
+                "text": "",
+                "done": True,
+                "finishReason": reason,
+                "cached": False,
+                "replaceEnd": position,
+            },
+        )
 
     def end_document(self, uri: str, reason: str) -> None:
         for sub in list(self._by_uri.get(uri, ())):
