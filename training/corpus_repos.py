@@ -116,13 +116,15 @@ def build(mirror_root: Path, excluded: set[str], seed: int) -> tuple[list[dict],
     seen: set[str] = set()
     counts: dict = {"dropped_held_out_copy": 0, "dropped_duplicate": 0, "dropped_size_or_generated": 0}
     by_lang: dict[str, list[dict]] = {lang: [] for lang in CAPS}
-    licences = {}
+    licences = {}  # repository -> "licence @ commit"
     for repo, licence in REPOS.items():
         if "skipped" in licence:
             licences[repo] = licence
             continue
-        licences[repo] = licence
-        files = repo_files(_git_dir(mirror_root, repo))
+        git_dir = _git_dir(mirror_root, repo)
+        head = subprocess.run(["git", f"--git-dir={git_dir}", "rev-parse", "HEAD"], capture_output=True, text=True)
+        licences[repo] = f"{licence} @ {head.stdout.strip()}"
+        files = repo_files(git_dir)
         dockerfiles = []
         for path, text in files:
             lang = language(path)
