@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 ADAPTER_DIR = REPO / "models" / "qwen2.5-coder-0.5b-fim"
 ADAPTER_FILE, ADAPTER_META = "adapter.safetensors", "adapter.json"
 # The shipped adapter's digest: a changed or truncated file is refused before anything is written.
-ADAPTER_SHA256 = "ac85d1bc26d1074caa48a1b1419e5fb2d831313ec661e24e13005724010d9e7d"
+ADAPTER_SHA256 = "77b0382de8089d2db78db02d53c1a137ac4666df0bc1dd0cf276e984a7afc7c9"
 FIM_OUT_NAME = "qwen2.5-coder-0.5b-fim-q8_0.gguf"
 # Hugging Face projection name -> GGUF tensor name inside ``blk.N.``.
 HF_TO_GGUF = {
