@@ -395,7 +395,11 @@ def run_daemon(engine: Any, options: ServeOptions, announce=print) -> int:
     )
 
     def stop(_signum: int, _frame: Any) -> None:
-        engine.close()
+        # Not engine.close() here: the handler runs in this thread, between two bytecodes of whatever it was doing,
+        # and the decode loop waits in queue.Queue.get, which holds the queue's (non-reentrant) lock around its
+        # wait. close() puts on that queue: called here at such a moment it waited for itself, forever (a SIGTERM
+        # that `fimble serve` ignored, seen once in the suite). From another thread it waits for the loop's get.
+        threading.Thread(target=engine.close, name="fimble-stop", daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
