@@ -16,17 +16,17 @@ products through llamafile's tinyBLAS. The two sum in different orders, so logit
   stock's 1-row path, up to 32 rows; tinyBLAS from 33, as stock. So a 1-token step runs exactly
   stock's kernels at stock's speed, and every row of a 2-32-row block runs the same sum as a step.
   Prefill passes of 33+ rows run stock's tinyBLAS (the runtime lengthens a shorter last prefill
-  pass to 33), so fimble's greedy output equals llama.cpp's (q8_0 on a VNNI CPU aside: below).
+  pass to 33), so fimble's greedy output equals llama.cpp's (q8_0 aside: below).
 - ggml's own path reads each weight row once for two or three rows of a block (stock: once per row),
   each sum in ggml_vec_dot_f32's (f16: ggml_vec_dot_f16's) exact order: blocks cost less, so
   speculation pays more.
 - q8_0 weights: stock's gemv and tinyBLAS already agree bit for bit, but tinyBLAS's tiles cost about
-  0.8 of a step per extra row. On AVX2 ggml's own path reads each weight block once for up to 16 rows
-  of a block, each sum in ggml_vec_dot_q8_0_q8_0's exact order, for 2 to 32 rows; tinyBLAS from 33, as
-  for f32. Where the CPU has AVX-512 VNNI (chosen at run time), every q8_0 product, 1-token steps and
-  prefills included, runs fimble's lane-order kernel instead (ggml_patch.py, item 3): faster steps, rows
-  and prefills, every row equal to a step's, but sums in an order of fimble's own, not stock's
-  (bench/verify_rows.py has the figures).
+  0.8 of a step per extra row. On every x86 CPU with AVX2, every q8_0 product, 1-token steps and
+  prefills included, runs fimble's lane-order kernel (ggml_patch.py, item 3; AVX-512 VNNI's where the
+  CPU has it, chosen at run time, else AVX2's, and the two agree bit for bit): faster steps, rows and
+  prefills, every row equal to a step's, but sums in an order of fimble's own, not stock's
+  (bench/verify_rows.py has the figures). FIMBLE_Q8_0_AVX2=1 restores stock's order: ggml's own path
+  reading each weight block once for up to 16 rows, each sum in ggml_vec_dot_q8_0_q8_0's exact order.
 - Flash attention stays off, as llama-cpp-python runs it: with it on, a 1-token step costs ~12% more
   and each verify row ~50% more here (the kernel is per row), so speculation stops paying.
 Measured on this 2-core AVX2 CPU, 1 thread, embedded target f32, 900 cached positions (ms for 1 / 2 /

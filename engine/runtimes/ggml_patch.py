@@ -1,12 +1,12 @@
 """The edits fimble makes to llama.cpp's source before building it (engine/runtimes/ggml_build.py applies
 them and says why): (file, text there, its replacement). Each text must occur exactly once.
 
-All serve one rule: for 1 to 32 rows, every f32 and f16 product (and q8_0 on AVX2) runs ggml's own
-path, whose sums are stock's 1-row sums, so a verify block's rows equal 1-token steps' bit for bit
-(fimble is lossless) and a 1-token step runs stock's kernel at stock's speed. The one exception: q8_0 on a
-CPU with AVX-512 VNNI runs fimble's own lane order at every row count (item 3), faster, blocks still equal steps.
-1. sgemm.cpp: llamafile's tinyBLAS takes f32 and f16 products (and q8_0 on AVX2) from 33 rows only
-   (stock: from 2); q8_0 never on a VNNI CPU.
+All serve one rule: for 1 to 32 rows, every f32 and f16 product runs ggml's own path, whose sums are
+stock's 1-row sums, so a verify block's rows equal 1-token steps' bit for bit (fimble is lossless) and a
+1-token step runs stock's kernel at stock's speed. The one exception: q8_0 on an x86 CPU with AVX2 runs
+fimble's own lane order at every row count (item 3), faster, blocks still equal steps.
+1. sgemm.cpp: llamafile's tinyBLAS takes f32 and f16 products from 33 rows only (stock: from 2); q8_0
+   never where a lane kernel runs (FIMBLE_Q8_0_AVX2=1: from 33).
 2. ggml-cpu.c: ggml's own product reads each weight row once for two rows of a block (f32 and f16) or
    three (f32), where stock reads it once per row. Each sum runs in exactly ggml_vec_dot_f32's or
    ggml_vec_dot_f16's order: the same four accumulators over the same steps, the same reduction. Only
@@ -14,21 +14,23 @@ CPU with AVX-512 VNNI runs fimble's own lane order at every row count (item 3), 
    differently), and only where ggml's generic SIMD code is the vec_dot (not SVE or RISC-V vectors).
 3. quants.h, arch/x86/quants.c, ggml-cpu.c: q8_0 weights against the q8_0 rows ggml quantises the
    activations to.
-   - Where the CPU has AVX-512 VNNI (checked at run time; the build stays AVX2), every such product, 1-token
-     steps and prefills included (tinyBLAS declines q8_0 there), takes fimble_vec_dot_q8_0_q8_0_lanes, 16 rows
-     at a time: fimble's lane order, where each of
+   - On every AVX2 CPU, every such product, 1-token steps and prefills included (tinyBLAS declines q8_0),
+     takes fimble_vec_dot_q8_0_q8_0_lanes, 16 rows at a time: with AVX-512 VNNI (checked at run time; the
+     build stays AVX2) ggml_patch_lanes.py's kernel, else ggml_patch_lanes_avx2.py's (the same sums and
+     float operations by AVX2's instructions: the two agree bit for bit). fimble's lane order, where each of
      eight consecutive blocks owns one float lane and a block's 32 products are summed in integers (exact), so
      a row costs one vpdpbusd per block and one convert, multiply and FMA per eight blocks (stock: a float FMA
      per block and lane). Every row runs the same operations whatever the pass's size, so blocks equal steps
      bit for bit, and a prefill's q8_0 sums are a step's too (as stock's gemv and tinyBLAS agree; attention's
      kernels still differ between prefills and steps, as in llama.cpp). Its sums are not stock's:
      fimble's greedy output can differ from stock llama.cpp's where two logits nearly tie (llama.cpp through
-     this library, llama-cpp-python, runs the same kernel). Measured at 1 thread
+     this library, llama-cpp-python, runs the same kernel). Measured at 1 thread with VNNI
      (bench/reports/verify-rows-lanes-2026-12-05.txt): a 1-token step 23% faster (13% at 2 threads), 4 and 8
      rows 25% and 31% faster than the exact-stock-order kernel before it, a 1,024-token prefill 1.9x faster
-     than tinyBLAS.
-   - Elsewhere on AVX2, fimble_vec_dot_q8_0_q8_0_rows takes 2 to 16 rows of a block at once: each weight block
-     is loaded once for every row, and each row's sum is ggml_vec_dot_q8_0_q8_0's AVX2 loop (the same scale
+     than tinyBLAS; on AVX2 alone (bench/reports/verify-rows-lanes-avx2-2026-12-05.txt) a step ~20% faster.
+   - With FIMBLE_Q8_0_AVX2=1 (stock's order), fimble_vec_dot_q8_0_q8_0_rows takes 2 to 16 rows of a block at
+     once: each weight block is loaded once for every row, and each row's sum is ggml_vec_dot_q8_0_q8_0's AVX2
+     loop (the same scale
      product, the same integer lane sums, one FMA a block in order, the same reduction); 1-token steps run
      stock's loop. tinyBLAS's q8_0 tiles (4 weight rows x 2 activation rows) also equal vec_dot bit for bit,
      but cost about 0.8 of a step per extra row here (the probe before this kernel: 2/4/8/16 rows
@@ -38,6 +40,7 @@ CPU with AVX-512 VNNI runs fimble's own lane order at every row count (item 3), 
 from __future__ import annotations
 
 from engine.runtimes.ggml_patch_lanes import LANES_KERNEL
+from engine.runtimes.ggml_patch_lanes_avx2 import LANES_AVX2_KERNEL
 
 SGEMM = "vendor/llama.cpp/ggml/src/ggml-cpu/llamafile/sgemm.cpp"
 GGML_CPU = "vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.c"
@@ -312,9 +315,10 @@ static inline __attribute__((always_inline)) void fimble_q8_0_rows_avx2(
 """
 # (here: the lane-order kernel, engine/runtimes/ggml_patch_lanes.py)
 Q8_KERNEL_TAIL = (
-    "// Whether this CPU takes the lane-order kernel for every q8_0 product of 1 to 16 rows (FIMBLE_Q8_0_AVX2=1 keeps\n"
-    r"""// ggml's own 1-row loop and the AVX2 rows kernel, to test them here). Not in a build with AVX-VNNI-INT8, whose
-// 1-row loop the AVX2 rows kernel would have to follow.
+    "// Which lane-order kernel this CPU takes for every q8_0 product of 1 to 16 rows: 2 with AVX-512 VNNI, 1 on\n"
+    r"""// AVX2, 0 for none (FIMBLE_Q8_0_AVX2=1: ggml's own 1-row loop and the AVX2 rows kernel; FIMBLE_Q8_0_LANES=avx2:
+// the AVX2 lane kernel on a VNNI CPU; both to test them there). None in a build with AVX-VNNI-INT8, whose 1-row
+// loop the AVX2 rows kernel would have to follow.
 int fimble_q8_0_lanes(void) {
 #if __AVXVNNIINT8__
     return 0;
@@ -324,8 +328,10 @@ int fimble_q8_0_lanes(void) {
     if (v < 0) {
         const char * avx2 = getenv("FIMBLE_Q8_0_AVX2");
         __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f") && !(avx2 && avx2[0] == '1');
+        const int vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
+        const char * lanes = getenv("FIMBLE_Q8_0_LANES");
+        v = avx2 && avx2[0] == '1' ? 0 : vnni && !(lanes && strcmp(lanes, "avx2") == 0) ? 2 : 1;
         __atomic_store_n(&known, v, __ATOMIC_RELAXED);
     }
     return v;
@@ -407,7 +413,7 @@ void fimble_vec_dot_q8_0_q8_0_rows(int n, int nx, int nr, float * GGML_RESTRICT 
 
 """
 )
-Q8_KERNEL = Q8_KERNEL_HEAD + LANES_KERNEL + Q8_KERNEL_TAIL
+Q8_KERNEL = Q8_KERNEL_HEAD + LANES_KERNEL + LANES_AVX2_KERNEL + Q8_KERNEL_TAIL
 
 # Each product starts with its threads' lane-order rows forgotten (quants.c, fimble_q8_0_lanes_forget): the rows a
 # thread prepared belong to one product's src1, and the next product may quantise other rows into the same memory.

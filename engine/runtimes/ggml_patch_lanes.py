@@ -21,7 +21,8 @@ LANES_KERNEL = (
 
 // Eight consecutive blocks' quants transposed: lane j of c[k] holds bytes 4k..4k+3 of block j. Blocks at or past
 // m (1..8) read as zero.
-static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_transpose(
+// (These two helpers are plain AVX2, inlined into the AVX2 lane kernel too: ggml_patch_lanes_avx2.py.)
+static inline __attribute__((always_inline)) void fimble_lanes_transpose(
         const block_q8_0 * GGML_RESTRICT x, const int m, __m256i c[8]) {
     const __m256i z = _mm256_setzero_si256();
 #define FIMBLE_LD(j) (m > j ? _mm256_loadu_si256((const __m256i *) x[j].qs) : z)
@@ -47,7 +48,7 @@ static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_tr
 }
 
 // The eight blocks' scales as floats (zero at or past m).
-static inline __attribute__((always_inline)) FIMBLE_LANES_T __m256 fimble_lanes_scales(
+static inline __attribute__((always_inline)) __m256 fimble_lanes_scales(
         const block_q8_0 * GGML_RESTRICT x, const int m) {
     if (m == 8) {
         return _mm256_cvtph_ps(_mm_setr_epi16(x[0].d, x[1].d, x[2].d, x[3].d, x[4].d, x[5].d, x[6].d, x[7].d));
@@ -74,14 +75,8 @@ void fimble_q8_0_lanes_forget(void) {
     fimble_lanes_buf.vy = NULL;
 }
 
-static FIMBLE_LANES_T void fimble_lanes_prepare(const int nb, const int nr, const char * GGML_RESTRICT vy,
-                                                const size_t by) {
-    fimble_lanes_rows_t * b = &fimble_lanes_buf;
-    if (b->vy == vy && b->nr == nr && b->nb == nb && b->by == by) {
-        return;  // this product's rows, prepared by an earlier call
-    }
-    const int ng = (nb + 7) / 8;
-    const size_t groups = (size_t) nr * ng;
+// Room for `groups` groups of eight blocks of rows in b.
+static void fimble_lanes_reserve(fimble_lanes_rows_t * b, const size_t groups) {
     if (groups > b->cap) {
         free(b->q); free(b->d); free(b->c);
         b->q = aligned_alloc(32, groups * 256);
@@ -92,6 +87,16 @@ static FIMBLE_LANES_T void fimble_lanes_prepare(const int nb, const int nr, cons
             GGML_ABORT("fimble: out of memory for the q8_0 lane-order rows");
         }
     }
+}
+
+static FIMBLE_LANES_T void fimble_lanes_prepare(const int nb, const int nr, const char * GGML_RESTRICT vy,
+                                                const size_t by) {
+    fimble_lanes_rows_t * b = &fimble_lanes_buf;
+    if (b->vy == vy && b->nr == nr && b->nb == nb && b->by == by) {
+        return;  // this product's rows, prepared by an earlier call
+    }
+    const int ng = (nb + 7) / 8;
+    fimble_lanes_reserve(b, (size_t) nr * ng);
     const __m256i ones = _mm256_set1_epi8(1);
     for (int r = 0; r < nr; ++r) {
         const block_q8_0 * GGML_RESTRICT y = (const block_q8_0 *) (vy + r*by);
@@ -185,13 +190,6 @@ static FIMBLE_LANES_T __attribute__((noinline)) void fimble_lanes_all(
             default: fimble_lanes_rows(16, nb, s + i, bs, x); break;
         }
     }
-}
-
-void fimble_vec_dot_q8_0_q8_0_lanes(int n, int nx, int nr, float * GGML_RESTRICT s, size_t bs,
-                                    const void * GGML_RESTRICT vx, size_t bx,
-                                    const void * GGML_RESTRICT vy, size_t by) {
-    assert(n % QK8_0 == 0 && n <= FIMBLE_Q8_0_MAX_N && nr >= 1 && nr <= FIMBLE_Q8_0_ROWS);
-    fimble_lanes_all(n / QK8_0, nx, nr, s, bs, (const char *) vx, bx, (const char *) vy, by);
 }
 
 """

@@ -1,14 +1,14 @@
-"""q8_0 verify rows that share their weight reads (engine/runtimes/ggml_patch.py, fimble_vec_dot_q8_0_q8_0_rows):
-every row of a block must equal a 1-token step bit for bit, in the kernel alone and on the default model.
+"""q8_0 verify rows that share their weight reads (engine/runtimes/ggml_patch.py item 3): every row of a block
+must equal a 1-token step bit for bit, in the kernels alone and on the default model.
 
-The kernel test calls the built library's C functions directly on random q8_0 blocks (extremes included), so a
-change that alters one row's summation order fails here before any model runs; on a CPU with AVX-512 VNNI it
-runs twice, once more with FIMBLE_Q8_0_AVX2=1 (the AVX2 kernels, which CPUs without VNNI take). The model test
-decodes the default GGUF (Qwen2.5-Coder-0.5B q8_0) as 1-token steps and as blocks of every size the kernel
-splits differently (2 rows, 3-8, 9-16: one pass with VNNI, two groups without; past 16 in several of
-llama.cpp's 16-row tiles), and compares logits exactly. With VNNI every q8_0 product runs fimble's lane-order
-kernel, 1-token steps and prefills included (the kernel test checks that order). Skipped where the library
-or the default model is not there (the README's install steps).
+The kernel tests call the built library's C functions directly on random q8_0 blocks (extremes included), so a
+change that alters one row's summation order fails here before any model runs. Every AVX2 CPU runs fimble's
+lane-order kernel for every q8_0 product (1-token steps and prefills included): the AVX-512 VNNI one where the
+CPU has it, else the AVX2 one; stock's order survives behind FIMBLE_Q8_0_AVX2=1 (the rows kernel, still tested).
+On a VNNI CPU the AVX2 kernels run too, when told to, and the two lane kernels must agree bit for bit. The model
+test decodes the default GGUF (Qwen2.5-Coder-0.5B q8_0) as 1-token steps and as blocks of every size the kernel
+splits differently (2 rows, 3-8, 9-16; past 16 in several of llama.cpp's 16-row tiles), and compares logits
+exactly. Skipped where the library or the default model is not there (the README's install steps).
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ def _has_avx2(flag: str = "avx2") -> bool:
         return f" {flag}" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
+
+
+def _has_vnni() -> bool:
+    """What the library's run-time check (fimble_q8_0_lanes) looks for."""
+    return all(_has_avx2(f) for f in ("avx512_vnni", "avx512vl", "avx512bw", "avx512f"))
 
 
 def _ggml_cpu() -> ctypes.CDLL:
@@ -88,20 +93,26 @@ def _lanes_reference(x: np.ndarray, y: np.ndarray) -> float:
     return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
 
 
-@pytest.mark.skipif(not _has_avx2("avx512_vnni"), reason="the lane-order kernel needs AVX-512 VNNI")
+@pytest.mark.skipif(not _has_avx2(), reason="the lane-order kernels need AVX2")
 def test_lane_kernel_rows_equal_its_one_row_products_bit_for_bit():
-    """With VNNI every q8_0 product of 1-16 rows takes the lane-order kernel, 1-token steps included: each row of
-    a pass of 2-16 equals that row alone, bit for bit, for every tail length of the last group of 8 blocks, and
-    the sums are the products' (within float rounding of the documented order)."""
+    """On AVX2 (and with VNNI) every q8_0 product of 1-16 rows takes a lane-order kernel, 1-token steps included:
+    each row of a pass of 2-16 equals that row alone, bit for bit, for every tail length of the last group of 8
+    blocks (the AVX2 kernel packs tails of 1-4 blocks), and the sums are the products' (within float rounding of
+    the documented order)."""
     cpu = _ggml_cpu()
     lanes_fn, forget = cpu.fimble_vec_dot_q8_0_q8_0_lanes, cpu.fimble_q8_0_lanes_forget
     vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
     lanes_fn.argtypes = [i, i, i, vp, sz, vp, sz, vp, sz]
-    assert cpu.fimble_q8_0_lanes() == 1
+    assert cpu.fimble_q8_0_lanes() == (1 if os.environ.get("FIMBLE_Q8_0_LANES") == "avx2" or not _has_vnni() else 2)
     rng = np.random.default_rng(1)
-    for n, nx in ((896, 16), (4864, 5), (32, 3), (224, 4), (288, 2), (9728, 2)):  # 7, 1, 7, 1 blocks past 8s
+    # tails past the last 8 blocks: 4 (896), 0, 1, 7, 1, 0, 3, 5
+    for n, nx in ((896, 16), (4864, 5), (32, 3), (224, 4), (288, 2), (9728, 2), (96, 3), (160, 2)):
         nb = n // 32
         x, y = _blocks(rng, nx, nb), _blocks(rng, ROWS_MAX, nb)
+        # The activations as ggml quantises them (|y| <= 127; the AVX2 kernel's sign trick needs it, as ggml's own
+        # AVX2 loop does); the weights keep their -128s (any int8, from any quantiser).
+        y["qs"] = np.maximum(y["qs"], -127)
+        y["qs"][1, 0, :4] = (-127, 127, -127, -127)
         one = np.zeros((ROWS_MAX, nx), np.float32)
         for r in range(ROWS_MAX):
             forget()  # a new product (the rows are prepared once per product and thread)
@@ -120,13 +131,61 @@ def test_lane_kernel_rows_equal_its_one_row_products_bit_for_bit():
             assert np.array_equal(again[:nr, :nx].view(np.uint32), got[:nr, :nx].view(np.uint32))
 
 
-@pytest.mark.skipif(not _has_avx2("avx512_vnni"), reason="no VNNI: the test above ran the AVX2 kernels")
+@pytest.mark.skipif(not _has_vnni(), reason="no VNNI: the tests above ran the AVX2 kernels")
 def test_kernel_avx2_path_rows_equal_one_row_dots_bit_for_bit():
-    """The same check on the AVX2 kernels, which this CPU (with VNNI) takes only when told to."""
-    env = dict(os.environ, FIMBLE_Q8_0_AVX2="1")
-    test = f"{__file__}::test_kernel_rows_equal_one_row_dots_bit_for_bit"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env)
-    assert done.returncode == 0
+    """The same checks on the AVX2 kernels, which this CPU (with VNNI) takes only when told to: stock's order
+    (FIMBLE_Q8_0_AVX2=1) and the AVX2 lane kernel (FIMBLE_Q8_0_LANES=avx2)."""
+    for var, value, name in (
+        ("FIMBLE_Q8_0_AVX2", "1", "test_kernel_rows_equal_one_row_dots_bit_for_bit"),
+        ("FIMBLE_Q8_0_LANES", "avx2", "test_lane_kernel_rows_equal_its_one_row_products_bit_for_bit"),
+    ):
+        env = dict(os.environ, **{var: value})
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{name}"], env=env
+        )
+        assert done.returncode == 0, var
+
+
+_LANE_PRODUCTS = """
+import ctypes, sys
+from pathlib import Path
+import numpy as np
+from engine.runtimes.ggml_lib import get_lib
+cpu = ctypes.CDLL(str(Path(get_lib().source) / "libggml-cpu.so"))
+fn = cpu.fimble_vec_dot_q8_0_q8_0_lanes
+vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+fn.argtypes = [i, i, i, vp, sz, vp, sz, vp, sz]
+block = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
+rng = np.random.default_rng(2)
+for n in (896, 4864, 96, 160):
+    x, y = np.zeros((8, n // 32), block), np.zeros((16, n // 32), block)
+    for b in (x, y):
+        b["d"] = rng.uniform(1e-4, 2e-2, b.shape).astype(np.float16)
+        b["qs"] = rng.integers(-127, 128, b.shape + (32,), dtype=np.int8)
+    x["qs"][0, 0, :2] = -128
+    for nr in (1, 4, 16):
+        cpu.fimble_q8_0_lanes_forget()
+        s = np.zeros((16, 8), np.float32)
+        fn(n, 8, nr, s.ctypes.data, 8, x.ctypes.data, x.strides[0], y.ctypes.data, y.strides[0])
+        sys.stdout.write(s.tobytes().hex() + "\\n")
+"""
+
+
+@pytest.mark.skipif(not _has_vnni(), reason="one lane kernel on this CPU: nothing to compare it with")
+def test_vnni_and_avx2_lane_kernels_agree_bit_for_bit():
+    """The two lane kernels form the same exact integer sums and the same float operations, so a model gives the
+    same logits on a CPU with VNNI and on one with AVX2 alone: here both run on one CPU and must agree."""
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _LANE_PRODUCTS],
+            env=dict(os.environ, **extra),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for extra in ({}, {"FIMBLE_Q8_0_LANES": "avx2"})
+    ]
+    assert runs[0].count("\n") == 12 and runs[0] == runs[1]
 
 
 def test_default_model_blocks_equal_steps_bit_for_bit():

@@ -1,0 +1,170 @@
+"""The lane-order q8_0 kernel for AVX2 CPUs without AVX-512 VNNI (ggml_patch.py item 3; spliced into
+arch/x86/quants.c after ggml_patch_lanes.LANES_KERNEL, whose helpers and row buffer it shares). It forms the
+same exact integer block sums as the VNNI kernel with AVX2's instructions, then the same float operations in the
+same order, so its results equal the VNNI kernel's bit for bit: a verify block equals 1-token steps on either CPU,
+and the two CPUs give the same logits.
+"""
+
+from __future__ import annotations
+
+LANES_AVX2_KERNEL = (
+    "// fimble (engine/runtimes/ggml_patch_lanes_avx2.py): the lane order on AVX2 without VNNI.\n"
+    r"""#include <string.h>  // (strcmp, in fimble_q8_0_lanes)
+// A block's 32 products in integers: vpmaddubsw(|w|, sign(y, w)) (pairs, exact: |w| <= 128, |y| <= 127, as in
+// ggml's own AVX2 loop: any weight, and activations as ggml quantises them, never -128), vpmaddwd(., 1) (quads),
+// summed over the group's eight quants vectors. Both multiplies take one port on AVX2 CPUs (Zen 2: one a cycle),
+// so a row costs 16 multiplies per eight blocks (stock's loop: the same 16, plus eight converts and eight FMAs);
+// the weights' transpose, |w| and scales are formed once per eight blocks for every row of the pass. The float
+// part is the VNNI kernel's: dx*dy, one convert, one FMA per eight blocks, hsum_float_8.
+
+// A group of at most four blocks (the last of a 28-block row, 896 columns: most of the default model's products)
+// is packed into four vectors, not eight: lane j (j < 4) of u[k] holds bytes 4k..4k+3 of block j, lane j + 4 bytes
+// 16+4k..16+4k+3 of block j (fimble_lanes_transpose's first two steps). Each row then adds its low and high
+// halves into the four blocks' exact sums: half the multiplies, the same sums, and the FMA leaves lanes 4-7 as the
+// eight-lane kernel's FMA with zero scales does (acc + 0 = acc: acc is never -0, it starts at +0).
+static inline __attribute__((always_inline)) void fimble_lanes_transpose4(
+        const block_q8_0 * GGML_RESTRICT x, const int m, __m256i u[4]) {
+    const __m256i z = _mm256_setzero_si256();
+#define FIMBLE_LD(j) (m > j ? _mm256_loadu_si256((const __m256i *) x[j].qs) : z)
+    const __m256i r0 = FIMBLE_LD(0), r1 = FIMBLE_LD(1), r2 = FIMBLE_LD(2), r3 = FIMBLE_LD(3);
+#undef FIMBLE_LD
+    const __m256i t0 = _mm256_unpacklo_epi32(r0, r1), t1 = _mm256_unpackhi_epi32(r0, r1);
+    const __m256i t2 = _mm256_unpacklo_epi32(r2, r3), t3 = _mm256_unpackhi_epi32(r2, r3);
+    u[0] = _mm256_unpacklo_epi64(t0, t2), u[1] = _mm256_unpackhi_epi64(t0, t2);
+    u[2] = _mm256_unpacklo_epi64(t1, t3), u[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+static inline __attribute__((always_inline)) void fimble_lanes2_prepare(
+        const int nb, const int nr, const char * GGML_RESTRICT vy, const size_t by) {
+    fimble_lanes_rows_t * b = &fimble_lanes_buf;
+    if (b->vy == vy && b->nr == nr && b->nb == nb && b->by == by) {
+        return;  // this product's rows, prepared by an earlier call
+    }
+    const int ng = (nb + 7) / 8;
+    fimble_lanes_reserve(b, (size_t) nr * ng);
+    for (int r = 0; r < nr; ++r) {
+        const block_q8_0 * GGML_RESTRICT y = (const block_q8_0 *) (vy + r*by);
+        for (int g = 0; g < ng; ++g) {
+            const size_t at = (size_t) r*ng + g;
+            const int m = nb - 8*g < 8 ? nb - 8*g : 8;
+            __m256i c[8];
+            int nv = 8;
+            if (m == 8) {
+                fimble_lanes_transpose(y + 8*g, 8, c);
+            } else if (m > 4) {
+                fimble_lanes_transpose(y + 8*g, m, c);
+            } else {
+                fimble_lanes_transpose4(y + 8*g, m, c);
+                nv = 4;
+            }
+            for (int k = 0; k < nv; ++k) {
+                _mm256_store_si256((__m256i *) (b->q + 256*at + 32*k), c[k]);
+            }
+            _mm256_store_ps(b->d + 8*at, fimble_lanes_scales(y + 8*g, m));
+        }
+    }
+    b->vy = vy, b->nr = nr, b->nb = nb, b->by = by;
+}
+
+static inline __attribute__((always_inline)) void fimble_lanes2_rows(
+        const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x) {
+    const int8_t * GGML_RESTRICT bq = fimble_lanes_buf.q;  // (locals: the loop never reads thread-local memory)
+    const float * GGML_RESTRICT bd = fimble_lanes_buf.d;
+    const int ng = (nb + 7) / 8;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i w[8];  // the group's weights, transposed (sign(y, w) reads them), beside their absolute values
+    __m256 acc[16];
+    for (int r = 0; r < NR; ++r) {
+        acc[r] = _mm256_setzero_ps();
+    }
+    for (int g = 0; g < ng; ++g) {
+        const int m = nb - 8*g < 8 ? nb - 8*g : 8;
+#pragma GCC unroll 5
+        for (int p = 0; p < 5; ++p) {  // the weights stream from memory while the rows compute: 2 KB ahead
+            _mm_prefetch((const char *) (x + 8*g) + 2048 + 64*p, _MM_HINT_T0);
+        }
+        __m256i a[8];
+        __m256 dx;
+        if (m <= 4) {  // the packed group of one to four blocks (only a row's last group can be one)
+            fimble_lanes_transpose4(x + 8*g, m, w);
+            const __m128 dx4 = _mm256_castps256_ps128(fimble_lanes_scales(x + 8*g, m));
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; ++k) {
+                a[k] = _mm256_abs_epi8(w[k]);
+            }
+            for (int r = 0; r < NR; ++r) {
+                const size_t at = (size_t) r*ng + g;
+                const int8_t * GGML_RESTRICT q = bq + 256*at;
+                __m256i i0 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; ++k) {
+                    const __m256i y0 = _mm256_sign_epi8(_mm256_load_si256((const __m256i *) (q + 32*k)), w[k]);
+                    i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(a[k], y0), ones));
+                }
+                const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(i0), _mm256_extracti128_si256(i0, 1));
+                const __m128 d = _mm_mul_ps(dx4, _mm_load_ps(bd + 8*at));
+                const __m128 lo = _mm_fmadd_ps(d, _mm_cvtepi32_ps(i4), _mm256_castps256_ps128(acc[r]));
+                acc[r] = _mm256_blend_ps(acc[r], _mm256_castps128_ps256(lo), 0x0F);
+            }
+            continue;
+        }
+        if (m == 8) {  // (a constant for the inlined loads: no test per block)
+            fimble_lanes_transpose(x + 8*g, 8, w);
+            dx = fimble_lanes_scales(x + 8*g, 8);
+        } else {
+            fimble_lanes_transpose(x + 8*g, m, w);
+            dx = fimble_lanes_scales(x + 8*g, m);
+        }
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+            a[k] = _mm256_abs_epi8(w[k]);  // (-128 gives 0x80: 128 unsigned, right)
+        }
+        for (int r = 0; r < NR; ++r) {
+            const size_t at = (size_t) r*ng + g;
+            const int8_t * GGML_RESTRICT q = bq + 256*at;
+            __m256i i0 = _mm256_setzero_si256();
+            __m256i i1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int k = 0; k < 8; k += 2) {
+                const __m256i y0 = _mm256_sign_epi8(_mm256_load_si256((const __m256i *) (q + 32*k)), w[k]);
+                const __m256i y1 = _mm256_sign_epi8(_mm256_load_si256((const __m256i *) (q + 32*k + 32)), w[k + 1]);
+                i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(a[k], y0), ones));
+                i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_maddubs_epi16(a[k + 1], y1), ones));
+            }
+            const __m256 d = _mm256_mul_ps(dx, _mm256_load_ps(bd + 8*at));
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; ++r) {
+        s[r*bs] = hsum_float_8(acc[r]);
+    }
+}
+
+static __attribute__((noinline)) void fimble_lanes2_all(
+        const int nb, const int nx, const int nr, float * GGML_RESTRICT s, const size_t bs,
+        const char * GGML_RESTRICT vx, const size_t bx, const char * GGML_RESTRICT vy, const size_t by) {
+    fimble_lanes2_prepare(nb, nr, vy, by);
+    for (int i = 0; i < nx; ++i) {
+        const block_q8_0 * GGML_RESTRICT x = (const block_q8_0 *) (vx + i*bx);
+        switch (nr) {
+#define FIMBLE_CASE(k) case k: fimble_lanes2_rows(k, nb, s + i, bs, x); break;
+            FIMBLE_CASE(1) FIMBLE_CASE(2) FIMBLE_CASE(3) FIMBLE_CASE(4) FIMBLE_CASE(5) FIMBLE_CASE(6)
+            FIMBLE_CASE(7) FIMBLE_CASE(8) FIMBLE_CASE(9) FIMBLE_CASE(10) FIMBLE_CASE(11) FIMBLE_CASE(12)
+            FIMBLE_CASE(13) FIMBLE_CASE(14) FIMBLE_CASE(15)
+#undef FIMBLE_CASE
+            default: fimble_lanes2_rows(16, nb, s + i, bs, x); break;
+        }
+    }
+}
+
+// Both lane kernels' entry: VNNI's where the CPU has it (fimble_q8_0_lanes() == 2), else AVX2's.
+void fimble_vec_dot_q8_0_q8_0_lanes(int n, int nx, int nr, float * GGML_RESTRICT s, size_t bs,
+                                    const void * GGML_RESTRICT vx, size_t bx,
+                                    const void * GGML_RESTRICT vy, size_t by) {
+    assert(n % QK8_0 == 0 && n <= FIMBLE_Q8_0_MAX_N && nr >= 1 && nr <= FIMBLE_Q8_0_ROWS);
+    (fimble_q8_0_lanes() == 2 ? fimble_lanes_all : fimble_lanes2_all)(
+        n / QK8_0, nx, nr, s, bs, (const char *) vx, bx, (const char *) vy, by);
+}
+
+"""
+)
