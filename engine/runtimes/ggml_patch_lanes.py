@@ -173,6 +173,18 @@ static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_ro
     }
 }
 
+// A rows kernel ROWS(NR, nb, s, bs, x) called with the row count nr (1..16) as a constant, so each count keeps its
+// accumulators in registers (both lane kernels use it).
+#define FIMBLE_LANES_DISPATCH(ROWS, nr, ...) switch (nr) { \
+        case 1: ROWS(1, __VA_ARGS__); break; case 2: ROWS(2, __VA_ARGS__); break; \
+        case 3: ROWS(3, __VA_ARGS__); break; case 4: ROWS(4, __VA_ARGS__); break; \
+        case 5: ROWS(5, __VA_ARGS__); break; case 6: ROWS(6, __VA_ARGS__); break; \
+        case 7: ROWS(7, __VA_ARGS__); break; case 8: ROWS(8, __VA_ARGS__); break; \
+        case 9: ROWS(9, __VA_ARGS__); break; case 10: ROWS(10, __VA_ARGS__); break; \
+        case 11: ROWS(11, __VA_ARGS__); break; case 12: ROWS(12, __VA_ARGS__); break; \
+        case 13: ROWS(13, __VA_ARGS__); break; case 14: ROWS(14, __VA_ARGS__); break; \
+        case 15: ROWS(15, __VA_ARGS__); break; default: ROWS(16, __VA_ARGS__); break; }
+
 // nx weight rows of vx (bx bytes apart) against nr (1..16) activation rows of vy (by bytes apart) in the lane order:
 // s[i + r*bs].
 static FIMBLE_LANES_T __attribute__((noinline)) void fimble_lanes_all(
@@ -180,15 +192,7 @@ static FIMBLE_LANES_T __attribute__((noinline)) void fimble_lanes_all(
         const char * GGML_RESTRICT vx, const size_t bx, const char * GGML_RESTRICT vy, const size_t by) {
     fimble_lanes_prepare(nb, nr, vy, by);
     for (int i = 0; i < nx; ++i) {
-        const block_q8_0 * GGML_RESTRICT x = (const block_q8_0 *) (vx + i*bx);
-        switch (nr) {
-#define FIMBLE_CASE(k) case k: fimble_lanes_rows(k, nb, s + i, bs, x); break;
-            FIMBLE_CASE(1) FIMBLE_CASE(2) FIMBLE_CASE(3) FIMBLE_CASE(4) FIMBLE_CASE(5) FIMBLE_CASE(6)
-            FIMBLE_CASE(7) FIMBLE_CASE(8) FIMBLE_CASE(9) FIMBLE_CASE(10) FIMBLE_CASE(11) FIMBLE_CASE(12)
-            FIMBLE_CASE(13) FIMBLE_CASE(14) FIMBLE_CASE(15)
-#undef FIMBLE_CASE
-            default: fimble_lanes_rows(16, nb, s + i, bs, x); break;
-        }
+        FIMBLE_LANES_DISPATCH(fimble_lanes_rows, nr, nb, s + i, bs, (const block_q8_0 *) (vx + i*bx))
     }
 }
 

@@ -145,15 +145,7 @@ static __attribute__((noinline)) void fimble_lanes2_all(
         const char * GGML_RESTRICT vx, const size_t bx, const char * GGML_RESTRICT vy, const size_t by) {
     fimble_lanes2_prepare(nb, nr, vy, by);
     for (int i = 0; i < nx; ++i) {
-        const block_q8_0 * GGML_RESTRICT x = (const block_q8_0 *) (vx + i*bx);
-        switch (nr) {
-#define FIMBLE_CASE(k) case k: fimble_lanes2_rows(k, nb, s + i, bs, x); break;
-            FIMBLE_CASE(1) FIMBLE_CASE(2) FIMBLE_CASE(3) FIMBLE_CASE(4) FIMBLE_CASE(5) FIMBLE_CASE(6)
-            FIMBLE_CASE(7) FIMBLE_CASE(8) FIMBLE_CASE(9) FIMBLE_CASE(10) FIMBLE_CASE(11) FIMBLE_CASE(12)
-            FIMBLE_CASE(13) FIMBLE_CASE(14) FIMBLE_CASE(15)
-#undef FIMBLE_CASE
-            default: fimble_lanes2_rows(16, nb, s + i, bs, x); break;
-        }
+        FIMBLE_LANES_DISPATCH(fimble_lanes2_rows, nr, nb, s + i, bs, (const block_q8_0 *) (vx + i*bx))
     }
 }
 
