@@ -60,6 +60,17 @@ static inline __attribute__((always_inline)) __m256 fimble_lanes_scales(
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) h));
 }
 
+// A group of weight blocks in lane order (fimble_lanes_transpose) and their scales (fimble_lanes_scales), m of 8 there.
+static inline __attribute__((always_inline)) __m256 fimble_lanes_weights(
+        const block_q8_0 * GGML_RESTRICT x, const int m, __m256i c[8]) {
+    if (m == 8) {  // (a constant for the inlined loads: no test per block)
+        fimble_lanes_transpose(x, 8, c);
+        return fimble_lanes_scales(x, 8);
+    }
+    fimble_lanes_transpose(x, m, c);
+    return fimble_lanes_scales(x, m);
+}
+
 // The activation rows in lane order, per row and group of eight blocks: 256 bytes of quants (fimble_lanes_transpose),
 // eight scales and eight -128 * sum(quants). Kept per thread, grown as needed (never freed: ggml's threads persist),
 // and prepared once per product: every call of a product reads the same rows (src1 is quantised before its chunks
@@ -142,14 +153,7 @@ static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_ro
             _mm_prefetch((const char *) (x + 8*g) + 2048 + 64*p, _MM_HINT_T0);
         }
         __m256i c[8];
-        __m256 dx;
-        if (m == 8) {  // (a constant for the inlined loads: no test per block)
-            fimble_lanes_transpose(x + 8*g, 8, c);
-            dx = fimble_lanes_scales(x + 8*g, 8);
-        } else {
-            fimble_lanes_transpose(x + 8*g, m, c);
-            dx = fimble_lanes_scales(x + 8*g, m);
-        }
+        const __m256 dx = fimble_lanes_weights(x + 8*g, m, c);
 #pragma GCC unroll 8
         for (int k = 0; k < 8; ++k) {
             c[k] = _mm256_xor_si256(c[k], sign);

@@ -108,13 +108,7 @@ static inline __attribute__((always_inline)) void fimble_lanes2_rows(
             }
             continue;
         }
-        if (m == 8) {  // (a constant for the inlined loads: no test per block)
-            fimble_lanes_transpose(x + 8*g, 8, w);
-            dx = fimble_lanes_scales(x + 8*g, 8);
-        } else {
-            fimble_lanes_transpose(x + 8*g, m, w);
-            dx = fimble_lanes_scales(x + 8*g, m);
-        }
+        dx = fimble_lanes_weights(x + 8*g, m, w);
 #pragma GCC unroll 8
         for (int k = 0; k < 8; ++k) {
             a[k] = _mm256_abs_epi8(w[k]);  // (-128 gives 0x80: 128 unsigned, right)
