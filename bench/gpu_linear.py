@@ -10,7 +10,7 @@ and the graph step it gives: which tile shape and K split each Qwen2.5 weight wa
    Each figure is the time of one product inside a CUDA graph of many, each on another copy of the weight, so the
    weights come from HBM as in a step (the copies together exceed the 50 MB L2 several times).
 2. Rows: the best config's row i equals, bit for bit, the same row computed in a pass of 1..16 and of 48 rows.
-3. ``--step``: the graph 1-token step and 16-token verify of the random-weight shape, cache at 1,024 tokens, with
+3. ``--step``: the graph 1-token step, 8- and 16-token verify of the random-weight shape, cache at 1,024 tokens, with
    the default kernels ("invariant-cublas") against the Triton set ("invariant") at the sweep's best configs,
    measured alternately (bench/gpu_invariant.py ``cost_table``); step / floor for both.
 
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from bench.harness.random_models import SHAPES
 from engine.runtimes import gpu_kernels as gk
+from engine.runtimes import gpu_linear as gl
 
 DEV, DTYPE = "cuda", torch.bfloat16
 L2_BUST_BYTES = 400e6  # weight copies per timed graph: several times the H200's 50 MB L2
@@ -50,17 +51,23 @@ def weights_of(shape: str) -> dict[str, tuple[int, int, str]]:
     }
 
 
-def candidates(n: int, k: int, quick: bool) -> list[tuple[int, int, int, int, int, int]]:
-    """(BN, BK, warps, stages, splits, BM) worth timing beside ``linear_config``'s: a few rows a program (BM 4 or 8:
-    the weight slab read once for them, each row's tree as alone), narrow tiles, K split 8 ways only where K is
-    long (as the one-row sweep found best: bench/reports/gpu-linear-h200-2026-12-05-run2.json)."""
-    out = []
+def candidates(n: int, k: int, quick: bool) -> list[tuple]:
+    """Configs (``LinearConfig``: BN, BK, warps, stages, splits, BM, swap) worth timing beside ``linear_config``'s:
+    16-row tensor-core tiles with the weight as the wide side (swap: the weight read once for every row of a
+    verify block), K split until the tiles fill the GPU; a few rows a program (BM 4 or 8: the weight slab read once
+    for them, each row's tree as alone), narrow tiles, K split 8 ways only where K is long (as the one-row sweep
+    found best: bench/reports/gpu-linear-h200-2026-12-05-run2.json)."""
+    out: list[tuple] = []
+    for bn in (64,) if quick else (64, 128):
+        for bk in (128,) if quick else (64, 128, 256):
+            splits = gl._splits(-(-n // bn), -(-k // bk))
+            out.append(gl.LinearConfig(bn, bk, 4, 3, splits, gk.LINEAR_ROWS, True))
     for bm in (4, 8):
         for bn in (8, 16) if not quick else (8,):
             for bk in (64, 128):
                 splits = 8 if k >= 4096 else 1
                 if -(-n // bn) * splits >= gk.SM_TARGET // 2:
-                    out.append((bn, bk, 4, 4, splits, bm))
+                    out.append(gl.LinearConfig(bn, bk, 4, 4, splits, bm))
     return out
 
 
@@ -156,16 +163,16 @@ def sweep(shapes: list[str], quick: bool) -> list[dict]:
             row["cublas16_us"] = wt.cublas_us()
             row["config_default"] = list(gk.linear_config(n, k))
             row["default_m1_us"] = wt.triton_us(1)
-            old = (*gk.linear_config(n, k)[:4], 1, gk.LINEAR_ROWS)
+            old = (*gk.linear_config(n, k)[:4], 1, gk.LINEAR_ROWS)  # 16-row tiles, rows as M, no split
             row["unsplit_m1_us"] = wt.triton_us(1, old)
             tried: dict = {}  # config -> (1 row, 8 rows) us; the sweep's score is their sum (a step and a verify)
             measure(wt, row, tried, tuple(row["config_default"]))
             for cfg in candidates(n, k, quick):
                 measure(wt, row, tried, cfg)
             best = min(tried, key=lambda c: sum(tried[c]))
-            for warps, stages in ((8, best[3]), (best[2], 2)):
+            for warps, stages in ((8, best[3]), (best[2], 2), (best[2], 4)):
                 if not quick:
-                    measure(wt, row, tried, (best[0], best[1], warps, stages, best[4], best[5]))
+                    measure(wt, row, tried, gl.LinearConfig.of(best)._replace(warps=warps, stages=stages))
             best = min(tried, key=lambda c: sum(tried[c]))
             fastest_step = min(tried, key=lambda c: tried[c][0])
             row["best"] = list(best)
@@ -197,10 +204,9 @@ def step_costs(shapes: list[str], table: dict, context: int) -> list[dict]:
     from bench import gpu as gb
     from bench import gpu_invariant as gi
     from bench.harness.random_models import random_model
-    from engine.runtimes import gpu_linear as gl  # linear() reads its own module's linear_config
 
     plain = gl.linear_config
-    gl.linear_config = lambda n, k: tuple(table.get((n, k)) or plain(n, k))
+    gl.linear_config = lambda n, k: gl.LinearConfig.of(table[(n, k)]) if (n, k) in table else plain(n, k)
     gi.MODES = ("invariant-cublas", "invariant")
     bw = gb.copy_bandwidth()
     out = []
@@ -224,6 +230,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="comma list of 0.5B,1.5B,7B (default 0.5B,1.5B)")
     ap.add_argument("--step", action="store_true", help="also the graph step at the best configs (3.)")
     ap.add_argument("--step-only", action="store_true", help="only the graph step, at linear_config's configs")
+    ap.add_argument("--configs-from", type=Path, help="with --step-only: an earlier sweep's configs (its json)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -233,9 +240,11 @@ def main() -> None:
 
     shapes = (args.shapes or ("0.5B" if args.quick else "0.5B,1.5B")).split(",")
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    result["attention_fixed_trips"] = gk.FIXED_TRIPS
     print(f"device {result['device']}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     result["sweep"] = [] if args.step_only else sweep(shapes, args.quick)
-    table = {(r["n"], r["k"]): tuple(r["best"]) for r in result["sweep"]}
+    swept = json.loads(args.configs_from.read_text())["sweep"] if args.configs_from else result["sweep"]
+    table = {(r["n"], r["k"]): tuple(r["best"]) for r in swept}
     if args.step or args.step_only:
         result["step"] = step_costs(shapes, table, args.context)
     result["loadavg"] = os.getloadavg()

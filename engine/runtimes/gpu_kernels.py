@@ -79,6 +79,11 @@ MIN_SPLITS_TILE = 64  # the combine kernel's split tile: one compiled variant up
 # the same arithmetic as attention_combine_ordered_kernel, one launch fewer a layer); the
 # separate combine kernel when False (tests and benchmarks compare the two: the same bits).
 COMBINE_IN_SPLIT = True
+# A split's keys in a loop of SPLIT_KEYS // BLOCK_N trips fixed at compile time, the tiles past the split's last visible
+# key masked (exact no-ops: weight 0, scale 1), so Triton's pipeliner overlaps a tile's loads with the last one's
+# arithmetic; the same tiles in the same order as the bounded while loop (False, or FIMBLE_ATTENTION_FIXED_TRIPS=0:
+# tests and benchmarks compare the two: the same bits).
+FIXED_TRIPS = os.environ.get("FIMBLE_ATTENTION_FIXED_TRIPS", "1") != "0"
 
 
 INVARIANT_SETS = ("invariant-cublas", "invariant")  # the default first (see invariant_default)
@@ -155,6 +160,25 @@ def _kernels():
         v = tl.load(qkv + row * qkv_stride + (H + KV + vh) * HD + d[None, :], mask=vh < KV, other=0.0)
         tl.store(values + s * v_s + vh * v_h + pos * v_p + d[None, :], v, mask=vh < KV)
 
+    global _attend_tile  # a module global: Triton resolves a kernel's callees in its module, not in this closure
+
+    @triton.jit
+    def _attend_tile(qt, keys, values, k_base, v_base, k_p, v_p, key, hi, pos, d, m, l, acc, scale):  # noqa: E741
+        # One tile of keys into the online softmax. A tile wholly at or past hi (or past every row's position)
+        # changes nothing: its scores are -inf, so p = 0 and alpha = exp(0) = 1 (m, l, acc kept exactly).
+        inside = key < hi
+        kt = tl.load(keys + k_base + key[:, None] * k_p + d[None, :], mask=inside[:, None], other=0.0)
+        scores = tl.dot(qt, tl.trans(kt)) * scale
+        visible = (key[None, :] <= pos[:, None]) & inside[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+        vt = tl.load(values + v_base + key[:, None] * v_p + d[None, :], mask=inside[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        return m_new, l, acc
+
     # T, keys_len and the split count are plain arguments (not specialised), so one compiled kernel serves every
     # block size and cache length: a new variant mid-decode would stall a step for a compile.
     @triton.jit(do_not_specialize=["T", "keys_len", "SPLITS"])
@@ -164,7 +188,7 @@ def _kernels():
         k_s, k_h, k_p, v_s, v_h, v_p,
         scale, SPLITS,
         KV: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr, FIXED: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)  # (sequence, kv head, block of BM query rows)
         split = tl.program_id(1)
@@ -186,22 +210,20 @@ def _kernels():
         l = tl.zeros((BM,), tl.float32)  # noqa: E741
         acc = tl.zeros((BM, HD), tl.float32)
         n = tl.arange(0, BN)
-        start = lo
-        while start < hi:  # a while loop: bounds that are tensors (Triton's interpreter needs it for range)
-            key = start + n
-            inside = key < hi
-            kt = tl.load(keys + s * k_s + h * k_h + key[:, None] * k_p + d[None, :], mask=inside[:, None], other=0.0)
-            scores = tl.dot(qt, tl.trans(kt)) * scale
-            visible = (key[None, :] <= pos[:, None]) & inside[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-            vt = tl.load(values + s * v_s + h * v_h + key[:, None] * v_p + d[None, :], mask=inside[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m = m_new
-            start += BN
+        if FIXED:  # SPLIT // BN trips whatever hi is: tiles at or past hi load nothing and change nothing
+            for k0 in range(0, SPLIT, BN):
+                m, l, acc = _attend_tile(  # noqa: E741
+                    qt, keys, values, s * k_s + h * k_h, s * v_s + h * v_h, k_p, v_p, lo + k0 + n, hi, pos, d,
+                    m, l, acc, scale,
+                )  # fmt: skip
+        else:
+            start = lo
+            while start < hi:  # a while loop: bounds that are tensors (Triton's interpreter needs it for range)
+                m, l, acc = _attend_tile(  # noqa: E741
+                    qt, keys, values, s * k_s + h * k_h, s * v_s + h * v_h, k_p, v_p, start + n, hi, pos, d,
+                    m, l, acc, scale,
+                )  # fmt: skip
+                start += BN
         if SPLITS == 1:  # one split: normalise and write the rows here
             res = acc / tl.where(l > 0, l, 1.0)[:, None]
             optr = out + qrow[:, None] * out_stride + head[:, None] * HD + d[None, :]
@@ -364,6 +386,7 @@ def attention(
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         hd**-0.5, splits,
         KV=kv_heads, G=group, HD=hd, BM=BLOCK_M, BN=BLOCK_N, SPLIT=SPLIT_KEYS, COMBINE=combine_in_split,
+        FIXED=FIXED_TRIPS,
     )  # fmt: skip
     if splits > 1 and ordered and not combine_in_split:
         ordered_kernel[(programs, BLOCK_M)](

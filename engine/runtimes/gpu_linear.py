@@ -3,8 +3,11 @@ says what the sets are): ``x @ W.T`` with its fused prologue (RMSNorm, the MLP's
 residual, RoPE and the cache writes, float32 logits), every row's reduction in an order fixed by the weight's shape.
 
 A row is one program's (BM 1: fp32 products summed by a fixed tree per slab of K, a GEMV), one of a few rows sharing
-a program's weight slab (BM 2-8, each row's tree as alone), or one of 16 rows of a tensor-core tile (BM 16). K may be
-split; the tile's last program to arrive (an atomic count) adds the splits' partial sums in split order. The config
+a program's weight slab (BM 2-8, each row's tree as alone), or one of 16 rows of a tensor-core tile (BM 16): either
+the rows are the product's M side, or (``swap``) the weight's BN outputs are, so the weight tile is the wide operand
+(the small-batch decode layout: 64-128 weight rows against 16 activation rows, each output element an MMA dot of its
+own row and column, whatever the other rows hold). K may be split; the tile's last program to arrive (an atomic count)
+adds the splits' partial sums in split order. The config
 comes from the weight's shape alone (``linear_config``), never from the row count, so a row's bits are the same in
 a 1-token step, a verify block and a batched round (tests/engine/test_gpu_kernels.py; on the H200,
 bench/reports/gpu-linear-h200-2026-12-05.txt). Triton is imported lazily, as in gpu_kernels.py.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,7 +37,7 @@ def _linear_kernel():
         cos, sin, positions, keys, values, T, k_s, k_h, k_p, v_s, v_h, v_p,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-        ROPE: tl.constexpr, H: tl.constexpr, KV: tl.constexpr,
+        ROPE: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, SWAP: tl.constexpr,
     ):  # fmt: skip
         # K is a weight's own size (a constant): the slab loop has a fixed trip count, and Triton's interpreter can
         # range() over it. SPLITS > 1 (split-K): program `split` reduces its own K range (KS, whole slabs); the last
@@ -54,6 +58,7 @@ def _linear_kernel():
         xrow = x + rows[:, None].to(tl.int64) * x_stride
         wrow = w + cols[:, None].to(tl.int64) * K
         acc = tl.zeros((BM, BN), tl.float32)
+        acc_t = tl.zeros((BN, BM), tl.float32)  # SWAP's accumulator: the weight's outputs down, the rows across
         ss = tl.zeros((BM, BK), tl.float32)  # squares summed per column slot, reduced once after the loop
         for k0 in range(0, KS, BK):  # constant bounds (the interpreter and the pipeliner want them), offset by split
             k = split * KS + k0 + kk
@@ -77,10 +82,14 @@ def _linear_kernel():
             b = tl.load(wrow + k[None, :], mask=bmask, other=0.0)
             if BM == 1:  # one row a program: products in fp32 (exact for bf16), summed by a fixed tree per slab
                 acc += tl.sum(b.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
+            elif SWAP:  # the weight tile as the MMA's wide side: out^T = W x^T, one dot per (output, row) element
+                acc_t = tl.dot(b, tl.trans(a), acc_t, input_precision=PRECISION)
             elif BM < 16:  # a few rows a program, the weight slab read once for them; each row's tree as its own
                 acc += tl.sum(b.to(tl.float32)[None, :, :] * a.to(tl.float32)[:, None, :], axis=2)
             else:
                 acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        if SWAP:
+            acc = tl.trans(acc_t)
         last = True  # this program writes the tile (with splits: the last of its tile's programs to finish)
         if SPLITS > 1:
             sub = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
@@ -145,6 +154,27 @@ LINEAR_ROWS = 16  # rows of one output tile (tl.dot needs 16): the only tile siz
 SM_TARGET = 132  # the H200's streaming multiprocessors: a decode product wants at least this many programs
 
 
+class LinearConfig(NamedTuple):
+    """``linear``'s kernel config: column tile, slab of K, warps, pipeline stages, K splits, rows a program (1, 2-8
+    or ``LINEAR_ROWS``) and ``swap`` (with BM ``LINEAR_ROWS``: the weight tile is the tensor-core product's M side).
+    Plain 5- or 6-tuples are read with BM ``LINEAR_ROWS`` and ``swap`` False."""
+
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    splits: int
+    bm: int = 16
+    swap: bool = False
+
+    @classmethod
+    def of(cls, config: tuple) -> LinearConfig:
+        cfg = cls(*config)
+        if cfg.swap and (cfg.bm != LINEAR_ROWS or cfg.bn < 16):
+            raise ValueError(f"linear: swap needs BM {LINEAR_ROWS} and BN >= 16, not {tuple(cfg)}")
+        return cfg
+
+
 # (BN, BK, warps, stages, splits, BM) per weight shape (n, k) of the Qwen2.5 0.5B and 1.5B shapes: the fastest 1-row
 # product of bench/gpu_linear.py's sweep on the H200 (bench/reports/gpu-linear-h200-2026-12-05-run2.json), each with
 # its rows equal in any pass. All one row a program (BM 1): on these shapes 1.1-3.5x faster than 16-row tensor-core
@@ -163,8 +193,9 @@ MEASURED_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int, int]] = {
 }
 
 
-def linear_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
-    """(BN, BK, warps, stages, splits, BM) of ``linear`` for a weight of ``n`` outputs by ``k`` inputs: a function of
+def linear_config(n: int, k: int) -> LinearConfig:
+    """``LinearConfig`` (BN, BK, warps, stages, splits, BM, swap) of ``linear`` for a weight of ``n`` outputs by ``k``
+    inputs: a function of
     the weight's shape alone, never of the row count, so a row's reduction order is the same in every pass (batch
     invariance).
 
@@ -174,10 +205,10 @@ def linear_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
     program). Shapes measured on the H200 take their measured configs (``MEASURED_CONFIGS``), others this rule (the
     measured ones' tiles and slabs; splits only as many as fill the GPU once)."""
     if (n, k) in MEASURED_CONFIGS:
-        return MEASURED_CONFIGS[(n, k)]
+        return LinearConfig.of(MEASURED_CONFIGS[(n, k)])
     bn = 8 if n <= 4096 else 16
     bk = 512 if n <= 4096 and k <= 2048 else 256
-    return bn, bk, 4, 4, _splits(-(-n // bn), -(-k // bk)), 1
+    return LinearConfig(bn, bk, 4, 4, _splits(-(-n // bn), -(-k // bk)), 1)
 
 
 def _splits(tiles: int, slabs: int) -> int:
@@ -222,18 +253,18 @@ class RopeStore:
     kv_heads: int
 
 
-def rope_config(n: int, k: int, hd: int) -> tuple[int, int, int, int, int, int]:
+def rope_config(n: int, k: int, hd: int) -> LinearConfig:
     """``linear_config`` for a qkv weight with its RoPE epilogue: a column tile is one head (BN = ``hd``); K is split
     until the heads' tiles fill the GPU (a function of the weight's shape alone, as ``linear_config``)."""
-    _, _, warps, _, _, bm = linear_config(n, k)
+    base = linear_config(n, k)
     bk = 128  # a 128-column head tile and 128-wide slabs: 4 stages fit the shared memory (256 would not)
-    return hd, bk, warps, 4 if hd <= 64 else 3, _splits(-(-n // hd), -(-k // bk)), bm
+    return LinearConfig(hd, bk, base.warps, 4 if hd <= 64 else 3, _splits(-(-n // hd), -(-k // bk)), base.bm, base.swap)
 
 
 def linear(
     x: Tensor, weight: Tensor, *, bias: Tensor | None = None, residual: Tensor | None = None,
     norm: Tensor | None = None, eps: float = 0.0, gated: bool = False, out_dtype: torch.dtype | None = None,
-    config: tuple[int, ...] | None = None, rope: RopeStore | None = None,
+    config: tuple | None = None, rope: RopeStore | None = None,
 ) -> Tensor:  # fmt: skip
     """``x @ weight.T`` (+ ``bias``) (+ ``residual``), batch-invariant: row i of the result has the same bits
     whatever the other rows are and however many there are.
@@ -241,8 +272,9 @@ def linear(
     ``x`` [M, K] (rows contiguous); ``weight`` [N, K] contiguous (an nn.Linear's). ``norm``: an RMSNorm weight [K]
     applied to ``x`` first (eps ``eps``). ``gated``: ``x`` is [M, 2K], gate then up, and the product's input is
     ``silu(gate) * up``. ``out_dtype``: the result's dtype (x's by default; float32 for logits, which then skip a
-    rounding to bf16). ``config``: (BN, BK, warps, stages, splits[, BM]), ``linear_config``'s by default
-    (benchmarks and tests; BM 16 where left out). ``rope``: ``weight`` is a qkv projection; the result is the
+    rounding to bf16). ``config``: a ``LinearConfig`` or its tuple (BN, BK, warps, stages, splits[, BM[, swap]]),
+    ``linear_config``'s by default (benchmarks and tests; BM 16 where left out). ``rope``: ``weight`` is a qkv
+    projection; the result is the
     rotated queries, the keys and values go to the cache (``RopeStore``)."""
     kernel = _linear_kernel()
     m = x.shape[0]
@@ -264,7 +296,7 @@ def linear(
     cache_strides = (*r.keys.stride()[:3], *r.values.stride()[:3]) if rope is not None else (0,) * 6
     if m == 0:
         return out
-    bn, bk, warps, stages, splits, bm = (*config, LINEAR_ROWS)[:6] if config else linear_config(n, k)
+    bn, bk, warps, stages, splits, bm, swap = LinearConfig.of(config) if config else linear_config(n, k)
     tiles = triton_cdiv(m, bm) * triton_cdiv(n, bn)
     if splits > 1:
         part = torch.empty(tiles * splits * bm * bn, dtype=torch.float32, device=x.device)
@@ -279,7 +311,7 @@ def linear(
         r.cos, r.sin, r.positions, r.keys, r.values, m // r.seqs, *cache_strides,
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm is not None, GATED=gated,
         BM=bm, BN=bn, BK=bk, SPLITS=splits, num_warps=warps, num_stages=stages,
-        ROPE=rope is not None, H=r.heads, KV=r.kv_heads,
+        ROPE=rope is not None, H=r.heads, KV=r.kv_heads, SWAP=swap,
         # float32 weights: true fp32 products (a dot's default there is tf32, ~1e-3); bf16/fp16 ignore it
         PRECISION="ieee" if weight.dtype == torch.float32 else None,
     )  # fmt: skip

@@ -148,6 +148,32 @@ def test_ordered_combine_in_the_split_kernel_equals_the_combine_kernel(monkeypat
     assert torch.allclose(fused.cpu().double(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("keys_len,starts", [(1024, [700, 1000]), (512, [3, 300]), (256, [40, 255])])
+def test_attention_fixed_trips_equal_the_bounded_loop(monkeypatch, keys_len, starts):
+    """The split's key loop at a fixed trip count (tiles past the last visible key masked) gives the bounded while
+    loop's bits, ordered and not, splits past a row's position included."""
+    from engine.runtimes import gpu_kernels
+    from engine.runtimes.gpu_kernels import attention
+
+    torch.manual_seed(12)
+    seqs, t, heads, kv_heads, hd = 2, 3, 14, 2, 64
+    q = torch.randn(seqs * t, heads * hd).to(DTYPE).to(DEV)
+    keys = torch.randn(seqs, kv_heads, keys_len + 64, hd).to(DTYPE).to(DEV)
+    values = torch.randn(seqs, kv_heads, keys_len + 64, hd).to(DTYPE).to(DEV)
+    positions = (torch.tensor(starts)[:, None] + torch.arange(t)[None, :]).reshape(-1).clamp(max=keys_len - 1).to(DEV)
+    for ordered in (True, False):
+        monkeypatch.setattr(gpu_kernels, "FIXED_TRIPS", True)
+        fixed = attention(q, keys, values, positions, keys_len, seqs, kv_heads, ordered=ordered)
+        monkeypatch.setattr(gpu_kernels, "FIXED_TRIPS", False)
+        bounded = attention(q, keys, values, positions, keys_len, seqs, kv_heads, ordered=ordered)
+        if CUDA:
+            assert torch.equal(fixed, bounded)
+        else:  # numpy's vectorised exp rounds by an element's place in its array: not a property of the kernel
+            assert torch.allclose(fixed, bounded, atol=1e-6, rtol=0)
+    want = _reference_attention(q.cpu(), keys.cpu(), values.cpu(), positions.cpu(), keys_len, seqs, kv_heads)
+    assert torch.allclose(fixed.cpu().double(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_attention_row_does_not_depend_on_its_pass():
     """A query row's result is the same alone (a 1-token step) and in a block or batch (batch invariance)."""
     from engine.runtimes.gpu_kernels import attention
@@ -261,7 +287,7 @@ def test_linear_row_does_not_depend_on_its_pass():
             assert torch.allclose(part, full[lo:hi], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("bm", [16, 1, 4])
+@pytest.mark.parametrize("bm", [16, 1, 4, "swap"])
 @pytest.mark.parametrize("kind", ["plain", "bias+residual", "norm", "gated"])
 def test_split_k_linear_matches_its_function_and_keeps_rows(kind, bm):
     """Split-K (the tile's last program sums the splits in order): the same function, a row's bits the same in any
@@ -280,11 +306,12 @@ def test_split_k_linear_matches_its_function_and_keeps_rows(kind, bm):
         kw["bias"] = torch.randn(n).to(DTYPE).to(DEV)
     if kind == "norm":
         kw["norm"], kw["eps"] = (torch.rand(k) + 0.5).to(DTYPE).to(DEV), 1e-6
-    split = (16, 128, 4, 2, 3, bm)
+    tail = (16, True) if bm == "swap" else (bm,)  # swap: 16 rows, the weight tile as the MMA's wide side
+    split = (16, 128, 4, 2, 3, *tail)
     # K in 5 whole slabs over 2 splits: the second split's third slab lies past K and must be masked
     x640 = torch.cat((x[:, :640], x[:, k : k + 640]), 1) if kind == "gated" else x[:, :640].contiguous()
     w640 = w[:, :640].contiguous()
-    uneven = linear(x640, w640, config=(16, 128, 4, 2, 2, bm), gated=kind == "gated")
+    uneven = linear(x640, w640, config=(16, 128, 4, 2, 2, *tail), gated=kind == "gated")
     want_uneven = _reference_linear(x640.cpu(), w640.cpu(), gated=kind == "gated")
     assert torch.allclose(uneven.cpu().double(), want_uneven, atol=3e-2, rtol=3e-2)
     full = linear(x, w, gated=kind == "gated", config=split, out_dtype=torch.float32, **kw)
@@ -302,7 +329,7 @@ def test_split_k_linear_matches_its_function_and_keeps_rows(kind, bm):
     assert int(gpu_linear._LOCKS[full.device].count_nonzero()) == 0
 
 
-@pytest.mark.parametrize("bm", [16, 1, 4])
+@pytest.mark.parametrize("bm", [16, 1, 4, "swap"])
 @pytest.mark.parametrize("seqs,t,heads,kv_heads,hd", [(1, 1, 14, 2, 64), (2, 3, 12, 2, 128)])
 def test_qkv_with_rope_epilogue_equals_linear_then_rope_store(seqs, t, heads, kv_heads, hd, bm):
     """The qkv product with its RoPE epilogue (one launch, K split) gives the queries, keys and values that the
@@ -318,10 +345,11 @@ def test_qkv_with_rope_epilogue_equals_linear_then_rope_store(seqs, t, heads, kv
     x = torch.randn(seqs * t, k).to(DTYPE).to(DEV)
     positions = (torch.tensor([7, 120][:seqs])[:, None] + torch.arange(t)[None, :]).reshape(-1).to(DEV)
     caches = [torch.zeros(seqs, kv_heads, max_len, hd, dtype=DTYPE, device=DEV) for _ in range(4)]
-    qkv = linear(x, w, bias=bias, norm=norm, eps=1e-6, config=(hd, 128, 4, 2, 3, bm))
+    cfg = (hd, 128, 4, 2, 3, *((16, True) if bm == "swap" else (bm,)))
+    qkv = linear(x, w, bias=bias, norm=norm, eps=1e-6, config=cfg)
     q_apart = rope_store(qkv, caches[0], caches[1], cos, sin, positions, seqs, heads, kv_heads)
     rope = RopeStore(caches[2], caches[3], cos, sin, positions, seqs, heads, kv_heads)
-    q = linear(x, w, bias=bias, norm=norm, eps=1e-6, config=(hd, 128, 4, 2, 3, bm), rope=rope)
+    q = linear(x, w, bias=bias, norm=norm, eps=1e-6, config=cfg, rope=rope)
     same = torch.equal if CUDA else lambda a, b: torch.allclose(a.float(), b.float(), atol=1e-2, rtol=0)
     assert same(q, q_apart) and same(caches[2], caches[0]) and same(caches[3], caches[1])
     assert caches[2].abs().sum() > 0 and caches[3].abs().sum() > 0
