@@ -2,7 +2,7 @@
 
     pip install -e '.[bench]'     # llama-cpp-python (compiles llama.cpp; not in CI's path)
     python -m bench.vs_llamacpp [--quick] [--threads 1,2] [--llama-server PATH] [--fimble-runtime compact|ggml]
-                                [--precision f32|q8_0 | --model PATH.gguf] [--json PATH]
+                                [--precision f32|q8_0 | --model PATH.gguf [--server-spec TYPES]] [--json PATH]
 
 Model: the embedded target and draft (bf16 weights), written as GGUF by engine/runtimes/gguf_export.py
 (pre-tokenizer "gpt-2", FIM ids, add_bos false) into --gguf-dir, f32 and q8_0. --precision picks
@@ -14,10 +14,15 @@ ids, and every row of that precision reports how many greedy outputs equal fimbl
 its own weight type by both sides (no FIMBLE_QUANT; --precision does not apply). With no draft model
 sharing its tokenizer, fimble default is the auto drafter without a model drafter (n-gram drafting),
 llama.cpp plain is one row, "llama.cpp plain (gguf)", and llama-server runs the file without a draft
-("llama-server": plain /completion and /infill, no speculation; --server-ngram adds a cold-prompt row
-with its draft-free n-gram speculation, "llama-server + n-gram"); the keystroke loop's engine process
-loads the file with no draft. The token-id check compares fimble's tokenizer for the file with
-llama.cpp's; the report records the file's path and sha256.
+("llama-server": plain /completion and /infill, no speculation). llama-server's draft-model setting does
+not apply to this one-file comparison: no model smaller than Qwen2.5-Coder-0.5B shares Qwen's tokenizer,
+so the only draft would be the target itself. Its speculative settings here are the draft-free n-gram
+types: --server-spec TYPES (a comma list of ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod,
+ngram-cache) adds one cold-prompt row per type, "llama-server + TYPE", each its own server at the type's
+default sizes (--server-ngram: --server-spec ngram-simple). The 1.3x decode-rate bar is taken against
+the row of them with the highest decode rate, which the ratios and the headline name. The keystroke
+loop's engine process loads the file with no draft. The token-id check compares fimble's tokenizer for
+the file with llama.cpp's; the report records the file's path and sha256.
 
 Cold prompts (--prompts x --tokens, default 24 x 96): each system decodes exactly that many tokens
 greedily from the same token ids, cold caches. Per prompt the systems run one after another
@@ -56,22 +61,19 @@ import json
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import time
 from functools import partial
 from pathlib import Path
 
-from bench.harness.llamacpp_peer import LlamaServer, LlamaWorker, find_server, read_completion
+from bench.harness.llamacpp_peer import LlamaServer, LlamaWorker, find_server, read_completion, spec_types
+from bench.harness.llamacpp_report import PRECISIONS, SPEC_SERVER, STOCK_INFILL, cold_table, headline, print_run, ratios
 
 REPO = Path(__file__).resolve().parent.parent
 
 now = time.perf_counter
-PRECISIONS = ("f32", "q8_0")
 REF = "fimble plain"  # the greedy reference: every system of the same weight precision must match it
-NGRAM_SERVER = "llama-server + n-gram"  # --model --server-ngram: llama-server's draft-free speculation
-STOCK_INFILL = "llama-server /infill, own prompt"  # PSM models: the text as llama.vim sends it
 
 
 # -- inputs ---------------------------------------------------------------------------------
@@ -150,14 +152,6 @@ def runtime_name(model) -> str:
 
 
 # -- statistics ------------------------------------------------------------------------------
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def pct(xs: list[float], q: float) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
 def agree(ref: list[int], out: list[int], stops: set[int]) -> bool:
     """Identical up to where greedy would end (llama-server masks end tokens: ignore_eos)."""
     end = next((i for i, t in enumerate(ref) if t in stops), len(ref))
@@ -318,155 +312,6 @@ def split_fim(ids: list[int], tok) -> tuple[list[int], list[int]]:
     return (tail, head) if tpl.order == "spm" else (head, tail)
 
 
-# -- report -------------------------------------------------------------------------------------
-def cold_table(rows: dict) -> list[dict]:
-    table = []
-    for name, r in rows.items():
-        table.append(
-            {
-                "system": name,
-                "e2e_ms_median": med(r["e2e_ms"]),
-                "e2e_ms_mean": statistics.fmean(r["e2e_ms"]),
-                "ttft_ms_median": med(r["ttft_ms"]),
-                "decode_tok_s": r["decode_tok_s"],
-                "identical": f"{r['identical']}/{r['compared']}" if r["compared"] else "-",
-                "identical_llamacpp": f"{r['identical_llamacpp']}/{r['compared']}" if r["compared"] else "-",
-                "accepted_per_drafted": f"{r['draft_accepted']}/{r['draft_n']}" if r["draft_n"] else "-",
-            }
-        )
-    return table
-
-
-def server_key(server_row: str) -> str:
-    """The ratio keys' name for the llama-server row: server_draft, or server (--model: no draft)."""
-    return "server_draft" if server_row.endswith("+ draft") else "server"
-
-
-def ratios(cold: dict, keys: dict | None, prec: str, server_row: str = "llama-server + draft") -> dict:
-    """Each speed bar fimble must meet against llama.cpp (plain no slower, default no slower than llama-server with
-    the same draft model and decoding >= 1.3x its rate, keystroke first token no later, first line <= 0.75x) as a
-    ratio and whether it is met (against llama.cpp of the same precision;
-    with --model, prec is "gguf" and the one llama.cpp plain row is the file's). With --model, issue 24's bars for
-    the default model too: fimble default's decode rate >= 1.8x llama.cpp plain's and >= 1.3x llama-server's
-    n-gram speculation's (its one speculative setting without a draft model), first line <= 0.6x."""
-    out: dict = {}
-    one_file = prec == "gguf"
-
-    def e2e(name):
-        return sum(cold[name]["e2e_ms"])
-
-    for q in (*PRECISIONS, "gguf"):
-        if f"llama.cpp plain ({q})" in cold:
-            r = e2e("fimble plain") / e2e(f"llama.cpp plain ({q})")
-            out[f"plain_time_vs_llamacpp_{q}"] = {
-                "ratio": r,
-                **({"bar": "<= 1.00", "met": r <= 1.0} if q == prec else {}),
-            }
-    if one_file and "llama.cpp plain (gguf)" in cold:
-        r = cold["fimble default"]["decode_tok_s"] / cold["llama.cpp plain (gguf)"]["decode_tok_s"]
-        out["default_decode_rate_vs_llamacpp_gguf"] = {"ratio": r, "bar": ">= 1.80", "met": r >= 1.8}
-    sk = server_key(server_row)
-    if server_row in cold:
-        r = e2e("fimble default") / e2e(server_row)
-        out[f"default_time_vs_{sk}"] = {"ratio": r, "bar": "<= 1.00", "met": r <= 1.0}
-        r = cold["fimble default"]["decode_tok_s"] / cold[server_row]["decode_tok_s"]
-        out[f"default_decode_rate_vs_{sk}"] = {"ratio": r, "bar": ">= 1.30", "met": r >= 1.3}
-    if NGRAM_SERVER in cold:
-        out["default_time_vs_server_ngram"] = {"ratio": e2e("fimble default") / e2e(NGRAM_SERVER)}
-        r = cold["fimble default"]["decode_tok_s"] / cold[NGRAM_SERVER]["decode_tok_s"]
-        out["default_decode_rate_vs_server_ngram"] = {"ratio": r, "bar": ">= 1.30", "met": r >= 1.3}
-    if keys and keys[server_row]["ttft_ms"]:
-        f, s = keys["fimble"], keys[server_row]
-        r = med(f["ttft_ms"]) / med(s["ttft_ms"])
-        out["keystroke_ttft_median_vs_server"] = {"ratio": r, "bar": "<= 1.00", "met": r <= 1.0}
-        r, bar = med(f["line_ms"]) / med(s["line_ms"]), 0.6 if one_file else 0.75
-        out["keystroke_first_line_median_vs_server"] = {"ratio": r, "bar": f"<= {bar:.2f}", "met": r <= bar}
-    if keys and keys.get(STOCK_INFILL, {}).get("ttft_ms"):  # no bar: not the same prompt
-        f, s = keys["fimble, LSP prompt (healing)"], keys[STOCK_INFILL]
-        out["keystroke_ttft_median_lsp_vs_stock_infill"] = {"ratio": med(f["ttft_ms"]) / med(s["ttft_ms"])}
-    return out
-
-
-def print_run(run: dict) -> None:
-    th, lb, la = run["threads"], run["load_before"], run["load_after"]
-    print(
-        f"\ncold prompts: {run['prompts']} prompts x {run['tokens']} tokens, greedy, threads={th}, "
-        f"fimble runtime {run['fimble_runtime']}, flash attention {run.get('flash_attn')}, "
-        f"load average before {lb} after {la}"
-    )
-    print(f"greedy outputs identical to fimble plain's (=fimble) and to llama.cpp plain {run['precision']}'s (=llama)")
-    print(
-        f"{'system':26s} {'e2e ms med':>10s} {'TTFT ms':>8s} {'dec tok/s':>9s} {'=fimble':>7s} {'=llama':>7s} "
-        f"{'drafts acc':>12s}"
-    )
-    for row in run["cold_table"]:
-        print(
-            f"{row['system']:26s} {row['e2e_ms_median']:10.1f} {row['ttft_ms_median']:8.1f} "
-            f"{row['decode_tok_s']:9.1f} {row['identical']:>7s} {row['identical_llamacpp']:>7s} "
-            f"{row['accepted_per_drafted']:>12s}"
-        )
-    keys = run.get("keystroke")
-    if keys:
-        ident = keys["identical"]
-        print(
-            f"\nkeystroke loop, threads={th}: {len(keys['fimble']['ttft_ms'])} keys in "
-            f"{', '.join(run['typing_files'])}; fimble and llama-server outputs identical "
-            f"{ident['identical']}/{ident['compared']}"
-        )
-        for name in (
-            "fimble",
-            run.get("server_row", "llama-server + draft"),
-            "fimble, LSP prompt (healing)",
-            STOCK_INFILL,
-        ):
-            r = keys.get(name)
-            if r is None:
-                continue
-            if r["ttft_ms"]:
-                print(
-                    f"{name:30s} TTFT median {med(r['ttft_ms']):6.1f} ms  p90 {pct(r['ttft_ms'], 0.9):6.1f} ms   "
-                    f"first line/16 tokens median {med(r['line_ms']):6.1f} ms  p90 {pct(r['line_ms'], 0.9):6.1f} ms"
-                )
-    if run["same_gguf"] is not None:
-        print(f"fimble's runtime loads the same GGUF bytes as llama.cpp: {run['same_gguf']}")
-    for what in run["skipped"]:
-        print(f"skipped: {what}")
-    print(f"\nratios, threads={th} (time ratios: below 1 means fimble is faster):")
-    for name, r in run["ratios"].items():
-        bar = f"  bar {r['bar']}: {'met' if r['met'] else 'NOT met'}" if "bar" in r else ""
-        print(f"  {name:40s} {r['ratio']:6.2f}{bar}")
-
-
-def headline(report: dict) -> str:
-    run = report["runs"][0]
-    r = run["ratios"]
-    gguf = report["model"].get("file")  # --model
-    parts = [
-        f"threads={run['threads']}",
-        f"model {Path(gguf).name} (its own weights)" if gguf else f"weights {report['precision']}",
-        f"fimble runtime {run['fimble_runtime']}",
-        f"load {run['load_after'][0]}",
-    ]
-    bits = []
-    for sk, label in (("server_draft", "llama-server+draft"), ("server", "llama-server")):
-        if f"default_time_vs_{sk}" in r:
-            bits.append(
-                f"fimble default {r[f'default_time_vs_{sk}']['ratio']:.2f}x {label}'s time, "
-                f"{r[f'default_decode_rate_vs_{sk}']['ratio']:.2f}x its decode rate"
-            )
-    q = report["precision"]
-    if f"plain_time_vs_llamacpp_{q}" in r:
-        bits.append(f"fimble plain {r[f'plain_time_vs_llamacpp_{q}']['ratio']:.2f}x llama.cpp {q} plain's time")
-    if "keystroke_ttft_median_vs_server" in r:
-        bits.append(
-            f"keystroke TTFT {r['keystroke_ttft_median_vs_server']['ratio']:.2f}x, first line "
-            f"{r['keystroke_first_line_median_vs_server']['ratio']:.2f}x llama-server's"
-        )
-    met = [v["met"] for v in r.values() if "met" in v]
-    bits.append(f"bars met {sum(met)}/{len(met)}" if met else "no llama.cpp peer ran")
-    return f"headline ({', '.join(parts)}): " + "; ".join(bits)
-
-
 # -- main ---------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -491,10 +336,19 @@ def main() -> None:
         "own weight type; no draft model (fimble default drafts n-grams, llama-server runs without a draft)",
     )
     ap.add_argument(
+        "--server-spec",
+        type=spec_types,
+        metavar="TYPES",
+        help="with --model: comma list of llama-server's draft-free --spec-type values (ngram-simple, "
+        "ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache); one more cold-prompt row per type, "
+        "'llama-server + TYPE' (its own server, the type's default sizes). fimble default's 1.3x decode-rate "
+        "bar is taken against the fastest of them. The draft-model setting does not apply to one file: no "
+        "model smaller than Qwen2.5-Coder-0.5B shares Qwen's tokenizer to draft for it",
+    )
+    ap.add_argument(
         "--server-ngram",
         action="store_true",
-        help="with --model: one more cold-prompt row, llama-server + n-gram (its prompt-lookup speculation, "
-        "--spec-type ngram-simple with its default sizes), against fimble default's n-gram drafting",
+        help="with --model: shorthand for --server-spec ngram-simple (llama-server's prompt-lookup speculation)",
     )
     ap.add_argument(
         "--draft-max",
@@ -541,8 +395,9 @@ def main() -> None:
         model_file = args.model.expanduser().resolve()
         if model_file.suffix.lower() != ".gguf" or not model_file.is_file():
             ap.error(f"--model {args.model}: not a .gguf file")
-    if args.server_ngram and model_file is None:
-        ap.error("--server-ngram needs --model (the embedded model's llama-server row drafts with the draft model)")
+    server_specs = list(dict.fromkeys((["ngram-simple"] if args.server_ngram else []) + (args.server_spec or [])))
+    if server_specs and model_file is None:
+        ap.error("--server-spec/--server-ngram need --model (the embedded model's llama-server drafts with its draft)")
     n_prompts = args.prompts or (3 if args.quick else 24)
     n_tokens = args.tokens or (32 if args.quick else 96)
     keys = args.keys if args.keys is not None else (6 if args.quick else 60)
@@ -643,7 +498,7 @@ def main() -> None:
             "fimble default": partial(fimble_cold, target, "auto", n=n_tokens, model_drafter=md, ngram=ng),
         }
         peers: list = []
-        server = server_ngram = None
+        server, spec_servers = None, {}
         try:
             try:
                 for q in ("gguf",) if model_file else PRECISIONS:
@@ -675,20 +530,24 @@ def main() -> None:
                 )
                 run["llama_server"] = {"cmd": " ".join(server.cmd[1:]), "build": server.props.get("build_info", "?")}
                 systems[server_row] = partial(server.cold, n=n_tokens)
-                if args.server_ngram:
-                    server_ngram = LlamaServer(
-                        server_bin,
-                        model_file,
-                        None,
-                        threads,
-                        args.draft_max,
-                        args.gguf_dir / f"llama-server-ngram-t{threads}.log",
-                        flash=server_flash,
-                        spm=target.template is not None and target.template.order == "spm",
-                        spec="ngram-simple",
-                    )
-                    run["llama_server_ngram"] = {"cmd": " ".join(server_ngram.cmd[1:])}
-                    systems[NGRAM_SERVER] = partial(server_ngram.cold, n=n_tokens)
+                for spec in server_specs:  # draft-free speculation, one server (and log) per --spec-type
+                    try:
+                        srv = spec_servers[spec] = LlamaServer(
+                            server_bin,
+                            model_file,
+                            None,
+                            threads,
+                            args.draft_max,
+                            args.gguf_dir / f"llama-server-{spec}-t{threads}.log",
+                            flash=server_flash,
+                            spm=target.template is not None and target.template.order == "spm",
+                            spec=spec,
+                        )
+                    except RuntimeError as exc:
+                        run["skipped"].append(f"{SPEC_SERVER}{spec}: {exc}")
+                        continue
+                    run.setdefault("llama_server_spec", {})[spec] = {"cmd": " ".join(srv.cmd[1:])}
+                    systems[SPEC_SERVER + spec] = partial(srv.cold, n=n_tokens)
             for fn in systems.values():  # warm-up, not timed
                 fn(prompts[0])
             cold = cold_run(
@@ -711,7 +570,7 @@ def main() -> None:
         finally:
             for p in peers:
                 p.close()
-            for srv in (server, server_ngram):
+            for srv in (server, *spec_servers.values()):
                 if srv:
                     srv.close()
         del target, draft, md, systems  # free this thread count's runtimes before the next loads

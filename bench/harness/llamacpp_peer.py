@@ -12,6 +12,7 @@ Timings are taken inside the worker, so the pipe costs nothing to llama.cpp's fi
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import http.client
 import json
@@ -108,6 +109,23 @@ def worker_main(model: str, threads: int, flash_attn: bool) -> None:
 
 
 # -- llama-server -------------------------------------------------------------------------------------
+# llama-server's --spec-type values that draft without a draft model: n-gram lookups in the context
+# (ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod) or in a lookup cache built as it decodes (ngram-cache).
+DRAFT_FREE_SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+
+def spec_types(text: str) -> list[str]:
+    """argparse type of a comma list of draft-free --spec-type values: each once, in the order given."""
+    types = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    bad = [t for t in types if t not in DRAFT_FREE_SPEC_TYPES]
+    if bad or not types:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(bad) or repr(text)}: not a draft-free llama-server --spec-type; "
+            f"choose from {','.join(DRAFT_FREE_SPEC_TYPES)}"
+        )
+    return types
+
+
 def find_server(arg: str | None) -> tuple[str | None, str]:
     """(binary path or None, why not). ``arg`` is --llama-server or $LLAMA_SERVER; else PATH."""
     cand = arg or os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
