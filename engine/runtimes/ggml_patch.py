@@ -28,13 +28,13 @@ fimble's own lane order at every row count (item 3), faster, blocks still equal 
      (bench/reports/verify-rows-lanes-2026-12-05.txt): a 1-token step 23% faster (13% at 2 threads), 4 and 8
      rows 25% and 31% faster than the exact-stock-order kernel before it, a 1,024-token prefill 1.9x faster
      than tinyBLAS; on AVX2 alone (bench/reports/verify-rows-lanes-avx2-2026-12-05.txt) a step ~20% faster.
-   - With FIMBLE_Q8_0_AVX2=1 (stock's order), fimble_vec_dot_q8_0_q8_0_rows takes 2 to 16 rows of a block at
+   - With FIMBLE_Q8_0_AVX2=1 (stock's order), fimble_vec_dot_q8_0_q8_0_rows takes 1 to 16 rows of a block at
      once: each weight block is loaded once for every row, and each row's sum is ggml_vec_dot_q8_0_q8_0's AVX2
-     loop (the same scale
-     product, the same integer lane sums, one FMA a block in order, the same reduction); 1-token steps run
-     stock's loop. tinyBLAS's q8_0 tiles (4 weight rows x 2 activation rows) also equal vec_dot bit for bit,
-     but cost about 0.8 of a step per extra row here (the probe before this kernel: 2/4/8/16 rows
-     1.86/3.30/6.10/11.93 steps).
+     loop (the same scale product, the same integer lane sums, one FMA a block in order, the same reduction); a
+     1-token step's weight rows go four at a time (four FMA chains, where stock's loop waits on one: the step at
+     the lane kernel's speed, its sums stock's). tinyBLAS's q8_0 tiles (4 weight rows x 2 activation rows) also
+     equal vec_dot bit for bit, but cost about 0.8 of a step per extra row here (the probe before this kernel:
+     2/4/8/16 rows 1.86/3.30/6.10/11.93 steps).
 """
 
 from __future__ import annotations
@@ -193,10 +193,10 @@ LOOP_NEW = (
                 }
 #if defined(FIMBLE_Q8_0_ROWS)
                 // fimble: q8_0 weights against up to FIMBLE_Q8_0_ROWS (16) rows of this block at once, each weight
-                // block loaded once for all.
-                // With AVX-512 VNNI, every row count: the lane-order kernel takes 1-token steps and prefills too.
+                // block loaded once for all; every row count, 1-token steps included (the lane-order kernel, or in
+                // stock's order the rows kernel, which takes a 1-token step's weight rows four at a time).
                 const int fimble_lanes = type == GGML_TYPE_Q8_0 && fimble_q8_0_lanes();
-                if (type == GGML_TYPE_Q8_0 && vec_dot_type == GGML_TYPE_Q8_0 && fimble_left >= 2 - fimble_lanes &&
+                if (type == GGML_TYPE_Q8_0 && vec_dot_type == GGML_TYPE_Q8_0 && fimble_left >= 1 &&
                     ne00 <= FIMBLE_Q8_0_MAX_N && num_rows_per_vec_dot == 1 &&
                     (src1_cont || src1->type != vec_dot_type)) {
                     const int64_t fimble_q8 = fimble_left <= FIMBLE_Q8_0_ROWS ? fimble_left
@@ -226,7 +226,7 @@ Q8_DECL_OLD = (
 Q8_DECL_NEW = (
     Q8_DECL_OLD
     + """#if defined(__AVX2__) && defined(__GNUC__)
-// fimble (engine/runtimes/ggml_patch.py): nx q8_0 rows of vx (bx bytes apart) against nr (2..FIMBLE_Q8_0_ROWS)
+// fimble (engine/runtimes/ggml_patch.py): nx q8_0 rows of vx (bx bytes apart) against nr (1..FIMBLE_Q8_0_ROWS)
 // q8_0 rows of vy (by bytes apart), row length n <= FIMBLE_Q8_0_MAX_N; s[i + r*bs] = x row i . y row r, each
 // exactly ggml_vec_dot_q8_0_q8_0's result.
 #define FIMBLE_Q8_0_ROWS 16
@@ -369,6 +369,42 @@ static inline __attribute__((always_inline)) void fimble_q8_0_rows_long(
     }
 }
 
+// One activation row (a 1-token step) against NX (1..4) weight rows at once: for each weight row, ggml's 1-row loop
+// in its order (dx*dy as a scalar product, mul_sum_i8_pairs_float, one FMA per block into that row's accumulator,
+// hsum_float_8), so each result is ggml_vec_dot_q8_0_q8_0's bit for bit. The 1-row loop waits on its one FMA chain
+// (a block per FMA latency); four independent chains keep the multiply port busy instead, and the step streams its
+// weights at the lane kernel's rate (Zen 2, one thread: 14.0 GB/s against stock's 10.7; the lane kernel 14.8).
+// The group's rows lie one after another, so the prefetch runs ahead of them linearly, 4 KB ahead (2 KB: 12%
+// slower on 28-block rows).
+#define FIMBLE_Q8_0_STEP_PREFETCH 4096
+static inline __attribute__((always_inline)) void fimble_q8_0_step(
+        const int NX, const int nb, float * GGML_RESTRICT s, const char * GGML_RESTRICT vx, const size_t bx,
+        const block_q8_0 * GGML_RESTRICT y) {
+    __m256 acc[4];
+    for (int i = 0; i < NX; ++i) {
+        acc[i] = _mm256_setzero_ps();
+    }
+    for (int ib = 0; ib < nb; ++ib) {
+        const char * pf = vx + FIMBLE_Q8_0_STEP_PREFETCH + ib * (NX * (int) sizeof(block_q8_0));
+        _mm_prefetch(pf, _MM_HINT_T0);
+        _mm_prefetch(pf + 64, _MM_HINT_T0);
+        if (NX > 2) {
+            _mm_prefetch(pf + 128, _MM_HINT_T0);
+        }
+        const float dy = GGML_CPU_FP16_TO_FP32(y[ib].d);
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[ib].qs);
+        for (int i = 0; i < NX; ++i) {
+            const block_q8_0 * GGML_RESTRICT x = (const block_q8_0 *)(vx + i*bx) + ib;
+            const __m256 d = _mm256_set1_ps(GGML_CPU_FP16_TO_FP32(x->d) * dy);
+            const __m256i qx = _mm256_loadu_si256((const __m256i *)x->qs);
+            acc[i] = _mm256_fmadd_ps(d, mul_sum_i8_pairs_float(qx, qy), acc[i]);
+        }
+    }
+    for (int i = 0; i < NX; ++i) {
+        s[i] = hsum_float_8(acc[i]);
+    }
+}
+
 #define FIMBLE_SWITCH8(F, nr, ...) switch (nr) { \
         case 1: F(1, __VA_ARGS__); break; case 2: F(2, __VA_ARGS__); break; case 3: F(3, __VA_ARGS__); break; \
         case 4: F(4, __VA_ARGS__); break; case 5: F(5, __VA_ARGS__); break; case 6: F(6, __VA_ARGS__); break; \
@@ -376,9 +412,22 @@ static inline __attribute__((always_inline)) void fimble_q8_0_rows_long(
 
 void fimble_vec_dot_q8_0_q8_0_rows(int n, int nx, int nr, float * GGML_RESTRICT s, size_t bs,
                                    const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by) {
-    assert(n % QK8_0 == 0 && n <= FIMBLE_Q8_0_MAX_N && nr >= 2 && nr <= FIMBLE_Q8_0_ROWS);
+    assert(n % QK8_0 == 0 && n <= FIMBLE_Q8_0_MAX_N && nr >= 1 && nr <= FIMBLE_Q8_0_ROWS);
     const int nb = n / QK8_0;
     const char * GGML_RESTRICT y = vy;
+    if (nr == 1) {  // a 1-token step: its weight rows four at a time
+        int i = 0;
+        for (; i + 4 <= nx; i += 4) {
+            fimble_q8_0_step(4, nb, s + i, (const char *) vx + i*bx, bx, vy);
+        }
+        switch (nx - i) {
+            case 3: fimble_q8_0_step(3, nb, s + i, (const char *) vx + i*bx, bx, vy); break;
+            case 2: fimble_q8_0_step(2, nb, s + i, (const char *) vx + i*bx, bx, vy); break;
+            case 1: fimble_q8_0_step(1, nb, s + i, (const char *) vx + i*bx, bx, vy); break;
+            default: break;
+        }
+        return;
+    }
     const int h = nr <= 8 ? nr : (nr + 1) / 2;  // 9-16 rows on AVX2: two groups, the weight row still in cache
     if (nb > FIMBLE_Q8_0_FAST_NB || nr < FIMBLE_Q8_0_FAST_ROWS) {
         for (int i = 0; i < nx; ++i) {

@@ -77,7 +77,7 @@ def test_kernel_rows_equal_one_row_dots_bit_for_bit():
             for k in range(nx):
                 one_fn(n, one[r, k:].ctypes.data, 0, x[k].ctypes.data, 0, y[r].ctypes.data, 0, 1)
         assert np.abs(one).max() > 0  # the dots are not all zero (else equality proves nothing)
-        for nr in range(2, ROWS_MAX + 1):
+        for nr in range(1, ROWS_MAX + 1):  # 1: a step's weight rows four at a time (nx 16, 5, 3, 2: every remainder)
             got = np.full((ROWS_MAX, 16), np.nan, np.float32)
             rows_fn(n, nx, nr, got.ctypes.data, 16, x.ctypes.data, x.strides[0], y.ctypes.data, y.strides[0])
             assert np.array_equal(got[:nr, :nx].view(np.uint32), one[:nr].view(np.uint32)), (n, nr)
@@ -186,6 +186,23 @@ def test_vnni_and_avx2_lane_kernels_agree_bit_for_bit():
         for extra in ({}, {"FIMBLE_Q8_0_LANES": "avx2"})
     ]
     assert runs[0].count("\n") == 12 and runs[0] == runs[1]
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="stock's order runs the AVX2 kernels")
+def test_stock_order_model_blocks_equal_steps_bit_for_bit():
+    """In stock's order (FIMBLE_Q8_0_AVX2=1: 1-token steps four weight rows at a time, blocks in the rows kernel,
+    each sum ggml_vec_dot_q8_0_q8_0's) the default model's blocks equal its steps too."""
+    if not model_info.qwen_fim_target().is_file():
+        pytest.skip("the default model is not installed (python -m training.fetch_qwen)")
+    name = "test_default_model_blocks_equal_steps_bit_for_bit"
+    env = dict(os.environ, FIMBLE_Q8_0_AVX2="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{name}"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:]
 
 
 def test_default_model_blocks_equal_steps_bit_for_bit():
