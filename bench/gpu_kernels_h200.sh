@@ -1,0 +1,51 @@
+#!/bin/bash
+# Issue 27 on the GPU machine (the device tool), from the repository root: the kernel sweep, and the GPU test suite
+# (the lossless bar: 200 prompts). Written 2026-12-06, when 16 calls got no machine; nothing here has run yet.
+#
+#   bash bench/gpu_kernels_h200.sh prep     here: wheels in .whl (websockets, msgpack for Python 3.12), the embedded
+#                                            target's shards as .devcarry/k27t/target.tar.xz, and every tracked file
+#                                            over 150 KB but the embedded draft moved to /tmp/aside (the tree must
+#                                            travel under 64 MiB); `bash bench/gpu_kernels_h200.sh back` restores them
+#   run: bash bench/gpu_kernels_h200.sh sweep    (no carry; ~7 min) bench/gpu_linear.py's sweep with the swap-AB
+#        candidates, the graph step at its configs, then the step with attention's fixed trips off and on
+#   run: bash bench/gpu_kernels_h200.sh tests    (carry .whl and .devcarry/k27t; ~8 min) tests/gpu and
+#        tests/engine/test_gpu_kernels.py (swap rows, fixed trips = bounded loop, the 200-prompt lossless tests)
+set -o pipefail
+case "${1:-}" in
+prep)
+    P="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+    P="$P --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64"
+    for w in websockets==16.0 msgpack==1.1.2; do
+        .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl $w
+    done
+    mkdir -p .devcarry/k27t
+    tar -cJf .devcarry/k27t/target.tar.xz -C models $(cd models && ls fimble-target/*.safetensors)
+    git ls-files -z | xargs -0 du -b | awk '$1>150000 {print $2}' | grep -v '^models/fimble-draft/' |
+        while read -r f; do mkdir -p "/tmp/aside/$(dirname "$f")"; mv "$f" "/tmp/aside/$f"; done
+    ;;
+back)
+    (cd /tmp/aside && find . -type f) | while read -r f; do mkdir -p "$(dirname "$f")"; mv "/tmp/aside/$f" "$f"; done
+    ;;
+sweep)
+    export PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    cat /proc/loadavg | tee -a "$OUT/gpu.txt"
+    timeout 300 python3 -m bench.gpu_linear --step --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log"
+    for f in 0 1 0 1; do
+        FIMBLE_ATTENTION_FIXED_TRIPS=$f timeout 75 python3 -m bench.gpu_linear --step-only \
+            --configs-from "$OUT/sweep.json" 2>&1 | tail -2 | sed "s/^/fixed trips $f: /" | tee -a "$OUT/sweep.log"
+    done
+    ;;
+tests)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    tar -xJf .devcarry/k27t/target.tar.xz -C models
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    timeout 560 python3 -m pytest -q -s --durations=15 -p no:cacheprovider tests/gpu tests/engine/test_gpu_kernels.py \
+        2>&1 | tee "$OUT/tests.log"
+    ;;
+*)
+    sed -n 2,13p "$0"
+    exit 2
+    ;;
+esac
