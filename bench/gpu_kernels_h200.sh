@@ -4,7 +4,7 @@
 #
 #   bash bench/gpu_kernels_h200.sh prep     here: wheels in .whl (websockets, msgpack for Python 3.12), the embedded
 #                                            target's shards as .devcarry/k27t/target.tar.xz, and every tracked file
-#                                            over 150 KB but the embedded draft moved to /tmp/aside (the tree must
+#                                            over 150 KB but the embedded draft and the target's tokenizer moved to /tmp/aside (the tree must
 #                                            travel under 64 MiB); `bash bench/gpu_kernels_h200.sh back` restores them
 #   run: bash bench/gpu_kernels_h200.sh sweep    (no carry; ~7 min) bench/gpu_linear.py's sweep with the swap-AB
 #        candidates, the graph step at its configs, then the step with attention's fixed trips off and on
@@ -20,7 +20,7 @@ prep)
     done
     mkdir -p .devcarry/k27t
     tar -cJf .devcarry/k27t/target.tar.xz -C models $(cd models && ls fimble-target/*.safetensors)
-    git ls-files -z | xargs -0 du -b | awk '$1>150000 {print $2}' | grep -v '^models/fimble-draft/' |
+    git ls-files -z | xargs -0 du -b | awk '$1>150000 {print $2}' | grep -v -E '^models/fimble-draft/|^models/fimble-target/tokenizer.json' |
         while read -r f; do mkdir -p "/tmp/aside/$(dirname "$f")"; mv "$f" "/tmp/aside/$f"; done
     ;;
 back)
