@@ -41,7 +41,9 @@ sets give it (cuda_graphs ``invariant_layers``; ``invariant_default`` picks one)
   writes after the qkv product (``RopeStore``: rope_store's arithmetic), float32 logits straight from the LM head's
   accumulators. On the H200 (bench/reports/gpu-linear-h200-2026-12-05.txt) its 1-token graph step is 1.4x faster
   than "invariant-cublas"'s (0.5B 1.15 ms, 1.5B 1.76 ms), but a verify block re-reads the weights per row: 8 rows
-  cost 2-2.7x a step, where cuBLAS prices 16 rows like 1. So it stays opt-in.
+  cost 2-2.7x a step, where cuBLAS prices 16 rows like 1. So it stays opt-in. ``linear``'s swap-AB tiles read
+  the weight once for 16 rows (an H100's first look, bench/reports/gpu-swap-h100-2026-12-06.txt: 8 rows 1.07x a
+  step); they enter MEASURED_CONFIGS once an H200 sweep and the lossless suite have run with them.
 
 Both sets run ``attention`` with ``ordered=True``: the split combine sums the splits one by one in split order, so
 trailing splits that hold no visible key (a longer key bucket) add exact zeros whatever their number, and the
