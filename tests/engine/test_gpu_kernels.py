@@ -130,22 +130,32 @@ def test_ordered_combine_in_the_split_kernel_equals_the_combine_kernel(monkeypat
     from engine.runtimes import gpu_kernels, gpu_linear
     from engine.runtimes.gpu_kernels import attention
 
-    torch.manual_seed(9)
+    q, keys, values, positions = _two_sequences(9, keys_len, starts)
+    fused = attention(q, keys, values, positions, keys_len, 2, 2, ordered=True)
+    assert int(gpu_linear._LOCKS[fused.device].count_nonzero()) == 0
+    monkeypatch.setattr(gpu_kernels, "COMBINE_IN_SPLIT", False)
+    apart = attention(q, keys, values, positions, keys_len, 2, 2, ordered=True)
+    _assert_same_bits(fused, apart)
+    want = _reference_attention(q.cpu(), keys.cpu(), values.cpu(), positions.cpu(), keys_len, 2, 2)
+    assert torch.allclose(fused.cpu().double(), want, atol=2e-2, rtol=2e-2)
+
+
+def _two_sequences(seed: int, keys_len: int, starts: list[int]) -> tuple:
+    """Queries, caches and positions of 2 sequences x 3 rows (14 heads over 2 kv heads of 64) starting at ``starts``."""
+    torch.manual_seed(seed)
     seqs, t, heads, kv_heads, hd = 2, 3, 14, 2, 64
     q = torch.randn(seqs * t, heads * hd).to(DTYPE).to(DEV)
     keys = torch.randn(seqs, kv_heads, keys_len + 64, hd).to(DTYPE).to(DEV)
     values = torch.randn(seqs, kv_heads, keys_len + 64, hd).to(DTYPE).to(DEV)
-    positions = (torch.tensor(starts)[:, None] + torch.arange(t)[None, :]).reshape(-1).to(DEV)
-    fused = attention(q, keys, values, positions, keys_len, seqs, kv_heads, ordered=True)
-    assert int(gpu_linear._LOCKS[fused.device].count_nonzero()) == 0
-    monkeypatch.setattr(gpu_kernels, "COMBINE_IN_SPLIT", False)
-    apart = attention(q, keys, values, positions, keys_len, seqs, kv_heads, ordered=True)
+    positions = (torch.tensor(starts)[:, None] + torch.arange(t)[None, :]).reshape(-1).clamp(max=keys_len - 1)
+    return q, keys, values, positions.to(DEV)
+
+
+def _assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
     if CUDA:
-        assert torch.equal(fused, apart)
+        assert torch.equal(a, b)
     else:  # numpy's vectorised exp rounds by an element's place in its array: not a property of the kernel
-        assert torch.allclose(fused, apart, atol=1e-6, rtol=0)
-    want = _reference_attention(q.cpu(), keys.cpu(), values.cpu(), positions.cpu(), keys_len, seqs, kv_heads)
-    assert torch.allclose(fused.cpu().double(), want, atol=2e-2, rtol=2e-2)
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("keys_len,starts", [(1024, [700, 1000]), (512, [3, 300]), (256, [40, 255])])
@@ -155,22 +165,14 @@ def test_attention_fixed_trips_equal_the_bounded_loop(monkeypatch, keys_len, sta
     from engine.runtimes import gpu_kernels
     from engine.runtimes.gpu_kernels import attention
 
-    torch.manual_seed(12)
-    seqs, t, heads, kv_heads, hd = 2, 3, 14, 2, 64
-    q = torch.randn(seqs * t, heads * hd).to(DTYPE).to(DEV)
-    keys = torch.randn(seqs, kv_heads, keys_len + 64, hd).to(DTYPE).to(DEV)
-    values = torch.randn(seqs, kv_heads, keys_len + 64, hd).to(DTYPE).to(DEV)
-    positions = (torch.tensor(starts)[:, None] + torch.arange(t)[None, :]).reshape(-1).clamp(max=keys_len - 1).to(DEV)
+    q, keys, values, positions = _two_sequences(12, keys_len, starts)
     for ordered in (True, False):
         monkeypatch.setattr(gpu_kernels, "FIXED_TRIPS", True)
-        fixed = attention(q, keys, values, positions, keys_len, seqs, kv_heads, ordered=ordered)
+        fixed = attention(q, keys, values, positions, keys_len, 2, 2, ordered=ordered)
         monkeypatch.setattr(gpu_kernels, "FIXED_TRIPS", False)
-        bounded = attention(q, keys, values, positions, keys_len, seqs, kv_heads, ordered=ordered)
-        if CUDA:
-            assert torch.equal(fixed, bounded)
-        else:  # numpy's vectorised exp rounds by an element's place in its array: not a property of the kernel
-            assert torch.allclose(fixed, bounded, atol=1e-6, rtol=0)
-    want = _reference_attention(q.cpu(), keys.cpu(), values.cpu(), positions.cpu(), keys_len, seqs, kv_heads)
+        bounded = attention(q, keys, values, positions, keys_len, 2, 2, ordered=ordered)
+        _assert_same_bits(fixed, bounded)
+    want = _reference_attention(q.cpu(), keys.cpu(), values.cpu(), positions.cpu(), keys_len, 2, 2)
     assert torch.allclose(fixed.cpu().double(), want, atol=2e-2, rtol=2e-2)
 
 
