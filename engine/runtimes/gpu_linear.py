@@ -7,9 +7,9 @@ a program's weight slab (BM 2-8, each row's tree as alone), or one of 16 rows of
 the rows are the product's M side, or (``swap``) the weight's BN outputs are, so the weight tile is the wide operand
 (the small-batch decode layout: 64-128 weight rows against 16 activation rows, each output element an MMA dot of its
 own row and column, whatever the other rows hold). K may be split; the tile's last program to arrive (an atomic count)
-adds the splits' partial sums in split order. The config
-comes from the weight's shape alone (``linear_config``), never from the row count, so a row's bits are the same in
-a 1-token step, a verify block and a batched round (tests/engine/test_gpu_kernels.py; on the H200,
+adds the splits' partial sums in split order. The config comes from the weight's shape alone (``linear_config``),
+never from the row count, so a row's bits are the same in a 1-token step, a verify block and a batched round
+(tests/engine/test_gpu_kernels.py; on the H200,
 bench/reports/gpu-linear-h200-2026-12-05.txt). Triton is imported lazily, as in gpu_kernels.py.
 """
 
