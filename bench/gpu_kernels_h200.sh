@@ -10,6 +10,10 @@
 #        candidates, the graph step at its configs, then the step with attention's fixed trips off and on
 #   run: bash bench/gpu_kernels_h200.sh tests    (carry .whl and .devcarry/k27t; ~8 min) tests/gpu and
 #        tests/engine/test_gpu_kernels.py (swap rows, fixed trips = bounded loop, the 200-prompt lossless tests)
+#   run: bash bench/gpu_kernels_h200.sh start; sleep 2; bash bench/gpu_kernels_h200.sh wait 560
+#        (carry .whl and .devcarry/k27t) both, detached (sweep then tests: ~15 min, past one call's 10): the tests run
+#        the Triton set (FIMBLE_CUDA_INVARIANT=triton), fixed trips and the sweep's configs (FIMBLE_LINEAR_CONFIGS);
+#        poll with `wait 560` again, then `collect` (also prints the job's tail)
 set -o pipefail
 case "${1:-}" in
 prep)
@@ -45,8 +49,31 @@ tests)
     timeout 560 python3 -m pytest -q -s --durations=15 -p no:cacheprovider tests/gpu tests/engine/test_gpu_kernels.py \
         2>&1 | tee "$OUT/tests.log"
     ;;
+start)
+    mkdir -p /tmp/k27job/out
+    setsid nohup bash bench/gpu_kernels_h200.sh job >/tmp/k27job/job.log 2>&1 </dev/null &
+    echo $! >/tmp/k27job/pid
+    echo "started $!"
+    ;;
+wait) # until the job ends or ${2:-500} s pass, then its tail
+    end=$(($(date +%s) + ${2:-500}))
+    while [ "$(date +%s)" -lt $end ] && kill -0 "$(cat /tmp/k27job/pid)" 2>/dev/null; do
+        sleep 5
+    done
+    kill -0 "$(cat /tmp/k27job/pid)" 2>/dev/null && echo "job running" || echo "job ended"
+    date -u
+    tail -n 30 /tmp/k27job/job.log
+    cp /tmp/k27job/out/* "$OUT"/ 2>/dev/null
+    ;;
+job)
+    OUT=/tmp/k27job/out bash bench/gpu_kernels_h200.sh sweep
+    echo "== tests: Triton set, fixed trips, the sweep's configs"
+    FIMBLE_CUDA_INVARIANT=triton FIMBLE_ATTENTION_FIXED_TRIPS=1 FIMBLE_LINEAR_CONFIGS=/tmp/k27job/out/sweep.json \
+        OUT=/tmp/k27job/out bash bench/gpu_kernels_h200.sh tests
+    echo "== job done"
+    ;;
 *)
-    sed -n 2,13p "$0"
+    sed -n 2,17p "$0"
     exit 2
     ;;
 esac

@@ -16,7 +16,10 @@ bench/reports/gpu-linear-h200-2026-12-05.txt). Triton is imported lazily, as in 
 from __future__ import annotations
 
 import functools
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -174,12 +177,31 @@ class LinearConfig(NamedTuple):
             raise ValueError(f"linear: swap needs BM {LINEAR_ROWS} and BN >= 16, not {tuple(cfg)}")
         return cfg
 
+    @classmethod
+    def checked(cls, config) -> LinearConfig:
+        """``of`` for a config from outside the code (FIMBLE_LINEAR_CONFIGS): every field range-checked."""
+        if not isinstance(config, (list, tuple)) or not 5 <= len(config) <= 7:
+            raise ValueError(
+                f"linear: a config is 5-7 fields (BN, BK, warps, stages, splits[, BM[, swap]]), not {config!r}"
+            )
+        if not all(isinstance(v, int) for v in config):
+            raise ValueError(f"linear: config fields are integers (swap 0/1 or true/false), not {config!r}")
+        cfg = cls.of(tuple(config))
+        powers = {"bn": (8, 256), "bk": (32, 1024), "warps": (1, 16), "bm": (1, LINEAR_ROWS)}
+        for name, (lo, hi) in powers.items():
+            v = getattr(cfg, name)
+            if not lo <= v <= hi or v & (v - 1):
+                raise ValueError(f"linear: {name} must be a power of two in {lo}..{hi}, not {v}")
+        if not 1 <= cfg.stages <= 8 or not 1 <= cfg.splits <= 64:
+            raise ValueError(f"linear: stages 1..8 and splits 1..64, not {cfg.stages} and {cfg.splits}")
+        return cfg._replace(swap=bool(cfg.swap))
+
 
 # (BN, BK, warps, stages, splits, BM) per weight shape (n, k) of the Qwen2.5 0.5B and 1.5B shapes: the fastest 1-row
 # product of bench/gpu_linear.py's sweep on the H200 (bench/reports/gpu-linear-h200-2026-12-05-run2.json), each with
 # its rows equal in any pass. All one row a program (BM 1): on these shapes 1.1-3.5x faster than 16-row tensor-core
 # tiles and at or under cuBLAS's 16-row product.
-MEASURED_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int, int]] = {
+MEASURED_CONFIGS: dict[tuple[int, int], tuple] = {
     (1152, 896): (8, 512, 4, 3, 1, 1),  # 0.5B qkv
     (896, 896): (8, 512, 4, 4, 1, 1),  # 0.5B o
     (9728, 896): (16, 256, 4, 5, 1, 1),  # 0.5B gate_up
@@ -204,11 +226,34 @@ def linear_config(n: int, k: int) -> LinearConfig:
     are still too few to keep every multiprocessor reading, K is split (summed in split order by the tile's last
     program). Shapes measured on the H200 take their measured configs (``MEASURED_CONFIGS``), others this rule (the
     measured ones' tiles and slabs; splits only as many as fill the GPU once)."""
+    swept = swept_configs()
+    if (n, k) in swept:
+        return swept[(n, k)]
     if (n, k) in MEASURED_CONFIGS:
         return LinearConfig.of(MEASURED_CONFIGS[(n, k)])
     bn = 8 if n <= 4096 else 16
     bk = 512 if n <= 4096 and k <= 2048 else 256
     return LinearConfig(bn, bk, 4, 4, _splits(-(-n // bn), -(-k // bk)), 1)
+
+
+CONFIGS_ENV = "FIMBLE_LINEAR_CONFIGS"
+
+
+@functools.cache
+def swept_configs() -> dict[tuple[int, int], LinearConfig]:
+    """Configs from a sweep of bench/gpu_linear.py (its --json: ``{"sweep": [{"n", "k", "best"}, ...]}``) named by
+    FIMBLE_LINEAR_CONFIGS, ahead of MEASURED_CONFIGS: another GPU's own tuning, or a new sweep counted by the
+    lossless suite before its figures enter the code. Read once per process, so every pass of the process uses the
+    same configs (batch invariance holds within a process whatever the file says). A bad file is an error at the
+    first product, never a silent fallback."""
+    path = os.environ.get(CONFIGS_ENV, "").strip()
+    if not path:
+        return {}
+    try:
+        rows = json.loads(Path(path).read_text())["sweep"]
+        return {(int(r["n"]), int(r["k"])): LinearConfig.checked(r["best"]) for r in rows}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{CONFIGS_ENV}={path}: not a bench/gpu_linear.py sweep ({exc})") from None
 
 
 def _splits(tiles: int, slabs: int) -> int:

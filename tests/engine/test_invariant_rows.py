@@ -109,6 +109,34 @@ def test_linear_config_depends_on_the_weight_alone():
         assert splits >= 1 and splits * bk <= -(-k // bk) * bk  # every split holds at least one slab of K
 
 
+def test_swept_configs_override_and_are_range_checked(tmp_path, monkeypatch):
+    from engine.runtimes import gpu_linear
+
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text('{"sweep": [{"n": 9728, "k": 896, "best": [64, 128, 4, 3, 1, 16, true]}]}')
+    monkeypatch.setenv(gpu_linear.CONFIGS_ENV, str(sweep))
+    gpu_linear.swept_configs.cache_clear()
+    try:
+        assert gpu_linear.linear_config(9728, 896) == (64, 128, 4, 3, 1, 16, True)  # the file's, ahead of the code's
+        assert gpu_linear.linear_config(896, 896) == gpu_linear.LinearConfig.of(gpu_linear.MEASURED_CONFIGS[(896, 896)])
+        row = '{"sweep": [{"n": 9728, "k": 896, "best": %s}]}'
+        bad_files = [
+            "[64, 128, 4, 3, 1, 16, true]",  # not a sweep's json
+            row % "[64, 100, 4, 3, 1, 16, true]",  # BK not a power of two
+            row % "[64, 128, 4, 3, 0]",  # no splits
+            row % "[64, 128, 4, 3, 1, 1, true]",  # swap with one row a program
+            row % '[64, "128", 4, 3, 1]',  # a string
+            '{"sweep": [{"n": 9728, "best": [64, 128, 4, 3, 1]}]}',  # no k
+        ]
+        for text in bad_files:
+            sweep.write_text(text)
+            gpu_linear.swept_configs.cache_clear()
+            with pytest.raises(ValueError, match=gpu_linear.CONFIGS_ENV):
+                gpu_linear.linear_config(9728, 896)
+    finally:
+        gpu_linear.swept_configs.cache_clear()
+
+
 def test_invariant_default_reads_the_switch(monkeypatch):
     monkeypatch.setattr(gpu_kernels, "available", lambda: True)
     for value, want in (("0", False), ("off", False), ("cublas", "invariant-cublas"), ("triton", "invariant")):
