@@ -244,14 +244,19 @@ def swept_configs() -> dict[tuple[int, int], LinearConfig]:
     """Configs from a sweep of bench/gpu_linear.py (its --json: ``{"sweep": [{"n", "k", "best"}, ...]}``) named by
     FIMBLE_LINEAR_CONFIGS, ahead of MEASURED_CONFIGS: another GPU's own tuning, or a new sweep counted by the
     lossless suite before its figures enter the code. Read once per process, so every pass of the process uses the
-    same configs (batch invariance holds within a process whatever the file says). A bad file is an error at the
+    same configs (batch invariance holds within a process whatever the file says). A weight whose best config had
+    rows unequal in the sweep (``best_rows_equal`` false) keeps the code's config. A bad file is an error at the
     first product, never a silent fallback."""
     path = os.environ.get(CONFIGS_ENV, "").strip()
     if not path:
         return {}
     try:
         rows = json.loads(Path(path).read_text())["sweep"]
-        return {(int(r["n"]), int(r["k"])): LinearConfig.checked(r["best"]) for r in rows}
+        return {
+            (int(r["n"]), int(r["k"])): LinearConfig.checked(r["best"])
+            for r in rows
+            if r.get("best_rows_equal", True) is not False
+        }
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{CONFIGS_ENV}={path}: not a bench/gpu_linear.py sweep ({exc})") from None
 

@@ -119,6 +119,13 @@ def test_swept_configs_override_and_are_range_checked(tmp_path, monkeypatch):
     try:
         assert gpu_linear.linear_config(9728, 896) == (64, 128, 4, 3, 1, 16, True)  # the file's, ahead of the code's
         assert gpu_linear.linear_config(896, 896) == gpu_linear.LinearConfig.of(gpu_linear.MEASURED_CONFIGS[(896, 896)])
+        sweep.write_text(
+            '{"sweep": [{"n": 9728, "k": 896, "best": [64, 128, 4, 3, 1, 16, true], "best_rows_equal": false}]}'
+        )
+        gpu_linear.swept_configs.cache_clear()  # a config whose rows differed in its sweep is not taken
+        assert gpu_linear.linear_config(9728, 896) == gpu_linear.LinearConfig.of(
+            gpu_linear.MEASURED_CONFIGS[(9728, 896)]
+        )
         row = '{"sweep": [{"n": 9728, "k": 896, "best": %s}]}'
         bad_files = [
             "[64, 128, 4, 3, 1, 16, true]",  # not a sweep's json
