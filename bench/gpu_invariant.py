@@ -269,6 +269,7 @@ def cost_table(name: str, model: CompactTransformer, context: int, bandwidth: fl
     one = torch.randint(0, vocab, (1,), generator=gen).to(DEV)
     eight = torch.randint(0, vocab, (8,), generator=gen).to(DEV)
     sixteen = torch.randint(0, vocab, (16,), generator=gen).to(DEV)
+    chunk = torch.randint(0, vocab, (128,), generator=gen).to(DEV)  # a prefill pass (fimble serve's chunk)
     runtimes = {}
     for mode in MODES:
         set_mode(model, mode)
@@ -296,6 +297,8 @@ def cost_table(name: str, model: CompactTransformer, context: int, bandwidth: fl
             "graph_gpu_step_ms": (replays, reps),
             "eager_step_ms": lambda: model(one, cache, context, 1).argmax(-1).tolist(),
             "eager_verify8_ms": lambda: model(eight, cache, context, 8).argmax(-1).tolist(),
+            # a cold prompt's cost: 128 prompt tokens in one eager pass (the last one's logits), at the context's depth
+            "eager_prefill128_ms": lambda: model(chunk, cache, context - 128, 1).argmax(-1).tolist(),
         }
         for fn in metrics[mode].values():  # warm-up: compiles, captures
             f = fn[0] if isinstance(fn, tuple) else fn

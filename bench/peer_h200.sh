@@ -59,7 +59,7 @@ job)
     # PEER_TAG: a suffix for the result files; PEER_STEP=0: no single-stream step; PEER_LEVELS: the bf16 trace's levels;
     # PEER_ROUNDS: the traces' rounds (2); PEER_FRESH=1: --fresh-traces (a new trace each round); PEER_AFTER=PATH: after
     # the build and the GGUFs, wait until PATH exists before any timing (e.g. the end of GPU tests run beside this job),
-    # at most PEER_AFTER_S seconds (1500)
+    # at most PEER_AFTER_S seconds (1500); PEER_SERVE=0: the step alone, no traces
     F16=${PEER_F16:-1}
     STEP=${PEER_STEP:-1}
     LEVELS=${PEER_LEVELS:-1,8,32}
@@ -141,6 +141,7 @@ job)
     [ "$STEP" = 1 ] && python3 -m bench.harness.llama_server_cuda --step --llama-server $B --shape 1.5B \
         "${G[@]}" --json $J/out/step$TAG.json 2>&1 | tee $J/out/step$TAG.txt
     echo "step done at $(($(date +%s) - t0)) s"
+    [ "${PEER_SERVE:-1}" = 0 ] && echo JOB DONE && exit 0
     python3 -m bench.serve_load --device cuda --shape 1.5B --levels $LEVELS --no-peer --max-tokens 128 \
         --max-lines 0 --llama-server $B --gguf $J/r15-bf16.gguf --rounds "$ROUNDS" "${FR[@]}" \
         --json $J/out/serve-bf16$TAG.json 2>&1 |
