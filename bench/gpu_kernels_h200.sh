@@ -65,6 +65,12 @@ wait) # until the job ends or ${2:-500} s pass, then its tail
     tail -n 30 /tmp/k27job/job.log
     cp /tmp/k27job/out/* "$OUT"/ 2>/dev/null
     ;;
+swaptests)
+    # the lossless suite with the Triton set and swap-AB tiles on the embedded pair's own shapes (its 200 prompts run
+    # the embedded pair, whose shapes MEASURED_CONFIGS does not hold: the rule's GEMV configs would run otherwise)
+    FIMBLE_CUDA_INVARIANT=triton FIMBLE_ATTENTION_FIXED_TRIPS=1 FIMBLE_LINEAR_CONFIGS=tests/gpu/swap_configs_embedded.json \
+        bash bench/gpu_kernels_h200.sh tests
+    ;;
 job)
     OUT=/tmp/k27job/out bash bench/gpu_kernels_h200.sh sweep
     echo "== tests: Triton set, fixed trips, the sweep's configs"
