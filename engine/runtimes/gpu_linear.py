@@ -197,21 +197,24 @@ class LinearConfig(NamedTuple):
         return cfg._replace(swap=bool(cfg.swap))
 
 
-# (BN, BK, warps, stages, splits, BM) per weight shape (n, k) of the Qwen2.5 0.5B and 1.5B shapes: the fastest 1-row
-# product of bench/gpu_linear.py's sweep on the H200 (bench/reports/gpu-linear-h200-2026-12-05-run2.json), each with
-# its rows equal in any pass. All one row a program (BM 1): on these shapes 1.1-3.5x faster than 16-row tensor-core
-# tiles and at or under cuBLAS's 16-row product.
+# (BN, BK, warps, stages, splits, BM, swap) per weight shape (n, k) of the Qwen2.5 0.5B and 1.5B shapes: the best of
+# bench/gpu_linear.py's sweep (a 1-token step plus an 8-row verify block) on an H100 (2026-12-06,
+# bench/reports/gpu-swap-sweep-h100-2026-12-06.json; the device tool lent no H200 that day), each with its rows equal in
+# any pass. The wide products take swap-AB tensor-core tiles (16 rows read the weight once: an 8-row verify costs
+# what a step does); the 0.5B's qkv and o stay one row a program (BM 1), where the GEMV is faster at 1 and 8 rows.
+# With them and attention's fixed trips the Triton set's graph step is 1.10 ms (0.5B) and 2.10 ms (1.5B) on the H100,
+# against the cuBLAS set's 1.70 and 2.57; the GPU suite (tests/gpu, 200 prompts) passed with them.
 MEASURED_CONFIGS: dict[tuple[int, int], tuple] = {
-    (1152, 896): (8, 512, 4, 3, 1, 1),  # 0.5B qkv
-    (896, 896): (8, 512, 4, 4, 1, 1),  # 0.5B o
-    (9728, 896): (16, 256, 4, 5, 1, 1),  # 0.5B gate_up
-    (896, 4864): (8, 256, 4, 5, 8, 1),  # 0.5B down
-    (151936, 896): (16, 256, 4, 5, 1, 1),  # 0.5B LM head
-    (2048, 1536): (8, 512, 4, 5, 1, 1),  # 1.5B qkv
-    (1536, 1536): (8, 512, 4, 3, 1, 1),  # 1.5B o
-    (17920, 1536): (32, 256, 4, 2, 1, 1),  # 1.5B gate_up
-    (1536, 8960): (16, 256, 8, 4, 8, 1),  # 1.5B down
-    (151936, 1536): (16, 256, 4, 4, 1, 1),  # 1.5B LM head
+    (1152, 896): (8, 512, 4, 4, 1, 1, False),  # 0.5B qkv
+    (896, 896): (8, 512, 4, 4, 1, 1, False),  # 0.5B o
+    (9728, 896): (64, 64, 4, 4, 1, 16, True),  # 0.5B gate_up
+    (896, 4864): (64, 64, 4, 4, 10, 16, True),  # 0.5B down
+    (151936, 896): (64, 128, 4, 3, 1, 16, True),  # 0.5B LM head
+    (2048, 1536): (64, 256, 8, 3, 3, 16, True),  # 1.5B qkv
+    (1536, 1536): (64, 64, 4, 4, 6, 16, True),  # 1.5B o
+    (17920, 1536): (64, 128, 4, 3, 1, 16, True),  # 1.5B gate_up
+    (1536, 8960): (128, 128, 8, 3, 10, 16, True),  # 1.5B down
+    (151936, 1536): (128, 256, 4, 3, 1, 16, True),  # 1.5B LM head
 }
 
 

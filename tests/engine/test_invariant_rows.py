@@ -105,7 +105,7 @@ def test_linear_config_depends_on_the_weight_alone():
                  (3584, 18944), (640, 100)):  # fmt: skip
         bn, bk, warps, stages, splits, bm, swap = gpu_kernels.linear_config(n, k)
         assert bm in (1, gpu_kernels.LINEAR_ROWS) and (not swap or bm == gpu_kernels.LINEAR_ROWS)
-        assert bn in (8, 16, 32, 64, 128) and bk in (128, 256, 512) and warps >= 1 and stages >= 1
+        assert bn in (8, 16, 32, 64, 128) and bk in (64, 128, 256, 512) and warps >= 1 and stages >= 1
         assert splits >= 1 and splits * bk <= -(-k // bk) * bk  # every split holds at least one slab of K
 
 
