@@ -39,11 +39,13 @@ sets give it (cuda_graphs ``invariant_layers``; ``invariant_default`` picks one)
   a projection (the norm weight scales the activation as it is loaded, 1/rms the accumulator at the end), the residual
   add and bias (rounded once), the MLP's ``silu(gate) * up`` as the down projection's prologue, RoPE and the cache
   writes after the qkv product (``RopeStore``: rope_store's arithmetic), float32 logits straight from the LM head's
-  accumulators. On the H200 (bench/reports/gpu-linear-h200-2026-12-05.txt) its 1-token graph step is 1.4x faster
-  than "invariant-cublas"'s (0.5B 1.15 ms, 1.5B 1.76 ms), but a verify block re-reads the weights per row: 8 rows
-  cost 2-2.7x a step, where cuBLAS prices 16 rows like 1. So it stays opt-in. ``linear``'s swap-AB tiles read
-  the weight once for 16 rows (an H100's first look, bench/reports/gpu-swap-h100-2026-12-06.txt: 8 rows 1.07x a
-  step); they enter MEASURED_CONFIGS once an H200 sweep and the lossless suite have run with them.
+  accumulators. ``linear``'s swap-AB tiles read the weight once for 16 rows, so a verify block costs about a step:
+  on an H100 with MEASURED_CONFIGS (2026-12-06, bench/reports/gpu-tests-h100-2026-12-06.txt) its graph step is 1.101
+  ms at 0.5B and 2.098 ms at 1.5B (the cuBLAS set: 1.701, 2.569), an 8-row verify 1.172 and 2.126 ms. It stays
+  opt-in until two things are measured on the device: a prefill pass's cost (many rows, where cuBLAS's large tiles
+  may win; a cold prompt is prefill) and the 200-prompt suite with swap tiles on the embedded pair's own shapes
+  (``bash bench/gpu_kernels_h200.sh swaptests``: the suite passed with the set on 2026-12-06, but those shapes took the
+  rule's GEMV configs).
 
 Both sets run ``attention`` with ``ordered=True``: the split combine sums the splits one by one in split order, so
 trailing splits that hold no visible key (a longer key bucket) add exact zeros whatever their number, and the
@@ -85,9 +87,14 @@ COMBINE_IN_SPLIT = True
 # key masked (exact no-ops: weight 0, scale 1), so Triton's pipeliner can overlap a tile's loads with the last one's
 # arithmetic; the same tiles in the same order as the bounded while loop. On an H100 (2026-12-06,
 # bench/reports/gpu-swap-h100-2026-12-06.txt) the two gave the same bits (tests/engine/test_gpu_kernels.py) and the
-# 0.5B graph step 8% faster. Opt-in (FIMBLE_ATTENTION_FIXED_TRIPS=1) until the GPU lossless suite (200 prompts,
-# speculative = plain, batched = unbatched) has counted it: bash bench/gpu_kernels_h200.sh tests with it set.
-FIXED_TRIPS = os.environ.get("FIMBLE_ATTENTION_FIXED_TRIPS", "0") == "1"
+# 0.5B graph step 8% faster; on 2026-12-06 the GPU suite counted it (tests/gpu on an H100, the Triton set: speculative =
+# plain 200/200 in every path, batched = unbatched 32/32; bench/reports/gpu-tests-h100-2026-12-06.txt), and with the
+# swap configs it took the Triton set's step from 1.191 to 1.101 ms (0.5B) and 2.227 to 2.098 ms (1.5B). Both kernel
+# sets run it. On by default; FIMBLE_ATTENTION_FIXED_TRIPS=0 runs the bounded loop (the same bits, for comparison).
+_FIXED_SWITCH = os.environ.get("FIMBLE_ATTENTION_FIXED_TRIPS", "1").strip().lower()
+if _FIXED_SWITCH not in ("0", "1", "on", "off", "true", "false", "yes", "no", ""):
+    raise ValueError(f"FIMBLE_ATTENTION_FIXED_TRIPS must be 0 or 1, not {_FIXED_SWITCH!r}")
+FIXED_TRIPS = _FIXED_SWITCH not in ("0", "off", "false", "no")
 
 
 INVARIANT_SETS = ("invariant-cublas", "invariant")  # the default first (see invariant_default)
@@ -103,8 +110,8 @@ def invariant_default() -> str | bool:
     ``FIMBLE_CUDA_INVARIANT``: unset or 1 = "invariant-cublas" (cuBLAS's projections on fixed 16-row passes, Triton
     attention combined in order: a 1-token step, a verify block, eager or graph, a batched serve round, the same bits,
     within engine/runtimes/row_limits.py's probed row counts); ``triton`` = "invariant" (every projection in
-    ``linear``: invariant for any row count by construction, batched rounds included; 2.4-3.3x the step time on the
-    H200 today, bench/reports/gpu-invariant-h200-2026-12-03.txt); 0 = off ("fused": a row's bits depend on its pass's
+    ``linear``: invariant for any row count by construction, batched rounds included; its step is faster than the cuBLAS
+    set's, its prefill not yet measured: see the module docstring); 0 = off ("fused": a row's bits depend on its pass's
     shape)."""
     if not available():
         return False
