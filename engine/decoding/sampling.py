@@ -42,7 +42,10 @@ def constrained_argmax(row: Tensor | np.ndarray, allowed: list[int]) -> int:
     else:
         import torch
 
-        values = row.index_select(0, torch.tensor(ids, device=row.device)).float().cpu().numpy()
+        # (a list through numpy: torch.tensor(list) costs ~0.25 us an id, 130 us for healing's 500 candidates; a
+        # serve round at 32 editors met ~3 such rows: bench/serve_host.py's profile, 2026-12-06)
+        index = torch.from_numpy(np.asarray(ids, dtype=np.int64)).to(row.device)
+        values = row.index_select(0, index).float().cpu().numpy()
     return ids[int(values.argmax())]
 
 
