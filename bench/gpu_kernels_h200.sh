@@ -1,6 +1,7 @@
 #!/bin/bash
 # Issue 27 on the GPU machine (the device tool), from the repository root: the kernel sweep, and the GPU test suite
-# (the lossless bar: 200 prompts). Written 2026-12-06, when 16 calls got no machine; nothing here has run yet.
+# (the lossless bar: 200 prompts). `start` (sweep, then tests) ran on 2026-12-06 on an H100:
+# bench/reports/gpu-tests-h100-2026-12-06.txt. `start next` holds what that session could not run.
 #
 #   bash bench/gpu_kernels_h200.sh prep     here: wheels in .whl (websockets, msgpack for Python 3.12), the embedded
 #                                            target's shards as .devcarry/k27t/target.tar.xz, and every tracked file
@@ -13,7 +14,10 @@
 #   run: bash bench/gpu_kernels_h200.sh start; sleep 2; bash bench/gpu_kernels_h200.sh wait 560
 #        (carry .whl and .devcarry/k27t) both, detached (sweep then tests: ~15 min, past one call's 10): the tests run
 #        the Triton set (FIMBLE_CUDA_INVARIANT=triton), fixed trips and the sweep's configs (FIMBLE_LINEAR_CONFIGS);
-#        poll with `wait 560` again, then `collect` (also prints the job's tail)
+#        poll with `wait 560` again (it copies what the job wrote into $OUT)
+#   run: bash bench/gpu_kernels_h200.sh start next; sleep 2; bash bench/gpu_kernels_h200.sh wait 560
+#        (carry .whl, .devcarry/k27t, .devcarry/whl, .devcarry/llama.cpp-server-src.tar.gz) what 2026-12-06 left
+#        unmeasured: the prefill pass per kernel set, the 200 prompts on swap tiles, the peer's step (see `next`)
 set -o pipefail
 case "${1:-}" in
 prep)
@@ -22,8 +26,18 @@ prep)
     for w in websockets==16.0 msgpack==1.1.2; do
         .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl $w
     done
+    mkdir -p .devcarry/whl && cp .whl/*.whl .devcarry/whl/  # (bench/peer_h200.sh reads them there)
+    if [ ! -s .devcarry/llama.cpp-server-src.tar.gz ]; then  # the peer's source: llama-cpp-python's vendored llama.cpp
+        mkdir -p /tmp/peersrc && .venv/bin/python -c "from engine.runtimes.ggml_build import fetch_sdist; from pathlib import Path; fetch_sdist(Path('/tmp/peersrc'), Path('/tmp/peersrc/log'))"
+        tar xzf /tmp/peersrc/llama_cpp_python-*.tar.gz -C /tmp/peersrc
+        X=""
+        for d in docs models tests media benches examples pocs .git ggml/src/ggml-{cann,hexagon,hip,metal,musa,opencl,openvino,sycl,vulkan,webgpu,zdnn,zendnn,et,virtgpu}; do
+            X="$X --exclude=llama.cpp/$d"
+        done
+        tar czf .devcarry/llama.cpp-server-src.tar.gz -C /tmp/peersrc/llama_cpp_python-*/vendor $X llama.cpp
+    fi
     mkdir -p .devcarry/k27t
-    tar -cJf .devcarry/k27t/target.tar.xz -C models $(cd models && ls fimble-target/*.safetensors)
+    [ -s .devcarry/k27t/target.tar.xz ] || tar -cJf .devcarry/k27t/target.tar.xz -C models $(cd models && ls fimble-target/*.safetensors)
     git ls-files -z | xargs -0 du -b | awk '$1>150000 {print $2}' | grep -v -E '^models/fimble-draft/|^models/fimble-target/tokenizer.json' |
         while read -r f; do mkdir -p "/tmp/aside/$(dirname "$f")"; mv "$f" "/tmp/aside/$f"; done
     ;;
@@ -49,9 +63,9 @@ tests)
     timeout 560 python3 -m pytest -q -s --durations=15 -p no:cacheprovider tests/gpu tests/engine/test_gpu_kernels.py \
         2>&1 | tee "$OUT/tests.log"
     ;;
-start)
+start) # `start` runs `job` (sweep, then tests), `start next` runs `next`
     mkdir -p /tmp/k27job/out
-    setsid nohup bash bench/gpu_kernels_h200.sh job >/tmp/k27job/job.log 2>&1 </dev/null &
+    setsid nohup bash bench/gpu_kernels_h200.sh "${2:-job}" >/tmp/k27job/job.log 2>&1 </dev/null &
     echo $! >/tmp/k27job/pid
     echo "started $!"
     ;;
@@ -71,6 +85,26 @@ swaptests)
     FIMBLE_CUDA_INVARIANT=triton FIMBLE_ATTENTION_FIXED_TRIPS=1 FIMBLE_LINEAR_CONFIGS=tests/gpu/swap_configs_embedded.json \
         bash bench/gpu_kernels_h200.sh tests
     ;;
+next)
+    # The next session's one detached job (start it with `start next`; ~12 min; carry .whl, .devcarry/k27t,
+    # .devcarry/whl, .devcarry/llama.cpp-server-src.tar.gz): llama-server's CUDA build starts at once in the
+    # background (bench/peer_h200.sh, which waits for tests.done before timing anything); meanwhile the step table
+    # with a 128-token prefill pass per kernel set (is the Triton set's prefill slower than cuBLAS's?), then the GPU
+    # suite with swap tiles on the embedded pair's shapes (swaptests); then the peer's single-stream step against
+    # fimble's Triton set (the bar: fimble <= 0.8x llama-server's step).
+    mkdir -p /tmp/k27job/out
+    FIMBLE_CUDA_INVARIANT=triton PEER_F16=0 PEER_SERVE=0 LLAMA_SERVER_ARGS=-bs PEER_TAG=-triton \
+        PEER_AFTER=/tmp/k27job/out/tests.done PEER_AFTER_S=1200 bash bench/peer_h200.sh start
+    timeout 150 python3 -m bench.gpu_linear --step-only --json /tmp/k27job/out/step-prefill.json \
+        >/tmp/k27job/out/step-prefill.txt 2>&1
+    tail -3 /tmp/k27job/out/step-prefill.txt
+    OUT=/tmp/k27job/out bash bench/gpu_kernels_h200.sh swaptests
+    touch /tmp/k27job/out/tests.done
+    echo "== waiting for the peer's step"
+    bash bench/peer_h200.sh wait 600 20
+    cp /tmp/peerjob/out/* /tmp/k27job/out/ 2>/dev/null
+    echo "== job done"
+    ;;
 job)
     OUT=/tmp/k27job/out bash bench/gpu_kernels_h200.sh sweep
     echo "== tests: Triton set, fixed trips, the sweep's configs"
@@ -79,7 +113,7 @@ job)
     echo "== job done"
     ;;
 *)
-    sed -n 2,17p "$0"
+    sed -n 2,21p "$0"
     exit 2
     ;;
 esac
