@@ -203,7 +203,9 @@ class LinearConfig(NamedTuple):
 # any pass. The wide products take swap-AB tensor-core tiles (16 rows read the weight once: an 8-row verify costs
 # what a step does); the 0.5B's qkv and o stay one row a program (BM 1), where the GEMV is faster at 1 and 8 rows.
 # With them and attention's fixed trips the Triton set's graph step is 1.10 ms (0.5B) and 2.10 ms (1.5B) on the H100,
-# against the cuBLAS set's 1.70 and 2.57; the GPU suite (tests/gpu, 200 prompts) passed with them.
+# against the cuBLAS set's 1.70 and 2.57. The GPU suite passed with them (its 1.5B slot-graph test runs them; its
+# 200 prompts run the embedded pair, whose shapes take the rule below: bench/gpu_kernels_h200.sh swaptests counts
+# those on swap tiles).
 MEASURED_CONFIGS: dict[tuple[int, int], tuple] = {
     (1152, 896): (8, 512, 4, 4, 1, 1, False),  # 0.5B qkv
     (896, 896): (8, 512, 4, 4, 1, 1, False),  # 0.5B o
@@ -220,15 +222,14 @@ MEASURED_CONFIGS: dict[tuple[int, int], tuple] = {
 
 def linear_config(n: int, k: int) -> LinearConfig:
     """``LinearConfig`` (BN, BK, warps, stages, splits, BM, swap) of ``linear`` for a weight of ``n`` outputs by ``k``
-    inputs: a function of
-    the weight's shape alone, never of the row count, so a row's reduction order is the same in every pass (batch
-    invariance).
+    inputs: a function of the weight's shape alone, never of the row count, so a row's reduction order is the same in
+    every pass (batch invariance).
 
     Decode passes are 1-16 rows and reading the weight is the cost: one row a program (BM 1, a GEMV), narrow column
     tiles (many programs streaming the weight at once) and wide slabs of K (bytes in flight); where the column tiles
     are still too few to keep every multiprocessor reading, K is split (summed in split order by the tile's last
-    program). Shapes measured on the H200 take their measured configs (``MEASURED_CONFIGS``), others this rule (the
-    measured ones' tiles and slabs; splits only as many as fill the GPU once)."""
+    program). Shapes measured on the GPU take their measured configs (``MEASURED_CONFIGS``; FIMBLE_LINEAR_CONFIGS goes
+    first), others this rule (GEMV tiles and slabs; splits only as many as fill the GPU once)."""
     swept = swept_configs()
     if (n, k) in swept:
         return swept[(n, k)]
