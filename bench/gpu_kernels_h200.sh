@@ -86,19 +86,25 @@ swaptests)
         bash bench/gpu_kernels_h200.sh tests
     ;;
 next)
-    # The next session's one detached job (start it with `start next`; ~12 min; carry .whl, .devcarry/k27t,
-    # .devcarry/whl, .devcarry/llama.cpp-server-src.tar.gz): llama-server's CUDA build starts at once in the
-    # background (bench/peer_h200.sh, which waits for tests.done before timing anything); meanwhile the step table
-    # with a 128-token prefill pass per kernel set (is the Triton set's prefill slower than cuBLAS's?), then the GPU
-    # suite with swap tiles on the embedded pair's shapes (swaptests); then the peer's single-stream step against
-    # fimble's Triton set (the bar: fimble <= 0.8x llama-server's step).
+    # The next session's one detached job (start it with `start next`; ~10 min; carry .whl, .devcarry/k27t,
+    # .devcarry/whl, .devcarry/llama.cpp-server-src.tar.gz): llama-server's CUDA build starts at once in the background
+    # (bench/peer_h200.sh, which waits for tests.done before timing anything); meanwhile the GPU suite with swap tiles
+    # on the embedded pair's shapes (swaptests); then, the build over (so its 16 compiler processes do not slow the
+    # host-timed passes), the step table with a 128-token prefill pass per kernel set (is the Triton set's prefill
+    # slower than cuBLAS's?); then the peer's single-stream step against fimble's Triton set (the bar: fimble <= 0.8x
+    # llama-server's step).
     mkdir -p /tmp/k27job/out
     FIMBLE_CUDA_INVARIANT=triton PEER_F16=0 PEER_SERVE=0 LLAMA_SERVER_ARGS=-bs PEER_TAG=-triton \
         PEER_AFTER=/tmp/k27job/out/tests.done PEER_AFTER_S=1200 bash bench/peer_h200.sh start
+    OUT=/tmp/k27job/out bash bench/gpu_kernels_h200.sh swaptests
+    for _ in $(seq 60); do  # at most 300 s more for the build
+        grep -q "build rc" /tmp/peerjob/job.log 2>/dev/null && break
+        sleep 5
+    done
+    grep "build rc" /tmp/peerjob/job.log
     timeout 150 python3 -m bench.gpu_linear --step-only --json /tmp/k27job/out/step-prefill.json \
         >/tmp/k27job/out/step-prefill.txt 2>&1
     tail -3 /tmp/k27job/out/step-prefill.txt
-    OUT=/tmp/k27job/out bash bench/gpu_kernels_h200.sh swaptests
     touch /tmp/k27job/out/tests.done
     echo "== waiting for the peer's step"
     bash bench/peer_h200.sh wait 600 20
