@@ -13,7 +13,8 @@
 #        tests/engine/test_gpu_kernels.py (swap rows, fixed trips = bounded loop, the 200-prompt lossless tests)
 #   run: bash bench/gpu_kernels_h200.sh start; sleep 2; bash bench/gpu_kernels_h200.sh wait 560
 #        (carry .whl and .devcarry/k27t) both, detached (sweep then tests: ~15 min, past one call's 10): the tests run
-#        the Triton set (FIMBLE_CUDA_INVARIANT=triton), fixed trips and the sweep's configs (FIMBLE_LINEAR_CONFIGS);
+#        the Triton set (FIMBLE_CUDA_INVARIANT=triton), fixed trips (the default) and the sweep's configs
+#        (FIMBLE_LINEAR_CONFIGS);
 #        poll with `wait 560` again (it copies what the job wrote into $OUT)
 #   run: bash bench/gpu_kernels_h200.sh start next; sleep 2; bash bench/gpu_kernels_h200.sh wait 560
 #        (carry .whl, .devcarry/k27t, .devcarry/whl, .devcarry/llama.cpp-server-src.tar.gz) what 2026-12-06 left
@@ -82,7 +83,7 @@ wait) # until the job ends or ${2:-500} s pass, then its tail
 swaptests)
     # the lossless suite with the Triton set and swap-AB tiles on the embedded pair's own shapes (its 200 prompts run
     # the embedded pair, whose shapes MEASURED_CONFIGS does not hold: the rule's GEMV configs would run otherwise)
-    FIMBLE_CUDA_INVARIANT=triton FIMBLE_ATTENTION_FIXED_TRIPS=1 FIMBLE_LINEAR_CONFIGS=tests/gpu/swap_configs_embedded.json \
+    FIMBLE_CUDA_INVARIANT=triton FIMBLE_LINEAR_CONFIGS=tests/gpu/swap_configs_embedded.json \
         bash bench/gpu_kernels_h200.sh tests
     ;;
 next)
@@ -114,7 +115,7 @@ next)
 job)
     OUT=/tmp/k27job/out bash bench/gpu_kernels_h200.sh sweep
     echo "== tests: Triton set, fixed trips, the sweep's configs"
-    FIMBLE_CUDA_INVARIANT=triton FIMBLE_ATTENTION_FIXED_TRIPS=1 FIMBLE_LINEAR_CONFIGS=/tmp/k27job/out/sweep.json \
+    FIMBLE_CUDA_INVARIANT=triton FIMBLE_LINEAR_CONFIGS=/tmp/k27job/out/sweep.json \
         OUT=/tmp/k27job/out bash bench/gpu_kernels_h200.sh tests
     echo "== job done"
     ;;

@@ -86,13 +86,8 @@ def delta_message(rid: int, delta: Delta) -> dict:
 
 
 def result_message(rid: int, result: CompletionResult) -> dict:
-    # (fields by hand: asdict deep-copies the stats dict, ~0.1 ms a finished request in a serve round)
-    r = result
-    return {
-        "op": "result",
-        "id": rid,
-        "result": {"text": r.text, "finish_reason": r.finish_reason, "tokens": r.tokens, "stats": dict(r.stats)},
-    }
+    # (vars and a shallow copy of the stats: asdict deep-copied them, ~0.1 ms a finished request in a serve round)
+    return {"op": "result", "id": rid, "result": {**vars(result), "stats": dict(result.stats)}}
 
 
 def error_delta(rid: int, reason: str, error_type: str | None = None) -> dict:
