@@ -112,6 +112,26 @@ next)
     cp /tmp/peerjob/out/* /tmp/k27job/out/ 2>/dev/null
     echo "== job done"
     ;;
+prefill)
+    # Is the Triton set's prefill slower than cuBLAS's (the question that keeps it opt-in)? Start with `start prefill`
+    # (carry .whl; ~8 min): the per-weight probe of a 512-row pass (bench/gpu_prefill_tiles.py: cuBLAS, the engine's
+    # tiles, wider swap tiles and whether they keep a row's bits), the step table with a cold 1,024-token prompt per
+    # kernel set, then 32 typing editors through fimble serve on the 1.5B shape, Triton set then cuBLAS set.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    O=/tmp/k27job/out
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/gpu.txt"
+    cat /proc/loadavg | tee -a "$O/gpu.txt"
+    timeout 200 python3 -m bench.gpu_prefill_tiles --json "$O/prefill-tiles.json" 2>&1 | tee "$O/prefill-tiles.txt"
+    timeout 170 python3 -m bench.gpu_linear --step-only --json "$O/step-prefill.json" >"$O/step-prefill.txt" 2>&1
+    tail -3 "$O/step-prefill.txt"
+    S="python3 -m bench.serve_load --device cuda --shape 1.5B --no-peer --max-tokens 128 --max-lines 0 --levels 32"
+    FIMBLE_CUDA_INVARIANT=triton timeout 150 $S --rounds 2 --json "$O/serve-triton.json" >"$O/serve-triton.txt" 2>&1
+    tail -4 "$O/serve-triton.txt"
+    FIMBLE_CUDA_INVARIANT=cublas timeout 150 $S --rounds 2 --json "$O/serve-cublas.json" >"$O/serve-cublas.txt" 2>&1
+    tail -4 "$O/serve-cublas.txt"
+    echo "== job done"
+    ;;
 job)
     OUT=/tmp/k27job/out bash bench/gpu_kernels_h200.sh sweep
     echo "== tests: Triton set, fixed trips, the sweep's configs"

@@ -154,6 +154,9 @@ def _linear_kernel():
 
 
 LINEAR_ROWS = 16  # rows of one output tile (tl.dot needs 16): the only tile size a pass's row count meets
+# A swap tile's activation rows: 16 in every config the engine takes; wider ones only where a probe on the device
+# finds a row's bits the same as in the 16-row tile (bench/gpu_prefill_tiles.py: a prefill's candidate tiles).
+SWAP_ROWS = (16, 32, 64, 128)
 SM_TARGET = 132  # the H200's streaming multiprocessors: a decode product wants at least this many programs
 
 
@@ -173,8 +176,8 @@ class LinearConfig(NamedTuple):
     @classmethod
     def of(cls, config: tuple) -> LinearConfig:
         cfg = cls(*config)
-        if cfg.swap and (cfg.bm != LINEAR_ROWS or cfg.bn < 16):
-            raise ValueError(f"linear: swap needs BM {LINEAR_ROWS} and BN >= 16, not {tuple(cfg)}")
+        if cfg.swap and (cfg.bm not in SWAP_ROWS or cfg.bn < 16):
+            raise ValueError(f"linear: swap needs BM in {SWAP_ROWS} and BN >= 16, not {tuple(cfg)}")
         return cfg
 
     @classmethod

@@ -1,0 +1,158 @@
+"""A prefill's projections in the Triton kernel set: what they cost against cuBLAS, and whether a wider swap tile
+(more activation rows a program) keeps every row's bits, so that a long pass could take it without breaking batch
+invariance.
+
+    python -m bench.gpu_prefill_tiles [--quick] [--rows 512] [--json PATH]
+
+Per weight of the 0.5B and 1.5B shapes (the fused variants a pass runs, as bench/gpu_linear.py's ``Weight``), a pass
+of ``--rows`` rows (512: one eager invariant chunk, engine/runtimes/graph_forward.py INVARIANT_CHUNK):
+
+- cuBLAS's plain product on those rows (what the "invariant-cublas" set's prefill runs, within its row limits);
+- ``linear`` at the engine's config (``linear_config``; the qkv at ``rope_config``'s tile, without the RoPE epilogue,
+  which is elementwise and changes no reduction);
+- for a swap config, the same tile with 32, 64 and 128 activation rows a program: its time, and whether every row
+  equals the 16-row tile's bit for bit (a tensor-core dot's per-element sum over K may or may not depend on the
+  tile's other side: measured, not assumed).
+
+Times on a CUDA GPU only (CUDA events, median of 15 after warm-up; the weight stays in L2 only where it fits, as in a
+real prefill). The headline (last line): the Triton set's prefill projections against cuBLAS's, summed over one
+layer's weights and the LM head, per shape, at the engine's configs and at the fastest bit-equal tile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.gpu_linear import DEV, DTYPE, weights_of
+from engine.runtimes import gpu_kernels as gk
+from engine.runtimes import gpu_linear as gl
+
+
+def timed_us(fn, reps: int = 15) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+class Pass:
+    """One weight and a pass of ``m`` rows of its fused variant's inputs."""
+
+    def __init__(self, n: int, k: int, kind: str, m: int) -> None:
+        gen = torch.Generator(device=DEV).manual_seed(5)
+        self.w = torch.randn(n, k, device=DEV, dtype=DTYPE, generator=gen) * 0.02
+        self.x = torch.randn(m, 2 * k if "gated" in kind else k, device=DEV, dtype=DTYPE, generator=gen)
+        self.res = torch.randn(m, n, device=DEV, dtype=DTYPE, generator=gen)
+        self.bias = torch.randn(n, device=DEV, dtype=DTYPE, generator=gen) * 0.1
+        self.norm = torch.rand(k, device=DEV, dtype=DTYPE, generator=gen) + 0.5
+        self.kind, self.k = kind, k
+        self.plain_x = torch.randn(m, k, device=DEV, dtype=DTYPE, generator=gen)
+
+    def triton(self, cfg) -> torch.Tensor:
+        kw: dict = {"config": cfg}
+        if "norm" in self.kind:
+            kw.update(norm=self.norm, eps=1e-6)
+        if "bias" in self.kind:
+            kw["bias"] = self.bias
+        if "residual" in self.kind:
+            kw["residual"] = self.res
+        if "float32" in self.kind:
+            kw["out_dtype"] = torch.float32
+        return gk.linear(self.x, self.w, gated="gated" in self.kind, **kw)
+
+    def cublas(self) -> torch.Tensor:
+        return F.linear(self.plain_x, self.w)
+
+
+def engine_config(name: str, n: int, k: int, shape: str) -> gl.LinearConfig:
+    if name == "qkv":
+        from bench.harness.random_models import SHAPES
+
+        s = SHAPES[shape]
+        return gl.rope_config(n, k, s["hidden_size"] // s["num_attention_heads"])
+    return gl.linear_config(n, k)
+
+
+@torch.inference_mode()
+def probe(shapes: list[str], m: int, widths: tuple[int, ...]) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        for name, (n, k, kind) in weights_of(shape).items():
+            p = Pass(n, k, kind, m)
+            cfg = engine_config(name, n, k, shape)
+            row = {"shape": shape, "weight": name, "n": n, "k": k, "rows": m, "config": list(cfg)}
+            row["cublas_us"] = timed_us(p.cublas)
+            row["engine_us"] = timed_us(lambda cfg=cfg, p=p: p.triton(cfg))
+            base = p.triton(cfg)
+            row["wide"] = {}
+            if cfg.swap:
+                for bm in widths:
+                    wide = cfg._replace(bm=bm)
+                    try:
+                        equal = torch.equal(p.triton(wide), base)
+                        row["wide"][bm] = {"us": timed_us(lambda wide=wide, p=p: p.triton(wide)), "bits_equal": equal}
+                    except Exception as exc:  # noqa: BLE001 - a tile that does not compile (shared memory): noted
+                        row["wide"][bm] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
+            equal_times = [v["us"] for v in row["wide"].values() if v.get("bits_equal")]
+            row["best_equal_us"] = min([row["engine_us"], *equal_times])
+            rows.append(row)
+            wide = "  ".join(
+                f"BM{bm} " + (f"{v['us']:8.1f} equal {v['bits_equal']}" if "us" in v else v["error"][:40])
+                for bm, v in row["wide"].items()
+            )
+            print(
+                f"  {shape:5s} {name:8s} {n:6d}x{k:<5d} cuBLAS {row['cublas_us']:8.1f} us  engine "
+                f"{row['engine_us']:8.1f} {tuple(cfg)}  {wide}",
+                flush=True,
+            )
+            del p
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="0.5B only, BM 64 only: under a minute")
+    ap.add_argument("--rows", type=int, default=512, help="rows of the pass (1..4096)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not 1 <= args.rows <= 4096:
+        sys.exit("--rows must be in 1..4096")
+    if not torch.cuda.is_available() or not gk.available():
+        sys.exit("bench/gpu_prefill_tiles.py needs CUDA and Triton")
+    shapes = ["0.5B"] if args.quick else ["0.5B", "1.5B"]
+    widths = (64,) if args.quick else (32, 64, 128)
+    print(f"device {torch.cuda.get_device_name()}, {args.rows} rows a pass", flush=True)
+    rows = probe(shapes, args.rows, widths)
+    result = {"device": torch.cuda.get_device_name(), "rows": args.rows, "probe": rows, "loadavg": os.getloadavg()}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+    heads = []
+    for shape in shapes:
+        mine = [r for r in rows if r["shape"] == shape]
+        cub = sum(r["cublas_us"] for r in mine)
+        eng = sum(r["engine_us"] for r in mine)
+        best = sum(r["best_equal_us"] for r in mine)
+        heads.append(f"{shape} Triton/cuBLAS {eng / cub:.2f}x at the engine's tiles, {best / cub:.2f}x bit-equal wide")
+    print(f"headline ({args.rows}-row pass, one layer's projections + LM head): " + "; ".join(heads))
+
+
+if __name__ == "__main__":
+    main()
