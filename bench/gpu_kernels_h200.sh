@@ -132,6 +132,30 @@ prefill)
     tail -4 "$O/serve-cublas.txt"
     echo "== job done"
     ;;
+prefill2)
+    # The prefill tiles (gpu_linear.prefill_config), counted before the Triton set can be the default. `start prefill2`
+    # (carry .whl and .devcarry/k27t; ~12 min: poll twice): the probe, the GPU suite with the Triton set, 32 editors
+    # through fimble serve with each set, the step table with a cold 1,024-token prompt.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    tar -xJf .devcarry/k27t/target.tar.xz -C models
+    O=/tmp/k27job/out
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/gpu.txt"
+    cat /proc/loadavg | tee -a "$O/gpu.txt"
+    timeout 200 python3 -m bench.gpu_prefill_tiles --json "$O/prefill-tiles.json" 2>&1 | tee "$O/prefill-tiles.txt" |
+        tail -1
+    FIMBLE_CUDA_INVARIANT=triton timeout 540 python3 -m pytest -q -s --durations=10 -p no:cacheprovider tests/gpu \
+        tests/engine/test_gpu_kernels.py >"$O/tests.log" 2>&1
+    grep -E "rows differ|passed|failed|Error" "$O/tests.log" | tail -12
+    S="python3 -m bench.serve_load --device cuda --shape 1.5B --no-peer --max-tokens 128 --max-lines 0 --levels 32"
+    FIMBLE_CUDA_INVARIANT=triton timeout 150 $S --rounds 2 --json "$O/serve-triton.json" >"$O/serve-triton.txt" 2>&1
+    tail -1 "$O/serve-triton.txt"
+    FIMBLE_CUDA_INVARIANT=cublas timeout 150 $S --rounds 2 --json "$O/serve-cublas.json" >"$O/serve-cublas.txt" 2>&1
+    tail -1 "$O/serve-cublas.txt"
+    timeout 170 python3 -m bench.gpu_linear --step-only --json "$O/step-prefill.json" >"$O/step-prefill.log" 2>&1
+    tail -1 "$O/step-prefill.log"
+    echo "== job done"
+    ;;
 job)
     OUT=/tmp/k27job/out bash bench/gpu_kernels_h200.sh sweep
     echo "== tests: Triton set, fixed trips, the sweep's configs"

@@ -16,7 +16,8 @@ of ``--rows`` rows (512: one eager invariant chunk, engine/runtimes/graph_forwar
 
 Times on a CUDA GPU only (CUDA events, median of 15 after warm-up; the weight stays in L2 only where it fits, as in a
 real prefill). The headline (last line): the Triton set's prefill projections against cuBLAS's, summed over one
-layer's weights and the LM head, per shape, at the engine's configs and at the fastest bit-equal tile.
+layer's weights (the LM head left out: a prefill takes one row's logits), per shape: on the decode tiles, on the
+engine's prefill tiles (``gpu_linear.prefill_config``) and on the fastest bit-equal tile found.
 """
 
 from __future__ import annotations
@@ -109,13 +110,29 @@ def probe(shapes: list[str], m: int, widths: tuple[int, ...]) -> list[dict]:
                         row["wide"][bm] = {"us": timed_us(lambda wide=wide, p=p: p.triton(wide)), "bits_equal": equal}
                     except Exception as exc:  # noqa: BLE001 - a tile that does not compile (shared memory): noted
                         row["wide"][bm] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
+                variants = {"prefill": gl.prefill_config(cfg, name == "qkv")}  # the engine's prefill tile
+                if name != "qkv":  # (a RoPE tile is one head wide)
+                    variants["bn128-bm128"] = cfg._replace(bn=128, bm=128, warps=8, stages=2)
+                    variants["bn256-bm64"] = cfg._replace(bn=256, bm=64, warps=8, stages=2)
+                for label, wide in variants.items():
+                    if wide is None:
+                        continue
+                    try:
+                        equal = torch.equal(p.triton(wide), base)
+                        us = timed_us(lambda wide=wide, p=p: p.triton(wide))
+                        row["wide"][label] = {"config": list(wide), "us": us, "bits_equal": equal}
+                    except Exception as exc:  # noqa: BLE001
+                        row["wide"][label] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
             equal_times = [v["us"] for v in row["wide"].values() if v.get("bits_equal")]
+            pre = row["wide"].get("prefill", {})
+            row["prefill_us"] = pre["us"] if pre.get("bits_equal") else row["engine_us"]  # as the engine decides
             row["best_equal_us"] = min([row["engine_us"], *equal_times])
             rows.append(row)
-            wide = "  ".join(
-                f"BM{bm} " + (f"{v['us']:8.1f} equal {v['bits_equal']}" if "us" in v else v["error"][:40])
-                for bm, v in row["wide"].items()
-            )
+            cells = []
+            for label, v in row["wide"].items():
+                tag = label if isinstance(label, str) else f"BM{label}"
+                cells.append(f"{tag} " + (f"{v['us']:8.1f} equal {v['bits_equal']}" if "us" in v else v["error"][:40]))
+            wide = "  ".join(cells)
             print(
                 f"  {shape:5s} {name:8s} {n:6d}x{k:<5d} cuBLAS {row['cublas_us']:8.1f} us  engine "
                 f"{row['engine_us']:8.1f} {tuple(cfg)}  {wide}",
@@ -145,13 +162,17 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1, default=str))
     heads = []
-    for shape in shapes:
-        mine = [r for r in rows if r["shape"] == shape]
+    for shape in shapes:  # the LM head left out: a prefill takes the last rows' logits only
+        mine = [r for r in rows if r["shape"] == shape and r["weight"] != "lm_head"]
         cub = sum(r["cublas_us"] for r in mine)
         eng = sum(r["engine_us"] for r in mine)
+        pre = sum(r["prefill_us"] for r in mine)
         best = sum(r["best_equal_us"] for r in mine)
-        heads.append(f"{shape} Triton/cuBLAS {eng / cub:.2f}x at the engine's tiles, {best / cub:.2f}x bit-equal wide")
-    print(f"headline ({args.rows}-row pass, one layer's projections + LM head): " + "; ".join(heads))
+        heads.append(
+            f"{shape} Triton/cuBLAS {eng / cub:.2f}x decode tiles, {pre / cub:.2f}x prefill tiles, "
+            f"{best / cub:.2f}x best bit-equal"
+        )
+    print(f"headline ({args.rows}-row pass, one layer's projections): " + "; ".join(heads))
 
 
 if __name__ == "__main__":

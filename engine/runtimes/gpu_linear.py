@@ -318,6 +318,62 @@ def rope_config(n: int, k: int, hd: int) -> LinearConfig:
     return LinearConfig(hd, bk, base.warps, 4 if hd <= 64 else 3, _splits(-(-n // hd), -(-k // bk)), base.bm, base.swap)
 
 
+# -- prefill tiles ------------------------------------------------------------------------------------------------
+# A swap config's tile is built for decode: 16 activation rows against 64-128 weight rows, so a 512-row prefill chunk
+# runs 32 row tiles per column strip, 4-6x cuBLAS's time per product on an H100 (bench/gpu_prefill_tiles.py,
+# bench/reports/gpu-prefill-h100-2026-12-06.txt). A tensor-core dot's element (i, j) is the same chain of 16-wide K
+# steps whatever the tile's other sides are: that probe found a row's bits equal with 16, 32, 64 and 128 activation
+# rows a program, on every swap weight of both shapes. So a pass of more than PREFILL_ROWS rows takes a wider tile
+# (more activation rows and weight rows a program, the same K slab, K splits and split order: the same reduction
+# chain per element), but only where this process has checked, on this GPU, that the wider tile gives the 16-row
+# tile's bits (``_prefill_equal``); anywhere else the 16-row tile runs, which is always right.
+PREFILL_ROWS = 64  # passes of more rows than this take the prefill tile (decode passes, 1-16 rows a sequence, never)
+PREFILL_SMEM = 200 * 1024  # shared memory the prefill tile's pipeline stages may take (the H100/H200 allow 227 KB)
+PREFILL_PROBE_ROWS = 96  # rows of the equality probe: one and a half 64-row tiles (a partial tile's masks too)
+PREFILL_ENV = "FIMBLE_PREFILL_TILES"  # 0: every pass on the decode tile (benchmarks compare the two)
+_prefill_checks = {"equal": 0, "unequal": 0, "taken": 0}  # counters: probes and products (tests read them)
+
+
+def prefill_config(cfg: LinearConfig, rope: bool) -> LinearConfig | None:
+    """The wider tile a prefill pass of ``cfg``'s weight may take (None for a GEMV config: its tree has no tile to
+    widen): 64 activation rows, 128 weight rows (a RoPE tile stays one head wide), 8 warps, the same BK and splits
+    (so the same K chain per element), as many pipeline stages (at most 3) as PREFILL_SMEM holds."""
+    if not cfg.swap or os.environ.get(PREFILL_ENV, "1").strip() == "0":
+        return None
+    bn = cfg.bn if rope else max(cfg.bn, 128)
+    bm = 64
+    stages = max(1, min(3, PREFILL_SMEM // ((bn + bm) * cfg.bk * 2)))
+    return cfg._replace(bn=bn, bm=bm, warps=8, stages=stages)
+
+
+def _prefill_equal(weight: Tensor, cfg: LinearConfig, wide: LinearConfig) -> bool:
+    """Whether ``wide`` gives ``cfg``'s bits for every row of a pass on this weight's shape, dtype and GPU: checked
+    once per process (random rows; a row's bits depend on the tile's K chain, not on the values) and remembered."""
+    key = (tuple(weight.shape), weight.dtype, weight.device, cfg, wide)
+    known = _PREFILL_KNOWN.get(key)
+    if known is not None:
+        return known
+    if weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False  # never probe inside a graph capture (it allocates): the decode tile, always right
+    gen = torch.Generator(device=weight.device).manual_seed(7)
+    x = torch.randn(PREFILL_PROBE_ROWS, weight.shape[1], device=weight.device, dtype=weight.dtype, generator=gen)
+    try:
+        equal = torch.equal(_launch(x, weight, cfg), _launch(x, weight, wide))
+    except Exception:  # noqa: BLE001 - a tile this GPU cannot build (shared memory): the decode tile runs
+        equal = False
+    _PREFILL_KNOWN[key] = equal
+    _prefill_checks["equal" if equal else "unequal"] += 1
+    return equal
+
+
+_PREFILL_KNOWN: dict[tuple, bool] = {}
+
+
+def _launch(x: Tensor, weight: Tensor, cfg: LinearConfig) -> Tensor:
+    """A plain product at ``cfg`` (the prefill probe's two sides)."""
+    return linear(x, weight, config=cfg)
+
+
 def linear(
     x: Tensor, weight: Tensor, *, bias: Tensor | None = None, residual: Tensor | None = None,
     norm: Tensor | None = None, eps: float = 0.0, gated: bool = False, out_dtype: torch.dtype | None = None,
@@ -330,9 +386,10 @@ def linear(
     applied to ``x`` first (eps ``eps``). ``gated``: ``x`` is [M, 2K], gate then up, and the product's input is
     ``silu(gate) * up``. ``out_dtype``: the result's dtype (x's by default; float32 for logits, which then skip a
     rounding to bf16). ``config``: a ``LinearConfig`` or its tuple (BN, BK, warps, stages, splits[, BM[, swap]]),
-    ``linear_config``'s by default (benchmarks and tests; BM 16 where left out). ``rope``: ``weight`` is a qkv
-    projection; the result is the
-    rotated queries, the keys and values go to the cache (``RopeStore``)."""
+    ``linear_config``'s by default (benchmarks and tests; BM 16 where left out); without one, a pass of more than
+    ``PREFILL_ROWS`` rows may take the config's prefill tile (``prefill_config``, where checked equal). ``rope``:
+    ``weight`` is a qkv projection; the result is the rotated queries, the keys and values go to the cache
+    (``RopeStore``)."""
     kernel = _linear_kernel()
     m = x.shape[0]
     n, k = weight.shape
@@ -340,6 +397,7 @@ def linear(
         raise ValueError("linear needs rows with unit stride and a contiguous weight")
     if x.shape[1] != (2 * k if gated else k):
         raise ValueError(f"linear: x has {x.shape[1]} columns for a weight of {k} inputs{' (gated)' if gated else ''}")
+    chosen = config is None  # the engine's own config (a caller's explicit one is taken as it is)
     if rope is not None:
         hd = rope.keys.shape[-1]
         if n != (rope.heads + 2 * rope.kv_heads) * hd or residual is not None or gated or out_dtype is not None:
@@ -353,7 +411,13 @@ def linear(
     cache_strides = (*r.keys.stride()[:3], *r.values.stride()[:3]) if rope is not None else (0,) * 6
     if m == 0:
         return out
-    bn, bk, warps, stages, splits, bm, swap = LinearConfig.of(config) if config else linear_config(n, k)
+    cfg = LinearConfig.of(config) if config else linear_config(n, k)
+    if chosen and m > PREFILL_ROWS:
+        wide = prefill_config(cfg, rope is not None)
+        if wide is not None and _prefill_equal(weight, cfg, wide):
+            cfg = wide
+            _prefill_checks["taken"] += 1
+    bn, bk, warps, stages, splits, bm, swap = cfg
     tiles = triton_cdiv(m, bm) * triton_cdiv(n, bn)
     if splits > 1:
         part = torch.empty(tiles * splits * bm * bn, dtype=torch.float32, device=x.device)

@@ -289,6 +289,38 @@ def test_linear_row_does_not_depend_on_its_pass():
             assert torch.allclose(part, full[lo:hi], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["plain", "norm", "gated"])
+def test_long_pass_takes_the_prefill_tile_only_with_the_decode_tiles_bits(monkeypatch, kind):
+    """A pass of more than PREFILL_ROWS rows on a swap config: the wider prefill tile runs where the probe found its
+    bits equal to the 16-row tile's (on a Hopper GPU), the 16-row tile otherwise (the interpreter's numpy products
+    differ by shape); either way every row equals the row in a short pass, and the split counters end at 0."""
+    from engine.runtimes import gpu_linear
+    from engine.runtimes.gpu_kernels import linear
+
+    monkeypatch.setattr(gpu_linear, "_PREFILL_KNOWN", {})
+    config = gpu_linear.LinearConfig(64, 128, 4, 2, 2, 16, True)
+    monkeypatch.setattr(gpu_linear, "linear_config", lambda n, k: config)
+    torch.manual_seed(8)
+    n, k = 160, 512
+    w = (torch.randn(n, k) * 0.1).to(DTYPE).to(DEV)
+    x = torch.randn(100, 2 * k if kind == "gated" else k).to(DTYPE).to(DEV)
+    kw = {"norm": (torch.rand(k) + 0.5).to(DTYPE).to(DEV), "eps": 1e-6} if kind == "norm" else {}
+    before = dict(gpu_linear._prefill_checks)
+    full = linear(x, w, gated=kind == "gated", **kw)
+    probes = sum(gpu_linear._prefill_checks[c] - before[c] for c in ("equal", "unequal"))
+    taken = gpu_linear._prefill_checks["taken"] - before["taken"]
+    assert probes == 1 and taken == (1 if gpu_linear._prefill_checks["equal"] > before["equal"] else 0)
+    if CUDA and torch.cuda.get_device_capability() == (9, 0):
+        assert taken == 1  # measured on H100s: a wider swap tile keeps the 16-row tile's bits
+    for lo, hi in ((0, 1), (30, 46), (84, 100)):
+        part = linear(x[lo:hi], w, gated=kind == "gated", **kw)
+        if CUDA:
+            assert torch.equal(part, full[lo:hi])
+        else:
+            assert torch.allclose(part, full[lo:hi], atol=1e-5, rtol=0)
+    assert int(gpu_linear._LOCKS[full.device].count_nonzero()) == 0
+
+
 @pytest.mark.parametrize("bm", [16, 1, 4, "swap"])
 @pytest.mark.parametrize("kind", ["plain", "bias+residual", "norm", "gated"])
 def test_split_k_linear_matches_its_function_and_keeps_rows(kind, bm):
