@@ -133,7 +133,7 @@ prefill)
     echo "== job done"
     ;;
 prefill2)
-    # The prefill tiles (gpu_linear.prefill_config), counted before the Triton set can be the default. `start prefill2`
+    # The prefill tiles (gpu_linear.wide_config), counted before the Triton set can be the default. `start prefill2`
     # (carry .whl and .devcarry/k27t; ~12 min: poll twice): the probe, the GPU suite with the Triton set, 32 editors
     # through fimble serve with each set, the step table with a cold 1,024-token prompt.
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -155,6 +155,27 @@ prefill2)
     timeout 170 python3 -m bench.gpu_linear --step-only --json "$O/step-prefill.json" >"$O/step-prefill.log" 2>&1
     tail -1 "$O/step-prefill.log"
     echo "== job done"
+    ;;
+wide)
+    # The wide tiles at WIDE_ROWS 16 (batched rounds too), in the foreground (carry .whl and .devcarry/k27t; ~7 min;
+    # every result straight into $OUT, so a call cut short by the device budget still returns what ran): 32 editors
+    # through fimble serve, Triton set then cuBLAS set; the rows-equal and lossless tests with the Triton set; the probe.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    tar -xJf .devcarry/k27t/target.tar.xz -C models
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    cat /proc/loadavg | tee -a "$OUT/gpu.txt"
+    S="python3 -m bench.serve_load --device cuda --shape 1.5B --no-peer --max-tokens 128 --max-lines 0 --levels 32"
+    FIMBLE_CUDA_INVARIANT=triton timeout 150 $S --rounds 2 --json "$OUT/serve-triton.json" >"$OUT/serve-triton.txt" 2>&1
+    grep -E "round [0-9.]+ ms|headline|serve_load:" "$OUT/serve-triton.txt" | cut -c1-330
+    FIMBLE_CUDA_INVARIANT=cublas timeout 150 $S --rounds 2 --json "$OUT/serve-cublas.json" >"$OUT/serve-cublas.txt" 2>&1
+    grep -E "round [0-9.]+ ms|serve_load:" "$OUT/serve-cublas.txt" | cut -c1-330
+    FIMBLE_CUDA_INVARIANT=triton timeout 330 python3 -m pytest -q -s -p no:cacheprovider \
+        tests/gpu/test_batch_invariance.py tests/gpu/test_serve_batched_gpu.py tests/gpu/test_serve_graph_slots.py \
+        tests/engine/test_gpu_kernels.py -k "not qkv_with_rope and not attention" >"$OUT/tests.log" 2>&1
+    grep -E "rows differ|==|passed|failed|Error" "$OUT/tests.log" | tail -14 | cut -c1-300
+    timeout 120 python3 -m bench.gpu_prefill_tiles --json "$OUT/prefill-tiles.json" >"$OUT/prefill-tiles.txt" 2>&1
+    tail -1 "$OUT/prefill-tiles.txt"
     ;;
 job)
     OUT=/tmp/k27job/out bash bench/gpu_kernels_h200.sh sweep

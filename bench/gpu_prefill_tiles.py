@@ -17,7 +17,8 @@ of ``--rows`` rows (512: one eager invariant chunk, engine/runtimes/graph_forwar
 Times on a CUDA GPU only (CUDA events, median of 15 after warm-up; the weight stays in L2 only where it fits, as in a
 real prefill). The headline (last line): the Triton set's prefill projections against cuBLAS's, summed over one
 layer's weights (the LM head left out: a prefill takes one row's logits), per shape: on the decode tiles, on the
-engine's prefill tiles (``gpu_linear.prefill_config``) and on the fastest bit-equal tile found.
+engine's wide tiles (``gpu_linear.wide_config``) and on the fastest bit-equal tile found. For swap weights also
+32 and 64 rows (a batched serve round's sizes), the 16-row tile against the wide one.
 """
 
 from __future__ import annotations
@@ -65,17 +66,17 @@ class Pass:
         self.kind, self.k = kind, k
         self.plain_x = torch.randn(m, k, device=DEV, dtype=DTYPE, generator=gen)
 
-    def triton(self, cfg) -> torch.Tensor:
+    def triton(self, cfg, m: int | None = None) -> torch.Tensor:
         kw: dict = {"config": cfg}
         if "norm" in self.kind:
             kw.update(norm=self.norm, eps=1e-6)
         if "bias" in self.kind:
             kw["bias"] = self.bias
         if "residual" in self.kind:
-            kw["residual"] = self.res
+            kw["residual"] = self.res[:m]
         if "float32" in self.kind:
             kw["out_dtype"] = torch.float32
-        return gk.linear(self.x, self.w, gated="gated" in self.kind, **kw)
+        return gk.linear(self.x[:m], self.w, gated="gated" in self.kind, **kw)
 
     def cublas(self) -> torch.Tensor:
         return F.linear(self.plain_x, self.w)
@@ -110,7 +111,7 @@ def probe(shapes: list[str], m: int, widths: tuple[int, ...]) -> list[dict]:
                         row["wide"][bm] = {"us": timed_us(lambda wide=wide, p=p: p.triton(wide)), "bits_equal": equal}
                     except Exception as exc:  # noqa: BLE001 - a tile that does not compile (shared memory): noted
                         row["wide"][bm] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
-                variants = {"prefill": gl.prefill_config(cfg, name == "qkv")}  # the engine's prefill tile
+                variants = {"wide": gl.wide_config(cfg, name == "qkv")}  # the engine's wide tile
                 if name != "qkv":  # (a RoPE tile is one head wide)
                     variants["bn128-bm128"] = cfg._replace(bn=128, bm=128, warps=8, stages=2)
                     variants["bn256-bm64"] = cfg._replace(bn=256, bm=64, warps=8, stages=2)
@@ -123,8 +124,15 @@ def probe(shapes: list[str], m: int, widths: tuple[int, ...]) -> list[dict]:
                         row["wide"][label] = {"config": list(wide), "us": us, "bits_equal": equal}
                     except Exception as exc:  # noqa: BLE001
                         row["wide"][label] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
+                wide = variants["wide"]
+                if wide is not None and row["wide"]["wide"].get("bits_equal"):  # a batched round's row counts
+                    row["batched_us"] = {
+                        m2: {"decode": timed_us(lambda p=p, m2=m2, cfg=cfg: p.triton(cfg, m2)),
+                             "wide": timed_us(lambda p=p, m2=m2, wide=wide: p.triton(wide, m2))}
+                        for m2 in (32, 64) if m2 <= m
+                    }  # fmt: skip
             equal_times = [v["us"] for v in row["wide"].values() if v.get("bits_equal")]
-            pre = row["wide"].get("prefill", {})
+            pre = row["wide"].get("wide", {})
             row["prefill_us"] = pre["us"] if pre.get("bits_equal") else row["engine_us"]  # as the engine decides
             row["best_equal_us"] = min([row["engine_us"], *equal_times])
             rows.append(row)
@@ -133,9 +141,12 @@ def probe(shapes: list[str], m: int, widths: tuple[int, ...]) -> list[dict]:
                 tag = label if isinstance(label, str) else f"BM{label}"
                 cells.append(f"{tag} " + (f"{v['us']:8.1f} equal {v['bits_equal']}" if "us" in v else v["error"][:40]))
             wide = "  ".join(cells)
+            batched = "  ".join(
+                f"{m2} rows {v['decode']:.1f} -> {v['wide']:.1f}" for m2, v in row.get("batched_us", {}).items()
+            )
             print(
                 f"  {shape:5s} {name:8s} {n:6d}x{k:<5d} cuBLAS {row['cublas_us']:8.1f} us  engine "
-                f"{row['engine_us']:8.1f} {tuple(cfg)}  {wide}",
+                f"{row['engine_us']:8.1f} {tuple(cfg)}  {wide}  {batched}",
                 flush=True,
             )
             del p
@@ -169,7 +180,7 @@ def main() -> None:
         pre = sum(r["prefill_us"] for r in mine)
         best = sum(r["best_equal_us"] for r in mine)
         heads.append(
-            f"{shape} Triton/cuBLAS {eng / cub:.2f}x decode tiles, {pre / cub:.2f}x prefill tiles, "
+            f"{shape} Triton/cuBLAS {eng / cub:.2f}x decode tiles, {pre / cub:.2f}x wide tiles, "
             f"{best / cub:.2f}x best bit-equal"
         )
     print(f"headline ({args.rows}-row pass, one layer's projections): " + "; ".join(heads))

@@ -155,7 +155,7 @@ def _linear_kernel():
 
 LINEAR_ROWS = 16  # rows of one output tile (tl.dot needs 16): the only tile size a pass's row count meets
 # A swap tile's activation rows: 16 in every config the engine takes; wider ones only where a probe on the device
-# finds a row's bits the same as in the 16-row tile (bench/gpu_prefill_tiles.py: a prefill's candidate tiles).
+# finds a row's bits the same as in the 16-row tile (``wide_config``; bench/gpu_prefill_tiles.py measures them).
 SWAP_ROWS = (16, 32, 64, 128)
 SM_TARGET = 132  # the H200's streaming multiprocessors: a decode product wants at least this many programs
 
@@ -318,59 +318,62 @@ def rope_config(n: int, k: int, hd: int) -> LinearConfig:
     return LinearConfig(hd, bk, base.warps, 4 if hd <= 64 else 3, _splits(-(-n // hd), -(-k // bk)), base.bm, base.swap)
 
 
-# -- prefill tiles ------------------------------------------------------------------------------------------------
-# A swap config's tile is built for decode: 16 activation rows against 64-128 weight rows, so a 512-row prefill chunk
-# runs 32 row tiles per column strip, 4-6x cuBLAS's time per product on an H100 (bench/gpu_prefill_tiles.py,
-# bench/reports/gpu-prefill-h100-2026-12-06.txt). A tensor-core dot's element (i, j) is the same chain of 16-wide K
-# steps whatever the tile's other sides are: that probe found a row's bits equal with 16, 32, 64 and 128 activation
-# rows a program, on every swap weight of both shapes. So a pass of more than PREFILL_ROWS rows takes a wider tile
-# (more activation rows and weight rows a program, the same K slab, K splits and split order: the same reduction
-# chain per element), but only where this process has checked, on this GPU, that the wider tile gives the 16-row
-# tile's bits (``_prefill_equal``); anywhere else the 16-row tile runs, which is always right.
-PREFILL_ROWS = 64  # passes of more rows than this take the prefill tile (decode passes, 1-16 rows a sequence, never)
-PREFILL_SMEM = 200 * 1024  # shared memory the prefill tile's pipeline stages may take (the H100/H200 allow 227 KB)
-PREFILL_PROBE_ROWS = 96  # rows of the equality probe: one and a half 64-row tiles (a partial tile's masks too)
-PREFILL_ENV = "FIMBLE_PREFILL_TILES"  # 0: every pass on the decode tile (benchmarks compare the two)
-_prefill_checks = {"equal": 0, "unequal": 0, "taken": 0}  # counters: probes and products (tests read them)
+# -- wide tiles -----------------------------------------------------------------------------------------------------
+# A swap config's tile is built for one sequence's decode: 16 activation rows against 64-128 weight rows. A pass of
+# more rows runs several row tiles per column strip, each reading the strip's weights again: a batched serve round
+# (32 sequences, 32-512 rows) or a 512-row prefill chunk took 4-7x cuBLAS's time per product on an H100, and the
+# Triton set's serve rounds 4.8 ms of GPU against the cuBLAS set's 3.9 (bench/reports/gpu-prefill-h100-2026-12-06.txt).
+# A tensor-core dot's element (i, j) is the same chain of 16-wide K steps whatever the tile's other sides are: on that
+# H100 a row's bits were equal with 16, 32, 64 and 128 activation rows a program and 64-256 weight rows, on every swap
+# weight of both shapes (bench/gpu_prefill_tiles.py). So a pass of more than WIDE_ROWS rows takes the config with 64
+# activation rows a program (the same weight tile, K slab, splits and split order: the same reduction chain per
+# element), but only where this process has checked, on this GPU, that it gives the 16-row tile's bits
+# (``_wide_equal``); anywhere else the 16-row tile runs, which is always right. A single sequence's verify block
+# (1-16 rows) never meets it.
+WIDE_ROWS = 16  # passes of more rows than this take the wide tile (a batched round, a prefill chunk)
+WIDE_TILE_ROWS = 64  # activation rows a wide program (at 512 rows as fast as wider tiles, at 32-64 one tile)
+WIDE_SMEM = 200 * 1024  # shared memory the wide tile's pipeline stages may take (the H100/H200 allow 227 KB)
+WIDE_PROBE_ROWS = 96  # rows of the equality probe: one and a half wide tiles (a partial tile's masks too)
+WIDE_ENV = "FIMBLE_WIDE_TILES"  # 0: every pass on the 16-row tile (benchmarks compare the two)
+_wide_checks = {"equal": 0, "unequal": 0, "taken": 0}  # counters: probes and products (tests read them)
 
 
-def prefill_config(cfg: LinearConfig, rope: bool) -> LinearConfig | None:
-    """The wider tile a prefill pass of ``cfg``'s weight may take (None for a GEMV config: its tree has no tile to
-    widen): 64 activation rows, 128 weight rows (a RoPE tile stays one head wide), 8 warps, the same BK and splits
-    (so the same K chain per element), as many pipeline stages (at most 3) as PREFILL_SMEM holds."""
-    if not cfg.swap or os.environ.get(PREFILL_ENV, "1").strip() == "0":
+def wide_config(cfg: LinearConfig, rope: bool = False) -> LinearConfig | None:
+    """The tile a pass of more than WIDE_ROWS rows on ``cfg``'s weight may take (None for a GEMV config: its tree
+    has no tile to widen): WIDE_TILE_ROWS activation rows a program, ``cfg``'s weight tile, K slab, splits and warps,
+    as many of its pipeline stages as WIDE_SMEM holds. (``rope``: the qkv's one-head tile, which stays as it is.)"""
+    del rope  # the weight tile is never changed, a RoPE head tile included
+    if not cfg.swap or os.environ.get(WIDE_ENV, "1").strip() == "0":
         return None
-    bn = cfg.bn if rope else max(cfg.bn, 128)
-    bm = 64
-    stages = max(1, min(3, PREFILL_SMEM // ((bn + bm) * cfg.bk * 2)))
-    return cfg._replace(bn=bn, bm=bm, warps=8, stages=stages)
+    per_stage = (cfg.bn + WIDE_TILE_ROWS) * cfg.bk * 2
+    return cfg._replace(bm=WIDE_TILE_ROWS, stages=max(1, min(cfg.stages, WIDE_SMEM // per_stage)))
 
 
-def _prefill_equal(weight: Tensor, cfg: LinearConfig, wide: LinearConfig) -> bool:
+def _wide_equal(weight: Tensor, cfg: LinearConfig, wide: LinearConfig) -> bool:
     """Whether ``wide`` gives ``cfg``'s bits for every row of a pass on this weight's shape, dtype and GPU: checked
     once per process (random rows; a row's bits depend on the tile's K chain, not on the values) and remembered."""
     key = (tuple(weight.shape), weight.dtype, weight.device, cfg, wide)
-    known = _PREFILL_KNOWN.get(key)
+    known = _WIDE_KNOWN.get(key)
     if known is not None:
         return known
     if weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False  # never probe inside a graph capture (it allocates): the decode tile, always right
     gen = torch.Generator(device=weight.device).manual_seed(7)
-    x = torch.randn(PREFILL_PROBE_ROWS, weight.shape[1], device=weight.device, dtype=weight.dtype, generator=gen)
+    x = torch.randn(WIDE_PROBE_ROWS, weight.shape[1], device=weight.device, dtype=weight.dtype, generator=gen)
     try:
         equal = torch.equal(_launch(x, weight, cfg), _launch(x, weight, wide))
     except Exception:  # noqa: BLE001 - a tile this GPU cannot build (shared memory): the decode tile runs
         equal = False
-    _PREFILL_KNOWN[key] = equal
-    _prefill_checks["equal" if equal else "unequal"] += 1
+    _WIDE_KNOWN[key] = equal
+    _wide_checks["equal" if equal else "unequal"] += 1
     return equal
 
 
-_PREFILL_KNOWN: dict[tuple, bool] = {}
+_WIDE_KNOWN: dict[tuple, bool] = {}
 
 
 def _launch(x: Tensor, weight: Tensor, cfg: LinearConfig) -> Tensor:
-    """A plain product at ``cfg`` (the prefill probe's two sides)."""
+    """A plain product at ``cfg`` (the wide-tile probe's two sides)."""
     return linear(x, weight, config=cfg)
 
 
@@ -387,7 +390,7 @@ def linear(
     ``silu(gate) * up``. ``out_dtype``: the result's dtype (x's by default; float32 for logits, which then skip a
     rounding to bf16). ``config``: a ``LinearConfig`` or its tuple (BN, BK, warps, stages, splits[, BM[, swap]]),
     ``linear_config``'s by default (benchmarks and tests; BM 16 where left out); without one, a pass of more than
-    ``PREFILL_ROWS`` rows may take the config's prefill tile (``prefill_config``, where checked equal). ``rope``:
+    ``WIDE_ROWS`` rows may take the config's wide tile (``wide_config``, where checked equal). ``rope``:
     ``weight`` is a qkv projection; the result is the rotated queries, the keys and values go to the cache
     (``RopeStore``)."""
     kernel = _linear_kernel()
@@ -412,11 +415,11 @@ def linear(
     if m == 0:
         return out
     cfg = LinearConfig.of(config) if config else linear_config(n, k)
-    if chosen and m > PREFILL_ROWS:
-        wide = prefill_config(cfg, rope is not None)
-        if wide is not None and _prefill_equal(weight, cfg, wide):
+    if chosen and m > WIDE_ROWS:
+        wide = wide_config(cfg, rope is not None)
+        if wide is not None and _wide_equal(weight, cfg, wide):
             cfg = wide
-            _prefill_checks["taken"] += 1
+            _wide_checks["taken"] += 1
     bn, bk, warps, stages, splits, bm, swap = cfg
     tiles = triton_cdiv(m, bm) * triton_cdiv(n, bn)
     if splits > 1:

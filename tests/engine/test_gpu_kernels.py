@@ -290,14 +290,14 @@ def test_linear_row_does_not_depend_on_its_pass():
 
 
 @pytest.mark.parametrize("kind", ["plain", "norm", "gated"])
-def test_long_pass_takes_the_prefill_tile_only_with_the_decode_tiles_bits(monkeypatch, kind):
-    """A pass of more than PREFILL_ROWS rows on a swap config: the wider prefill tile runs where the probe found its
+def test_long_pass_takes_the_wide_tile_only_with_the_decode_tiles_bits(monkeypatch, kind):
+    """A pass of more than WIDE_ROWS rows on a swap config: the wide tile runs where the probe found its
     bits equal to the 16-row tile's (on a Hopper GPU), the 16-row tile otherwise (the interpreter's numpy products
     differ by shape); either way every row equals the row in a short pass, and the split counters end at 0."""
     from engine.runtimes import gpu_linear
     from engine.runtimes.gpu_kernels import linear
 
-    monkeypatch.setattr(gpu_linear, "_PREFILL_KNOWN", {})
+    monkeypatch.setattr(gpu_linear, "_WIDE_KNOWN", {})
     config = gpu_linear.LinearConfig(64, 128, 4, 2, 2, 16, True)
     monkeypatch.setattr(gpu_linear, "linear_config", lambda n, k: config)
     torch.manual_seed(8)
@@ -305,11 +305,11 @@ def test_long_pass_takes_the_prefill_tile_only_with_the_decode_tiles_bits(monkey
     w = (torch.randn(n, k) * 0.1).to(DTYPE).to(DEV)
     x = torch.randn(100, 2 * k if kind == "gated" else k).to(DTYPE).to(DEV)
     kw = {"norm": (torch.rand(k) + 0.5).to(DTYPE).to(DEV), "eps": 1e-6} if kind == "norm" else {}
-    before = dict(gpu_linear._prefill_checks)
+    before = dict(gpu_linear._wide_checks)
     full = linear(x, w, gated=kind == "gated", **kw)
-    probes = sum(gpu_linear._prefill_checks[c] - before[c] for c in ("equal", "unequal"))
-    taken = gpu_linear._prefill_checks["taken"] - before["taken"]
-    assert probes == 1 and taken == (1 if gpu_linear._prefill_checks["equal"] > before["equal"] else 0)
+    probes = sum(gpu_linear._wide_checks[c] - before[c] for c in ("equal", "unequal"))
+    taken = gpu_linear._wide_checks["taken"] - before["taken"]
+    assert probes == 1 and taken == (1 if gpu_linear._wide_checks["equal"] > before["equal"] else 0)
     if CUDA and torch.cuda.get_device_capability() == (9, 0):
         assert taken == 1  # measured on H100s: a wider swap tile keeps the 16-row tile's bits
     for lo, hi in ((0, 1), (30, 46), (84, 100)):

@@ -148,15 +148,15 @@ def test_prefill_tile_widens_only_swap_tiles_and_keeps_the_k_chain(monkeypatch):
     from engine.runtimes import gpu_linear
 
     cfg = gpu_linear.LinearConfig(64, 128, 4, 3, 10, 16, True)
-    wide = gpu_linear.prefill_config(cfg, rope=False)
+    wide = gpu_linear.wide_config(cfg, rope=False)
     assert (wide.bk, wide.splits, wide.swap) == (cfg.bk, cfg.splits, True)  # the same K slabs, splits, split order
     assert wide.bm > gpu_linear.LINEAR_ROWS and wide.bn >= cfg.bn
-    assert (wide.bn + wide.bm) * wide.bk * 2 * wide.stages <= gpu_linear.PREFILL_SMEM
-    assert gpu_linear.prefill_config(cfg._replace(bk=256, bn=128), rope=False).stages >= 1
-    assert gpu_linear.prefill_config(cfg, rope=True).bn == cfg.bn  # a RoPE tile stays one head wide
-    assert gpu_linear.prefill_config(gpu_linear.LinearConfig(8, 512, 4, 4, 1, 1), rope=False) is None  # a GEMV
-    monkeypatch.setenv(gpu_linear.PREFILL_ENV, "0")
-    assert gpu_linear.prefill_config(cfg, rope=False) is None
+    assert (wide.bn + wide.bm) * wide.bk * 2 * wide.stages <= gpu_linear.WIDE_SMEM
+    assert gpu_linear.wide_config(cfg._replace(bk=256, bn=128), rope=False).stages >= 1
+    assert gpu_linear.wide_config(cfg, rope=True).bn == cfg.bn  # a RoPE tile stays one head wide
+    assert gpu_linear.wide_config(gpu_linear.LinearConfig(8, 512, 4, 4, 1, 1), rope=False) is None  # a GEMV
+    monkeypatch.setenv(gpu_linear.WIDE_ENV, "0")
+    assert gpu_linear.wide_config(cfg, rope=False) is None
 
 
 def test_prefill_tile_is_taken_only_where_checked_equal(monkeypatch):
@@ -172,16 +172,16 @@ def test_prefill_tile_is_taken_only_where_checked_equal(monkeypatch):
         return torch.zeros(2) if cfg.bm == 16 or outputs["equal"] else torch.ones(2)
 
     monkeypatch.setattr(gpu_linear, "_launch", launch)
-    monkeypatch.setattr(gpu_linear, "_PREFILL_KNOWN", {})
+    monkeypatch.setattr(gpu_linear, "_WIDE_KNOWN", {})
     cfg = gpu_linear.LinearConfig(64, 128, 4, 3, 1, 16, True)
-    wide = gpu_linear.prefill_config(cfg, rope=False)
+    wide = gpu_linear.wide_config(cfg, rope=False)
     for equal, weight in ((True, torch.zeros(64, 32)), (False, torch.zeros(128, 32))):
         outputs["equal"] = equal
-        assert gpu_linear._prefill_equal(weight, cfg, wide) is equal
-        assert gpu_linear._prefill_equal(weight, cfg, wide) is equal  # remembered: probed once per shape
+        assert gpu_linear._wide_equal(weight, cfg, wide) is equal
+        assert gpu_linear._wide_equal(weight, cfg, wide) is equal  # remembered: probed once per shape
     assert len(calls) == 4
     outputs["raise"] = True
-    assert gpu_linear._prefill_equal(torch.zeros(256, 32), cfg, wide) is False  # a tile this GPU cannot build
+    assert gpu_linear._wide_equal(torch.zeros(256, 32), cfg, wide) is False  # a tile this GPU cannot build
 
 
 def test_invariant_default_reads_the_switch(monkeypatch):

@@ -108,10 +108,10 @@ def test_verify_rows_equal_steps_eager_and_graph():
 
 @torch.inference_mode()
 def test_long_pass_rows_equal_steps():
-    """A prefill's rows are a step's bits: a 300-token pass (more than gpu_linear.PREFILL_ROWS rows, so with Triton
-    projections the swap products may take the wider prefill tile, where this GPU gives the same bits) against the
+    """A prefill's rows are a step's bits: a 300-token pass (more than gpu_linear.WIDE_ROWS rows, so with Triton
+    projections the swap products may take the wide tile, where this GPU gives the same bits) against the
     same prompt's first 260 tokens in one pass and its last 40 in 1-token steps: the 40 rows' logits bit-identical,
-    for both kernel sets. With the Triton set on a Hopper GPU the prefill tile must have been taken (the probe found
+    for both kernel sets. With the Triton set on a Hopper GPU the wide tile must have been taken (the probe found
     it equal), or this test would not test it."""
     from engine.runtimes import gpu_linear
 
@@ -122,14 +122,14 @@ def test_long_pass_rows_equal_steps():
             vocab = model.cfg.vocab_size
             gen = torch.Generator().manual_seed(6)
             prompt = torch.randint(0, vocab, (300,), generator=gen).cuda()
-            taken = gpu_linear._prefill_checks["taken"]
+            taken = gpu_linear._wide_checks["taken"]
             whole = model(prompt, model.new_cache(320), 0, 40).clone()
-            taken = gpu_linear._prefill_checks["taken"] - taken
+            taken = gpu_linear._wide_checks["taken"] - taken
             cache = model.new_cache(320)
             model(prompt[:260], cache, 0, 1)
             steps = torch.cat([model(prompt[i : i + 1], cache, i, 1).clone() for i in range(260, 300)])
             differ = int((whole != steps).any(-1).sum())
-            report.append(f"{name} {kernels}: {differ} of 40 rows differ; prefill-tile products {taken}")
+            report.append(f"{name} {kernels}: {differ} of 40 rows differ; wide-tile products {taken}")
             assert differ == 0, report[-1]
             swap = any(gpu_linear.linear_config(*layer.shape).swap for layer in _weights(model))
             if kernels == "invariant" and swap and torch.cuda.get_device_capability() == (9, 0):
