@@ -19,6 +19,10 @@
 #   run: bash bench/gpu_kernels_h200.sh start next; sleep 2; bash bench/gpu_kernels_h200.sh wait 560
 #        (carry .whl, .devcarry/k27t, .devcarry/whl, .devcarry/llama.cpp-server-src.tar.gz) what 2026-12-06 left
 #        unmeasured: the prefill pass per kernel set, the 200 prompts on swap tiles, the peer's step (see `next`)
+#   run: bash bench/gpu_kernels_h200.sh start prefill2; ...; wait 560  (carry .whl, .devcarry/k27t) the wide tiles'
+#        probe, the GPU suite with the Triton set, 32 editors with each set, the step table with a cold prompt;
+#        `bash bench/gpu_kernels_h200.sh wide` the same in the foreground. Both ran on 2026-12-06 (H100):
+#        bench/reports/gpu-wide-tiles-h100-2026-12-06.txt
 set -o pipefail
 case "${1:-}" in
 prep)

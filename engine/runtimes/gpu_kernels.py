@@ -41,11 +41,12 @@ sets give it (cuda_graphs ``invariant_layers``; ``invariant_default`` picks one)
   writes after the qkv product (``RopeStore``: rope_store's arithmetic), float32 logits straight from the LM head's
   accumulators. ``linear``'s swap-AB tiles read the weight once for 16 rows, so a verify block costs about a step:
   on an H100 with MEASURED_CONFIGS (2026-12-06, bench/reports/gpu-tests-h100-2026-12-06.txt) its graph step is 1.101
-  ms at 0.5B and 2.098 ms at 1.5B (the cuBLAS set: 1.701, 2.569), an 8-row verify 1.172 and 2.126 ms. It stays
-  opt-in until two things are measured on the device: a prefill pass's cost (many rows, where cuBLAS's large tiles
-  may win; a cold prompt is prefill) and the 200-prompt suite with swap tiles on the embedded pair's own shapes
-  (``bash bench/gpu_kernels_h200.sh swaptests``: the suite passed with the set on 2026-12-06, but those shapes took the
-  rule's GEMV configs).
+  ms at 0.5B and 2.098 ms at 1.5B (the cuBLAS set: 1.701, 2.569), an 8-row verify 1.172 and 2.126 ms; against
+  llama-server's CUDA build on the same GPU the 1.5B step is 0.775x the server's (the cuBLAS set's about 0.97x). A pass
+  of more than 64 rows (a prefill chunk, a large batched round) takes ``wide_config``'s tile where this GPU gives it the
+  16-row tile's bits (gpu_linear.py says why that holds and how it is checked). It stays opt-in: through fimble serve
+  with 32 editors its batched rounds take 1.2x the cuBLAS set's GPU time (0.80-0.84x the tok/s) and its cold prompts
+  1.13-1.18x as long (bench/reports/gpu-wide-tiles-h100-2026-12-06.txt); the GPU suite passes with it (200/200).
 
 Both sets run ``attention`` with ``ordered=True``: the split combine sums the splits one by one in split order, so
 trailing splits that hold no visible key (a longer key bucket) add exact zeros whatever their number, and the
@@ -111,7 +112,7 @@ def invariant_default() -> str | bool:
     attention combined in order: a 1-token step, a verify block, eager or graph, a batched serve round, the same bits,
     within engine/runtimes/row_limits.py's probed row counts); ``triton`` = "invariant" (every projection in
     ``linear``: invariant for any row count by construction, batched rounds included; its step is faster than the cuBLAS
-    set's, its prefill not yet measured: see the module docstring); 0 = off ("fused": a row's bits depend on its pass's
+    set's, its serve rounds and cold prompts slower: see the module docstring); 0 = off ("fused": a row's bits depend on its pass's
     shape)."""
     if not available():
         return False

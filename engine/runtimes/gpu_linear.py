@@ -320,18 +320,17 @@ def rope_config(n: int, k: int, hd: int) -> LinearConfig:
 
 # -- wide tiles -----------------------------------------------------------------------------------------------------
 # A swap config's tile is built for one sequence's decode: 16 activation rows against 64-128 weight rows. A pass of
-# more rows runs several row tiles per column strip, each reading the strip's weights again: a batched serve round
-# (32 sequences, 32-512 rows) or a 512-row prefill chunk took 4-7x cuBLAS's time per product on an H100, and the
-# Triton set's serve rounds 4.8 ms of GPU against the cuBLAS set's 3.9 (bench/reports/gpu-prefill-h100-2026-12-06.txt).
-# A tensor-core dot's element (i, j) is the same chain of 16-wide K steps whatever the tile's other sides are: on that
-# H100 a row's bits were equal with 16, 32, 64 and 128 activation rows a program and 64-256 weight rows, on every swap
-# weight of both shapes (bench/gpu_prefill_tiles.py). So a pass of more than WIDE_ROWS rows takes the config with 64
-# activation rows a program (the same weight tile, K slab, splits and split order: the same reduction chain per
-# element), but only where this process has checked, on this GPU, that it gives the 16-row tile's bits
-# (``_wide_equal``); anywhere else the 16-row tile runs, which is always right. A single sequence's verify block
-# (1-16 rows) never meets it.
-WIDE_ROWS = 16  # passes of more rows than this take the wide tile (a batched round, a prefill chunk)
-WIDE_TILE_ROWS = 64  # activation rows a wide program (at 512 rows as fast as wider tiles, at 32-64 one tile)
+# many rows runs many row tiles per column strip, each reading the strip's weights again: a 512-row prefill chunk took
+# 4-7x cuBLAS's time per product on an H100 (bench/reports/gpu-wide-tiles-h100-2026-12-06.txt). A tensor-core dot's
+# element (i, j) is the same chain of 16-wide K steps whatever the tile's other sides are: on that H100 a row's bits
+# were equal with 16, 32, 64 and 128 activation rows a program and 64-256 weight rows, on every swap weight of both
+# shapes (bench/gpu_prefill_tiles.py). So a pass of more than WIDE_ROWS rows takes a wider tile (the same K slab,
+# splits and split order: the same reduction chain per element), but only where this process has checked, on this
+# GPU, that it gives the 16-row tile's bits (``_wide_equal``); anywhere else the 16-row tile runs, which is always
+# right. With it the 1.5B's 512-row products took 3.6-4.1x cuBLAS's time instead of 5.1-5.7x. Above 64 rows only: at
+# 17-64 rows (a batched round) the wide tile gained nothing per product and the serve ratio to the cuBLAS set fell
+# from 0.84 to 0.81 (the same report).
+WIDE_ROWS = 64  # passes of more rows than this take the wide tile (prefill chunks, large batched rounds)
 WIDE_SMEM = 200 * 1024  # shared memory the wide tile's pipeline stages may take (the H100/H200 allow 227 KB)
 WIDE_PROBE_ROWS = 96  # rows of the equality probe: one and a half wide tiles (a partial tile's masks too)
 WIDE_ENV = "FIMBLE_WIDE_TILES"  # 0: every pass on the 16-row tile (benchmarks compare the two)
@@ -340,13 +339,14 @@ _wide_checks = {"equal": 0, "unequal": 0, "taken": 0}  # counters: probes and pr
 
 def wide_config(cfg: LinearConfig, rope: bool = False) -> LinearConfig | None:
     """The tile a pass of more than WIDE_ROWS rows on ``cfg``'s weight may take (None for a GEMV config: its tree
-    has no tile to widen): WIDE_TILE_ROWS activation rows a program, ``cfg``'s weight tile, K slab, splits and warps,
-    as many of its pipeline stages as WIDE_SMEM holds. (``rope``: the qkv's one-head tile, which stays as it is.)"""
-    del rope  # the weight tile is never changed, a RoPE head tile included
+    has no tile to widen): 64 activation rows and at least 128 weight rows a program (a RoPE tile stays one head
+    wide), 8 warps, ``cfg``'s K slab and splits, as many pipeline stages (at most 3) as WIDE_SMEM holds."""
     if not cfg.swap or os.environ.get(WIDE_ENV, "1").strip() == "0":
         return None
-    per_stage = (cfg.bn + WIDE_TILE_ROWS) * cfg.bk * 2
-    return cfg._replace(bm=WIDE_TILE_ROWS, stages=max(1, min(cfg.stages, WIDE_SMEM // per_stage)))
+    bn = cfg.bn if rope else max(cfg.bn, 128)
+    bm = 64
+    stages = max(1, min(3, WIDE_SMEM // ((bn + bm) * cfg.bk * 2)))
+    return cfg._replace(bn=bn, bm=bm, warps=8, stages=stages)
 
 
 def _wide_equal(weight: Tensor, cfg: LinearConfig, wide: LinearConfig) -> bool:
