@@ -111,9 +111,9 @@ def invariant_default() -> str | bool:
     ``FIMBLE_CUDA_INVARIANT``: unset or 1 = "invariant-cublas" (cuBLAS's projections on fixed 16-row passes, Triton
     attention combined in order: a 1-token step, a verify block, eager or graph, a batched serve round, the same bits,
     within engine/runtimes/row_limits.py's probed row counts); ``triton`` = "invariant" (every projection in
-    ``linear``: invariant for any row count by construction, batched rounds included; its step is faster than the cuBLAS
-    set's, its serve rounds and cold prompts slower: see the module docstring); 0 = off ("fused": a row's bits depend on its pass's
-    shape)."""
+    ``linear``: invariant for any row count by construction, batched rounds included; its step is faster than the
+    cuBLAS set's, its serve rounds and cold prompts slower: see the module docstring); 0 = off ("fused": a row's bits
+    depend on its pass's shape)."""
     if not available():
         return False
     value = os.environ.get("FIMBLE_CUDA_INVARIANT", "1").strip().lower()
