@@ -475,6 +475,24 @@ FORGET_NEW = """
     int current_chunk = ith;
 """
 
+# A verify block (2-16 src1 rows) is split among the threads in the 1-token step's 64-row chunks, not stock's 16: the
+# rows' kernel streams each chunk's weights once for every row, and a 16-row chunk (15 KB of the 0.5B's q8_0 weights)
+# hands each thread a short stream that restarts at every chunk. Chunks change which weight rows one call takes,
+# never a row's arithmetic (the probe checks blocks = steps bit for bit).
+CHUNK_OLD = """    int chunk_size = 16;
+
+    // We need to step up the size if it's small
+    if (nr0 == 1 || nr1 == 1) {
+        chunk_size = 64;
+    }
+"""
+CHUNK_NEW = CHUNK_OLD + """#if defined(FIMBLE_Q8_0_ROWS)
+    if (nr1 <= FIMBLE_Q8_0_ROWS) {
+        chunk_size = 64;  // fimble (engine/runtimes/ggml_patch.py): a verify block in the step's chunks
+    }
+#endif
+"""
+
 PATCHES: tuple[tuple[str, str, str], ...] = (
     (SGEMM, SGEMM_DECL_OLD, SGEMM_DECL_NEW),
     (SGEMM, SGEMM_OLD, SGEMM_NEW),
@@ -482,6 +500,7 @@ PATCHES: tuple[tuple[str, str, str], ...] = (
     (GGML_CPU, TMP_OLD, TMP_NEW),
     (GGML_CPU, LOOP_OLD, LOOP_NEW),
     (GGML_CPU, FORGET_OLD, FORGET_NEW),
+    (GGML_CPU, CHUNK_OLD, CHUNK_NEW),
     (QUANTS_H, Q8_DECL_OLD, Q8_DECL_NEW),
     (QUANTS_X86, Q8_KERNEL_BEFORE, Q8_KERNEL + Q8_KERNEL_BEFORE),
 )
