@@ -35,6 +35,9 @@ fimble's own lane order at every row count (item 3), faster, blocks still equal 
      the lane kernel's speed, its sums stock's). tinyBLAS's q8_0 tiles (4 weight rows x 2 activation rows) also
      equal vec_dot bit for bit, but cost about 0.8 of a step per extra row here (the probe before this kernel:
      2/4/8/16 rows 1.86/3.30/6.10/11.93 steps).
+4. ggml-cpu.c: a product of 2-16 activation rows (a verify block) is split among the threads in 64-row chunks, as a
+   1-token step is (stock: 16-row chunks whenever there is more than one activation row). At 2 threads a verify block
+   then costs 10-13% less (CHUNK_OLD's comment says why); which weight rows one call takes never changes a row's sum.
 """
 
 from __future__ import annotations
