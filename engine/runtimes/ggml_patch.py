@@ -489,12 +489,15 @@ CHUNK_OLD = """    int chunk_size = 16;
         chunk_size = 64;
     }
 """
-CHUNK_NEW = CHUNK_OLD + """#if defined(FIMBLE_Q8_0_ROWS)
+CHUNK_NEW = (
+    CHUNK_OLD
+    + """#if defined(FIMBLE_Q8_0_ROWS)
     if (nr1 <= FIMBLE_Q8_0_ROWS) {
         chunk_size = 64;  // fimble (engine/runtimes/ggml_patch.py): a verify block in the step's chunks
     }
 #endif
 """
+)
 
 PATCHES: tuple[tuple[str, str, str], ...] = (
     (SGEMM, SGEMM_DECL_OLD, SGEMM_DECL_NEW),
