@@ -23,6 +23,7 @@
 #        probe, the GPU suite with the Triton set, 32 editors with each set, the step table with a cold prompt;
 #        `bash bench/gpu_kernels_h200.sh wide` the same in the foreground. Both ran on 2026-12-06 (H100):
 #        bench/reports/gpu-wide-tiles-h100-2026-12-06.txt
+#   run: bash bench/gpu_kernels_h200.sh rounds  (no carry; ~3 min) a serve round's kernels per kernel set (not run yet)
 set -o pipefail
 case "${1:-}" in
 prep)
@@ -180,6 +181,20 @@ wide)
     grep -E "rows differ|==|passed|failed|Error" "$OUT/tests.log" | tail -14 | cut -c1-300
     timeout 120 python3 -m bench.gpu_prefill_tiles --json "$OUT/prefill-tiles.json" >"$OUT/prefill-tiles.txt" 2>&1
     tail -1 "$OUT/prefill-tiles.txt"
+    ;;
+rounds)
+    # Not run yet. What a serve round's GPU time is made of (the serve loop is GPU-bound: busy 93-94% of a round on
+    # 2026-12-06): a 32-sequence slot round on the 1.5B shape, blocks of 1 and 2, per kernel set, profiled kernel by
+    # kernel (bench/gpu_profile.py --round; no carry; ~3 min).
+    export PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    for k in invariant-cublas invariant; do
+        for r in 32x1 32x2; do
+            timeout 120 python3 -m bench.gpu_profile --shape 1.5B --attention $k --round $r \
+                --json "$OUT/round-$k-$r.json" >"$OUT/round-$k-$r.txt" 2>&1
+            tail -1 "$OUT/round-$k-$r.txt"
+        done
+    done
     ;;
 job)
     OUT=/tmp/k27job/out bash bench/gpu_kernels_h200.sh sweep
