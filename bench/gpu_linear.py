@@ -102,6 +102,20 @@ def graph_us(fns: list) -> float:
     return statistics.median(times)
 
 
+def fused_linear(kind: str, x, w, cfg, *, norm, bias, residual) -> torch.Tensor:
+    """``gk.linear`` as the fused variant ``kind`` (``weights_of``'s third field) runs it in a pass."""
+    kw: dict = {"config": cfg}
+    if "norm" in kind:
+        kw.update(norm=norm, eps=1e-6)
+    if "bias" in kind:
+        kw["bias"] = bias
+    if "residual" in kind:
+        kw["residual"] = residual
+    if "float32" in kind:
+        kw["out_dtype"] = torch.float32
+    return gk.linear(x, w, gated="gated" in kind, **kw)
+
+
 class Weight:
     """One weight's copies and the inputs of its fused variant."""
 
@@ -116,16 +130,7 @@ class Weight:
         self.norm = torch.rand(k, device=DEV, dtype=DTYPE, generator=gen) + 0.5
 
     def call(self, w: torch.Tensor, m: int, cfg=None) -> torch.Tensor:
-        kw: dict = {"config": cfg}
-        if "norm" in self.kind:
-            kw.update(norm=self.norm, eps=1e-6)
-        if "bias" in self.kind:
-            kw["bias"] = self.bias
-        if "residual" in self.kind:
-            kw["residual"] = self.res[:m]
-        if "float32" in self.kind:
-            kw["out_dtype"] = torch.float32
-        return gk.linear(self.x[:m], w, gated="gated" in self.kind, **kw)
+        return fused_linear(self.kind, self.x[:m], w, cfg, norm=self.norm, bias=self.bias, residual=self.res[:m])
 
     def triton_us(self, m: int, cfg=None) -> float:
         return graph_us([lambda w=w: self.call(w, m, cfg) for w in self.ws])

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.gpu_linear import DEV, DTYPE, weights_of
+from bench.gpu_linear import DEV, DTYPE, fused_linear, weights_of
+from bench.gpu_row_limits import _event_ms
 from engine.runtimes import gpu_kernels as gk
 from engine.runtimes import gpu_linear as gl
 
@@ -42,15 +43,7 @@ def timed_us(fn, reps: int = 15) -> float:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return statistics.median(_event_ms(fn, reps)) * 1e3
 
 
 class Pass:
@@ -67,16 +60,7 @@ class Pass:
         self.plain_x = torch.randn(m, k, device=DEV, dtype=DTYPE, generator=gen)
 
     def triton(self, cfg, m: int | None = None) -> torch.Tensor:
-        kw: dict = {"config": cfg}
-        if "norm" in self.kind:
-            kw.update(norm=self.norm, eps=1e-6)
-        if "bias" in self.kind:
-            kw["bias"] = self.bias
-        if "residual" in self.kind:
-            kw["residual"] = self.res[:m]
-        if "float32" in self.kind:
-            kw["out_dtype"] = torch.float32
-        return gk.linear(self.x[:m], self.w, gated="gated" in self.kind, **kw)
+        return fused_linear(self.kind, self.x[:m], self.w, cfg, norm=self.norm, bias=self.bias, residual=self.res[:m])
 
     def cublas(self) -> torch.Tensor:
         return F.linear(self.plain_x, self.w)

@@ -29,6 +29,20 @@ from bench.harness.random_models import random_model, weight_bytes
 from engine.runtimes.cuda_graphs import GraphRuntime, key_bucket
 
 
+def kernel_rows(fn, steps: int) -> list[tuple[float, float, str]]:
+    """``fn`` run ``steps`` times under the profiler: (ms per call, kernels per call, name) per GPU kernel name
+    (memcpy/memset included), the largest first."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:  # a kernel (or memcpy/memset) on the GPU
+            per_name[ev.name].append(ev.time_range.elapsed_us() / 1e3)  # ms
+    return sorted(((sum(v) / steps, len(v) / steps, name) for name, v in per_name.items()), reverse=True)
+
+
 def round_passes(model, args) -> tuple:
     """A SlotGraphs round of ``args.round`` (SxT) on ``model``: (slots with graphs, slots without, passes)."""
     from engine.runtimes.slot_graphs import SlotGraphs
@@ -93,15 +107,7 @@ def main() -> None:
     for _ in range(3):
         eager(one, cache, context, 1)
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            eager(one, cache, context, 1)
-        torch.cuda.synchronize()
-    per_name: dict[str, list[float]] = defaultdict(list)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:  # a kernel (or memcpy/memset) on the GPU
-            per_name[ev.name].append(ev.time_range.elapsed_us() / 1e3)  # ms
-    rows = sorted(((sum(v) / args.steps, len(v) / args.steps, name) for name, v in per_name.items()), reverse=True)
+    rows = kernel_rows(lambda: eager(one, cache, context, 1), args.steps)
     kernel_ms = sum(r[0] for r in rows)
     kernels = sum(r[1] for r in rows)
     floor = weight_bytes(model) / 4.2e12 * 1e3
@@ -149,15 +155,7 @@ def profile_round(model, args) -> None:
     for _ in range(3):
         eager.run(passes_e)
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            eager.run(passes_e)
-        torch.cuda.synchronize()
-    per_name: dict[str, list[float]] = defaultdict(list)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[ev.name].append(ev.time_range.elapsed_us() / 1e3)
-    rows = sorted(((sum(v) / args.steps, len(v) / args.steps, name) for name, v in per_name.items()), reverse=True)
+    rows = kernel_rows(lambda: eager.run(passes_e), args.steps)
     kernel_ms = sum(r[0] for r in rows)
     kernels = sum(r[1] for r in rows)
     floor = weight_bytes(model) / 4.2e12 * 1e3
