@@ -112,6 +112,19 @@ def ensure_ggufs(folder: Path, target_dir: Path, draft_dir: Path) -> dict[str, P
 
 
 # -- fimble ---------------------------------------------------------------------------------
+def chosen_draft(model_file: Path, choice: str) -> Path | None:
+    """``--draft``'s folder: none, a named one, or (auto) the Qwen drafter beside a Qwen 0.5B file where installed."""
+    from engine.model_info import QWEN_TARGET, qwen_draft, qwen_fim_target
+    from engine.runtimes.draft_vocab import is_mapped_draft
+
+    if choice == "none":
+        return None
+    if choice != "auto":
+        return Path(choice).expanduser().resolve()
+    qwen = {QWEN_TARGET.resolve(), qwen_fim_target().resolve()}
+    return qwen_draft() if model_file in qwen and is_mapped_draft(qwen_draft()) else None
+
+
 def fimble_cold(target, drafter_name, prompt, n, model_drafter=None, ngram=None):
     """(tokens, ttft s, total s, figures): SpeculativeDecoder on a fresh cache, exactly n tokens."""
     from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
@@ -336,6 +349,13 @@ def main() -> None:
         "own weight type; no draft model (fimble default drafts n-grams, llama-server runs without a draft)",
     )
     ap.add_argument(
+        "--draft",
+        default="auto",
+        metavar="auto|none|DIR",
+        help="with --model: fimble's draft model (engine.loader.load_draft). auto: the installed Qwen drafter "
+        "(models/qwen2.5-coder-0.5b-draft) when --model is a Qwen2.5-Coder-0.5B file, else none",
+    )
+    ap.add_argument(
         "--server-spec",
         type=spec_types,
         metavar="TYPES",
@@ -393,6 +413,7 @@ def main() -> None:
         if args.precision is not None:
             ap.error("--precision does not apply with --model: a GGUF file runs in its own weight type")
         model_file = args.model.expanduser().resolve()
+        draft_dir = chosen_draft(model_file, args.draft)
         if model_file.suffix.lower() != ".gguf" or not model_file.is_file():
             ap.error(f"--model {args.model}: not a .gguf file")
     server_specs = list(dict.fromkeys((["ngram-simple"] if args.server_ngram else []) + (args.server_spec or [])))
@@ -419,7 +440,7 @@ def main() -> None:
 
     from engine.caching.prompt_plan import PromptBuilder
     from engine.decoding.drafters import ModelDrafter, NgramDrafter
-    from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+    from engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET, load_draft, load_model
     from engine.process import EngineProcess
 
     skipped: list[str] = []
@@ -463,7 +484,8 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = os.environ["FIMBLE_GGML_THREADS"] = str(threads)
         torch.set_num_threads(threads)
         if model_file:
-            target, draft = load_model(model_file), None
+            target = load_model(model_file)
+            draft = load_draft(draft_dir, target) if draft_dir is not None else None
         else:
             target, draft = load_model(DEFAULT_TARGET, quant=quant), load_model(DEFAULT_DRAFT, quant=quant)
         rt_name = runtime_name(target)

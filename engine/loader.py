@@ -32,11 +32,17 @@ DEFAULT_DRAFT = REPO_MODELS / "fimble-draft"
 
 def default_models() -> tuple[Path, Path | None]:
     """(target, draft) when none is named. The built fimble-smollm2 (engine/model_info.py) has no
-    draft model sharing its tokenizer yet (the n-gram drafter still runs); the embedded pair has."""
-    from engine.model_info import default_target
+    draft model sharing its tokenizer yet (the n-gram drafter still runs); the embedded pair has, and
+    the Qwen2.5-Coder-0.5B files have the Qwen drafter where it is installed (it runs on the ggml runtime)."""
+    from engine.model_info import QWEN_TARGET, default_target, qwen_draft, qwen_fim_target
+    from engine.runtimes.draft_vocab import is_mapped_draft
 
     target = default_target()
-    return target, (DEFAULT_DRAFT if target == DEFAULT_TARGET else None)
+    if target == DEFAULT_TARGET:
+        return target, DEFAULT_DRAFT
+    if target in (qwen_fim_target(), QWEN_TARGET) and is_mapped_draft(qwen_draft()):
+        return target, qwen_draft()
+    return target, None
 
 
 # End-of-text tokens of common model families. A tokenizer may mark one as its unk token
@@ -402,6 +408,41 @@ def load_model(
 
         runtime = GraphRuntime(runtime)
     return _assemble(folder, cfg, tokenizer, template, runtime, "compact" if use_compact else "hf")
+
+
+def load_draft(path: str | Path, target: LoadedModel, **kwargs) -> LoadedModel:
+    """The draft model for ``target``: ``load_model(path, **kwargs)``, or for a sub-vocabulary drafter folder
+    (engine/runtimes/draft_vocab.py) its MappedGGMLRuntime with the target's tokenizer, so that it shares the
+    target's ids (engine/scheduler.py requires it). Such a drafter needs the target on the ggml runtime: its
+    vocabulary comes from the target's GGUF, and its passes from llama.cpp."""
+    from engine.runtimes.draft_vocab import is_mapped_draft, read_token_map, tokenizer_matches, write_draft_tokenizer
+
+    folder = Path(path).expanduser()
+    if not is_mapped_draft(folder):
+        return load_model(folder, **kwargs)
+    gguf = getattr(target.runtime, "path", None)
+    if target.backend != "ggml" or gguf is None:
+        raise ModelLoadError(
+            f"{folder.name} is a sub-vocabulary drafter: it runs only beside a target on the ggml runtime "
+            "(the CPU; fimble serve batches on another runtime unless FIMBLE_RUNTIME=ggml or --no-batch)"
+        )
+    cfg = _read_config(folder)
+    vocab = int(target.runtime.vocab)  # the width of the target's logit rows
+    token_map = read_token_map(folder, vocab)
+    if not tokenizer_matches(folder, token_map, target.tokenizer):  # (the GGUF export reads these files)
+        write_draft_tokenizer(folder, gguf)
+    from engine.runtimes.mapped_runtime import mapped_draft_runtime
+
+    return LoadedModel(
+        name=folder.name,
+        folder=folder,
+        runtime=mapped_draft_runtime(folder, cfg, token_map, vocab),
+        tokenizer=target.tokenizer,
+        template=target.template,
+        stop_ids=set(target.stop_ids),
+        max_len=min(target.max_len, int(cfg.get("max_position_embeddings", target.max_len))),
+        backend="ggml",
+    )
 
 
 def _torch_dtype(dtype: torch.dtype | None) -> torch.dtype:

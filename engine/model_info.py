@@ -32,6 +32,12 @@ QWEN_TARGET = EMBEDDED_TARGET.parent / "qwen2.5-coder-0.5b" / "qwen2.5-coder-0.5
 # step: same architecture and q8_0, so the same speed per token; through fimble lsp on HumanEval it beat the
 # Instruct file on every set (bench/reports/quality-qwen-fim-lsp-h200-2026-12-03.txt), so it is the default.
 QWEN_FIM_NAME = "qwen2.5-coder-0.5b-fim-q8_0.gguf"  # in QWEN_TARGET's folder
+# A sub-vocabulary drafter of these files (engine/runtimes/draft_vocab.py), a folder beside their folder: the
+# default draft once it holds a token map (engine/loader.py default_models).
+QWEN_DRAFT_NAME = "qwen2.5-coder-0.5b-draft"
+# Its weights' sha256 (training/draft_distill.py, run 2 of 2026-12-06 on an H100): a changed or truncated file is not
+# used as the default draft (engine/local.py), and decoding goes on without it, as exact as with it.
+QWEN_DRAFT_SHA256 = "baad9a8a0c6276dc6c575b373141d6eada8a61681b3c84365e9bb326ffd48d92"
 # The larger option, not installed by default (``python -m training.fetch_qwen --size 1.5b``):
 # Qwen2.5-Coder-1.5B-Instruct as q8_0, used only when pinned (FIMBLE_DEFAULT_MODEL=qwen-1.5b) or named by the
 # model setting.
@@ -64,6 +70,10 @@ def _qwen_15b_fetched() -> bool:
 
 def qwen_fim_target() -> Path:
     return QWEN_TARGET.parent / QWEN_FIM_NAME
+
+
+def qwen_draft() -> Path:
+    return QWEN_TARGET.parent.parent / QWEN_DRAFT_NAME
 
 
 def _qwen_fim_built() -> bool:

@@ -491,6 +491,31 @@ def main() -> None:
     )
     args = ap.parse_args()
     print(ensure_qwen(args.out, args.parts_dir, args.size))
+    if args.size == "0.5b" and args.out is None:
+        prepare_draft()
+
+
+def prepare_draft() -> Path | None:
+    """The shipped drafter (models/qwen2.5-coder-0.5b-draft, engine/runtimes/draft_vocab.py): its weights' digest
+    checked and its GGUF written to fimble's cache now, so the first completion does not pay the export (a few
+    seconds, and a torch import). None (with a line) when the folder is absent or not the shipped file."""
+    from engine.errors import ModelLoadError
+    from engine.model_info import QWEN_DRAFT_SHA256, qwen_draft
+    from engine.runtimes.draft_vocab import check_weights, is_mapped_draft
+    from engine.runtimes.ggml_runtime import cached_gguf
+    from engine.runtimes.mapped_runtime import DRAFT_QTYPE
+
+    folder = qwen_draft()
+    if not is_mapped_draft(folder):
+        return None
+    try:
+        check_weights(folder, QWEN_DRAFT_SHA256)
+        out = cached_gguf(folder, DRAFT_QTYPE)
+    except ModelLoadError as exc:
+        _say(f"the drafter is not prepared: {exc}")
+        return None
+    _say(f"drafter: {out}")
+    return out
 
 
 if __name__ == "__main__":

@@ -192,6 +192,9 @@ class GGMLRuntime:
     # step here: bench/verify_rows.py).
     cost_aware_drafting = True
     shift_reuse = False
+    # The columns of numpy_logits' rows that can be finite, where not all of them (None): a sub-vocabulary
+    # drafter's (engine/runtimes/mapped_runtime.py); ModelDrafter's greedy choice then looks at these alone.
+    finite_columns: np.ndarray | None = None
 
     def __init__(
         self, path: Path, cfg: CompactConfig, threads: int | None = None, loaded: tuple[object, bool] | None = None
