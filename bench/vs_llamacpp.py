@@ -578,11 +578,12 @@ def main() -> None:
             run["cold"], run["cold_table"] = cold, cold_table(cold)
             keyrows = None
             if files:
-                engine = (
-                    EngineProcess(model_file, no_draft=True)
-                    if model_file
-                    else EngineProcess(DEFAULT_TARGET, DEFAULT_DRAFT)
-                )
+                if not model_file:
+                    engine = EngineProcess(DEFAULT_TARGET, DEFAULT_DRAFT)
+                elif draft_dir is not None:  # the keystroke loop drafts as the cold prompts do (--draft)
+                    engine = EngineProcess(model_file, draft_dir)
+                else:
+                    engine = EngineProcess(model_file, no_draft=True)
                 try:
                     run["engine_info"] = engine.info()
                     keyrows = keystroke_run(engine, server, server_row, target, files, keys, args.seed)
