@@ -8,6 +8,14 @@ from engine.decoding.drafters import Draft, ModelDrafter, NgramDrafter
 from engine.decoding.spec_policy import Acceptance, VerifyCosts, choose_gamma, verify_costs
 from engine.options import DecodeOptions
 
+# A draft model whose cache lacks much of the context must prefill it before it drafts (the default model's drafter:
+# 350 ms for a 1,000-token prompt on 2 cores; a keystroke's re-evaluated 256-token suffix, 90 ms). Where that prefill
+# would take over DEFER_SYNC_S at the drafter's measured prefill rate, it waits until the completion has produced its
+# first tokens, which are what the editor shows first; the background fills the document's draft cache between
+# keystrokes (engine/background.py). (The embedded pair's draft prefills ~10x faster: rarely deferred.)
+DEFER_SYNC_S = 0.03
+DEFER_UNTIL_PRODUCED = 16
+
 
 class DraftPlan:
     def __init__(
@@ -20,6 +28,7 @@ class DraftPlan:
         # drafts only as many tokens as pay for their verification on this runtime.
         self.costs: VerifyCosts | None = None
         self.draft_cost = 0.0  # a draft model step, in target steps
+        self.draft_prefill_rate = 0.0  # the draft model's prompt tokens a second; 0: unknown (never deferred)
         # Only runtimes that ask for it (the ggml runtime, whose q8_0 verify rows cost about as much as a
         # step each): on the compact runtime the policy measured no better than the +2/-1 rule, and its
         # one-time cost probe would delay the first completion, so the default path keeps that rule.
@@ -31,8 +40,9 @@ class DraftPlan:
         ):
             self.costs = verify_costs(runtime)
             if model_drafter is not None and self.costs.step_s > 0:
-                own = verify_costs(model_drafter.runtime).step_s
-                self.draft_cost = own / self.costs.step_s if own > 0 else 0.0
+                own = verify_costs(model_drafter.runtime)
+                self.draft_cost = own.step_s / self.costs.step_s if own.step_s > 0 else 0.0
+                self.draft_prefill_rate = own.prefill_rate
         self.acceptance = {"ngram": Acceptance(), "model": Acceptance()}
         self.kind = ""  # which drafter drafted this round
         self.shadow: list[int] = []  # an n-gram draft the policy chose not to verify
@@ -62,6 +72,12 @@ class DraftPlan:
                 return draft
         if self.model_drafter is None:
             return Draft([])
+        if (
+            self.draft_prefill_rate > 0
+            and produced < DEFER_UNTIL_PRODUCED
+            and self.model_drafter.missing(ids) > DEFER_SYNC_S * self.draft_prefill_rate
+        ):
+            return Draft([])  # its cache is cold: no prefill of it before the completion's first tokens are out
         self.kind = "model"
         if self.costs is not None:
             k = choose_gamma(self.costs, self.acceptance["model"], k, self.draft_cost)

@@ -48,6 +48,10 @@ class ModelDrafter:
         self.cache.rollback(0)
         self.ids = []
 
+    def missing(self, context: list[int]) -> int:
+        """Tokens of ``context`` its cache lacks: what the next draft would prefill first."""
+        return len(context) - common_prefix(self.ids, context, len(context))
+
     def _sync(self, context: list[int], numpy: bool = False) -> Tensor | np.ndarray:
         """Make the cache hold ``context``; return the logits after its last token (a numpy row with ``numpy``,
         through the runtime's ``numpy_logits``: no torch call)."""

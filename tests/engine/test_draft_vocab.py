@@ -274,3 +274,28 @@ def test_a_qwen_sub_vocabulary_keeps_its_sentinels_as_special_tokens(tmp_path):
     added = {a["content"]: a["id"] for a in data["added_tokens"]}
     assert added["<|fim_prefix|>"] == 1 and added["<|endoftext|>"] == 7 and len(added) == 8
     assert len(data["model"]["vocab"]) == K and data["model"]["merges"]
+
+
+def test_a_cold_draft_cache_waits_for_the_first_tokens():
+    """A draft model whose cache lacks more of the context than it prefills in DEFER_SYNC_S does not draft (so does
+    not prefill) before the completion's first DEFER_UNTIL_PRODUCED tokens; a warm one drafts at once."""
+    from types import SimpleNamespace
+
+    from engine.decoding.draft_plan import DEFER_SYNC_S, DEFER_UNTIL_PRODUCED, DraftPlan
+    from engine.decoding.drafters import ModelDrafter
+    from engine.options import DecodeOptions
+
+    runtime = SimpleNamespace(cost_aware_drafting=False)  # no cost probe: the rate is set below
+    drafter = ModelDrafter(runtime, 0)
+    plan = DraftPlan(runtime, DecodeOptions(drafter="model", max_tokens=64), drafter, None)
+    plan.draft_prefill_rate = 1000.0  # tokens a second: 100 tokens is the limit
+    limit = int(DEFER_SYNC_S * plan.draft_prefill_rate)
+    ids = list(range(500))
+    assert plan.choose(ids, 0, 4096).tokens == []  # 500 tokens to prefill: deferred
+    assert plan.choose(ids, DEFER_UNTIL_PRODUCED, 4096) > 0  # the first tokens are out: it drafts
+    drafter.ids = ids[: len(ids) - limit]  # warm but for `limit` tokens: drafts at once
+    assert plan.choose(ids, 0, 4096) > 0
+    drafter.ids = ids[: len(ids) - limit - 1]
+    assert plan.choose(ids, 0, 4096).tokens == []
+    plan.draft_prefill_rate = 0.0  # unknown rate: never deferred
+    assert plan.choose(ids, 0, 4096) > 0
