@@ -299,3 +299,27 @@ def test_a_cold_draft_cache_waits_for_the_first_tokens():
     assert plan.choose(ids, 0, 4096).tokens == []
     plan.draft_prefill_rate = 0.0  # unknown rate: never deferred
     assert plan.choose(ids, 0, 4096) > 0
+
+
+def test_default_model_with_its_drafter_is_lossless():
+    """The default model (Qwen2.5-Coder-0.5B FIM, q8_0) with its shipped sub-vocabulary drafter: greedy speculative
+    decoding (model, n-gram and auto drafters, healing on) equals plain greedy token for token. Where the install
+    step has run (skipped in CI, which installs no Qwen files); 200 prompts with FIMBLE_SLOW=1, else 12."""
+    import os
+
+    from lossless_check import compare_drafters
+
+    from bench.harness.prompts import fim_prompts
+    from engine.loader import load_draft, load_model
+    from engine.model_info import qwen_draft, qwen_fim_target
+    from engine.runtimes.draft_vocab import is_mapped_draft
+
+    if not qwen_fim_target().is_file() or not is_mapped_draft(qwen_draft()):
+        pytest.skip("the default Qwen files are not installed (python -m training.fetch_qwen)")
+    target = load_model(qwen_fim_target())
+    draft = load_draft(qwen_draft(), target)
+    n = 200 if os.environ.get("FIMBLE_SLOW") == "1" else 12
+    result = compare_drafters(target, draft, fim_prompts(n, window=600))
+    print(f"\nQwen default + drafter, {n} prompts: {result.summary()}")
+    assert not result.mismatches and result.ties == 0, result.mismatches[:2]
+    assert result.mean_accepted("model") > 1.2
