@@ -189,6 +189,7 @@ def tokenizer_matches(folder: Path, token_map: np.ndarray, target_tokenizer: obj
 __all__ = [
     "OTHER_TOKEN",
     "TOKEN_MAP",
+    "check_weights",
     "is_mapped_draft",
     "read_token_map",
     "sub_vocab_files",
