@@ -197,6 +197,21 @@ def write_bundle(out: Path, rows: list[dict], part_mib: float, fields: dict, pre
     return manifest
 
 
+def split_bundles(folders: list[Path]) -> tuple[list[tuple[str, str]], dict[str, list[tuple[str, str]]], dict]:
+    """The bundles' rows as (training files, held-out files by language, training files a language): the trainers'
+    shared reading of ``--langs`` (training/qwen_fim_train.py, training/draft_distill.py)."""
+    rows = [r for folder in folders for r in read_parts(folder)]
+    train = [(r["path"], r["text"]) for r in rows if not r["held_out"]]
+    held: dict[str, list[tuple[str, str]]] = {}
+    for r in rows:
+        if r["held_out"]:
+            held.setdefault(r["lang"], []).append((r["path"], r["text"]))
+    counts = {
+        lang: sum(1 for r in rows if r["lang"] == lang and not r["held_out"]) for lang in {r["lang"] for r in rows}
+    }
+    return train, held, counts
+
+
 def read_parts(folder: Path) -> list[dict]:
     """The rows of a bundle from its parts (checked against the manifest's sha256)."""
     manifest = json.loads((folder / "langs_manifest.json").read_text())

@@ -175,17 +175,12 @@ def main() -> None:
     for lang, p, t in held:
         held_by_lang.setdefault(lang, []).append((p, t))
     if args.langs:
-        from training.corpus_langs import read_parts
+        from training.corpus_langs import split_bundles
 
-        extra = [r for folder in args.langs for r in read_parts(folder)]
-        files += [(r["path"], r["text"]) for r in extra if not r["held_out"]]
-        for r in extra:
-            if r["held_out"]:
-                held_by_lang.setdefault(r["lang"], []).append((r["path"], r["text"]))
-        corpus["extra_train_files"] = {
-            lang: sum(1 for r in extra if r["lang"] == lang and not r["held_out"])
-            for lang in {r["lang"] for r in extra}
-        }
+        extra_train, extra_held, corpus["extra_train_files"] = split_bundles(args.langs)
+        files += extra_train
+        for lang, fs in extra_held.items():
+            held_by_lang.setdefault(lang, []).extend(fs)
     log(f"corpus: {json.dumps(corpus)[:1500]}")
     random.Random(args.seed).shuffle(files)
     samples = build_samples(args.gguf, files, args.seed, args.per_file, args.procs)

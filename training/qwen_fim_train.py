@@ -409,17 +409,10 @@ def main() -> None:
     files = [(p, t) for _lang, p, t in train]
     extra_held: dict[str, list[tuple[str, str]]] = {}
     if args.langs:
-        from training.corpus_langs import read_parts
+        from training.corpus_langs import split_bundles
 
-        extra = [r for folder in args.langs for r in read_parts(folder)]
-        files += [(r["path"], r["text"]) for r in extra if not r["held_out"]]
-        for r in extra:
-            if r["held_out"]:
-                extra_held.setdefault(r["lang"], []).append((r["path"], r["text"]))
-        corpus["extra_train_files"] = {
-            lang: sum(1 for r in extra if r["lang"] == lang and not r["held_out"])
-            for lang in {r["lang"] for r in extra}
-        }
+        extra_train, extra_held, corpus["extra_train_files"] = split_bundles(args.langs)
+        files += extra_train
         log(f"extra files: {json.dumps(corpus['extra_train_files'])}")
     random.Random(args.seed).shuffle(files)
     samples = build_samples(args.gguf, files, args.seed, args.per_file, args.procs)
