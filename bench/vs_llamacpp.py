@@ -12,7 +12,8 @@ ids, and every row of that precision reports how many greedy outputs equal fimbl
 
 --model PATH.gguf: the same comparison on one GGUF file instead (e.g. Qwen2.5-Coder-0.5B q8_0), run in
 its own weight type by both sides (no FIMBLE_QUANT; --precision does not apply). With no draft model
-sharing its tokenizer, fimble default is the auto drafter without a model drafter (n-gram drafting),
+sharing its tokenizer (other than fimble's own Qwen drafter, --draft), fimble default is the auto drafter
+with that drafter or n-gram drafting alone,
 llama.cpp plain is one row, "llama.cpp plain (gguf)", and llama-server runs the file without a draft
 ("llama-server": plain /completion and /infill, no speculation). llama-server's draft-model setting does
 not apply to this one-file comparison: no model smaller than Qwen2.5-Coder-0.5B shares Qwen's tokenizer,
@@ -21,11 +22,13 @@ types: --server-spec TYPES (a comma list of ngram-simple, ngram-map-k, ngram-map
 ngram-cache) adds one cold-prompt row per type, "llama-server + TYPE", each its own server at the type's
 default sizes (--server-ngram: --server-spec ngram-simple). The 1.3x decode-rate bar is taken against
 the row of them with the highest decode rate, which the ratios and the headline name. The keystroke
-loop's engine process loads the file with no draft. The token-id check compares fimble's tokenizer for
+loop's engine process loads the file with the same --draft. The token-id check compares fimble's tokenizer for
 the file with llama.cpp's; the report records the file's path and sha256.
 
 Cold prompts (--prompts x --tokens, default 24 x 96): each system decodes exactly that many tokens
-greedily from the same token ids, cold caches. Per prompt the systems run one after another
+greedily from the same token ids, cold caches. The prompts cut code in four languages in turn (Python,
+TypeScript, Lua, JavaScript: LANGUAGE_SOURCES) with --middle characters of whole lines removed at the
+cursor; the report gives each system's rate per language. Per prompt the systems run one after another
 (interleaved), so load hits them alike. Systems: fimble plain and default (auto: n-gram, else the
 draft model), in this process; llama.cpp plain f32 and q8_0 through llama-cpp-python (a worker
 process each); llama-server with the same draft model (--spec-type draft-simple: -md alone never
@@ -77,23 +80,66 @@ REF = "fimble plain"  # the greedy reference: every system of the same weight pr
 
 
 # -- inputs ---------------------------------------------------------------------------------
+# Code in four languages, from files that change rarely, so runs of different days type the same text.
+# Python: the lossless corpus's snapshots of engine modules; TypeScript, JavaScript and Lua: fimble's own editor
+# clients and their tests. The issue asks for cold prompts in >= 3 languages; one language would hide what a
+# drafter (or n-gram) does on code unlike its training mix.
+LANGUAGE_SOURCES: dict[str, tuple[str, str]] = {
+    "python": ("tests/data/lossless_corpus", "*.py.txt"),
+    "typescript": ("editors/vscode/src", "*.ts"),
+    "lua": ("editors/nvim/lua", "**/*.lua"),
+    "javascript": ("editors/vscode/test", "**/*.js"),
+}  # in this order the typing loop takes one file of each
+MIN_SOURCE_BYTES = 3000  # room for a 600-char lead, a cut and a 400-char suffix
+
+
+def language_files(min_bytes: int = MIN_SOURCE_BYTES) -> dict[str, list[Path]]:
+    """Each language's source files of at least ``min_bytes``, sorted; languages with none are left out."""
+    out = {}
+    for lang, (folder, pattern) in LANGUAGE_SOURCES.items():
+        files = sorted(f for f in (REPO / folder).glob(pattern) if f.is_file() and f.stat().st_size >= min_bytes)
+        if files:
+            out[lang] = files
+    return out
+
+
 def corpus_files() -> list[str]:
-    return [f.read_text() for f in sorted((REPO / "tests" / "data" / "lossless_corpus").glob("*.py.txt"))]
+    """Every language's source texts (the tokenizer check reads them)."""
+    return [f.read_text() for files in language_files().values() for f in files]
 
 
-def cold_prompts(n: int, seed: int) -> list[tuple[str, str]]:
-    rng, texts, out = random.Random(seed), corpus_files(), []
+COLD_MIDDLE_CHARS = 400  # code removed at the cursor: about 100 tokens, a few lines the model must write
+
+
+def cold_prompts(n: int, seed: int, middle: int = COLD_MIDDLE_CHARS) -> list[tuple[str, str, str]]:
+    """``n`` (language, prefix, suffix) cuts, the languages in turn. The prefix is up to 1,500 characters ending at
+    a line start; then whole lines of at least ``middle`` characters are removed (the code a user is about to
+    write, as HumanEval-infilling removes lines); the suffix is the next 500 characters.
+
+    ``middle`` 0 puts the suffix right at the cut: a cursor where nothing is missing, whose best completion is
+    empty, so the 96 timed tokens are mostly text past the model's end token (the bench before 2026-12-06)."""
+    rng, by_lang, out = random.Random(seed), language_files(), []
+    langs = list(by_lang)
     while len(out) < n:
-        text = rng.choice(texts)
-        cut = text.find("\n", rng.randrange(600, len(text) - 400)) + 1
-        out.append((text[max(0, cut - 1500) : cut], text[cut : cut + 500]))
+        lang = langs[len(out) % len(langs)]
+        text = rng.choice(by_lang[lang]).read_text()
+        cut = text.find("\n", rng.randrange(600, len(text) - 400 - middle)) + 1
+        resume = cut if middle <= 0 else text.find("\n", cut + middle) + 1 or len(text)
+        out.append((lang, text[max(0, cut - 1500) : cut], text[resume : resume + 500]))
     return out
 
 
 def typing_files(n: int, seed: int) -> list[Path]:
-    """Real source files to type into: fimble's own engine modules (over 4 KB)."""
-    files = [p for p in sorted((REPO / "engine").glob("*.py")) if p.stat().st_size > 4000]
-    return random.Random(seed).sample(files, min(n, len(files)))
+    """Files to type into: the largest file of each language, then the next largest, languages in turn.
+    Fixed files (not the engine's own, which change every week) keep the trace the same from run to run."""
+    ranked = {lang: sorted(files, key=lambda f: -f.stat().st_size) for lang, files in language_files(4000).items()}
+    out: list[Path] = []
+    depth = 0
+    while len(out) < n and any(depth < len(v) for v in ranked.values()):
+        out += [v[depth] for v in ranked.values() if depth < len(v)]
+        depth += 1
+    del seed  # the choice is fixed; the seed picks where in each file typing starts
+    return out[:n]
 
 
 def ensure_ggufs(folder: Path, target_dir: Path, draft_dir: Path) -> dict[str, Path]:
@@ -267,7 +313,7 @@ def keystroke_run(engine, server, server_row: str, target, files: list[Path], ke
         text = f.read_text()
         start = text.find("\n", rng.randrange(1500, len(text) - per_file - 200)) + 1
         window = max(0, start - 3000)  # a fixed window while the user types, as an editor plugin keeps it
-        doc = f"bench/{f.name}"
+        doc = f"bench/{f.name.removesuffix('.txt')}"
         for k in range(per_file + 1):
             pos = start + k
             line_end = text.find("\n", pos)
@@ -330,6 +376,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 prompts x 32 tokens, 6 keys, 1 thread: under 60 s")
     ap.add_argument("--prompts", type=int)
+    ap.add_argument(
+        "--middle",
+        type=int,
+        default=COLD_MIDDLE_CHARS,
+        help=f"characters of whole lines removed at each cold prompt's cursor (default {COLD_MIDDLE_CHARS}); "
+        "0: none (the suffix starts at the cursor, so the best completion is empty)",
+    )
     ap.add_argument("--tokens", type=int)
     ap.add_argument("--keys", type=int, help="keystrokes in the typing loop (spread over --files files)")
     ap.add_argument("--files", type=int, help="files typed into (default 3; --quick 1)")
@@ -492,10 +545,8 @@ def main() -> None:
         gguf = getattr(target.runtime, "path", None)  # the ggml runtime's GGUF (its own cached export)
         same = same_file(Path(gguf), ggufs[f"target-{prec}"]) if gguf is not None else None
         builder = PromptBuilder(target)
-        prompts = [
-            builder.build(fimble_request(p, s, None, n_tokens, heal=False)).ids
-            for p, s in cold_prompts(n_prompts, args.seed)
-        ]
+        cuts = cold_prompts(n_prompts, args.seed, args.middle)
+        prompts = [builder.build(fimble_request(p, s, None, n_tokens, heal=False)).ids for _, p, s in cuts]
         run = {
             "threads": threads,
             "load_before": load(),
@@ -504,6 +555,8 @@ def main() -> None:
             "precision": prec,
             "fimble_runtime": rt_name,
             "typing_files": [f.name for f in files],
+            "prompt_languages": [lang for lang, _, _ in cuts],
+            "middle_chars": args.middle,
             "skipped": list(skipped),
             "same_gguf": same,
             "server_row": server_row,

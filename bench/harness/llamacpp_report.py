@@ -109,6 +109,22 @@ def ratios(cold: dict, keys: dict | None, prec: str, server_row: str = "llama-se
     return out
 
 
+def language_rates(run: dict) -> dict[str, dict[str, float]]:
+    """Each system's decode tok/s over each language's cold prompts (``run['prompt_languages']``)."""
+    langs = run.get("prompt_languages")
+    if not langs:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for name, r in run["cold"].items():
+        rates = {}
+        for lang in dict.fromkeys(langs):
+            idx = [i for i, x in enumerate(langs) if x == lang and i < len(r["tokens"])]
+            secs = sum(r["decode_s"][i] for i in idx)
+            rates[lang] = sum(r["tokens"][i] - 1 for i in idx) / secs if secs > 0 else 0.0
+        out[name] = rates
+    return out
+
+
 def print_run(run: dict) -> None:
     th, lb, la = run["threads"], run["load_before"], run["load_after"]
     print(
@@ -127,6 +143,13 @@ def print_run(run: dict) -> None:
             f"{row['decode_tok_s']:9.1f} {row['identical']:>7s} {row['identical_llamacpp']:>7s} "
             f"{row['accepted_per_drafted']:>12s}"
         )
+    by_lang = language_rates(run)
+    if by_lang:
+        langs = sorted({lang for rates in by_lang.values() for lang in rates})
+        counts = ", ".join(f"{lang} x{run['prompt_languages'].count(lang)}" for lang in langs)
+        print(f"decode tok/s by language ({counts} prompts):")
+        for name, rates in by_lang.items():
+            print(f"  {name:28s} " + "  ".join(f"{lang} {rates.get(lang, 0.0):6.1f}" for lang in langs))
     best = run.get("ratios", {}).get("default_decode_rate_vs_server_best_spec")
     if best:
         print(f"llama-server's best speculative setting: {best['against']} ({best['against_decode_tok_s']:.1f} tok/s)")
