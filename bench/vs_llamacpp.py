@@ -72,6 +72,7 @@ from pathlib import Path
 
 from bench.harness.llamacpp_peer import LlamaServer, LlamaWorker, find_server, read_completion, spec_types
 from bench.harness.llamacpp_report import PRECISIONS, SPEC_SERVER, STOCK_INFILL, cold_table, headline, print_run, ratios
+from bench.harness.prompts import COLD_MIDDLE_CHARS, cold_prompts, corpus_files, typing_files
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,68 +81,6 @@ REF = "fimble plain"  # the greedy reference: every system of the same weight pr
 
 
 # -- inputs ---------------------------------------------------------------------------------
-# Code in four languages, from files that change rarely, so runs of different days type the same text.
-# Python: the lossless corpus's snapshots of engine modules; TypeScript, JavaScript and Lua: fimble's own editor
-# clients and their tests. The issue asks for cold prompts in >= 3 languages; one language would hide what a
-# drafter (or n-gram) does on code unlike its training mix.
-LANGUAGE_SOURCES: dict[str, tuple[str, str]] = {
-    "python": ("tests/data/lossless_corpus", "*.py.txt"),
-    "typescript": ("editors/vscode/src", "*.ts"),
-    "lua": ("editors/nvim/lua", "**/*.lua"),
-    "javascript": ("editors/vscode/test", "**/*.js"),
-}  # in this order the typing loop takes one file of each
-MIN_SOURCE_BYTES = 3000  # room for a 600-char lead, a cut and a 400-char suffix
-
-
-def language_files(min_bytes: int = MIN_SOURCE_BYTES) -> dict[str, list[Path]]:
-    """Each language's source files of at least ``min_bytes``, sorted; languages with none are left out."""
-    out = {}
-    for lang, (folder, pattern) in LANGUAGE_SOURCES.items():
-        files = sorted(f for f in (REPO / folder).glob(pattern) if f.is_file() and f.stat().st_size >= min_bytes)
-        if files:
-            out[lang] = files
-    return out
-
-
-def corpus_files() -> list[str]:
-    """Every language's source texts (the tokenizer check reads them)."""
-    return [f.read_text() for files in language_files().values() for f in files]
-
-
-COLD_MIDDLE_CHARS = 400  # code removed at the cursor: about 100 tokens, a few lines the model must write
-
-
-def cold_prompts(n: int, seed: int, middle: int = COLD_MIDDLE_CHARS) -> list[tuple[str, str, str]]:
-    """``n`` (language, prefix, suffix) cuts, the languages in turn. The prefix is up to 1,500 characters ending at
-    a line start; then whole lines of at least ``middle`` characters are removed (the code a user is about to
-    write, as HumanEval-infilling removes lines); the suffix is the next 500 characters.
-
-    ``middle`` 0 puts the suffix right at the cut: a cursor where nothing is missing, whose best completion is
-    empty, so the 96 timed tokens are mostly text past the model's end token (the bench before 2026-12-06)."""
-    rng, by_lang, out = random.Random(seed), language_files(), []
-    langs = list(by_lang)
-    while len(out) < n:
-        lang = langs[len(out) % len(langs)]
-        text = rng.choice(by_lang[lang]).read_text()
-        cut = text.find("\n", rng.randrange(600, len(text) - 400 - middle)) + 1
-        resume = cut if middle <= 0 else text.find("\n", cut + middle) + 1 or len(text)
-        out.append((lang, text[max(0, cut - 1500) : cut], text[resume : resume + 500]))
-    return out
-
-
-def typing_files(n: int, seed: int) -> list[Path]:
-    """Files to type into: the largest file of each language, then the next largest, languages in turn.
-    Fixed files (not the engine's own, which change every week) keep the trace the same from run to run."""
-    ranked = {lang: sorted(files, key=lambda f: -f.stat().st_size) for lang, files in language_files(4000).items()}
-    out: list[Path] = []
-    depth = 0
-    while len(out) < n and any(depth < len(v) for v in ranked.values()):
-        out += [v[depth] for v in ranked.values() if depth < len(v)]
-        depth += 1
-    del seed  # the choice is fixed; the seed picks where in each file typing starts
-    return out[:n]
-
-
 def ensure_ggufs(folder: Path, target_dir: Path, draft_dir: Path) -> dict[str, Path]:
     from engine.runtimes.gguf_export import export_gguf
 

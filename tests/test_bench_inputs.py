@@ -1,8 +1,8 @@
-"""bench/vs_llamacpp.py's inputs: cold prompts in several languages with a real middle removed, and a fixed
-typing trace (issue 24 asks for cold prompts of code in >= 3 languages)."""
+"""bench/harness/prompts.py, the inputs of bench/vs_llamacpp.py: cold prompts in several languages with a real
+middle removed, and a fixed typing trace (issue 24 asks for cold prompts of code in >= 3 languages)."""
 
 from bench.harness.llamacpp_report import language_rates
-from bench.vs_llamacpp import COLD_MIDDLE_CHARS, cold_prompts, language_files, typing_files
+from bench.harness.prompts import COLD_MIDDLE_CHARS, cold_prompts, language_files, typing_files
 
 
 def test_cold_prompts_take_the_languages_in_turn_and_remove_whole_lines():
