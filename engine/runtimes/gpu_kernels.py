@@ -23,30 +23,38 @@ Batch invariance: a row's logits must be the same bits in a 1-token step, a veri
 round, eagerly or replayed from a graph, so that greedy speculative output equals plain output exactly. Two kernel
 sets give it (cuda_graphs ``invariant_layers``; ``invariant_default`` picks one):
 
-- "invariant-cublas", the CUDA default: the projections stay cuBLAS's, but every single-sequence pass runs on
-  exactly ``CUBLAS_ROWS`` (16) rows (graph blocks are raised to 16, eager passes padded with zero rows), so each
-  weight meets one cuBLAS shape, hence one kernel and one reduction order; norms and the MLP gate are per row.
-  On the H200 this costs 3-5% of a graph step (cuBLAS prices 16 rows like 1). A batched round multiplies 16 x b
-  rows, and cuBLAS picks another kernel for some b (the 0.5B/1.5B down projections from 144-160 rows, 7B's
-  from 32): engine/runtimes/row_limits.py probes where, per model, and runs such products in pieces (or every
-  pass of one on 32-64 rows), so batched rounds equal their sequences alone at any batch size
+- "invariant-cublas", ``fimble serve``'s default (FIMBLE_CUDA_INVARIANT=cublas): the projections stay cuBLAS's, but
+  every single-sequence pass runs on exactly ``CUBLAS_ROWS`` (16) rows (graph blocks are raised to 16, eager passes
+  padded with zero rows), so each weight meets one cuBLAS shape, hence one kernel and one reduction order; norms and
+  the MLP gate are per row. On the H200 this costs 3-5% of a graph step (cuBLAS prices 16 rows like 1). A batched
+  round multiplies 16 x b rows, and cuBLAS picks another kernel for some b (the 0.5B/1.5B down projections from
+  144-160 rows, 7B's from 32): engine/runtimes/row_limits.py probes where, per model, and runs such products in pieces
+  (or every pass of one on 32-64 rows), so batched rounds equal their sequences alone at any batch size
   (bench/reports/gpu-row-limits-h200-2026-12-03.txt).
-- "invariant" (FIMBLE_CUDA_INVARIANT=triton): ``linear`` below for every projection, its config (tile, slabs of K,
-  K splits, rows a program) a function of the weight's shape alone (``linear_config``), the row count never
-  specialised, so one compiled kernel serves every M and a row's bits never depend on the rows beside it, batched
-  rounds included. A row is one program's (BM 1: fp32 products summed by a fixed tree, a GEMV) or one of 16 rows of a
-  tensor-core tile; a split K is summed in split order by the tile's last program. Fused into it: the RMSNorm before
-  a projection (the norm weight scales the activation as it is loaded, 1/rms the accumulator at the end), the residual
-  add and bias (rounded once), the MLP's ``silu(gate) * up`` as the down projection's prologue, RoPE and the cache
-  writes after the qkv product (``RopeStore``: rope_store's arithmetic), float32 logits straight from the LM head's
-  accumulators. ``linear``'s swap-AB tiles read the weight once for 16 rows, so a verify block costs about a step:
-  on an H100 with MEASURED_CONFIGS (2026-12-06, bench/reports/gpu-tests-h100-2026-12-06.txt) its graph step is 1.101
-  ms at 0.5B and 2.098 ms at 1.5B (the cuBLAS set: 1.701, 2.569), an 8-row verify 1.172 and 2.126 ms; against
-  llama-server's CUDA build on the same GPU the 1.5B step is 0.775x the server's (the cuBLAS set's about 0.97x). A pass
-  of more than 64 rows (a prefill chunk, a large batched round) takes ``wide_config``'s tile where this GPU gives it the
-  16-row tile's bits (gpu_linear.py says why that holds and how it is checked). It stays opt-in: through fimble serve
-  with 32 editors its batched rounds take 1.2x the cuBLAS set's GPU time (0.80-0.84x the tok/s) and its cold prompts
-  1.13-1.18x as long (bench/reports/gpu-wide-tiles-h100-2026-12-06.txt); the GPU suite passes with it (200/200).
+- "invariant", the default of every other CUDA engine (FIMBLE_CUDA_INVARIANT=triton): ``linear`` below for every
+  projection, its config (tile, slabs of K, K splits, rows a program) a function of the weight's shape alone
+  (``linear_config``), the row count never specialised, so one compiled kernel serves every M and a row's bits never
+  depend on the rows beside it, batched rounds included. A row is one program's (BM 1: fp32 products summed by a fixed
+  tree, a GEMV) or one of 16 rows of a tensor-core tile; a split K is summed in split order by the tile's last
+  program. Fused into it: the RMSNorm before a projection (the norm weight scales the activation as it is loaded,
+  1/rms the accumulator at the end), the residual add and bias (rounded once), the MLP's ``silu(gate) * up`` as the
+  down projection's prologue, RoPE and the cache writes after the qkv product (``RopeStore``: rope_store's
+  arithmetic), float32 logits straight from the LM head's accumulators. ``linear``'s swap-AB tiles read the weight
+  once for 16 rows, so a verify block costs about a step: on an H100 with MEASURED_CONFIGS (2026-12-06,
+  bench/reports/gpu-tests-h100-2026-12-06.txt) its graph step is 1.101 ms at 0.5B and 2.098 ms at 1.5B (the cuBLAS
+  set: 1.701, 2.569), an 8-row verify 1.172 and 2.126 ms; against llama-server's CUDA build on the same GPU the 1.5B
+  step is 0.775x the server's (the cuBLAS set's about 0.97x). A pass of more than 64 rows (a prefill chunk, a large
+  batched round) takes ``wide_config``'s tile where this GPU gives it the 16-row tile's bits (gpu_linear.py says why
+  that holds and how it is checked). Through fimble serve with 32 editors its batched rounds take 1.2x the cuBLAS
+  set's GPU time (0.80-0.84x the tok/s) and its cold prompts 1.13-1.18x as long
+  (bench/reports/gpu-wide-tiles-h100-2026-12-06.txt); the GPU suite passes with it (200/200).
+
+Which set a process runs follows its workload (``invariant_default``): one editor's engine decodes one stream, where
+the step is what the user waits for (a 1,024-token cold prompt costs the Triton set ~3 ms more, 16 tokens save ~8),
+so it runs "invariant"; ``fimble serve`` batches many streams a round, where the cuBLAS set's rounds are 1.2x
+faster, so engine/serve/scheduler.py ``open_serve_engine`` sets FIMBLE_CUDA_INVARIANT=cublas unless the user set it.
+Every pass of one process uses one set, so speculative = plain and batched = unbatched hold within it; two processes
+on different sets may differ at near ties, as two GPUs may.
 
 Both sets run ``attention`` with ``ordered=True``: the split combine sums the splits one by one in split order, so
 trailing splits that hold no visible key (a longer key bucket) add exact zeros whatever their number, and the
@@ -98,8 +106,10 @@ if _FIXED_SWITCH not in ("0", "1", "on", "off", "true", "false", "yes", "no", ""
 FIXED_TRIPS = _FIXED_SWITCH not in ("0", "off", "false", "no")
 
 
-INVARIANT_SETS = ("invariant-cublas", "invariant")  # the default first (see invariant_default)
-DEFAULT_INVARIANT = "invariant-cublas"
+INVARIANT_SETS = ("invariant", "invariant-cublas")  # the default first (see invariant_default)
+DEFAULT_INVARIANT = "invariant"
+SET_NAMES = {"triton": "invariant", "cublas": "invariant-cublas"}  # FIMBLE_CUDA_INVARIANT's values
+SERVE_SET = "cublas"  # fimble serve's default (open_serve_engine): its batched rounds are faster on cuBLAS
 # "invariant-cublas": every projection runs on a whole multiple of this many rows (zero rows pad it; graph blocks are
 # raised to it), so a pass of 1-16 tokens meets exactly one cuBLAS shape per weight (FIMBLE_CUDA_INVARIANT_ROWS).
 CUBLAS_ROWS = max(1, int(os.environ.get("FIMBLE_CUDA_INVARIANT_ROWS", "16") or 16))
@@ -108,18 +118,23 @@ CUBLAS_ROWS = max(1, int(os.environ.get("FIMBLE_CUDA_INVARIANT_ROWS", "16") or 1
 def invariant_default() -> str | bool:
     """The batch-invariant kernel set CUDA passes use by default (where Triton runs), or False.
 
-    ``FIMBLE_CUDA_INVARIANT``: unset or 1 = "invariant-cublas" (cuBLAS's projections on fixed 16-row passes, Triton
-    attention combined in order: a 1-token step, a verify block, eager or graph, a batched serve round, the same bits,
-    within engine/runtimes/row_limits.py's probed row counts); ``triton`` = "invariant" (every projection in
-    ``linear``: invariant for any row count by construction, batched rounds included; its step is faster than the
-    cuBLAS set's, its serve rounds and cold prompts slower: see the module docstring); 0 = off ("fused": a row's bits
-    depend on its pass's shape)."""
+    ``FIMBLE_CUDA_INVARIANT``: unset or 1 = ``DEFAULT_INVARIANT``, "invariant" (every projection in ``linear``:
+    invariant for any row count by construction, batched rounds included; the faster step); ``cublas`` =
+    "invariant-cublas" (cuBLAS's projections on fixed 16-row passes, Triton attention combined in order: a 1-token
+    step, a verify block, eager or graph, a batched serve round, the same bits, within
+    engine/runtimes/row_limits.py's probed row counts; the faster batched rounds, so ``fimble serve``'s default);
+    ``triton`` = "invariant"; 0 = off ("fused": a row's bits depend on its pass's shape). Any other value is an
+    error: a typo must not silently pick a set."""
     if not available():
         return False
     value = os.environ.get("FIMBLE_CUDA_INVARIANT", "1").strip().lower()
     if value in ("0", "off", "false", "no"):
         return False
-    return {"cublas": "invariant-cublas", "triton": "invariant"}.get(value, DEFAULT_INVARIANT)
+    if value in ("", "1", "on", "true", "yes"):
+        return DEFAULT_INVARIANT
+    if value not in SET_NAMES:
+        raise ValueError(f"FIMBLE_CUDA_INVARIANT must be 0, 1, triton or cublas, not {value!r}")
+    return SET_NAMES[value]
 
 
 @functools.cache

@@ -267,7 +267,9 @@ def invariant_forward(model: CompactTransformer, tokens: Tensor, cache: KVCache,
     own token and the keys/values at its positions and before, which the earlier chunks wrote as one pass would."""
     from engine.runtimes import gpu_kernels as gk
 
-    kernels = model.invariant if model.invariant in gk.INVARIANT_SETS else gk.DEFAULT_INVARIANT
+    kernels = (
+        model.invariant if model.invariant in gk.INVARIANT_SETS else gk.invariant_default() or gk.DEFAULT_INVARIANT
+    )
     t = tokens.shape[0]
     n = min(num_logits, t)
     keys, values = cache.keys.unsqueeze(1), cache.values.unsqueeze(1)
@@ -283,9 +285,10 @@ def invariant_forward(model: CompactTransformer, tokens: Tensor, cache: KVCache,
 
 
 def default_attention() -> str:
-    """The graph path's kernels where Triton runs on CUDA: batch-invariant, "invariant-cublas" by default (cuBLAS on
-    fixed 16-row passes) or "invariant" (FIMBLE_CUDA_INVARIANT=triton: Triton projections); FIMBLE_CUDA_INVARIANT=0:
-    "fused" (Triton attention, cuBLAS at the pass's own row count). Elsewhere torch's sdpa."""
+    """The graph path's kernels where Triton runs on CUDA: batch-invariant, "invariant" by default (Triton
+    projections) or "invariant-cublas" (FIMBLE_CUDA_INVARIANT=cublas, fimble serve's default: cuBLAS on fixed 16-row
+    passes); FIMBLE_CUDA_INVARIANT=0: "fused" (Triton attention, cuBLAS at the pass's own row count). Elsewhere
+    torch's sdpa."""
     from engine.runtimes import gpu_kernels
 
     if not gpu_kernels.available():

@@ -154,7 +154,9 @@ def _batched_invariant(model: CompactTransformer, calls: list[Forward], spans: l
     from engine.runtimes import row_limits as rl
     from engine.runtimes.cuda_graphs import invariant_logits
 
-    kernels = model.invariant if model.invariant in gk.INVARIANT_SETS else gk.DEFAULT_INVARIANT
+    kernels = (
+        model.invariant if model.invariant in gk.INVARIANT_SETS else gk.invariant_default() or gk.DEFAULT_INVARIANT
+    )
     triton_gemms = kernels == "invariant"
     cfg = model.cfg
     heads, kv_heads = cfg.num_heads, cfg.num_kv_heads

@@ -188,6 +188,12 @@ def open_serve_engine(
 ) -> ServeEngine:
     """Load the models as ``engine.local.open_engine`` does, into a ServeEngine."""
     from engine.local import open_engine
+    from engine.runtimes.gpu_kernels import SERVE_SET
+
+    # Before the first CUDA pass picks its kernel set (engine/runtimes/gpu_kernels.py invariant_default): a serve
+    # process batches many streams a round, where the cuBLAS set is faster; one editor's engine keeps the Triton set,
+    # whose step is faster. A user's own FIMBLE_CUDA_INVARIANT wins. (Ray replicas open theirs through here too.)
+    os.environ.setdefault("FIMBLE_CUDA_INVARIANT", SERVE_SET)
 
     # Step-level batching runs many sequences through one forward of the compact runtime; the ggml runtime
     # (the CPU default elsewhere) keeps one llama.cpp context per document and could only take turns. So a

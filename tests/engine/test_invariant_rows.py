@@ -190,9 +190,28 @@ def test_invariant_default_reads_the_switch(monkeypatch):
         monkeypatch.setenv("FIMBLE_CUDA_INVARIANT", value)
         assert gpu_kernels.invariant_default() == want
     monkeypatch.delenv("FIMBLE_CUDA_INVARIANT")
-    assert gpu_kernels.invariant_default() == gpu_kernels.DEFAULT_INVARIANT
+    assert gpu_kernels.invariant_default() == gpu_kernels.DEFAULT_INVARIANT == "invariant"
+    for typo in ("tritn", "cuBLAS-set", "2"):  # a setting out of range is an error, never a silent pick
+        monkeypatch.setenv("FIMBLE_CUDA_INVARIANT", typo)
+        with pytest.raises(ValueError, match="FIMBLE_CUDA_INVARIANT"):
+            gpu_kernels.invariant_default()
     monkeypatch.setattr(gpu_kernels, "available", lambda: False)
     assert gpu_kernels.invariant_default() is False
+
+
+def test_a_serve_engine_defaults_to_the_cublas_set_and_a_users_choice_wins(monkeypatch):
+    """One editor's engine runs the Triton set (the faster step); fimble serve's batched rounds the cuBLAS set."""
+    from engine.serve.scheduler import open_serve_engine
+
+    monkeypatch.setattr(gpu_kernels, "available", lambda: True)
+    monkeypatch.setenv("FIMBLE_CUDA_INVARIANT", "")  # (so that teardown restores the variable as it was)
+    monkeypatch.delenv("FIMBLE_CUDA_INVARIANT")
+    assert gpu_kernels.invariant_default() == "invariant"
+    open_serve_engine(None, None, use_draft=False)  # the embedded model, on the CPU
+    assert gpu_kernels.invariant_default() == "invariant-cublas"
+    monkeypatch.setenv("FIMBLE_CUDA_INVARIANT", "triton")
+    open_serve_engine(None, None, use_draft=False)
+    assert gpu_kernels.invariant_default() == "invariant"
 
 
 @torch.inference_mode()
