@@ -267,7 +267,7 @@ def shape_engine(shape: str, device: str, batch: bool, max_active: int, warm_gra
     from bench.harness.llama_server_cuda import tokenizer_only
     from bench.harness.random_models import random_model
     from engine.runtimes.cuda_graphs import GraphRuntime
-    from engine.serve.scheduler import ServeEngine
+    from engine.serve.scheduler import ServeEngine, use_serve_kernels
 
     if device != "cuda":
         raise SystemExit("--shape needs --device cuda (the shapes are built on CUDA, bf16)")
@@ -276,6 +276,7 @@ def shape_engine(shape: str, device: str, batch: bool, max_active: int, warm_gra
     vocab = len(base.tokenizer)
     with torch.no_grad():
         model.lm_head.weight[vocab:].zero_()  # ids the tokenizer lacks: logit 0, never the argmax
+    use_serve_kernels()  # fimble serve's kernel set (open_serve_engine does the same), unless the user chose one
     runtime = GraphRuntime(model, attention=None if attention == "default" else attention)
     attention = runtime.attention
     target = replace(base, name=f"random-{shape}", runtime=runtime)

@@ -46,6 +46,7 @@ __all__ = [
     "STREAM_NOW",
     "ServeEngine",
     "open_serve_engine",
+    "use_serve_kernels",
 ]
 
 MAX_ACTIVE = 64  # sequences stepped together; more wait their turn
@@ -175,6 +176,16 @@ class ServeEngine(Scheduler):
         return self.passes.warm(announce) if self.slots is not None else 0
 
 
+def use_serve_kernels() -> None:
+    """The serve workload's GPU kernel set for this process and the children it starts (engine/runtimes/gpu_kernels.py
+    ``invariant_default``), unless the user chose one: a serve process batches many streams a round, where the cuBLAS
+    set is faster; one editor's engine keeps the Triton set, whose step is faster. Call it before the first CUDA pass,
+    which fixes a model's set. (Ray replicas open their engines through ``open_serve_engine`` too.)"""
+    from engine.runtimes.gpu_kernels import SERVE_SET
+
+    os.environ.setdefault("FIMBLE_CUDA_INVARIANT", SERVE_SET)
+
+
 def open_serve_engine(
     model: str | None = None,
     draft: str | None = None,
@@ -188,12 +199,8 @@ def open_serve_engine(
 ) -> ServeEngine:
     """Load the models as ``engine.local.open_engine`` does, into a ServeEngine."""
     from engine.local import open_engine
-    from engine.runtimes.gpu_kernels import SERVE_SET
 
-    # Before the first CUDA pass picks its kernel set (engine/runtimes/gpu_kernels.py invariant_default): a serve
-    # process batches many streams a round, where the cuBLAS set is faster; one editor's engine keeps the Triton set,
-    # whose step is faster. A user's own FIMBLE_CUDA_INVARIANT wins. (Ray replicas open theirs through here too.)
-    os.environ.setdefault("FIMBLE_CUDA_INVARIANT", SERVE_SET)
+    use_serve_kernels()  # before the first CUDA pass picks its kernel set
 
     # Step-level batching runs many sequences through one forward of the compact runtime; the ggml runtime
     # (the CPU default elsewhere) keeps one llama.cpp context per document and could only take turns. So a
