@@ -468,7 +468,7 @@ def main() -> None:
         ),
         "runs": [],
     }
-    files = typing_files(n_files, args.seed) if keys else []
+    files = typing_files(n_files) if keys else []  # fixed files; --seed picks where typing starts
 
     for threads in thread_counts:
         # Thread count of every fimble runtime: torch here, the ggml runtime (read when it loads)

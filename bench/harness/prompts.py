@@ -109,7 +109,7 @@ def cold_prompts(n: int, seed: int, middle: int = COLD_MIDDLE_CHARS) -> list[tup
     return out
 
 
-def typing_files(n: int, seed: int) -> list[Path]:
+def typing_files(n: int) -> list[Path]:
     """Files to type into: the largest file of each language, then the next largest, languages in turn.
     Fixed files (not the engine's own, which change every week) keep the trace the same from run to run."""
     ranked = {lang: sorted(files, key=lambda f: -f.stat().st_size) for lang, files in language_files(4000).items()}
@@ -118,5 +118,4 @@ def typing_files(n: int, seed: int) -> list[Path]:
     while len(out) < n and any(depth < len(v) for v in ranked.values()):
         out += [v[depth] for v in ranked.values() if depth < len(v)]
         depth += 1
-    del seed  # the choice is fixed; the seed picks where in each file typing starts
     return out[:n]
