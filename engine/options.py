@@ -10,6 +10,7 @@ from engine.errors import PromptError
 # text so far: 100,000 of them (accepted from an editor's policy settings before this cap) made every
 # completion about 10x slower. 16 covers every policy row and client seen; OpenAI's API allows 4.
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
+MAX_CONTEXT_CHARS = 64  # a syntax context's name and modifier ("block_body/mid_line")
 
 
 @dataclass
@@ -31,6 +32,10 @@ class DecodeOptions:
     # blank line the user is on, where an editor shows nothing for an empty middle). Plain and speculative
     # decoding apply it alike, so they stay equal.
     no_empty: bool = False
+    # The syntax context the options were decided for (the LSP side's policy: "comment", "call_args", ...; "":
+    # none). Timing only: the engine keeps its drafters' acceptance per document and context
+    # (engine/decoding/draft_plan.py AcceptanceBook), so each context's draft lengths follow its own record.
+    context: str = ""
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -41,5 +46,7 @@ class DecodeOptions:
             raise PromptError(f"unknown drafter {self.drafter!r}: use auto, model, ngram or none")
         if self.gamma < 0 or self.max_gamma < 1:
             raise PromptError("gamma must be >= 0 and max_gamma >= 1")
+        if not isinstance(self.context, str) or len(self.context) > MAX_CONTEXT_CHARS:
+            raise PromptError(f"context must be a string of at most {MAX_CONTEXT_CHARS} characters")
         if len(self.stop) > MAX_STOPS or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in self.stop):
             raise PromptError(f"stop must be at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")

@@ -33,8 +33,9 @@ from engine.api import CompletionRequest, CompletionResult, CompletionStream, De
 from engine.background import Background
 from engine.caching.kv_store import KVStore, default_budget_bytes, session_of
 from engine.counters import Counters
+from engine.decoding.draft_plan import AcceptanceBook
 from engine.decoding.drafters import ModelDrafter, NgramDrafter, SessionNgrams
-from engine.decoding.spec_policy import verify_costs
+from engine.decoding.spec_policy import Acceptance, verify_costs
 from engine.documents import DocumentPrompts, switch
 from engine.errors import FimbleError, PromptError
 from engine.loader import LoadedModel
@@ -279,6 +280,10 @@ class Scheduler(Unwatched):
         """The request's draft-model drafter and n-gram drafter."""
         return self._drafters.for_request(request)
 
+    def acceptance(self, request: CompletionRequest) -> dict[str, Acceptance] | None:
+        """The drafters' acceptance record the request's decode starts from and updates."""
+        return self._drafters.acceptance_for(request)
+
     @property
     def overlap(self) -> bool:
         """Whether requests stream and are admitted while a round's passes run (engine/rounds.py)."""
@@ -447,6 +452,16 @@ class Drafters:
         self.model = ModelDrafter(draft.runtime, 0) if draft else None
         self.ngram = NgramDrafter()
         self.sessions = SessionNgrams(MAX_SESSIONS_REMEMBERED)
+        self.acceptance = AcceptanceBook(MAX_SESSIONS_REMEMBERED)
+
+    def acceptance_for(self, request: CompletionRequest) -> dict[str, Acceptance] | None:
+        """The drafters' running acceptance for the request's document and syntax context, updated in place; None
+        (the prior) for a seeded sampled request: the draft lengths decide which random numbers its speculative
+        sampling draws, and the same seed must give the same text whatever came before."""
+        opt = request.options
+        if opt.temperature > 0 and opt.seed is not None:
+            return None
+        return self.acceptance.get(request.document_id or "", opt.context)
 
     def for_request(self, request: CompletionRequest) -> tuple[ModelDrafter | None, NgramDrafter]:
         if not self.per_session:

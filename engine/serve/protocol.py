@@ -25,7 +25,7 @@ import msgpack
 
 from engine.api import CompletionRequest
 from engine.errors import FimbleError
-from engine.options import MAX_STOP_CHARS, MAX_STOPS
+from engine.options import MAX_CONTEXT_CHARS, MAX_STOP_CHARS, MAX_STOPS
 from engine.wire import ProtocolError, pack, request_from_dict
 
 __all__ = ["ProtocolError", "pack", "unpack", "hello", "check_hello", "request_id", "document_key", "parse_request"]
@@ -124,6 +124,9 @@ def check_options(opts: dict) -> None:
         elif name == "drafter":
             if not isinstance(value, str):
                 raise ProtocolError("'drafter' must be a string")
+        elif name == "context":
+            if not isinstance(value, str) or len(value) > MAX_CONTEXT_CHARS:
+                raise ProtocolError(f"'context' must be a string of at most {MAX_CONTEXT_CHARS} characters")
         elif name in ("adaptive_gamma", "no_empty"):
             if not isinstance(value, bool):
                 raise ProtocolError(f"'{name}' must be true or false")

@@ -84,6 +84,7 @@ class PolicyDecision:
             # can never match first; dropping it keeps equal decisions' options equal.
             stop=tuple(s for s in self.stop if self.line_limit != 1 or "\n" not in s),
             max_lines=self.line_limit,
+            context=self.context + ("/mid_line" if self.mid_line else ""),
         )
         return replace(opts, **extra) if extra else opts
 
