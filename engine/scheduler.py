@@ -159,7 +159,7 @@ class Scheduler(Unwatched):
         self.passes = (
             passes or (lambda c: PassRunner(target.runtime, draft.runtime if draft else None, c, batched=False))
         )(self.counts)
-        self._drafters = Drafters(draft, policy.session_drafters)
+        self.drafter_set = Drafters(draft, policy.session_drafters)
         self._unfit = None
         if policy.refuse_unfit:
             from engine.serve import prompt_bound
@@ -278,11 +278,7 @@ class Scheduler(Unwatched):
 
     def drafters(self, request: CompletionRequest) -> tuple[ModelDrafter | None, NgramDrafter]:
         """The request's draft-model drafter and n-gram drafter."""
-        return self._drafters.for_request(request)
-
-    def acceptance(self, request: CompletionRequest) -> dict[str, Acceptance] | None:
-        """The drafters' acceptance record the request's decode starts from and updates."""
-        return self._drafters.acceptance_for(request)
+        return self.drafter_set.for_request(request)
 
     @property
     def overlap(self) -> bool:

@@ -95,7 +95,7 @@ def request_steps(eng, request: CompletionRequest, stream: CompletionStream) -> 
             ngram,
             heal if constrained else "",
             target.token_index if constrained else None,
-            acceptance=eng.acceptance(request),
+            acceptance=eng.drafter_set.acceptance_for(request),
         )
         decoder.host_tokens = own is not None  # slotted: blocks go to the device once per round
         if drafter is not None:

@@ -73,14 +73,12 @@ class SpeculativeDecoder:
         ngram_drafter: NgramDrafter | None = None,
         forced: str = "",
         token_index=None,
-        acceptance: dict | None = None,
+        acceptance: dict | None = None,  # the drafters' running acceptance to update (draft_plan.AcceptanceBook)
     ):
-        self.runtime, self.cache = runtime, cache
-        self.stop_ids = stop_ids
+        self.runtime, self.cache, self.stop_ids = runtime, cache, stop_ids
         self.opt = options
         self.model_drafter = model_drafter if options.drafter in ("auto", "model") else None
         self.ngram_drafter = ngram_drafter if options.drafter in ("auto", "ngram") else None
-        # acceptance: the drafters' running acceptance to start from and update (draft_plan.AcceptanceBook)
         self.plan = DraftPlan(runtime, options, self.model_drafter, self.ngram_drafter, acceptance)
         self.gen = _generator(options.seed) if options.seed is not None else None
         self.ids: list[int] = []

@@ -126,10 +126,10 @@ def engine(embedded_target, embedded_draft):
 def test_the_engine_carries_a_documents_record_and_its_output_stays_plain(engine):
     opts = DecodeOptions(max_tokens=24, context="block_body")
     request = CompletionRequest(PREFIX, SUFFIX, opts, document_id="s1\x00list.py")
-    record = engine.acceptance(request)
+    record = engine.drafter_set.acceptance_for(request)
     before = sum(trials(record).values())
     first = engine.complete(request)
-    assert engine.acceptance(request) is record
+    assert engine.drafter_set.acceptance_for(request) is record
     assert sum(trials(record).values()) > before  # the decode's drafts were scored in the document's record
     again = engine.complete(CompletionRequest(PREFIX, SUFFIX, opts, document_id="s1\x00list.py"))
     plain = engine.complete(
@@ -140,9 +140,9 @@ def test_the_engine_carries_a_documents_record_and_its_output_stays_plain(engine
 
 def test_a_seeded_sampled_request_starts_from_the_prior(engine):
     sampled = CompletionRequest(PREFIX, SUFFIX, DecodeOptions(temperature=0.8, seed=3), document_id="s1\x00list.py")
-    assert engine.acceptance(sampled) is None
+    assert engine.drafter_set.acceptance_for(sampled) is None
     unseeded = CompletionRequest(PREFIX, SUFFIX, DecodeOptions(temperature=0.8), document_id="s1\x00list.py")
-    assert engine.acceptance(unseeded) is not None
+    assert engine.drafter_set.acceptance_for(unseeded) is not None
 
 
 def test_fimble_serve_takes_a_context_and_refuses_a_long_one():
