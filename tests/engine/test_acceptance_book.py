@@ -4,14 +4,12 @@ completion's opening pass scored in its own record: the records, the plan's use 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.api import CompletionRequest
 from engine.decoding.draft_plan import OPENING, AcceptanceBook, DraftPlan, fresh_acceptance
 from engine.decoding.drafters import NgramDrafter
 from engine.decoding.spec_policy import VerifyCosts
 from engine.errors import PromptError
-from engine.local import LocalEngine
 from engine.options import MAX_CONTEXT_CHARS, DecodeOptions
 from engine.wire import request_from_dict
 from lsp_server.shaping.policy import decide_for_context
@@ -114,13 +112,8 @@ SUFFIX = "\n    return result\n"
 
 
 @pytest.fixture(scope="module")
-def engine(embedded_target, embedded_draft):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    eng = LocalEngine(embedded_target, embedded_draft, start_thread=False)
-    yield eng
-    eng.close()
-    torch.set_num_threads(threads)
+def engine(embedded_engine):
+    return embedded_engine
 
 
 def test_the_engine_carries_a_documents_record_and_its_output_stays_plain(engine):

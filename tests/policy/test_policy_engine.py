@@ -10,11 +10,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from engine.api import CompletionRequest
 from engine.decoding.speculative import SpeculativeDecoder
-from engine.local import LocalEngine
 from lsp_server.shaping.policy import decide, decide_for_context
 from lsp_server.shaping.shaper import CompletionShaper
 from lsp_server.shaping.syntax import SyntaxDocument
@@ -25,15 +23,8 @@ SUFFIX = "\n    return result\n"
 
 
 @pytest.fixture(scope="module")
-def engine(embedded_target, embedded_draft):
-    # No worker thread: complete() decodes in the test's own thread. One torch thread: small
-    # matmuls on a busy 2-core machine run several times faster than with two spinning threads.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    eng = LocalEngine(embedded_target, embedded_draft, start_thread=False)
-    yield eng
-    eng.close()
-    torch.set_num_threads(threads)
+def engine(embedded_engine):
+    return embedded_engine
 
 
 def run(engine, decision, prefix=PREFIX, suffix=SUFFIX, **extra):
