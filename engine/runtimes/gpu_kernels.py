@@ -82,6 +82,7 @@ from engine.runtimes.gpu_linear import (  # the projections (re-exported: caller
     linear_config,
     rope_config,
     triton_cdiv,
+    use_pdl,
 )
 
 BLOCK_M = 16  # query rows of one kv head per program (tl.dot needs 16)
@@ -161,8 +162,11 @@ def _kernels():
         T, qkv_stride, q_stride,
         k_s, k_h, k_p, v_s, v_h, v_p,
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr,
-        QKP: tl.constexpr, VP: tl.constexpr,
+        QKP: tl.constexpr, VP: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # see gpu_linear.PDL_ENV: the kernel before has finished before any buffer is touched
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)  # one token row: sequence row // T, position positions[row]
         s = row // T
         pos = tl.load(positions + row)
@@ -216,7 +220,11 @@ def _kernels():
         scale, SPLITS,
         KV: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr, FIXED: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # see gpu_linear.PDL_ENV: the kernel before has finished before any buffer is touched
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)  # (sequence, kv head, block of BM query rows)
         split = tl.program_id(1)
         blocks = tl.cdiv(G * T, BM)
@@ -289,8 +297,11 @@ def _kernels():
     @triton.jit(do_not_specialize=["T", "SPLITS"])
     def attention_combine_kernel(
         out, part_acc, part_ml, T, out_stride, SPLITS,
-        KV: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, SP: tl.constexpr,
+        KV: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # see gpu_linear.PDL_ENV: the kernel before has finished before any buffer is touched
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         row = tl.program_id(1)  # one query row of the program's block
         blocks = tl.cdiv(G * T, BM)
@@ -317,8 +328,11 @@ def _kernels():
     @triton.jit(do_not_specialize=["T", "SPLITS"])
     def attention_combine_ordered_kernel(
         out, part_acc, part_ml, T, out_stride, SPLITS,
-        KV: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr,
+        KV: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # see gpu_linear.PDL_ENV: the kernel before has finished before any buffer is touched
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # As attention_combine_kernel, but the splits are summed one at a time in split order: a split with no
         # visible key has weight exactly 0 and adds exact zeros, so the result does not depend on how many such
         # splits follow (the key bucket), and one live split gives acc / l exactly as the one-split path does.
@@ -375,11 +389,13 @@ def rope_store(
     rows, hd = qkv.shape[0], keys.shape[-1]
     q = torch.empty(rows, heads * hd, dtype=qkv.dtype, device=qkv.device)
     rope_kernel = _kernels()[0]
+    pdl = use_pdl(qkv.device)
     rope_kernel[(rows,)](
         qkv, q, keys, values, cos, sin, positions,
         rows // seqs, qkv.stride(0), q.stride(0),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         H=heads, KV=kv_heads, HD=hd, QKP=_pow2(heads + kv_heads), VP=_pow2(kv_heads),
+        PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return q
 
@@ -406,6 +422,7 @@ def attention(
         scratch = attention_scratch(q, keys_len, seqs, kv_heads, hd)
     part_acc, part_ml = scratch
     combine_in_split = ordered and COMBINE_IN_SPLIT
+    pdl = use_pdl(q.device)
     split_kernel[(programs, splits)](
         q, keys, values, positions, out, part_acc, part_ml,
         _split_locks(q.device, programs) if combine_in_split and splits > 1 else part_ml,
@@ -413,16 +430,17 @@ def attention(
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         hd**-0.5, splits,
         KV=kv_heads, G=group, HD=hd, BM=BLOCK_M, BN=BLOCK_N, SPLIT=SPLIT_KEYS, COMBINE=combine_in_split,
-        FIXED=FIXED_TRIPS,
+        FIXED=FIXED_TRIPS, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     if splits > 1 and ordered and not combine_in_split:
         ordered_kernel[(programs, BLOCK_M)](
             out, part_acc, part_ml, t, out.stride(0), splits, KV=kv_heads, G=group, HD=hd, BM=BLOCK_M,
+            PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     elif splits > 1:
         combine_kernel[(programs, BLOCK_M)](
             out, part_acc, part_ml, t, out.stride(0), splits,
-            KV=kv_heads, G=group, HD=hd, BM=BLOCK_M, SP=max(MIN_SPLITS_TILE, _pow2(splits)),
+            KV=kv_heads, G=group, HD=hd, BM=BLOCK_M, SP=max(MIN_SPLITS_TILE, _pow2(splits)), PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return out
 

@@ -40,13 +40,30 @@ def _linear_kernel():
         cos, sin, positions, keys, values, T, k_s, k_h, k_p, v_s, v_h, v_p,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-        ROPE: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, SWAP: tl.constexpr,
+        ROPE: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH: tl.constexpr, LINE: tl.constexpr,
     ):  # fmt: skip
+        KS: tl.constexpr = tl.cdiv(tl.cdiv(K, BK), SPLITS) * BK
+        if PDL:  # launched while the kernel before finishes: nothing but the weights is touched before it is done
+            if PREFETCH > 0:  # the program's first weight slabs into L2 meanwhile (constants: safe to read early)
+                p0 = tl.program_id(0)
+                pcols = tl.minimum((p0 // SPLITS // tl.cdiv(M, BM)) * BN + tl.arange(0, BN), N - 1)
+                pk = tl.minimum((p0 % SPLITS) * KS + tl.arange(0, PREFETCH * BK // LINE) * LINE, K - 1)
+                lines = w + pcols[:, None].to(tl.int64) * K + pk[None, :]
+                tl.inline_asm_elementwise(
+                    "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+                    "=r,l",
+                    [lines.to(tl.int64)],
+                    dtype=tl.int32,
+                    is_pure=False,
+                    pack=1,
+                )
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # K is a weight's own size (a constant): the slab loop has a fixed trip count, and Triton's interpreter can
         # range() over it. SPLITS > 1 (split-K): program `split` reduces its own K range (KS, whole slabs); the last
         # program of a tile to finish adds the SPLITS partial sums in split order, so the order is fixed by the
-        # weight's shape alone, never by timing or the row count.
-        KS: tl.constexpr = tl.cdiv(tl.cdiv(K, BK), SPLITS) * BK
+        # weight's shape alone, never by timing or the row count. (KS: the split's share of K, above.)
         pid = tl.program_id(0)
         split = pid % SPLITS  # a tile's splits run side by side
         tile = pid // SPLITS
@@ -151,6 +168,45 @@ def _linear_kernel():
             tl.store(optr, acc.to(out.dtype.element_ty), mask=omask)
 
     return linear_kernel
+
+
+# Programmatic dependent launch (Hopper and later; FIMBLE_CUDA_PDL=1, off until measured on the device): each Triton
+# kernel of a pass is launched while the kernel before it is still running, and waits (griddepcontrol.wait) before its first memory
+# access until that kernel has completed and its writes are visible, then lets its own successor launch. A graph
+# step's ~150 kernel boundaries then overlap a launch with the last kernel's tail. The arithmetic is untouched (the
+# same bits on or off: tests/engine/test_gpu_kernels.py). Every kernel waits before it reads or writes any buffer,
+# so a buffer the kernel before still reads is never overwritten early (a graph's pool reuses freed buffers); a
+# torch kernel between two Triton ones is launched as usual and simply waits for its predecessor.
+PDL_ENV = "FIMBLE_CUDA_PDL"
+PDL_DEFAULT = "0"
+
+
+def pdl_switch() -> bool:
+    """FIMBLE_CUDA_PDL: 1 = on where the GPU supports it, unset or 0 = off; anything else is an error."""
+    value = os.environ.get(PDL_ENV, PDL_DEFAULT).strip().lower() or PDL_DEFAULT
+    if value not in ("0", "1", "on", "off", "true", "false", "yes", "no", ""):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1, not {value!r}")
+    return value not in ("0", "off", "false", "no")
+
+
+PREFETCH_ENV = "FIMBLE_CUDA_PREFETCH"  # weight slabs a dependent projection prefetches into L2 while it waits
+
+
+@functools.cache
+def prefetch_slabs() -> int:
+    """FIMBLE_CUDA_PREFETCH: 0, 1, 2 or 4 slabs of K (default 0)."""
+    raw = os.environ.get(PREFETCH_ENV, "0").strip() or "0"
+    if raw not in ("0", "1", "2", "4"):
+        raise ValueError(f"{PREFETCH_ENV} must be 0, 1, 2 or 4, not {raw!r}")
+    return int(raw)
+
+
+@functools.cache
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch as programmatic dependents (compute capability 9.0 or later)."""
+    if device.type != "cuda" or not pdl_switch():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 LINEAR_ROWS = 16  # rows of one output tile (tl.dot needs 16): the only tile size a pass's row count meets
@@ -427,6 +483,7 @@ def linear(
         lock = _split_locks(x.device, tiles)
     else:
         part = lock = out
+    pdl = use_pdl(x.device)
     kernel[(tiles * splits,)](
         x, weight, out,
         bias if bias is not None else weight, residual if residual is not None else out,
@@ -435,7 +492,8 @@ def linear(
         r.cos, r.sin, r.positions, r.keys, r.values, m // r.seqs, *cache_strides,
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm is not None, GATED=gated,
         BM=bm, BN=bn, BK=bk, SPLITS=splits, num_warps=warps, num_stages=stages,
-        ROPE=rope is not None, H=r.heads, KV=r.kv_heads, SWAP=swap,
+        ROPE=rope is not None, H=r.heads, KV=r.kv_heads, SWAP=swap, PDL=pdl, launch_pdl=pdl,
+        PREFETCH=prefetch_slabs() if pdl else 0, LINE=128 // weight.element_size(),
         # float32 weights: true fp32 products (a dot's default there is tf32, ~1e-3); bf16/fp16 ignore it
         PRECISION="ieee" if weight.dtype == torch.float32 else None,
     )  # fmt: skip

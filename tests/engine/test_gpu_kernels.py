@@ -439,6 +439,38 @@ def test_invariant_verify_block_equals_steps():
         assert torch.allclose(graph_block, steps, atol=1e-4, rtol=0)
 
 
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs Hopper or later")
+def test_dependent_launch_keeps_every_bit(monkeypatch):
+    """Programmatic dependent launch (gpu_linear.use_pdl) changes when a kernel starts, never what it reads or
+    computes: graphs of both kernel sets captured with it on give the bits of the same graphs captured with it off, for
+    steps and verify blocks across layers, and eager steps too (a kernel reading its predecessor's output early, or
+    writing a buffer the predecessor still reads, would differ)."""
+    from engine.runtimes import gpu_linear
+    from engine.runtimes.cuda_graphs import GraphRuntime
+
+    model = _small_model()
+    torch.manual_seed(9)
+    context, k = 300, 6
+    prompt = torch.randint(0, 300, (context,), device=DEV)
+    block = torch.randint(0, 300, (k,), device=DEV)
+    for kernels in ("invariant", "invariant-cublas"):
+        model.invariant = kernels
+        got = {}
+        for on in (False, True):
+            monkeypatch.setenv(gpu_linear.PDL_ENV, "1" if on else "0")
+            gpu_linear.use_pdl.cache_clear()
+            assert gpu_linear.use_pdl(torch.device(DEV)) is on
+            cache = model.new_cache(512)
+            model(prompt, cache, 0, 1)
+            graph = GraphRuntime(model, attention=kernels)
+            outs = [graph(block, cache, context, k).clone()]
+            outs += [graph(block[i : i + 1], cache, context + i, 1).clone() for i in range(k)]
+            outs += [model(block[i : i + 1], cache, context + i, 1).clone() for i in range(k)]
+            got[on] = torch.cat(outs)
+        assert torch.equal(got[False], got[True]), kernels
+    gpu_linear.use_pdl.cache_clear()
+
+
 def test_triton_set_batched_pass_runs_each_product_as_the_sequence_alone(monkeypatch):
     """fimble serve's eager batched pass (Triton projections) calls every product in the variant the sequence's own
     forward uses: the same weight, the same fused prologue/epilogue (RoPE included), the same config, so each row's

@@ -199,6 +199,23 @@ def test_invariant_default_reads_the_switch(monkeypatch):
     assert gpu_kernels.invariant_default() is False
 
 
+def test_dependent_launch_reads_its_switch_and_stays_off_the_cpu(monkeypatch):
+    from engine.runtimes import gpu_linear
+
+    default = gpu_linear.PDL_DEFAULT == "1"
+    for value, want in (("0", False), ("off", False), ("1", True), ("on", True), ("", default)):
+        monkeypatch.setenv(gpu_linear.PDL_ENV, value)
+        assert gpu_linear.pdl_switch() is want
+    for typo in ("2", "pdl", "enable"):  # out of range: an error, never a silent pick
+        monkeypatch.setenv(gpu_linear.PDL_ENV, typo)
+        with pytest.raises(ValueError, match=gpu_linear.PDL_ENV):
+            gpu_linear.pdl_switch()
+    monkeypatch.setenv(gpu_linear.PDL_ENV, "1")
+    gpu_linear.use_pdl.cache_clear()
+    assert gpu_linear.use_pdl(torch.device("cpu")) is False  # Hopper's launch attribute: CUDA only
+    gpu_linear.use_pdl.cache_clear()
+
+
 def test_a_serve_engine_defaults_to_the_cublas_set_and_a_users_choice_wins(monkeypatch):
     """One editor's engine runs the Triton set (the faster step); fimble serve's batched rounds the cuBLAS set."""
     from engine.serve.scheduler import open_serve_engine
