@@ -171,12 +171,12 @@ def _linear_kernel():
 
 
 # Programmatic dependent launch (Hopper and later; FIMBLE_CUDA_PDL=1, off until measured on the device): each Triton
-# kernel of a pass is launched while the kernel before it is still running, and waits (griddepcontrol.wait) before its first memory
-# access until that kernel has completed and its writes are visible, then lets its own successor launch. A graph
-# step's ~150 kernel boundaries then overlap a launch with the last kernel's tail. The arithmetic is untouched (the
-# same bits on or off: tests/engine/test_gpu_kernels.py). Every kernel waits before it reads or writes any buffer,
-# so a buffer the kernel before still reads is never overwritten early (a graph's pool reuses freed buffers); a
-# torch kernel between two Triton ones is launched as usual and simply waits for its predecessor.
+# kernel of a pass is launched while the kernel before it is still running, and waits (griddepcontrol.wait) before
+# its first memory access until that kernel has completed and its writes are visible, then lets its own successor
+# launch. A graph step's ~150 kernel boundaries then overlap a launch with the last kernel's tail. The arithmetic is
+# untouched (the same bits on or off: tests/engine/test_gpu_kernels.py). Every kernel waits before it reads or writes
+# any buffer, so a buffer the kernel before still reads is never overwritten early (a graph's pool reuses freed
+# buffers); a torch kernel between two Triton ones is launched as usual and simply waits for its predecessor.
 PDL_ENV = "FIMBLE_CUDA_PDL"
 PDL_DEFAULT = "0"
 
