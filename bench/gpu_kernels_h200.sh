@@ -117,6 +117,33 @@ next)
     cp /tmp/peerjob/out/* /tmp/k27job/out/ 2>/dev/null
     echo "== job done"
     ;;
+pdl)
+    # Programmatic dependent launch and the L2 weight prefetch (engine/runtimes/gpu_linear.py), 2026-12-06 evening.
+    # Start with `start pdl` (carry .whl, .devcarry/k27t, .devcarry/whl, .devcarry/llama.cpp-server-src.tar.gz; ~11
+    # min), poll with `wait 560`. llama-server's CUDA build starts at once beside: bench/gpu_pdl.py's variants (off,
+    # on, prefetch, attention geometries; its GPU-timed replays are what the choice reads, the host-timed steps share
+    # the CPU with the build), then the GPU suite with PDL and 2 prefetched slabs, then the single-stream step against
+    # llama-server with PDL off (the peer job), then with it on.
+    O=/tmp/k27job/out
+    mkdir -p $O
+    FIMBLE_CUDA_PDL=0 PEER_F16=0 PEER_SERVE=0 LLAMA_SERVER_ARGS="-bs --cache-ram 0" PEER_TAG=-pdl-off \
+        PEER_AFTER=/tmp/k27job/tests.done PEER_AFTER_S=900 bash bench/peer_h200.sh start
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    timeout 270 python3 -m bench.gpu_pdl --sets invariant --json $O/pdl.json >$O/pdl.txt 2>&1
+    tail -16 $O/pdl.txt
+    FIMBLE_CUDA_PDL=1 FIMBLE_CUDA_PREFETCH=2 OUT=$O bash bench/gpu_kernels_h200.sh tests >/dev/null 2>&1
+    tail -3 $O/tests.log
+    touch /tmp/k27job/tests.done
+    bash bench/peer_h200.sh wait 300 >/dev/null
+    cp /tmp/peerjob/out/* $O/ 2>/dev/null
+    tail -4 $O/step-pdl-off.txt
+    FIMBLE_CUDA_PDL=1 FIMBLE_CUDA_PREFETCH=2 PYTHONPATH=/tmp/site:/tmp/peerjob/src/llama.cpp/gguf-py timeout 200 \
+        python3 -m bench.harness.llama_server_cuda --step --llama-server /tmp/peerjob/build/bin/llama-server \
+        --shape 1.5B --gguf /tmp/peerjob/r15-bf16.gguf --json $O/step-pdl-on.json >$O/step-pdl-on.txt 2>&1
+    tail -4 $O/step-pdl-on.txt
+    echo "== job done"
+    ;;
 prefill)
     # Is the Triton set's prefill slower than cuBLAS's (the question that keeps it opt-in)? Start with `start prefill`
     # (carry .whl; ~8 min): the per-weight probe of a 512-row pass (bench/gpu_prefill_tiles.py: cuBLAS, the engine's
