@@ -130,8 +130,9 @@ pdl)
         PEER_AFTER=/tmp/k27job/tests.done PEER_AFTER_S=900 bash bench/peer_h200.sh start
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-    timeout 270 python3 -m bench.gpu_pdl --sets invariant --json $O/pdl.json >$O/pdl.txt 2>&1
-    tail -16 $O/pdl.txt
+    timeout 100 python3 -m bench.gpu_pdl --shapes 0.5B --sets invariant --variants on,pf2 --rounds 3 \
+        --json $O/pdl.json >$O/pdl.txt 2>&1
+    tail -6 $O/pdl.txt
     FIMBLE_CUDA_PDL=1 FIMBLE_CUDA_PREFETCH=2 OUT=$O bash bench/gpu_kernels_h200.sh tests >/dev/null 2>&1
     tail -3 $O/tests.log
     touch /tmp/k27job/tests.done

@@ -131,8 +131,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="0.5B, the Triton set, 2 rounds: under a minute")
+    ap.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default all; off always runs)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.variants:
+        unknown = set(args.variants.split(",")) - set(VARIANTS)
+        if unknown:
+            raise SystemExit(f"unknown variants: {', '.join(sorted(unknown))}")
+        for name in list(VARIANTS):
+            if name != "off" and name not in args.variants.split(","):
+                del VARIANTS[name]
     if not torch.cuda.is_available():
         raise SystemExit("gpu_pdl needs a CUDA device")
     if not 64 <= args.context <= 8192:
