@@ -810,7 +810,7 @@ def _lsp_init(model: str | None, settings: dict, full_prompt: bool = False) -> N
     log = open(os.devnull, "wb")
     env = dict(os.environ)
     if full_prompt:  # the cold window never serves: every request runs its full prompt
-        env["FIMBLE_COLD_BUDGET_S"] = "100000"
+        env["FIMBLE_COLD_BUDGET_S"] = "3600"
 
     async def start():
         proc = await asyncio.create_subprocess_exec(

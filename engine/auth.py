@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+from engine import env_settings
 from engine.errors import FimbleError
 
 _LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
@@ -61,7 +62,7 @@ def read_token(path: str) -> str:
 def runtime_dir() -> Path:
     """Where listeners leave their tokens for this user's clients: ``$FIMBLE_RUNTIME_DIR``, else
     ``$XDG_RUNTIME_DIR/fimble`` (per user, emptied at logout), else ``~/.cache/fimble/run``."""
-    explicit = os.environ.get("FIMBLE_RUNTIME_DIR")
+    explicit = env_settings.read("FIMBLE_RUNTIME_DIR")
     if explicit:
         return Path(explicit)
     xdg = os.environ.get("XDG_RUNTIME_DIR")

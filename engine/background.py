@@ -10,12 +10,12 @@ latest message, so a user who stops typing stops the engine.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from engine import env_settings
 from engine.api import CompletionRequest
 from engine.caching.cold_window import cache_keys
 from engine.caching.kv_store import common_prefix
@@ -29,11 +29,11 @@ PREWARM_CHUNK = 32
 # A completion served with the anchored layout (lines typed since the anchor after the middle sentinel,
 # engine/caching/prompt_plan.py) moves its anchor to the cursor line once nothing has been submitted for
 # this long: a pre-warm of the canonical prompt, which re-evaluates the suffix while the user is idle.
-REANCHOR_IDLE_S = float(os.environ.get("FIMBLE_REANCHOR_IDLE_S", 0.75))
+REANCHOR_IDLE_S = env_settings.read("FIMBLE_REANCHOR_IDLE_S")
 # Background work (pre-warms, re-anchors) starts only this long after the host's latest message (a
 # completion, a pre-warm, a forget); what is left waits for the next one. A user who stops typing stops
 # the engine within about a chunk of this, instead of paying seconds of prefill for a spot they left.
-BACKGROUND_S = float(os.environ.get("FIMBLE_BACKGROUND_S", 1.5))
+BACKGROUND_S = env_settings.read("FIMBLE_BACKGROUND_S")
 
 
 class Background:

@@ -9,8 +9,8 @@ long (engine/caching/cold_window.py).
 from __future__ import annotations
 
 import dataclasses
-import os
 
+from engine import env_settings
 from engine.api import CompletionRequest
 from engine.caching.cold_window import COLD_BUDGET_S, COLD_KEY, STAGE_KEY, cache_key, cold_request
 from engine.caching.kv_shift import apply_moves, plan_shift
@@ -20,11 +20,6 @@ from engine.counters import Counters
 from engine.loader import LoadedModel
 
 REUSE_MODES = ("exact", "shift", "none")
-
-
-def switch(name: str) -> bool:
-    """An on/off environment setting, on unless set to off, 0, false or no."""
-    return os.environ.get(name, "on").strip().lower() not in ("off", "0", "false", "no")
 
 
 class DocumentPrompts:
@@ -44,7 +39,7 @@ class DocumentPrompts:
         #   prefill p95 183-263 ms against 73-106 ms, 14 of 49 pauses over 200 ms slower (idle,
         #   bench/reports/typing-crossfile-on-vs-off-idle-2026-12-04.txt): the full prompt with the context was
         #   cold where the one without it was warm.
-        self.context_wait = switch("FIMBLE_CONTEXT_WAIT")
+        self.context_wait = env_settings.read("FIMBLE_CONTEXT_WAIT")
         # Prompt tokens a second: the load-time probe's, then a running mean of timed prefills (None: unknown
         # until one is timed; the cold window waits for it).
         self.prefill_rate: float | None = None

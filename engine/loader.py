@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine import env_settings
 from engine import fim as fim_templates
 from engine.errors import ModelLoadError
 from engine.fim import PREFIX_ONLY, FimTemplate
@@ -306,7 +307,7 @@ def check_device(device: str | torch.device) -> None:
 
 
 def _requested_runtime(runtime: str | None) -> str:
-    return (runtime or os.environ.get("FIMBLE_RUNTIME", "").strip() or "auto").lower()
+    return (runtime or env_settings.read("FIMBLE_RUNTIME")).lower()
 
 
 def runtime_choice(runtime: str | None, device: str, backend: str) -> str:
@@ -403,7 +404,7 @@ def load_model(
         from engine.runtimes.quant import quantize_int8
 
         quantize_int8(runtime)
-    if use_compact and str(device).startswith("cuda") and os.environ.get("FIMBLE_CUDA_GRAPHS", "1") != "0":
+    if use_compact and str(device).startswith("cuda") and env_settings.read("FIMBLE_CUDA_GRAPHS"):
         from engine.runtimes.cuda_graphs import GraphRuntime  # decode steps replayed as CUDA graphs
 
         runtime = GraphRuntime(runtime)

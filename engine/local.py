@@ -10,9 +10,9 @@ the worker pre-warms documents the host named (``prewarm``), a chunk at a time (
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
+from engine import env_settings
 from engine.background import BACKGROUND_S, PREWARM_CHUNK, REANCHOR_IDLE_S
 from engine.documents import REUSE_MODES
 from engine.errors import ModelLoadError
@@ -79,7 +79,7 @@ def open_engine(
 
     ``FIMBLE_QUANT=int8`` loads both with int8 weights (CPU only; engine/runtimes/quant.py).
     ``runtime``: as engine.loader.load_model's (default ``$FIMBLE_RUNTIME``, else auto)."""
-    quant = os.environ.get("FIMBLE_QUANT", "none")
+    quant = env_settings.read("FIMBLE_QUANT")
     default_target, default_draft = default_models()  # engine/model_info.py: fimble-smollm2 once built
     target = load_model(
         model or default_target,

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from engine import env_settings
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ QWEN_DRAFT_SHA256 = "baad9a8a0c6276dc6c575b373141d6eada8a61681b3c84365e9bb326ffd
 QWEN_15B_TARGET = EMBEDDED_TARGET.parent / "qwen2.5-coder-1.5b" / "qwen2.5-coder-1.5b-instruct-q8_0.gguf"
 # FIMBLE_DEFAULT_MODEL pins one: "embedded" (the test suite sets it), "smollm2", "qwen" (the FIM-tuned file),
 # "qwen-instruct" (the Instruct file, the default before the FIM-tuned one) or "qwen-1.5b" (the larger option).
-DEFAULT_CHOICES = ("embedded", "smollm2", "qwen", "qwen-instruct", "qwen-1.5b")
+DEFAULT_CHOICES = env_settings.setting("FIMBLE_DEFAULT_MODEL").choices  # the table holds the names
 INFO_FILE = "fimble.json"
 MAX_INFO_BYTES = 64 * 1024  # a metadata file, not a data set: refuse anything bigger
 
@@ -84,11 +85,9 @@ def default_target() -> Path:
     """The model used when none is named: the FIM-tuned Qwen2.5-Coder-0.5B once built, else the Instruct
     file, else fimble-smollm2 once built, else the embedded model. ``FIMBLE_DEFAULT_MODEL`` pins one (a
     pinned model not installed falls back the same way, with a log line); "qwen-1.5b" is used only when pinned."""
-    pinned = os.environ.get("FIMBLE_DEFAULT_MODEL", "")
+    pinned = env_settings.read("FIMBLE_DEFAULT_MODEL")  # "" or one of DEFAULT_CHOICES (engine/env_settings.py)
     if pinned == "embedded":
         return EMBEDDED_TARGET
-    if pinned and pinned not in DEFAULT_CHOICES:
-        log.warning("ignoring FIMBLE_DEFAULT_MODEL=%r: not one of %s", pinned, ", ".join(DEFAULT_CHOICES))
     order = [(qwen_fim_target(), _qwen_fim_built), (QWEN_TARGET, _qwen_fetched), (BUILT_TARGET, _smollm2_built)]
     if pinned == "smollm2":
         order.insert(0, order.pop(2))

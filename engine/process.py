@@ -38,6 +38,7 @@ from typing import Any
 
 import msgpack
 
+from engine import env_settings
 from engine.errors import EngineLost, FimbleError
 from engine.host_loop import MessageHost
 from engine.liveness import CpuMeter
@@ -178,9 +179,8 @@ def serve(args: argparse.Namespace) -> int:
         return engine
 
     # The parent's log level (FIMBLE_LOG, fimble serve's --log-level default), on this process's stderr.
-    level = getattr(logging, os.environ.get("FIMBLE_LOG", "WARNING").upper(), logging.WARNING)
     logging.basicConfig(
-        level=level if isinstance(level, int) else logging.WARNING,
+        level=env_settings.log_level(),
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
@@ -379,6 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     # A terminal's Ctrl-C goes to the whole process group: the parent ends this process (kill and reap, no
     # traceback here); stdin's end ends it too when the parent goes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Bad FIMBLE_* settings (engine/env_settings.py) stop the start: one line each on stderr, and the parent
+    # gets them as a start failure it explains (EngineProcess raises FimbleError; no restart loop).
+    errors = env_settings.check_environment()
+    if errors:
+        for message in errors:
+            print(f"fimble: {message}", file=sys.stderr, flush=True)
+        stdio_sender()({"op": "fatal", "error": "; ".join(errors)})
+        return 2
     ap = argparse.ArgumentParser(description="fimble engine process (msgpack over stdio)")
     ap.add_argument("--model")
     ap.add_argument("--draft")

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine import env_settings
 from engine.api import CompletionRequest, CompletionResult, CompletionStream, Delta, Unwatched
 from engine.background import Background
 from engine.caching.kv_store import KVStore, default_budget_bytes, session_of
@@ -36,7 +37,7 @@ from engine.counters import Counters
 from engine.decoding.draft_plan import AcceptanceBook
 from engine.decoding.drafters import ModelDrafter, NgramDrafter, SessionNgrams
 from engine.decoding.spec_policy import Acceptance, verify_costs
-from engine.documents import DocumentPrompts, switch
+from engine.documents import DocumentPrompts
 from engine.errors import FimbleError, PromptError
 from engine.loader import LoadedModel
 from engine.rounds import Rounds
@@ -149,8 +150,8 @@ class Scheduler(Unwatched):
             target,
             self.store,
             self.counts,
-            anchored=policy.anchored and switch("FIMBLE_ANCHORED_LAYOUT"),
-            cold=policy.cold and switch("FIMBLE_COLD_WINDOW"),
+            anchored=policy.anchored and env_settings.read("FIMBLE_ANCHORED_LAYOUT"),
+            cold=policy.cold and env_settings.read("FIMBLE_COLD_WINDOW"),
         )
         self.prompts = self.documents.prompts
         self.background = Background(

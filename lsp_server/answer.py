@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine import env_settings
 from lsp_server.documents import Document
 from lsp_server.engine_host import EngineHost
 from lsp_server.generation import Generation, first_line_end
@@ -26,7 +26,7 @@ from lsp_server.stats import Stats
 # A request waits at most this long on a running engine, then answers with the text it has (the
 # decode goes on for type-through). Time while the engine (re)starts does not count: a request
 # after an engine crash is served once the new engine is up (lsp_server/engine_host.py).
-REQUEST_BUDGET_S = float(os.environ.get("FIMBLE_REQUEST_BUDGET_S", 20.0))
+REQUEST_BUDGET_S = env_settings.read("FIMBLE_REQUEST_BUDGET_S")
 
 
 @dataclass

@@ -9,20 +9,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 from pathlib import Path
 
+from engine import env_settings
 from engine.errors import FimbleError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        default=os.environ.get("FIMBLE_MODEL") or None,
+        default=env_settings.read("FIMBLE_MODEL"),
         help="model folder (default: $FIMBLE_MODEL, else the embedded model)",
     )
-    p.add_argument("--draft", default=os.environ.get("FIMBLE_DRAFT") or None, help="draft model folder")
+    p.add_argument("--draft", default=env_settings.read("FIMBLE_DRAFT"), help="draft model folder")
     p.add_argument("--no-draft", action="store_true", help="decode without a draft model")
     p.add_argument("--device", default="cpu")
 
@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="log every message in full and answer fimble/debug/document (both show document text)",
     )
-    lsp.add_argument("--log-level", default=os.environ.get("FIMBLE_LOG", "WARNING"))
+    lsp.add_argument("--log-level", default=env_settings.read("FIMBLE_LOG"))
     lsp.add_argument("--log-file", help="log here instead of stderr")
     _add_model_args(lsp)
     _add_engine_args(lsp)
@@ -213,7 +213,7 @@ def _parser() -> argparse.ArgumentParser:
         "interpreter (auto: on with --device cuda; engine/serve/engine_process.py)",
     )
     srv.add_argument("--model-name", default="fimble", help="the model name the OpenAI API reports")
-    srv.add_argument("--log-level", default=os.environ.get("FIMBLE_LOG", "WARNING"))
+    srv.add_argument("--log-level", default=env_settings.read("FIMBLE_LOG"))
     srv.add_argument("--log-file", help="log here instead of stderr")
     srv.add_argument(
         "--ray",
@@ -235,6 +235,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Every FIMBLE_* environment variable range-checked first (engine/env_settings.py), for every subcommand.
+    errors = env_settings.check_environment()
+    for message in errors:
+        print(f"fimble: {message}", file=sys.stderr)
+    if errors:
+        return 2
     args = _parser().parse_args(argv)
     try:
         if args.command == "lsp":

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import replace
 from typing import Any
 
+from engine import env_settings
 from lsp_server import indent
 from lsp_server.documents import DocumentStore
 from lsp_server.engine_host import EngineHost
@@ -30,34 +30,13 @@ from lsp_server.typethrough import TypeThrough
 log = logging.getLogger(__name__)
 
 
-def _seconds_setting(name: str, default: float, low: float, high: float) -> float:
-    """A seconds setting from the environment, range-checked: a bad or out-of-range value keeps the default."""
-    raw = os.environ.get(name, "")
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        return default
-    return value if low <= value <= high else default
-
-
 # Tab-Tab's follow-up decode (lsp_server/follow_up.py) starts only this soon after the document's last edit.
-FOLLOW_UP_WITHIN_S = _seconds_setting("FIMBLE_FOLLOW_UP_WITHIN_S", 1.5, 0.0, 600.0)
+FOLLOW_UP_WITHIN_S = env_settings.read("FIMBLE_FOLLOW_UP_WITHIN_S")  # (engine/env_settings.py: 0..600 s)
 # ... and with at least this long left before the quiet stop (QUIET_AFTER_S): one pass on a 2-core CPU (a prefill
 # chunk, a few steps) takes 0.1-0.4 s, so a follow-up started later is cut before it shows anything, and the pass
 # it is in runs on past the quiet. One started 1.42 s after the key (a cold answer came late) ran its prefill to
 # 2.6 s: the CPU still busy 2-3 s after the key (bench/reports/typing-default-follow-up-quiet-2026-12-05.txt).
 FOLLOW_UP_MIN_LEFT_S = 0.5
-
-
-def _quiet_after_s() -> float:
-    """FIMBLE_QUIET_AFTER_S: seconds after the user's last key (or request) when a decode nobody waits on
-    stops, its text so far kept (0: never). Range-checked; a bad value keeps the default."""
-    raw = os.environ.get("FIMBLE_QUIET_AFTER_S", "")
-    try:
-        value = float(raw) if raw else QUIET_AFTER_DEFAULT_S
-    except ValueError:
-        value = QUIET_AFTER_DEFAULT_S
-    return value if value == 0 or 0.5 <= value <= 600 else QUIET_AFTER_DEFAULT_S
 
 
 # A laptop's fan and battery: the server's CPU falls quiet within 2 s of the last key. A decode still
@@ -67,8 +46,8 @@ def _quiet_after_s() -> float:
 # text. What it decoded stays shown and cached (a prefix of the plain decode, as a token limit leaves), and a
 # request waiting on it is answered with that. A decode a request the user invoked asked for is never cut, not
 # after its answer either (Generation.invoked).
-QUIET_AFTER_DEFAULT_S = 1.5
-QUIET_AFTER_S = _quiet_after_s()
+# FIMBLE_QUIET_AFTER_S (engine/env_settings.py: 0 = never, else 0.5..600 s; default 1.5).
+QUIET_AFTER_S = env_settings.read("FIMBLE_QUIET_AFTER_S")
 QUIET_MIN_SHOWN_S = 0.6
 QUIET_POLL_S = 0.1  # how often a decode past its quiet time without a delta is looked at again
 

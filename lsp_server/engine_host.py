@@ -45,6 +45,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from engine import env_settings
 from lsp_server.engine_watch import Watch, WatchLimits
 from lsp_server.settings import Settings
 
@@ -52,10 +53,10 @@ log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.25
 LOOP_LAG_S = 1.0  # a watchdog tick this late: the loop was blocked, the watch starts afresh (engine_watch.py)
 PING_AFTER_S = 1.0  # quiet this long: ask for a sign of life
-STALL_TIMEOUT_S = float(os.environ.get("FIMBLE_ENGINE_STALL_S", 6.0))  # pinged, silent this long, idle: stalled
-STEP_TIMEOUT_S = float(os.environ.get("FIMBLE_ENGINE_STEP_S", 30.0))  # a request without progress, idle: stuck
-PREFILL_S_PER_TOKEN = float(os.environ.get("FIMBLE_ENGINE_PREFILL_S_PER_TOKEN", 0.1))  # ... plus this per token
-BUSY_CEILING_S = float(os.environ.get("FIMBLE_ENGINE_BUSY_CEILING_S", 600.0))  # computing, no sign: runaway
+STALL_TIMEOUT_S = env_settings.read("FIMBLE_ENGINE_STALL_S")  # pinged, silent this long, idle: stalled
+STEP_TIMEOUT_S = env_settings.read("FIMBLE_ENGINE_STEP_S")  # a request without progress, idle: stuck
+PREFILL_S_PER_TOKEN = env_settings.read("FIMBLE_ENGINE_PREFILL_S_PER_TOKEN")  # ... plus this per token
+BUSY_CEILING_S = env_settings.read("FIMBLE_ENGINE_BUSY_CEILING_S")  # computing, no sign: runaway
 QUICK_FAILURE_S = 60.0  # an engine that fails sooner than this after starting counts as a quick failure
 RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0)  # delay before restart n+1 after n quick failures in a row
 MAX_QUICK_FAILURES = len(RESTART_BACKOFF_S)

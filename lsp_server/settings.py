@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from engine import env_settings
 from lsp_server.shaping.policy import check_overrides  # no torch
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
-        return cls(model=os.environ.get("FIMBLE_MODEL") or None, draft=os.environ.get("FIMBLE_DRAFT") or None)
+        return cls(model=env_settings.read("FIMBLE_MODEL"), draft=env_settings.read("FIMBLE_DRAFT"))
 
     def engine_key(self) -> tuple:
         """Settings whose change needs a new engine process."""

@@ -24,13 +24,13 @@ without it where those cost less (engine/documents.py ``choose``), each in a cac
 from __future__ import annotations
 
 import dataclasses
-import os
 
+from engine import env_settings
 from engine.api import CompletionRequest
 
 # Prefill the first completion at a new spot may cost, at the measured rate (the environment setting: for tests
 # that need the cold window with a fast model).
-COLD_BUDGET_S = float(os.environ.get("FIMBLE_COLD_BUDGET_S", 0.5))
+COLD_BUDGET_S = env_settings.read("FIMBLE_COLD_BUDGET_S")
 COLD_KEY = "\x00cold"  # appended to a document's key: the cold prompt's cache
 CONTEXT_KEY = "\x00ctx"  # appended next: the cache of a prompt that leads with cross-file context (cache_key)
 STAGE_KEY = "\x00stage"  # appended last: where background work fills a cache's next prompt (KVStore.staging)

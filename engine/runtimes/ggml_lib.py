@@ -23,9 +23,10 @@ from collections import deque
 
 import numpy as np
 
+from engine import env_settings
 from engine.errors import ModelLoadError
 
-BACKENDS = ("llama-cpp-python", "py-sync")
+BACKENDS = env_settings.setting("FIMBLE_GGML_LIB").choices  # llama-cpp-python, py-sync: tried in this order
 _lock = threading.Lock()
 _lib: LlamaLib | None = None
 _failures: list[str] = []
@@ -166,9 +167,10 @@ def get_lib() -> LlamaLib:
     with _lock:
         if _lib is not None:
             return _lib
-        forced = os.environ.get("FIMBLE_GGML_LIB", "").strip()
-        if forced and forced not in BACKENDS:
-            raise ModelLoadError(f"FIMBLE_GGML_LIB={forced!r}: use {' or '.join(BACKENDS)}")
+        try:
+            forced = env_settings.read("FIMBLE_GGML_LIB")  # "" (each in turn) or one of BACKENDS
+        except env_settings.SettingError as exc:
+            raise ModelLoadError(str(exc)) from None
         _failures.clear()
         for name in (forced,) if forced else BACKENDS:
             try:

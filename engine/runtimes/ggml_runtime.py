@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine import env_settings
 from engine.errors import ModelLoadError
 from engine.runtimes import probe_cache
 from engine.runtimes.ggml_lib import get_lib
@@ -75,7 +76,7 @@ INVARIANT_ROWS = 32  # blocks needing logits on every row run in chunks of at mo
 PREFILL_BATCH = 256  # llama.cpp batch (and ubatch) size: prefill chunk, and the context's compute buffer
 LLAMA_UBATCH = 512  # llama.cpp's default ubatch (llama-server -ub, llama-cpp-python n_ubatch): see _blocks
 EXPORT_VERSION = "1"  # bump when engine/runtimes/gguf_export.py writes different files for the same folder
-MAX_THREADS = 256
+MAX_THREADS = int(env_settings.setting("FIMBLE_GGML_THREADS").high)  # 256
 KV_BYTES = 2  # llama.cpp's default f16 keys and values
 PROBE_TOKENS = 8  # the load-time forward pass that refuses corrupt weights (as weights_check.bad_probe's)
 PROBE_DEPTH = 200  # cached positions before the load-time batch-invariance probe
@@ -83,7 +84,7 @@ PROBE_DEPTH = 200  # cached positions before the load-time batch-invariance prob
 # and reduces the parts (ggml-cpu ops.cpp, use_split_kv_path), in an order that depends on the thread
 # count: its probe runs past that depth, where the kernels differ.
 FLASH_PROBE_DEPTH = 520
-FLASH_CHOICES = ("auto", "on", "off")
+FLASH_CHOICES = env_settings.setting("FIMBLE_GGML_FLASH").choices  # auto, on, off
 KERNEL_FIELDS = ("flash_attn", "pad_single", "batch_invariant", "threads")
 
 
@@ -112,9 +113,13 @@ def resolve_threads(threads: int | None = None) -> int:
     """``threads``, else ``$FIMBLE_GGML_THREADS``, else ``$OMP_NUM_THREADS`` (the engineThreads setting),
     else ``default_threads()``; range-checked."""
     raw: object = threads
-    for name in ("FIMBLE_GGML_THREADS", "OMP_NUM_THREADS"):
-        if raw is None and os.environ.get(name, "").strip():
-            raw = os.environ[name].strip()
+    if raw is None:
+        try:
+            raw = env_settings.read("FIMBLE_GGML_THREADS")  # 1..MAX_THREADS, None when unset
+        except env_settings.SettingError as exc:
+            raise ModelLoadError(str(exc)) from None
+    if raw is None and os.environ.get("OMP_NUM_THREADS", "").strip():
+        raw = os.environ["OMP_NUM_THREADS"].strip()
     if raw is None:
         return default_threads()
     try:
@@ -129,10 +134,10 @@ def resolve_threads(threads: int | None = None) -> int:
 def flash_preference() -> bool:
     """Whether to try flash attention on first: ``$FIMBLE_GGML_FLASH`` on/off, auto (default) is off
     (the module docstring says why)."""
-    raw = os.environ.get("FIMBLE_GGML_FLASH", "").strip().lower() or "auto"
-    if raw not in FLASH_CHOICES:
-        raise ModelLoadError(f"FIMBLE_GGML_FLASH={raw!r} is not one of {', '.join(FLASH_CHOICES)}")
-    return raw == "on"
+    try:
+        return env_settings.read("FIMBLE_GGML_FLASH") == "on"  # one of FLASH_CHOICES
+    except env_settings.SettingError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 class GGMLCache:

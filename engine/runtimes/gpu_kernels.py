@@ -67,11 +67,11 @@ Triton is imported lazily: CPU machines (CI) never load it, and ``available()`` 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
 
+from engine import env_settings
 from engine.runtimes.gpu_linear import (  # the projections (re-exported: callers use gpu_kernels.linear)
     LINEAR_ROWS,
     MEASURED_CONFIGS,
@@ -101,10 +101,7 @@ COMBINE_IN_SPLIT = True
 # plain 200/200 in every path, batched = unbatched 32/32; bench/reports/gpu-tests-h100-2026-12-06.txt), and with the
 # swap configs it took the Triton set's step from 1.191 to 1.101 ms (0.5B) and 2.227 to 2.098 ms (1.5B). Both kernel
 # sets run it. On by default; FIMBLE_ATTENTION_FIXED_TRIPS=0 runs the bounded loop (the same bits, for comparison).
-_FIXED_SWITCH = os.environ.get("FIMBLE_ATTENTION_FIXED_TRIPS", "1").strip().lower()
-if _FIXED_SWITCH not in ("0", "1", "on", "off", "true", "false", "yes", "no", ""):
-    raise ValueError(f"FIMBLE_ATTENTION_FIXED_TRIPS must be 0 or 1, not {_FIXED_SWITCH!r}")
-FIXED_TRIPS = _FIXED_SWITCH not in ("0", "off", "false", "no")
+FIXED_TRIPS = env_settings.read("FIMBLE_ATTENTION_FIXED_TRIPS")  # a bad value: SettingError (a ValueError)
 
 
 INVARIANT_SETS = ("invariant", "invariant-cublas")  # the default first (see invariant_default)
@@ -113,7 +110,7 @@ SET_NAMES = {"triton": "invariant", "cublas": "invariant-cublas"}  # FIMBLE_CUDA
 SERVE_SET = "cublas"  # fimble serve's default (open_serve_engine): its batched rounds are faster on cuBLAS
 # "invariant-cublas": every projection runs on a whole multiple of this many rows (zero rows pad it; graph blocks are
 # raised to it), so a pass of 1-16 tokens meets exactly one cuBLAS shape per weight (FIMBLE_CUDA_INVARIANT_ROWS).
-CUBLAS_ROWS = max(1, int(os.environ.get("FIMBLE_CUDA_INVARIANT_ROWS", "16") or 16))
+CUBLAS_ROWS = env_settings.read("FIMBLE_CUDA_INVARIANT_ROWS")  # 1..256 (engine/env_settings.py)
 
 
 def invariant_default() -> str | bool:
@@ -128,14 +125,10 @@ def invariant_default() -> str | bool:
     error: a typo must not silently pick a set."""
     if not available():
         return False
-    value = os.environ.get("FIMBLE_CUDA_INVARIANT", "1").strip().lower()
-    if value in ("0", "off", "false", "no"):
+    value = env_settings.read("FIMBLE_CUDA_INVARIANT")  # "0", "1", "triton" or "cublas"; else SettingError
+    if value == "0":
         return False
-    if value in ("", "1", "on", "true", "yes"):
-        return DEFAULT_INVARIANT
-    if value not in SET_NAMES:
-        raise ValueError(f"FIMBLE_CUDA_INVARIANT must be 0, 1, triton or cublas, not {value!r}")
-    return SET_NAMES[value]
+    return DEFAULT_INVARIANT if value == "1" else SET_NAMES[value]
 
 
 @functools.cache

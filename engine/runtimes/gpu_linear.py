@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from engine import env_settings
 
 
 @functools.cache
@@ -178,15 +179,12 @@ def _linear_kernel():
 # any buffer, so a buffer the kernel before still reads is never overwritten early (a graph's pool reuses freed
 # buffers); a torch kernel between two Triton ones is launched as usual and simply waits for its predecessor.
 PDL_ENV = "FIMBLE_CUDA_PDL"
-PDL_DEFAULT = "0"
+PDL_DEFAULT = "1" if env_settings.setting(PDL_ENV).default else "0"  # (the table holds the default)
 
 
 def pdl_switch() -> bool:
     """FIMBLE_CUDA_PDL: 1 = on where the GPU supports it, unset or 0 = off; anything else is an error."""
-    value = os.environ.get(PDL_ENV, PDL_DEFAULT).strip().lower() or PDL_DEFAULT
-    if value not in ("0", "1", "on", "off", "true", "false", "yes", "no", ""):
-        raise ValueError(f"{PDL_ENV} must be 0 or 1, not {value!r}")
-    return value not in ("0", "off", "false", "no")
+    return env_settings.read(PDL_ENV)  # a bad value: SettingError (a ValueError)
 
 
 PREFETCH_ENV = "FIMBLE_CUDA_PREFETCH"  # weight slabs a dependent projection prefetches into L2 while it waits
@@ -195,10 +193,7 @@ PREFETCH_ENV = "FIMBLE_CUDA_PREFETCH"  # weight slabs a dependent projection pre
 @functools.cache
 def prefetch_slabs() -> int:
     """FIMBLE_CUDA_PREFETCH: 0, 1, 2 or 4 slabs of K (default 0)."""
-    raw = os.environ.get(PREFETCH_ENV, "0").strip() or "0"
-    if raw not in ("0", "1", "2", "4"):
-        raise ValueError(f"{PREFETCH_ENV} must be 0, 1, 2 or 4, not {raw!r}")
-    return int(raw)
+    return env_settings.read(PREFETCH_ENV)  # a bad value: SettingError (a ValueError)
 
 
 @functools.cache
@@ -310,7 +305,7 @@ def swept_configs() -> dict[tuple[int, int], LinearConfig]:
     same configs (batch invariance holds within a process whatever the file says). A weight whose best config had
     rows unequal in the sweep (``best_rows_equal`` false) keeps the code's config. A bad file is an error at the
     first product, never a silent fallback."""
-    path = os.environ.get(CONFIGS_ENV, "").strip()
+    path = env_settings.read(CONFIGS_ENV)  # None when unset; a path that names no file: SettingError
     if not path:
         return {}
     try:
@@ -397,7 +392,7 @@ def wide_config(cfg: LinearConfig, rope: bool = False) -> LinearConfig | None:
     """The tile a pass of more than WIDE_ROWS rows on ``cfg``'s weight may take (None for a GEMV config: its tree
     has no tile to widen): 64 activation rows and at least 128 weight rows a program (a RoPE tile stays one head
     wide), 8 warps, ``cfg``'s K slab and splits, as many pipeline stages (at most 3) as WIDE_SMEM holds."""
-    if not cfg.swap or os.environ.get(WIDE_ENV, "1").strip() == "0":
+    if not cfg.swap or not env_settings.read(WIDE_ENV):
         return None
     bn = cfg.bn if rope else max(cfg.bn, 128)
     bm = 64

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engine import env_settings
+
 log = logging.getLogger("fimble.probe_cache")
 
 CACHE_VERSION = "1"  # bump when an entry's meaning changes
@@ -31,13 +33,13 @@ LIBRARY_SUFFIXES = (".so", ".dylib", ".dll")
 
 
 def enabled() -> bool:
-    return os.environ.get("FIMBLE_PROBE_CACHE", "on").strip().lower() not in ("off", "0", "false", "no")
+    return env_settings.read("FIMBLE_PROBE_CACHE")
 
 
 def cache_root() -> Path:
     """fimble's cache folder: ``$FIMBLE_CACHE_DIR``, else ``$XDG_CACHE_HOME/fimble`` or ``~/.cache/fimble``
     (exported GGUFs live beside the probes, engine/runtimes/ggml_runtime.py)."""
-    root = os.environ.get("FIMBLE_CACHE_DIR") or os.path.join(
+    root = env_settings.read("FIMBLE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fimble"
     )
     return Path(root)

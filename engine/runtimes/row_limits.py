@@ -24,13 +24,14 @@ of hundreds of terms. FIMBLE_CUDA_ROW_LIMITS=0 turns the pieces and the base pad
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from engine import env_settings
 
 if TYPE_CHECKING:
     from engine.runtimes.compact import Block, CompactTransformer
@@ -46,7 +47,7 @@ Limit = tuple[int, int]
 
 
 def enabled() -> bool:
-    return os.environ.get("FIMBLE_CUDA_ROW_LIMITS", "1").strip().lower() not in ("0", "off", "false", "no")
+    return env_settings.read("FIMBLE_CUDA_ROW_LIMITS")
 
 
 def addmm(weight: Tensor, x: Tensor, a: Tensor) -> Tensor:

@@ -17,15 +17,16 @@ however many engines and daemons it builds: tests build many).
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import time
+
+from engine import env_settings
 
 FULL = 2  # the oldest generation: a full collection
 
 
 def freeze_enabled() -> bool:
-    return os.environ.get("FIMBLE_SERVE_GC_FREEZE", "1").strip().lower() not in ("0", "off", "false", "no")
+    return env_settings.read("FIMBLE_SERVE_GC_FREEZE")
 
 
 def freeze_startup() -> int:

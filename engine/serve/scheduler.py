@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import threading
 
+from engine import env_settings
 from engine.loader import LoadedModel
 from engine.runner import PassRunner
 from engine.scheduler import SCHED_COUNTERS, Policy, Scheduler
@@ -82,7 +83,7 @@ class ServeEngine(Scheduler):
         # forces it (the CPU runs it without graphs: tests).
         graphs = target.runtime.greedy_drafts
         if slots is None:
-            slots = batched and graphs and os.environ.get("FIMBLE_SERVE_SLOTS", "1") != "0"
+            slots = batched and graphs and env_settings.read("FIMBLE_SERVE_SLOTS")
         slotted = bool(slots and batched)
         draft_runtime = draft.runtime if draft is not None else None
 
@@ -124,13 +125,13 @@ class ServeEngine(Scheduler):
         )
         if overlap is None:
             asynchronous = self.slots is not None and self.slots.use_graphs
-            overlap = asynchronous and os.environ.get("FIMBLE_SERVE_OVERLAP", "1") != "0"
+            overlap = asynchronous and env_settings.read("FIMBLE_SERVE_OVERLAP")
         self.overlap = overlap
         self.batched = batched
         # A keystroke's prompt from the editor's previous one (engine/serve/prompt_memo.py): 32 editors' keystrokes
         # come in one round, and each build held every running sequence back.
         # FIMBLE_SERVE_PROMPT_MEMO=0: PromptBuilder's own build, to compare.
-        if os.environ.get("FIMBLE_SERVE_PROMPT_MEMO", "1") != "0":
+        if env_settings.read("FIMBLE_SERVE_PROMPT_MEMO"):
             self.documents.prompts = self.prompts = IncrementalPromptBuilder(target)
             if self._unfit is not None:
                 self._unfit.prompts = self.prompts
@@ -205,7 +206,7 @@ def open_serve_engine(
     # Step-level batching runs many sequences through one forward of the compact runtime; the ggml runtime
     # (the CPU default elsewhere) keeps one llama.cpp context per document and could only take turns. So a
     # batching engine loads compact unless FIMBLE_RUNTIME asks otherwise.
-    runtime = None if (os.environ.get("FIMBLE_RUNTIME", "").strip() or not batch) else "compact"
+    runtime = None if (env_settings.given("FIMBLE_RUNTIME") or not batch) else "compact"
     loaded = open_engine(
         model,
         draft,

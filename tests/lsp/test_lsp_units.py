@@ -399,11 +399,12 @@ def test_a_follow_up_starts_only_with_time_left_before_the_quiet(monkeypatch):
 
 
 def test_the_follow_up_setting_is_range_checked(monkeypatch):
-    from lsp_server.decodes import _seconds_setting
+    """A bad value is an error (engine/env_settings.py; fimble stops at start), no longer the default kept."""
+    from engine.env_settings import SettingError, read
 
-    monkeypatch.setenv("FIMBLE_X_S", "nonsense")
-    assert _seconds_setting("FIMBLE_X_S", 1.5, 0.0, 600.0) == 1.5
-    monkeypatch.setenv("FIMBLE_X_S", "-3")
-    assert _seconds_setting("FIMBLE_X_S", 1.5, 0.0, 600.0) == 1.5
-    monkeypatch.setenv("FIMBLE_X_S", "2.5")
-    assert _seconds_setting("FIMBLE_X_S", 1.5, 0.0, 600.0) == 2.5
+    for bad in ("nonsense", "-3", "601"):
+        monkeypatch.setenv("FIMBLE_FOLLOW_UP_WITHIN_S", bad)
+        with pytest.raises(SettingError, match="FIMBLE_FOLLOW_UP_WITHIN_S"):
+            read("FIMBLE_FOLLOW_UP_WITHIN_S")
+    monkeypatch.setenv("FIMBLE_FOLLOW_UP_WITHIN_S", "2.5")
+    assert read("FIMBLE_FOLLOW_UP_WITHIN_S") == 2.5
