@@ -199,10 +199,15 @@ TABLE: tuple[Setting, ...] = (
         True,
         "attention split loops of fixed trip count; 0: the bounded loop (runtimes/gpu_kernels.py)",
     ),
-    switch("FIMBLE_CUDA_PDL", False, "programmatic dependent launch of Triton kernels (runtimes/gpu_linear.py)"),
+    choice(
+        "FIMBLE_CUDA_PDL",
+        "auto",
+        ("auto", "on", "off", "1", "0"),
+        "programmatic dependent launch of Triton kernels; auto: layers 1,536 wide or more (runtimes/gpu_linear.py)",
+    ),
     whole(
         "FIMBLE_CUDA_PREFETCH",
-        0,
+        2,
         0,
         4,
         "weight slabs a dependent projection prefetches into L2 (runtimes/gpu_linear.py)",

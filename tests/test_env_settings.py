@@ -40,7 +40,7 @@ def test_switches_take_on_and_off_words_and_refuse_others():
         assert value("FIMBLE_COLD_WINDOW", raw) is False
     for raw in ("2", "maybe", "enable"):
         assert "0 or 1" in refused("FIMBLE_COLD_WINDOW", raw)
-    assert value("FIMBLE_CUDA_PDL", "on") is True and value("FIMBLE_CUDA_PDL", "") is False
+    assert value("FIMBLE_CUDA_PDL", "ON") == "on" and value("FIMBLE_CUDA_PDL", "") == "auto"  # a choice, not a switch
 
 
 def test_switches_the_c_library_reads_take_exactly_what_it_reads():
@@ -123,7 +123,7 @@ def test_unset_or_empty_is_the_default_and_the_defaults_are_the_call_sites_old_o
         "FIMBLE_CUDA_ROW_LIMITS": True,
         "FIMBLE_ATTENTION_FIXED_TRIPS": True,
         "FIMBLE_WIDE_TILES": True,
-        "FIMBLE_CUDA_PDL": False,
+        "FIMBLE_CUDA_PDL": "auto",  # on for layers 1,536 wide or more (measured 2026-12-06; was off before)
         "FIMBLE_Q8_0_AVX2": False,
         # choices and numbers
         "FIMBLE_RUNTIME": "auto",
@@ -133,7 +133,7 @@ def test_unset_or_empty_is_the_default_and_the_defaults_are_the_call_sites_old_o
         "FIMBLE_CUDA_INVARIANT": "1",
         "FIMBLE_GGML_FLASH": "auto",
         "FIMBLE_CUDA_INVARIANT_ROWS": 16,
-        "FIMBLE_CUDA_PREFETCH": 0,
+        "FIMBLE_CUDA_PREFETCH": 2,
         "FIMBLE_GGML_THREADS": None,
         # seconds
         "FIMBLE_REQUEST_BUDGET_S": 20.0,

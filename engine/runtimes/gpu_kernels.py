@@ -43,9 +43,10 @@ sets give it (cuda_graphs ``invariant_layers``; ``invariant_default`` picks one)
   once for 16 rows, so a verify block costs about a step: on an H100 with MEASURED_CONFIGS (2026-12-06,
   bench/reports/gpu-tests-h100-2026-12-06.txt) its graph step is 1.101 ms at 0.5B and 2.098 ms at 1.5B (the cuBLAS
   set: 1.701, 2.569), an 8-row verify 1.172 and 2.126 ms; against llama-server's CUDA build on the same GPU the 1.5B
-  step is 0.775x the server's (the cuBLAS set's about 0.97x). A pass of more than 64 rows (a prefill chunk, a large
-  batched round) takes ``wide_config``'s tile where this GPU gives it the 16-row tile's bits (gpu_linear.py says why
-  that holds and how it is checked). Through fimble serve with 32 editors its batched rounds take 1.2x the cuBLAS
+  step is 0.775x the server's (the cuBLAS set's about 0.97x); launched as programmatic dependents (gpu_linear.PDL_ENV,
+  2026-12-06) 1.94 ms, 0.74x. A pass of more than 64 rows (a prefill chunk, a large batched round) takes
+  ``wide_config``'s tile where this GPU gives it the 16-row tile's bits (gpu_linear.py says why that holds and how it
+  is checked). Through fimble serve with 32 editors its batched rounds take 1.2x the cuBLAS
   set's GPU time (0.80-0.84x the tok/s) and its cold prompts 1.13-1.18x as long
   (bench/reports/gpu-wide-tiles-h100-2026-12-06.txt); the GPU suite passes with it (200/200).
 
@@ -382,7 +383,7 @@ def rope_store(
     rows, hd = qkv.shape[0], keys.shape[-1]
     q = torch.empty(rows, heads * hd, dtype=qkv.dtype, device=qkv.device)
     rope_kernel = _kernels()[0]
-    pdl = use_pdl(qkv.device)
+    pdl = use_pdl(qkv.device, heads * hd)
     rope_kernel[(rows,)](
         qkv, q, keys, values, cos, sin, positions,
         rows // seqs, qkv.stride(0), q.stride(0),
@@ -415,7 +416,7 @@ def attention(
         scratch = attention_scratch(q, keys_len, seqs, kv_heads, hd)
     part_acc, part_ml = scratch
     combine_in_split = ordered and COMBINE_IN_SPLIT
-    pdl = use_pdl(q.device)
+    pdl = use_pdl(q.device, width)
     split_kernel[(programs, splits)](
         q, keys, values, positions, out, part_acc, part_ml,
         _split_locks(q.device, programs) if combine_in_split and splits > 1 else part_ml,

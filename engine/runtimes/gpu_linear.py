@@ -171,35 +171,41 @@ def _linear_kernel():
     return linear_kernel
 
 
-# Programmatic dependent launch (Hopper and later; FIMBLE_CUDA_PDL=1, off until measured on the device): each Triton
-# kernel of a pass is launched while the kernel before it is still running, and waits (griddepcontrol.wait) before
-# its first memory access until that kernel has completed and its writes are visible, then lets its own successor
-# launch. A graph step's ~150 kernel boundaries then overlap a launch with the last kernel's tail. The arithmetic is
-# untouched (the same bits on or off: tests/engine/test_gpu_kernels.py). Every kernel waits before it reads or writes
-# any buffer, so a buffer the kernel before still reads is never overwritten early (a graph's pool reuses freed
-# buffers); a torch kernel between two Triton ones is launched as usual and simply waits for its predecessor.
+# Programmatic dependent launch (Hopper and later; FIMBLE_CUDA_PDL): each Triton kernel of a pass is launched while
+# the kernel before it is still running, waits (griddepcontrol.wait) before its first memory access until that kernel
+# has completed and its writes are visible, then lets its own successor launch; meanwhile a projection prefetches its
+# first FIMBLE_CUDA_PREFETCH weight slabs into L2 (weights are constants: safe to read early). The arithmetic is
+# untouched: the same bits on or off (tests/engine/test_gpu_kernels.py; the GPU suite passed with it, 70 tests, H100,
+# 2026-12-06). Every kernel waits before it reads or writes any buffer, so a buffer the kernel before still reads is
+# never overwritten early (a graph's pool reuses freed buffers); a torch kernel between two Triton ones is launched as
+# usual and waits for its predecessor. Measured on an H100 (bench/reports/gpu-pdl-h100-2026-12-06.txt): the 1.5B
+# shape's graph step 5-10% faster (2.05-2.17 to 1.94-1.96 ms) and its 8-token verify 2%; the 0.5B shape's step 3-6%
+# slower without the prefetch, even with it, and its 8-token verify 15-19% slower (kernels of 5-10 us, where a waiting
+# dependent only takes room). So "auto" (the default) launches as dependents the kernels of layers at least
+# PDL_MIN_WIDTH wide (Qwen2.5 1.5B and up), "on" every kernel, "off" none.
 PDL_ENV = "FIMBLE_CUDA_PDL"
-PDL_DEFAULT = "1" if env_settings.setting(PDL_ENV).default else "0"  # (the table holds the default)
-
-
-def pdl_switch() -> bool:
-    """FIMBLE_CUDA_PDL: 1 = on where the GPU supports it, unset or 0 = off; anything else is an error."""
-    return env_settings.read(PDL_ENV)  # a bad value: SettingError (a ValueError)
-
-
+PDL_MIN_WIDTH = 1536  # hidden size (min of a projection's sides; attention's query width) from which auto is on
 PREFETCH_ENV = "FIMBLE_CUDA_PREFETCH"  # weight slabs a dependent projection prefetches into L2 while it waits
+
+
+def pdl_mode() -> str:
+    """FIMBLE_CUDA_PDL: "auto" (default), "on" or "off" (1 and 0 say the same); anything else is an error."""
+    value = env_settings.read(PDL_ENV)  # a bad value: SettingError (a ValueError)
+    return {"1": "on", "0": "off"}.get(value, value)
 
 
 @functools.cache
 def prefetch_slabs() -> int:
-    """FIMBLE_CUDA_PREFETCH: 0, 1, 2 or 4 slabs of K (default 0)."""
+    """FIMBLE_CUDA_PREFETCH: 0, 1, 2 or 4 slabs of K (default 2), taken only by kernels launched as dependents."""
     return env_settings.read(PREFETCH_ENV)  # a bad value: SettingError (a ValueError)
 
 
 @functools.cache
-def use_pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch as programmatic dependents (compute capability 9.0 or later)."""
-    if device.type != "cuda" or not pdl_switch():
+def use_pdl(device: torch.device, width: int) -> bool:
+    """Whether a kernel of a layer ``width`` wide on ``device`` launches as a programmatic dependent (compute
+    capability 9.0 or later; ``pdl_mode``)."""
+    mode = pdl_mode()
+    if device.type != "cuda" or mode == "off" or (mode == "auto" and width < PDL_MIN_WIDTH):
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -478,7 +484,7 @@ def linear(
         lock = _split_locks(x.device, tiles)
     else:
         part = lock = out
-    pdl = use_pdl(x.device)
+    pdl = use_pdl(x.device, min(n, k))
     kernel[(tiles * splits,)](
         x, weight, out,
         bias if bias is not None else weight, residual if residual is not None else out,

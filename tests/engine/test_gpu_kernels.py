@@ -459,7 +459,7 @@ def test_dependent_launch_keeps_every_bit(monkeypatch):
         for on in (False, True):
             monkeypatch.setenv(gpu_linear.PDL_ENV, "1" if on else "0")
             gpu_linear.use_pdl.cache_clear()
-            assert gpu_linear.use_pdl(torch.device(DEV)) is on
+            assert gpu_linear.use_pdl(torch.device(DEV), model.cfg.hidden_size) is on  # forced: any width
             cache = model.new_cache(512)
             model(prompt, cache, 0, 1)
             graph = GraphRuntime(model, attention=kernels)

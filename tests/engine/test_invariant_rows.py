@@ -199,20 +199,30 @@ def test_invariant_default_reads_the_switch(monkeypatch):
     assert gpu_kernels.invariant_default() is False
 
 
-def test_dependent_launch_reads_its_switch_and_stays_off_the_cpu(monkeypatch):
+def test_dependent_launch_reads_its_setting_and_takes_wide_layers_by_default(monkeypatch):
     from engine.runtimes import gpu_linear
 
-    default = gpu_linear.PDL_DEFAULT == "1"
-    for value, want in (("0", False), ("off", False), ("1", True), ("on", True), ("", default)):
+    for value, want in (("0", "off"), ("off", "off"), ("1", "on"), ("on", "on"), ("auto", "auto"), ("", "auto")):
         monkeypatch.setenv(gpu_linear.PDL_ENV, value)
-        assert gpu_linear.pdl_switch() is want
+        assert gpu_linear.pdl_mode() == want
     for typo in ("2", "pdl", "enable"):  # out of range: an error, never a silent pick
         monkeypatch.setenv(gpu_linear.PDL_ENV, typo)
         with pytest.raises(ValueError, match=gpu_linear.PDL_ENV):
-            gpu_linear.pdl_switch()
-    monkeypatch.setenv(gpu_linear.PDL_ENV, "1")
+            gpu_linear.pdl_mode()
+    hopper = torch.device("cuda")
+    capability = (9, 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    wide, narrow = gpu_linear.PDL_MIN_WIDTH, gpu_linear.PDL_MIN_WIDTH - 640  # Qwen2.5 1.5B's 1,536 and 0.5B's 896
+    cases = {"auto": (True, False), "on": (True, True), "off": (False, False)}
+    for mode, (want_wide, want_narrow) in cases.items():
+        monkeypatch.setenv(gpu_linear.PDL_ENV, mode)
+        gpu_linear.use_pdl.cache_clear()
+        assert (gpu_linear.use_pdl(hopper, wide), gpu_linear.use_pdl(hopper, narrow)) == (want_wide, want_narrow)
+    monkeypatch.setenv(gpu_linear.PDL_ENV, "on")
+    capability = (8, 0)  # before Hopper: no dependent launch, whatever the setting
     gpu_linear.use_pdl.cache_clear()
-    assert gpu_linear.use_pdl(torch.device("cpu")) is False  # Hopper's launch attribute: CUDA only
+    assert gpu_linear.use_pdl(hopper, wide) is False
+    assert gpu_linear.use_pdl(torch.device("cpu"), wide) is False
     gpu_linear.use_pdl.cache_clear()
 
 
