@@ -10,6 +10,7 @@ argmax of, healing mask applied) put the two tokens within ``TIE_TOLERANCE`` of 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from lossless_check import TIE_TOLERANCE, compare_drafters, decode, first_difference, is_tie
 
@@ -18,19 +19,25 @@ from engine.api import CompletionRequest
 from engine.decoding.drafters import ModelDrafter, NgramDrafter
 from engine.local import LocalEngine
 
-N_PROMPTS = 200
+N_PROMPTS = 200  # the bar: tests/heavy.sh (pytest -m heavy), about 105 s on 2 cores
+# The default suite checks the last DEFAULT_PROMPTS of the same 200 (about 17 s): on the default CPU runtime the
+# first 60 are checked again, with no tie allowed, by test_ggml_runtime.py's f32 case.
+DEFAULT_PROMPTS = 32
 
 
-def test_speculative_greedy_equals_plain_greedy(embedded_target, embedded_draft):
-    result = compare_drafters(embedded_target, embedded_draft, fim_prompts(N_PROMPTS, window=600))
-    print(f"\n{N_PROMPTS} prompts: {result.summary()}")
+@pytest.mark.parametrize("n", [pytest.param(N_PROMPTS, marks=pytest.mark.heavy), DEFAULT_PROMPTS])
+def test_speculative_greedy_equals_plain_greedy(embedded_target, embedded_draft, n):
+    prompts = fim_prompts(N_PROMPTS, window=600)[-n:]
+    result = compare_drafters(embedded_target, embedded_draft, prompts)
+    print(f"\n{n} of the {N_PROMPTS} prompts: {result.summary()}")
     assert not result.mismatches, (
         f"{len(result.mismatches)} divergences not explained by a near tie: {result.mismatches[:2]}"
     )
-    # Speculation and healing must actually be exercised, or equality proves nothing.
+    # Speculation and healing must actually be exercised, or equality proves nothing (at 200: 200 healed, 96 heal
+    # drafts taken; at the last 32: 32 and 12).
     assert result.mean_accepted("model") > 1.3
-    assert result.healed >= 20
-    assert result.heal_drafts_taken >= 10  # the prompt pass re-typed the healed text and went on (prefill_draft)
+    assert result.healed >= n // 10
+    assert result.heal_drafts_taken >= n // 20  # the prompt pass re-typed the healed text and went on (prefill_draft)
 
 
 def test_pinned_divergence_is_a_constrained_tie(compact_target, compact_draft):

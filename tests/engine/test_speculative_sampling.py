@@ -53,7 +53,9 @@ def exact_pair_distribution(target, temperature: float, top_p: float) -> torch.T
 
 @pytest.mark.parametrize("drafter", ["model", "fixed"])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_sampling_matches_target_distribution(models, drafter, temperature, top_p):
+def test_sampling_matches_target_distribution(models, drafter, temperature, top_p, one_thread):
+    # One torch thread (conftest.one_thread): 3000 decodes of a few tokens on tiny matrices. Measured on 2 cores with
+    # another process keeping one busy, a case took 19 s on two threads and 6 s on one (as on an idle machine).
     target, draft = models
     truth = exact_pair_distribution(target, temperature, top_p).flatten()
     cache = target.new_cache(32)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The heavy suite: the full-size issue bars that the default suite (`python -m pytest -q`, CI's) runs smaller.
+# They carry pytest's `heavy` marker (pyproject.toml), which the default run leaves out:
+#   - greedy speculative == plain greedy on 200 prompts: the embedded pair (tests/engine/test_lossless_greedy.py),
+#     the ggml runtime f32 and q8_0 (test_ggml_runtime.py), int8 (test_int8.py), the default Qwen model with its
+#     drafter (test_draft_vocab.py, where the install step has run: about 16 of the run's minutes on 2 cores);
+#   - 12 random edit sequences of exact KV reuse against a recompute (test_kv_reuse.py);
+#   - 80 prompts scanned for an empty middle (test_no_empty.py);
+#   - 20,000 keystrokes that keep the LSP server's tables bounded (tests/lsp/test_lsp_bounded.py).
+# Run it alone on the machine, from anywhere: bash tests/heavy.sh [more pytest arguments]. The output, with the
+# commit and the machine, goes to tests/reports/heavy-latest.txt as well; commit it with the change it checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+mkdir -p tests/reports
+REPORT=tests/reports/heavy-latest.txt
+{
+    echo "# tests/heavy.sh: $PY -m pytest -q -m heavy --durations=0 $*"
+    echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(
+        git diff --quiet HEAD -- tests 2>/dev/null || echo ' (tests/ changed since)'), $(nproc) cores, $(uname -m)"
+    "$PY" -m pytest -q -m heavy --durations=0 "$@" 2>&1
+} | tee "$REPORT"
