@@ -101,6 +101,30 @@ def compact_draft():
     return load_model(DRAFT_DIR, runtime="compact")
 
 
+@pytest.fixture(scope="session")
+def compact_unbatched(compact_target, compact_draft):
+    """What `fimble lsp`'s engine (a fresh LocalEngine on the compact pair, one torch thread) answers to a list of
+    requests, computed once per list for the session: tests/serve's batched schedulers are compared with it (three
+    tests asked it the same five prompts, 3 s each time)."""
+    from engine.local import LocalEngine
+
+    texts: dict[str, list[str]] = {}
+
+    def answer(requests) -> list[str]:
+        key = repr(requests)
+        if key not in texts:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                plain = LocalEngine(compact_target, compact_draft, start_thread=False)
+                texts[key] = [plain.complete(r).text for r in requests]
+            finally:
+                torch.set_num_threads(threads)
+        return list(texts[key])
+
+    return answer
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread, as `fimble serve` runs by default (engine/serve/batched.py says why)."""

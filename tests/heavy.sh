@@ -3,10 +3,15 @@
 # They carry pytest's `heavy` marker (pyproject.toml), which the default run leaves out:
 #   - greedy speculative == plain greedy on 200 prompts: the embedded pair (tests/engine/test_lossless_greedy.py),
 #     the ggml runtime f32 and q8_0 (test_ggml_runtime.py), int8 (test_int8.py), the default Qwen model with its
-#     drafter (test_draft_vocab.py, where the install step has run: about 16 of the run's minutes on 2 cores);
-#   - 12 random edit sequences of exact KV reuse against a recompute (test_kv_reuse.py);
+#     drafter (test_draft_vocab.py; where the install step has run, about 16 minutes of the run on 2 cores);
+#   - the chi-square test of speculative sampling on its other two drafter x temperature cases
+#     (test_speculative_sampling.py);
+#   - 12 random edit sequences of exact KV reuse against a recompute, 50 files under the KV budget (test_kv_reuse.py);
 #   - 80 prompts scanned for an empty middle (test_no_empty.py);
-#   - 20,000 keystrokes that keep the LSP server's tables bounded (tests/lsp/test_lsp_bounded.py).
+#   - 20,000 keystrokes that keep the LSP server's tables bounded (tests/lsp/test_lsp_bounded.py), 24 cursors whose
+#     answers must parse (test_lsp_validated_answers.py);
+#   - the default model on a machine loaded by two CPU hogs, never restarted (tests/reliability/
+#     test_supervision_processes.py; where the install step has run, several minutes).
 # Run it alone on the machine, from anywhere: bash tests/heavy.sh [more pytest arguments]. The output, with the
 # commit and the machine, goes to tests/reports/heavy-latest.txt as well; commit it with the change it checks.
 set -euo pipefail

@@ -1,7 +1,7 @@
 """The ggml runtime (engine/runtimes/ggml_runtime.py): llama.cpp's kernels under fimble's engine, real models.
 
 Skipped where no llama.cpp library loads (the optional 'ggml' extra needs glibc >= 2.38; the
-'bench' extra builds one from source). The lossless check runs on 30 prompts per weight type; on 200, the
+'bench' extra builds one from source). The lossless check runs on 24 prompts per weight type; on 200, the
 issue's bar, in the heavy suite (tests/heavy.sh).
 """
 
@@ -25,7 +25,7 @@ REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no llama.cpp library: {REASON}")
 CODE = (TARGET_DIR.parent.parent / "engine" / "local.py").read_text()
 N_LOSSLESS = 200  # the issue's bar, per weight type: tests/heavy.sh (about 3 minutes for both on 2 cores)
-DEFAULT_LOSSLESS = 30  # the default suite: the first 30 of the same prompts (about 27 s for both)
+DEFAULT_LOSSLESS = 24  # the default suite: the first 24 of the same prompts (about 22 s for both)
 
 
 @pytest.fixture(scope="module", params=["none", "int8"], ids=["f32", "q8_0"])

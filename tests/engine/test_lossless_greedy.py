@@ -21,7 +21,8 @@ from engine.local import LocalEngine
 
 N_PROMPTS = 200  # the bar: tests/heavy.sh (pytest -m heavy), about 105 s on 2 cores
 # The default suite checks the last DEFAULT_PROMPTS of the same 200 (about 17 s): on the default CPU runtime the
-# first 60 are checked again, with no tie allowed, by test_ggml_runtime.py's f32 case.
+# first 24 are checked again, with no tie allowed, by test_ggml_runtime.py's f32 case (the first 200 in the heavy
+# suite).
 DEFAULT_PROMPTS = 32
 
 

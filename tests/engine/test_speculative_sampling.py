@@ -51,8 +51,17 @@ def exact_pair_distribution(target, temperature: float, top_p: float) -> torch.T
     return joint
 
 
-@pytest.mark.parametrize("drafter", ["model", "fixed"])
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+# Drafter x sampling settings, 6-9 s a case on 2 cores: the default suite runs two cases that take each drafter and
+# each setting once, the heavy suite (tests/heavy.sh) the other two.
+CASES = [
+    pytest.param("model", 0.7, 0.9),
+    pytest.param("fixed", 1.0, 1.0),
+    pytest.param("model", 1.0, 1.0, marks=pytest.mark.heavy),
+    pytest.param("fixed", 0.7, 0.9, marks=pytest.mark.heavy),
+]
+
+
+@pytest.mark.parametrize(("drafter", "temperature", "top_p"), CASES)
 def test_sampling_matches_target_distribution(models, drafter, temperature, top_p, one_thread):
     # One torch thread (conftest.one_thread): 3000 decodes of a few tokens on tiny matrices. Measured on 2 cores with
     # another process keeping one busy, a case took 19 s on two threads and 6 s on one (as on an idle machine).

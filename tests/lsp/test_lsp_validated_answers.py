@@ -109,9 +109,16 @@ async def _idle(client: LanguageClient) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_no_answer_adds_a_parse_error(client: LanguageClient):
-    spots = cursors()
-    assert len(spots) >= 24, len(spots)
+# Cursors per file and kind (mid-line, cut line): 2, 24 cursors over the six files, in the heavy suite (tests/heavy.sh);
+# the default suite takes 1, 12 cursors (about 10 s on 2 cores against 19 s).
+PER_FILE = 2
+DEFAULT_PER_FILE = 1
+
+
+@pytest.mark.parametrize("per_file", [pytest.param(PER_FILE, marks=pytest.mark.heavy), DEFAULT_PER_FILE])
+async def test_no_answer_adds_a_parse_error(client: LanguageClient, per_file: int):
+    spots = cursors(per_file=per_file)
+    assert len(spots) >= 12 * per_file, len(spots)
     answered, broken = 0, []
     for n, (name, text, cursor) in enumerate(spots):
         uri = f"file:///tmp/fimble-validated/{n}/{name.split()[0]}"

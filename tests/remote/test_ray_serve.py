@@ -36,10 +36,15 @@ def _request(doc: str, i: int, max_tokens: int = 24) -> CompletionRequest:
     return CompletionRequest(prefix, suffix, DecodeOptions(max_tokens=max_tokens), document_id=doc)
 
 
+# A long completion's length. It is decoded twice when its replica is killed (and once more in `expected`): 600
+# tokens cost 14 s of the test on 2 cores; 200 still take seconds on a replica, against a kill that lands at once.
+LONG_TOKENS = 200
+
+
 def _long_request(doc: str) -> CompletionRequest:
     """A completion that runs its whole length (a counting list does not end by itself)."""
     prefix = "numbers = [" + ", ".join(str(i) for i in range(1, 40)) + ", "
-    return CompletionRequest(prefix, "]\n", DecodeOptions(max_tokens=600), document_id=doc)
+    return CompletionRequest(prefix, "]\n", DecodeOptions(max_tokens=LONG_TOKENS), document_id=doc)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +129,7 @@ def test_ray_serve_answers_keeps_affinity_and_survives_a_replica_kill(cluster, e
     text = first.text + "".join(d.text for d in deltas)
     assert text == expected["long"]
     assert in_flight.result.stats["replica"] != victim["replica"]
-    # (600 tokens take far longer than one ray.kill: the decode was cut and sent again)
+    # (LONG_TOKENS tokens take far longer than one ray.kill: the decode was cut and sent again)
     assert in_flight.result.stats["attempts"] >= 2 and engine.counters()["replica_retries"] >= 1
     for n, doc in enumerate(DOCS):
         text, replica = _complete(engine, doc, n)

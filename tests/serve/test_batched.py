@@ -103,10 +103,9 @@ def test_batched_drafts_equal_each_drafter_alone(models, one_thread):
     assert [len(t) for t in together] == [3, 5, 7]
 
 
-def test_batched_output_equals_unbatched(models, one_thread):
+def test_batched_output_equals_unbatched(models, one_thread, compact_unbatched):
     target, draft = models
-    plain = LocalEngine(target, draft, start_thread=False)
-    expected = [plain.complete(r).text for r in _requests()]
+    expected = compact_unbatched(_requests())  # LocalEngine(target, draft): `fimble lsp`'s engine
     with Running(target, draft, batch=True) as engine:  # all at once: one pass per round
         together = [s.collect() for s in [engine.submit(r) for r in _requests()]]
         counters = engine.counters()

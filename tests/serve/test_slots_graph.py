@@ -86,11 +86,12 @@ def test_slot_passes_match_the_model_and_leave_other_slots_alone(compact_target,
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_slotted_scheduler_output_equals_unbatched(compact_target, compact_draft, one_thread, overlap):
+def test_slotted_scheduler_output_equals_unbatched(
+    compact_target, compact_draft, one_thread, overlap, compact_unbatched
+):
     """Also without overlap (FIMBLE_SERVE_OVERLAP=0: text streamed before a round's launch, not during it)."""
     target, draft = compact_target, compact_draft
-    plain = LocalEngine(target, draft, start_thread=False)
-    expected = [plain.complete(r).text for r in _requests()]
+    expected = compact_unbatched(_requests())  # LocalEngine(target, draft): `fimble lsp`'s engine
     engine = ServeEngine(target, draft, batch=True, slots=True, overlap=overlap)
     thread = threading.Thread(target=engine.serve_forever, daemon=True)
     thread.start()
