@@ -4,8 +4,9 @@
 #   - greedy speculative == plain greedy on 200 prompts: the embedded pair (tests/engine/test_lossless_greedy.py),
 #     the ggml runtime f32 and q8_0 (test_ggml_runtime.py), int8 (test_int8.py), the default Qwen model with its
 #     drafter (test_draft_vocab.py; where the install step has run, about 16 minutes of the run on 2 cores);
-#   - the chi-square test of speculative sampling on its other two drafter x temperature cases
-#     (test_speculative_sampling.py);
+#   - the other two cases of two 2x2 grids: speculative sampling's chi-square test, drafter x temperature
+#     (test_speculative_sampling.py), and greedy output against llama.cpp's, weight type x flash attention
+#     (test_ggml_runtime.py);
 #   - 12 random edit sequences of exact KV reuse against a recompute, 50 files under the KV budget (test_kv_reuse.py);
 #   - 80 prompts scanned for an empty middle (test_no_empty.py);
 #   - 20,000 keystrokes that keep the LSP server's tables bounded (tests/lsp/test_lsp_bounded.py), 24 cursors whose

@@ -86,12 +86,23 @@ def test_prefill_passes_follow_llamacpp_ubatches(flash):
                 assert (b - a == 1) if size == 1 else (b - a >= 33), (t, a, b)
 
 
-@pytest.mark.parametrize("flash", ["off", "on"])
-def test_greedy_output_equals_llamacpp_on_the_same_gguf(pair, flash, monkeypatch):
+# Weight type x flash attention, 3-4 s a case on 2 cores: the default suite runs f32 without flash attention and q8_0
+# with it (each weight type and each setting once), the heavy suite (tests/heavy.sh) the other two.
+@pytest.mark.parametrize(
+    ("quant", "flash"),
+    [
+        ("none", "off"),
+        ("int8", "on"),
+        pytest.param("none", "on", marks=pytest.mark.heavy),
+        pytest.param("int8", "off", marks=pytest.mark.heavy),
+    ],
+    ids=["f32-off", "q8_0-on", "f32-on", "q8_0-off"],
+)
+def test_greedy_output_equals_llamacpp_on_the_same_gguf(quant, flash, monkeypatch):
     """fimble's plain greedy output equals llama.cpp's own (llama-cpp-python's Llama, 512-token batches,
     the same flash attention setting) token for token on the same GGUF, on prompts past one ubatch.
     In this process both run fimble's build; against a stock build, bench/vs_llamacpp.py checks it."""
-    target = pair[0]
+    target = load_model(TARGET_DIR, runtime="ggml", quant=quant)  # (its GGUF, config and tokenizer: a second load)
     monkeypatch.setenv("FIMBLE_GGML_FLASH", flash)
     from llama_cpp import Llama
 
