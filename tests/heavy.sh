@@ -12,7 +12,9 @@
 #   - 20,000 keystrokes that keep the LSP server's tables bounded (tests/lsp/test_lsp_bounded.py), 24 cursors whose
 #     answers must parse (test_lsp_validated_answers.py);
 #   - the default model on a machine loaded by two CPU hogs, never restarted (tests/reliability/
-#     test_supervision_processes.py; where the install step has run, several minutes).
+#     test_supervision_processes.py; where the install step has run, several minutes);
+#   - Ray Serve with 2 replicas: affinity, a replica's kill and its replacement (tests/remote/test_ray_serve.py; the
+#     default suite deploys 1 replica behind fimble serve).
 # Run it alone on the machine, from anywhere: bash tests/heavy.sh [more pytest arguments]. The output, with the
 # commit and the machine, goes to tests/reports/heavy-latest.txt as well; commit it with the change it checks.
 set -euo pipefail

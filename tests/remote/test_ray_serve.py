@@ -1,10 +1,11 @@
-"""Ray Serve scale-out (engine/ray_serve.py) on a local Ray cluster: 2 replicas of the embedded engine.
+"""Ray Serve scale-out (engine/ray_serve.py) on a local Ray cluster of replicas of the embedded engine.
 
-The deployment answers (the same text as the engine run here), keeps each document on one replica
-(asserted from the replica ids and per-document counters the replicas report), and survives the
-kill of a replica: the next requests for its documents, and one in flight when it died, complete
-without an error and with the same text (greedy is deterministic), served by another replica.
-About a minute on the 2-core CI machine (Ray's start is most of it); skipped without Ray installed.
+The deployment answers (the same text as the engine run here) through `fimble serve` in front of it; with 2
+replicas it keeps each document on one replica (asserted from the replica ids and per-document counters the
+replicas report), and survives the kill of a replica: the next requests for its documents, and one in flight
+when it died, complete without an error and with the same text (greedy is deterministic), served by another
+replica. The default suite deploys 1 replica (about 20 s on the 2-core CI machine, Ray's start most of it); the
+heavy suite (tests/heavy.sh) deploys 2 and runs both tests (about 50 s). Skipped without Ray installed.
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ def _long_request(doc: str) -> CompletionRequest:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(request):
+    """The deployment, of ``request.param`` replicas (the tests choose: indirect parametrization)."""
     from engine.ray_serve import RayEngine, RayOptions, shutdown
 
     engine = RayEngine.deploy(
         RayOptions(
-            replicas=2,
+            replicas=request.param,
             local_cpus=2,
             replica_cpus=0.5,
             engine={"model": str(TARGET_DIR), "draft": str(DRAFT_DIR), "threads": 1},
@@ -85,6 +87,10 @@ def _complete(engine, doc: str, i: int) -> tuple[str, str]:
     return text, stream.result.stats["replica"]
 
 
+TWO_REPLICAS = pytest.param(2, marks=pytest.mark.heavy, id="2-replicas")
+
+
+@pytest.mark.parametrize("cluster", [TWO_REPLICAS], indirect=True)
 def test_ray_serve_answers_keeps_affinity_and_survives_a_replica_kill(cluster, expected):
     engine = cluster
     # Answers: the replicas' text is the engine's own.
@@ -154,6 +160,7 @@ def test_ray_serve_answers_keeps_affinity_and_survives_a_replica_kill(cluster, e
     assert victim["replica"] not in replicas and len(replicas) == 2
 
 
+@pytest.mark.parametrize("cluster", [pytest.param(1, id="1-replica"), TWO_REPLICAS], indirect=True)
 def test_fimble_serve_fronts_the_ray_replicas(cluster, expected):
     """fimble serve's daemon with the Ray replicas as its engine, reached through its OpenAI endpoint
     by fimble's own remote backend (engine/remote.py), as `fimble serve --ray` runs it."""
