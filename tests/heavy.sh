@@ -8,7 +8,8 @@
 #     (test_speculative_sampling.py), and greedy output against llama.cpp's, weight type x flash attention
 #     (test_ggml_runtime.py);
 #   - 12 random edit sequences of exact KV reuse against a recompute, 50 files under the KV budget (test_kv_reuse.py);
-#   - 80 prompts scanned for an empty middle (test_no_empty.py);
+#   - 80 prompts scanned for an empty middle (test_no_empty.py); the default model's verify blocks against its steps
+#     in stock's q8_0 order (FIMBLE_Q8_0_AVX2=1, test_q8_rows.py; where the install step has run);
 #   - 20,000 keystrokes that keep the LSP server's tables bounded (tests/lsp/test_lsp_bounded.py), 24 cursors whose
 #     answers must parse (test_lsp_validated_answers.py);
 #   - the default model on a machine loaded by two CPU hogs, never restarted (tests/reliability/

@@ -188,10 +188,12 @@ def test_vnni_and_avx2_lane_kernels_agree_bit_for_bit():
     assert runs[0].count("\n") == 12 and runs[0] == runs[1]
 
 
+@pytest.mark.heavy  # 11 s on 2 cores (a second pytest, the default model loaded again): tests/heavy.sh
 @pytest.mark.skipif(not _has_avx2(), reason="stock's order runs the AVX2 kernels")
 def test_stock_order_model_blocks_equal_steps_bit_for_bit():
     """In stock's order (FIMBLE_Q8_0_AVX2=1: 1-token steps four weight rows at a time, blocks in the rows kernel,
-    each sum ggml_vec_dot_q8_0_q8_0's) the default model's blocks equal its steps too."""
+    each sum ggml_vec_dot_q8_0_q8_0's) the default model's blocks equal its steps too. An opt-in order: the default
+    suite checks its kernels alone (test_kernel_rows_equal_one_row_dots_bit_for_bit), this the heavy suite."""
     if not model_info.qwen_fim_target().is_file():
         pytest.skip("the default model is not installed (python -m training.fetch_qwen)")
     name = "test_default_model_blocks_equal_steps_bit_for_bit"
