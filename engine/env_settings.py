@@ -174,6 +174,12 @@ TABLE: tuple[Setting, ...] = (
         "1: stock llama.cpp's q8_0 order, not the lane-order kernel (the C library: runtimes/ggml_patch.py)",
         exact=True,
     ),
+    switch(
+        "FIMBLE_Q8_0_PACK",
+        True,
+        "0: q8_0 weights stay blocks, not packed in the lane order at load (C library: runtimes/ggml_patch_packed.py)",
+        exact=True,
+    ),
     choice(
         "FIMBLE_Q8_0_LANES",
         "",

@@ -38,10 +38,14 @@ fimble's own lane order at every row count (item 3), faster, blocks still equal 
 4. ggml-cpu.c: a product of 2-16 activation rows (a verify block) is split among the threads in 64-row chunks, as a
    1-token step is (stock: 16-row chunks whenever there is more than one activation row). At 2 threads a verify block
    then costs 10-13% less (CHUNK_OLD's comment says why); which weight rows one call takes never changes a row's sum.
+5. repack.cpp (ggml_patch_packed.py): on the AVX2 lane kernel, q8_0 weights are packed in the lane order when the
+   model loads (ggml's CPU_REPACK buffer type), so the kernel loads each group's scales and quants instead of
+   gathering and transposing them in every pass; the same arithmetic, the same bits.
 """
 
 from __future__ import annotations
 
+from engine.runtimes import ggml_patch_packed
 from engine.runtimes.ggml_patch_lanes import LANES_KERNEL
 from engine.runtimes.ggml_patch_lanes_avx2 import LANES_AVX2_KERNEL
 
@@ -243,8 +247,9 @@ int fimble_q8_0_lanes(void);
 void fimble_q8_0_lanes_forget(void);
 void fimble_vec_dot_q8_0_q8_0_lanes(int n, int nx, int nr, float * GGML_RESTRICT s, size_t bs,
                                     const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by);
-#endif
 """
+    + ggml_patch_packed.PACKED_DECL
+    + "#endif\n"
 )
 
 Q8_KERNEL_BEFORE = "void ggml_vec_dot_tq1_0_q8_K("
@@ -465,7 +470,7 @@ void fimble_vec_dot_q8_0_q8_0_rows(int n, int nx, int nr, float * GGML_RESTRICT 
 
 """
 )
-Q8_KERNEL = Q8_KERNEL_HEAD + LANES_KERNEL + LANES_AVX2_KERNEL + Q8_KERNEL_TAIL
+Q8_KERNEL = Q8_KERNEL_HEAD + LANES_KERNEL + LANES_AVX2_KERNEL + ggml_patch_packed.PACKED_KERNEL + Q8_KERNEL_TAIL
 
 # Each product starts with its threads' lane-order rows forgotten (quants.c, fimble_q8_0_lanes_forget): the rows a
 # thread prepared belong to one product's src1, and the next product may quantise other rows into the same memory.
@@ -509,4 +514,5 @@ PATCHES: tuple[tuple[str, str, str], ...] = (
     (GGML_CPU, CHUNK_OLD, CHUNK_NEW),
     (QUANTS_H, Q8_DECL_OLD, Q8_DECL_NEW),
     (QUANTS_X86, Q8_KERNEL_BEFORE, Q8_KERNEL + Q8_KERNEL_BEFORE),
+    *ggml_patch_packed.PATCHES,
 )

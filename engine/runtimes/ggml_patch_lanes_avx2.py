@@ -66,8 +66,12 @@ static inline __attribute__((always_inline)) void fimble_lanes2_prepare(
     b->vy = vy, b->nr = nr, b->nb = nb, b->by = by;
 }
 
+// PACKED (a constant): x's row is in fimble_q8_0_pack's layout (ggml_patch_packed.py), whose groups of eight and of
+// four blocks hold their scales and lane-order quants as this loop uses them: loaded, not gathered and transposed.
+// The same bytes per group, so a group starts where its blocks did in either layout; other groups are blocks in both.
 static inline __attribute__((always_inline)) void fimble_lanes2_rows(
-        const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x) {
+        const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x,
+        const int PACKED) {
     const int8_t * GGML_RESTRICT bq = fimble_lanes_buf.q;  // (locals: the loop never reads thread-local memory)
     const float * GGML_RESTRICT bd = fimble_lanes_buf.d;
     const int ng = (nb + 7) / 8;
@@ -86,8 +90,18 @@ static inline __attribute__((always_inline)) void fimble_lanes2_rows(
         __m256i a[8];
         __m256 dx;
         if (m <= 4) {  // the packed group of one to four blocks (only a row's last group can be one)
-            fimble_lanes_transpose4(x + 8*g, m, w);
-            const __m128 dx4 = _mm256_castps256_ps128(fimble_lanes_scales(x + 8*g, m));
+            const uint8_t * gp = (const uint8_t *) (x + 8*g);
+            __m128 dx4;
+            if (PACKED && m == 4) {  // 4 scales, then the four vectors
+                dx4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *) gp));
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; ++k) {
+                    w[k] = _mm256_loadu_si256((const __m256i *) (gp + 8 + 32*k));
+                }
+            } else {
+                fimble_lanes_transpose4(x + 8*g, m, w);
+                dx4 = _mm256_castps256_ps128(fimble_lanes_scales(x + 8*g, m));
+            }
 #pragma GCC unroll 4
             for (int k = 0; k < 4; ++k) {
                 a[k] = _mm256_abs_epi8(w[k]);
@@ -108,7 +122,16 @@ static inline __attribute__((always_inline)) void fimble_lanes2_rows(
             }
             continue;
         }
-        dx = fimble_lanes_weights(x + 8*g, m, w);
+        if (PACKED && m == 8) {  // 8 scales, then the eight vectors
+            const uint8_t * gp = (const uint8_t *) (x + 8*g);
+            dx = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) gp));
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; ++k) {
+                w[k] = _mm256_loadu_si256((const __m256i *) (gp + 16 + 32*k));
+            }
+        } else {
+            dx = fimble_lanes_weights(x + 8*g, m, w);
+        }
 #pragma GCC unroll 8
         for (int k = 0; k < 8; ++k) {
             a[k] = _mm256_abs_epi8(w[k]);  // (-128 gives 0x80: 128 unsigned, right)
@@ -139,7 +162,7 @@ static __attribute__((noinline)) void fimble_lanes2_all(
         const char * GGML_RESTRICT vx, const size_t bx, const char * GGML_RESTRICT vy, const size_t by) {
     fimble_lanes2_prepare(nb, nr, vy, by);
     for (int i = 0; i < nx; ++i) {
-        FIMBLE_LANES_DISPATCH(fimble_lanes2_rows, nr, nb, s + i, bs, (const block_q8_0 *) (vx + i*bx))
+        FIMBLE_LANES_DISPATCH(fimble_lanes2_rows, nr, nb, s + i, bs, (const block_q8_0 *) (vx + i*bx), 0)
     }
 }
 
