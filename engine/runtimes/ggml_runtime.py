@@ -223,6 +223,7 @@ class GGMLRuntime:
         self.probe_parts = (
             self.lib.name,
             probe_cache.library_identity(self.lib.source),
+            probe_cache.library_settings(),
             probe_cache.file_identity(path),
             f"threads={self.threads}:flash_first={self.flash_first}",
             f"depths={PROBE_DEPTH},{FLASH_PROBE_DEPTH}:rows={INVARIANT_ROWS}",
@@ -411,7 +412,12 @@ def cached_gguf(folder: Path, qtype: str) -> Path:
 
 
 def _weights_parts(lib, path: Path) -> tuple[str, ...]:
-    return (probe_cache.library_identity(lib.source), probe_cache.file_identity(path), f"probe={PROBE_TOKENS}")
+    return (
+        probe_cache.library_identity(lib.source),
+        probe_cache.library_settings(),
+        probe_cache.file_identity(path),
+        f"probe={PROBE_TOKENS}",
+    )
 
 
 def load_weights(lib, path: Path) -> tuple[object, bool]:

@@ -70,6 +70,16 @@ def library_identity(source: str) -> str:
     return f"unlocated:{source}"  # e.g. a binding named by its package: keyed by name only
 
 
+# What fimble's patched library reads from the environment (getenv in engine/runtimes/ggml_patch*.py): each picks its
+# q8_0 kernel, so a probe's answer (verify costs above all) belongs to their values as much as to the build.
+LIBRARY_SETTINGS = ("FIMBLE_Q8_0_AVX2", "FIMBLE_Q8_0_LANES", "FIMBLE_Q8_0_PACK")
+
+
+def library_settings() -> str:
+    """The library's environment settings as given (unset: empty), a part of every key of its probes."""
+    return ",".join(f"{name}={os.environ.get(name, '')}" for name in LIBRARY_SETTINGS)
+
+
 def key(kind: str, parts: tuple[str, ...]) -> str:
     h = hashlib.sha256(f"{CACHE_VERSION}\0{kind}".encode())
     for part in parts:

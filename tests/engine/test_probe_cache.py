@@ -73,6 +73,20 @@ def test_a_rewritten_file_has_another_identity(tmp_path):
     assert probe_cache.library_identity(str(tmp_path)) != lib  # a library added to the build's folder
 
 
+def test_the_librarys_kernel_settings_are_part_of_the_key(monkeypatch):
+    """FIMBLE_Q8_0_AVX2, _LANES and _PACK pick the q8_0 kernel the probes time: a probe under one value is not read
+    back under another (an unpacked start timed with a packed start's verify costs drafts by the wrong costs)."""
+    for name in probe_cache.LIBRARY_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    probe_cache.store("demo", (*PARTS, probe_cache.library_settings()), {"answer": 1})
+    assert probe_cache.load("demo", (*PARTS, probe_cache.library_settings()), _read_answer) == 1
+    for name, value in (("FIMBLE_Q8_0_PACK", "0"), ("FIMBLE_Q8_0_AVX2", "1"), ("FIMBLE_Q8_0_LANES", "avx2")):
+        monkeypatch.setenv(name, value)
+        assert probe_cache.load("demo", (*PARTS, probe_cache.library_settings()), _read_answer) is None, name
+        monkeypatch.delenv(name)
+    assert probe_cache.load("demo", (*PARTS, probe_cache.library_settings()), _read_answer) == 1
+
+
 def test_an_unwritable_cache_costs_only_the_probe(cache_root):
     cache_root.parent.mkdir(parents=True, exist_ok=True)
     cache_root.write_text("a file where the folder should be")
