@@ -27,6 +27,8 @@ products through llamafile's tinyBLAS. The two sum in different orders, so logit
   prefills, every row equal to a step's, but sums in an order of fimble's own, not stock's
   (bench/verify_rows.py has the figures). FIMBLE_Q8_0_AVX2=1 restores stock's order: ggml's own path
   reading each weight block once for up to 16 rows, each sum in ggml_vec_dot_q8_0_q8_0's exact order.
+  On the AVX2 lane kernel the q8_0 weights are packed in its lane order when the model loads (ggml's
+  CPU_REPACK buffer type; ggml_patch_packed.py): the same sums, without a transpose in every pass.
 - Flash attention stays off, as llama-cpp-python runs it: with it on, a 1-token step costs ~12% more
   and each verify row ~50% more here (the kernel is per row), so speculation stops paying.
 Measured on this 2-core AVX2 CPU, 1 thread, embedded target f32, 900 cached positions (ms for 1 / 2 /
