@@ -9,10 +9,12 @@ weights as blocks (what the kernel gathers and transposes in every pass) and pac
 variants interleaved, the fastest of ``--repeats``. Every result of the packed kernel is compared with the block
 kernel's, bit for bit, on a sample of the weights (extremes included: -128 weights).
 
-The multiply floor: each row's 32 products of a block take one vpmaddubsw and one vpmaddwd, and on AVX2 CPUs without
-VNNI (Zen 2 here) both run on one port, one a cycle: 2 cycles per block and row. The table gives each pass in ns per
-block and row, and that in cycles at the clock the driver measures (a chain of dependent adds, one a cycle; a VM's
-/proc/cpuinfo reports a nominal clock). Not a test: timings, on whatever else runs.
+The floor: each row's 32 products of a block take a load, a vpsignb, a vpmaddubsw, a vpmaddwd and an add. On this
+project's CPU (Zen 3, family 25: the sign and both multiplies issue two a cycle, on shared pipes) that runs at about
+2 cycles per block and row with the weights in cache, so many-row passes are bound by these vector operations, not
+by one port. The table gives each pass in ns per block and row, and that in cycles at the clock the driver measures
+(a chain of dependent adds, one a cycle; a VM's /proc/cpuinfo reports a nominal clock). Not a test: timings, on
+whatever else runs.
 The headline, last: the packed kernel's 4- and 8-row passes against its 1-row pass, and its cycles per block-row.
 """
 
@@ -203,7 +205,7 @@ def main() -> None:
         f"{by_rows[4]['packed_s'] / one:.2f}x and 8 rows {by_rows[8]['packed_s'] / one:.2f}x its 1-row pass "
         f"(blocks: {by_rows[4]['blocks_s'] / by_rows[1]['blocks_s']:.2f}x, "
         f"{by_rows[8]['blocks_s'] / by_rows[1]['blocks_s']:.2f}x); 8 rows at "
-        f"{by_rows[8]['packed_ns_per_block_row'] * ghz:.2f} cycles a block-row against the multiply port's 2; "
+        f"{by_rows[8]['packed_ns_per_block_row'] * ghz:.2f} cycles a block-row (in cache: ~2); "
         f"bits {'equal' if unequal == 0 else 'UNEQUAL'}"
     )
 

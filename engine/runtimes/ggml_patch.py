@@ -380,8 +380,9 @@ static inline __attribute__((always_inline)) void fimble_q8_0_rows_long(
 // One activation row (a 1-token step) against NX (1..4) weight rows at once: for each weight row, ggml's 1-row loop
 // in its order (dx*dy as a scalar product, mul_sum_i8_pairs_float, one FMA per block into that row's accumulator,
 // hsum_float_8), so each result is ggml_vec_dot_q8_0_q8_0's bit for bit. The 1-row loop waits on its one FMA chain
-// (a block per FMA latency); four independent chains keep the multiply port busy instead, and the step streams its
-// weights at the lane kernel's rate (Zen 2, one thread: 14.0 GB/s against stock's 10.7; the lane kernel 14.8).
+// (a block per FMA latency); four independent chains keep the multiply pipes busy instead, and the step streams its
+// weights at the lane kernel's rate (this project's Zen 3, one thread: 14.0 GB/s against stock's 10.7; the lane
+// kernel 14.8).
 // The group's rows lie one after another, so the prefetch runs ahead of them linearly, 4 KB ahead (2 KB: 12%
 // slower on 28-block rows).
 #define FIMBLE_Q8_0_STEP_PREFETCH 4096

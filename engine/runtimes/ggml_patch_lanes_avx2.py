@@ -12,10 +12,11 @@ LANES_AVX2_KERNEL = (
     r"""#include <string.h>  // (strcmp, in fimble_q8_0_lanes)
 // A block's 32 products in integers: vpmaddubsw(|w|, sign(y, w)) (pairs, exact: |w| <= 128, |y| <= 127, as in
 // ggml's own AVX2 loop: any weight, and activations as ggml quantises them, never -128), vpmaddwd(., 1) (quads),
-// summed over the group's eight quants vectors. Both multiplies take one port on AVX2 CPUs (Zen 2: one a cycle),
-// so a row costs 16 multiplies per eight blocks (stock's loop: the same 16, plus eight converts and eight FMAs);
-// the weights' transpose, |w| and scales are formed once per eight blocks for every row of the pass. The float
-// part is the VNNI kernel's: dx*dy, one convert, one FMA per eight blocks, hsum_float_8.
+// summed over the group's eight quants vectors. A row costs 16 multiplies per eight blocks (stock's loop: the same
+// 16, plus eight converts and eight FMAs); the weights' transpose, |w| and scales are formed once per eight blocks for
+// every row of the pass. On this project's Zen 3 the sign and both multiplies share two pipes, so a block-row takes
+// about 2 cycles (bench/q8_kernel.py). The float part is the VNNI kernel's: dx*dy, one convert, one FMA per eight
+// blocks, hsum_float_8.
 
 // A group of at most four blocks (the last of a 28-block row, 896 columns: most of the default model's products)
 // is packed into four vectors, not eight: lane j (j < 4) of u[k] holds bytes 4k..4k+3 of block j, lane j + 4 bytes
@@ -69,6 +70,21 @@ static inline __attribute__((always_inline)) void fimble_lanes2_prepare(
 // PACKED (a constant): x's row is in fimble_q8_0_pack's layout (ggml_patch_packed.py), whose groups of eight and of
 // four blocks hold their scales and lane-order quants as this loop uses them: loaded, not gathered and transposed.
 // The same bytes per group, so a group starts where its blocks did in either layout; other groups are blocks in both.
+// The integer sums run quants-vector outer, rows inner (up to eight rows' sums in registers): each weight vector and
+// its |w| are formed once and used by every row straight away, and a row's only load is its own activations. The
+// sums are exact integers, so their order is free; the float part (dx*dy, convert, FMA per group) is unchanged.
+#define FIMBLE_LANES2_SUMS(NV, G)                                                                              \
+    for (int j = 0; j < nc; ++j) {                                                                               \
+        is[j] = _mm256_setzero_si256();                                                                          \
+    }                                                                                                            \
+    _Pragma("GCC unroll 8") for (int k = 0; k < NV; ++k) {                                                       \
+        const __m256i wk = w[k], ak = _mm256_abs_epi8(wk);  /* (-128 gives 0x80: 128 unsigned, right) */        \
+        _Pragma("GCC unroll 8") for (int j = 0; j < nc; ++j) {                                                   \
+            const int8_t * yq = bq + 256*((size_t) (r0 + j)*ng + (G)) + 32*k;                                    \
+            const __m256i t = _mm256_maddubs_epi16(ak, _mm256_sign_epi8(_mm256_load_si256((const __m256i *) yq), wk)); \
+            is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(t, ones));                                         \
+        }                                                                                                        \
+    }
 static inline __attribute__((always_inline)) void fimble_lanes2_rows(
         const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x,
         const int PACKED) {
@@ -76,7 +92,7 @@ static inline __attribute__((always_inline)) void fimble_lanes2_rows(
     const float * GGML_RESTRICT bd = fimble_lanes_buf.d;
     const int ng = (nb + 7) / 8;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i w[8];  // the group's weights, transposed (sign(y, w) reads them), beside their absolute values
+    __m256i w[8];  // the group's weights, transposed
     __m256 acc[16];
     for (int r = 0; r < NR; ++r) {
         acc[r] = _mm256_setzero_ps();
@@ -87,8 +103,6 @@ static inline __attribute__((always_inline)) void fimble_lanes2_rows(
         for (int p = 0; p < 5; ++p) {  // the weights stream from memory while the rows compute: 2 KB ahead
             _mm_prefetch((const char *) (x + 8*g) + 2048 + 64*p, _MM_HINT_T0);
         }
-        __m256i a[8];
-        __m256 dx;
         if (m <= 4) {  // the packed group of one to four blocks (only a row's last group can be one)
             const uint8_t * gp = (const uint8_t *) (x + 8*g);
             __m128 dx4;
@@ -102,26 +116,22 @@ static inline __attribute__((always_inline)) void fimble_lanes2_rows(
                 fimble_lanes_transpose4(x + 8*g, m, w);
                 dx4 = _mm256_castps256_ps128(fimble_lanes_scales(x + 8*g, m));
             }
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; ++k) {
-                a[k] = _mm256_abs_epi8(w[k]);
-            }
-            for (int r = 0; r < NR; ++r) {
-                const size_t at = (size_t) r*ng + g;
-                const int8_t * GGML_RESTRICT q = bq + 256*at;
-                __m256i i0 = _mm256_setzero_si256();
-#pragma GCC unroll 4
-                for (int k = 0; k < 4; ++k) {
-                    const __m256i y0 = _mm256_sign_epi8(_mm256_load_si256((const __m256i *) (q + 32*k)), w[k]);
-                    i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(a[k], y0), ones));
+            for (int r0 = 0; r0 < NR; r0 += 8) {
+                const int nc = NR - r0 < 8 ? NR - r0 : 8;
+                __m256i is[8];
+                FIMBLE_LANES2_SUMS(4, g)
+                for (int j = 0; j < nc; ++j) {
+                    const int r = r0 + j;
+                    const size_t at = (size_t) r*ng + g;
+                    const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(is[j]), _mm256_extracti128_si256(is[j], 1));
+                    const __m128 d = _mm_mul_ps(dx4, _mm_load_ps(bd + 8*at));
+                    const __m128 lo = _mm_fmadd_ps(d, _mm_cvtepi32_ps(i4), _mm256_castps256_ps128(acc[r]));
+                    acc[r] = _mm256_blend_ps(acc[r], _mm256_castps128_ps256(lo), 0x0F);
                 }
-                const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(i0), _mm256_extracti128_si256(i0, 1));
-                const __m128 d = _mm_mul_ps(dx4, _mm_load_ps(bd + 8*at));
-                const __m128 lo = _mm_fmadd_ps(d, _mm_cvtepi32_ps(i4), _mm256_castps256_ps128(acc[r]));
-                acc[r] = _mm256_blend_ps(acc[r], _mm256_castps128_ps256(lo), 0x0F);
             }
             continue;
         }
+        __m256 dx;
         if (PACKED && m == 8) {  // 8 scales, then the eight vectors
             const uint8_t * gp = (const uint8_t *) (x + 8*g);
             dx = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) gp));
@@ -132,24 +142,15 @@ static inline __attribute__((always_inline)) void fimble_lanes2_rows(
         } else {
             dx = fimble_lanes_weights(x + 8*g, m, w);
         }
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) {
-            a[k] = _mm256_abs_epi8(w[k]);  // (-128 gives 0x80: 128 unsigned, right)
-        }
-        for (int r = 0; r < NR; ++r) {
-            const size_t at = (size_t) r*ng + g;
-            const int8_t * GGML_RESTRICT q = bq + 256*at;
-            __m256i i0 = _mm256_setzero_si256();
-            __m256i i1 = _mm256_setzero_si256();
-#pragma GCC unroll 4
-            for (int k = 0; k < 8; k += 2) {
-                const __m256i y0 = _mm256_sign_epi8(_mm256_load_si256((const __m256i *) (q + 32*k)), w[k]);
-                const __m256i y1 = _mm256_sign_epi8(_mm256_load_si256((const __m256i *) (q + 32*k + 32)), w[k + 1]);
-                i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(a[k], y0), ones));
-                i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_maddubs_epi16(a[k + 1], y1), ones));
+        for (int r0 = 0; r0 < NR; r0 += 8) {
+            const int nc = NR - r0 < 8 ? NR - r0 : 8;
+            __m256i is[8];
+            FIMBLE_LANES2_SUMS(8, g)
+            for (int j = 0; j < nc; ++j) {
+                const int r = r0 + j;
+                const __m256 d = _mm256_mul_ps(dx, _mm256_load_ps(bd + 8*((size_t) r*ng + g)));
+                acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(is[j]), acc[r]);
             }
-            const __m256 d = _mm256_mul_ps(dx, _mm256_load_ps(bd + 8*at));
-            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), acc[r]);
         }
     }
     for (int r = 0; r < NR; ++r) {
