@@ -73,25 +73,31 @@ static inline __attribute__((always_inline)) void fimble_lanes2_prepare(
 // The integer sums run quants-vector outer, rows inner (up to eight rows' sums in registers): each weight vector and
 // its |w| are formed once and used by every row straight away, and a row's only load is its own activations. The
 // sums are exact integers, so their order is free; the float part (dx*dy, convert, FMA per group) is unchanged.
-#define FIMBLE_LANES2_SUMS(NV, G)                                                                              \
-    for (int j = 0; j < nc; ++j) {                                                                               \
-        is[j] = _mm256_setzero_si256();                                                                          \
-    }                                                                                                            \
-    _Pragma("GCC unroll 8") for (int k = 0; k < NV; ++k) {                                                       \
-        const __m256i wk = w[k], ak = _mm256_abs_epi8(wk);  /* (-128 gives 0x80: 128 unsigned, right) */        \
-        _Pragma("GCC unroll 8") for (int j = 0; j < nc; ++j) {                                                   \
-            const int8_t * yq = bq + 256*((size_t) (r0 + j)*ng + (G)) + 32*k;                                    \
-            const __m256i t = _mm256_maddubs_epi16(ak, _mm256_sign_epi8(_mm256_load_si256((const __m256i *) yq), wk)); \
-            is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(t, ones));                                         \
-        }                                                                                                        \
+static inline __attribute__((always_inline)) void fimble_lanes2_sums(
+        const int NV, const int nc, const __m256i * w, const int8_t * GGML_RESTRICT q, const size_t stride,
+        __m256i is[8]) {
+    // nc rows' exact sums over NV weight vectors: row j's activations start at q + j*stride
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int j = 0; j < nc; ++j) {
+        is[j] = _mm256_setzero_si256();
     }
+#pragma GCC unroll 8
+    for (int k = 0; k < NV; ++k) {
+        const __m256i wk = w[k], ak = _mm256_abs_epi8(wk);  // (-128 gives 0x80: 128 unsigned, right)
+#pragma GCC unroll 8
+        for (int j = 0; j < nc; ++j) {
+            const __m256i y = _mm256_load_si256((const __m256i *) (q + j*stride + 32*k));
+            is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(_mm256_maddubs_epi16(ak, _mm256_sign_epi8(y, wk)), ones));
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void fimble_lanes2_rows(
         const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x,
         const int PACKED) {
     const int8_t * GGML_RESTRICT bq = fimble_lanes_buf.q;  // (locals: the loop never reads thread-local memory)
     const float * GGML_RESTRICT bd = fimble_lanes_buf.d;
     const int ng = (nb + 7) / 8;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256i w[8];  // the group's weights, transposed
     __m256 acc[16];
     for (int r = 0; r < NR; ++r) {
@@ -119,7 +125,7 @@ static inline __attribute__((always_inline)) void fimble_lanes2_rows(
             for (int r0 = 0; r0 < NR; r0 += 8) {
                 const int nc = NR - r0 < 8 ? NR - r0 : 8;
                 __m256i is[8];
-                FIMBLE_LANES2_SUMS(4, g)
+                fimble_lanes2_sums(4, nc, w, bq + 256*((size_t) r0*ng + g), 256*(size_t) ng, is);
                 for (int j = 0; j < nc; ++j) {
                     const int r = r0 + j;
                     const size_t at = (size_t) r*ng + g;
@@ -145,7 +151,7 @@ static inline __attribute__((always_inline)) void fimble_lanes2_rows(
         for (int r0 = 0; r0 < NR; r0 += 8) {
             const int nc = NR - r0 < 8 ? NR - r0 : 8;
             __m256i is[8];
-            FIMBLE_LANES2_SUMS(8, g)
+            fimble_lanes2_sums(8, nc, w, bq + 256*((size_t) r0*ng + g), 256*(size_t) ng, is);
             for (int j = 0; j < nc; ++j) {
                 const int r = r0 + j;
                 const __m256 d = _mm256_mul_ps(dx, _mm256_load_ps(bd + 8*((size_t) r*ng + g)));
