@@ -50,6 +50,7 @@ fimble's own lane order at every row count (item 3), faster, blocks still equal 
 from __future__ import annotations
 
 from engine.runtimes import ggml_patch_packed
+from engine.runtimes.ggml_patch_heads import HEADS_KERNEL, HEADS_LOOP
 from engine.runtimes.ggml_patch_lanes import LANES_KERNEL
 from engine.runtimes.ggml_patch_lanes_avx2 import LANES_AVX2_KERNEL
 
@@ -96,7 +97,8 @@ KERNELS_BEFORE = "static void ggml_compute_forward_mul_mat_one_chunk("
 # The two- and three-row f32 kernels are written out, not one loop over a row count: each must keep its
 # 8 or 12 accumulators in AVX2's 16 registers, and a generic version (up to four rows) measured slower
 # here. This text is part of the build's stamp: editing it rebuilds the library.
-KERNELS = """// fimble (engine/runtimes/ggml_patch.py): one src0 row against two or three src1 rows per pass.
+KERNELS = (
+    """// fimble (engine/runtimes/ggml_patch.py): one src0 row against two or three src1 rows per pass.
 // Each sum runs in exactly ggml_vec_dot_f32's / ggml_vec_dot_f16's order (the same accumulators,
 // the same reduction), so a block's rows equal the 1-row path bit for bit, while the src0 row is
 // read once for two or three outputs.
@@ -161,38 +163,12 @@ static void fimble_vec_dot_f16_x2(int n, float * s, const ggml_fp16_t * x, const
     s[0] = r0;
     s[16] = r1;
 }
-#if defined(__F16C__) && defined(__AVX2__) && GGML_F16_DOT_EPR == GGML_F32_EPR
-#define FIMBLE_GQA 1
-// One f16 row x of STEPS * GGML_F16_DOT_STEP halves (an attention head's keys: 64 on AVX2) against nr rows y, n
-// floats apart (src1's f16 rows converted to floats: exact), each sum in ggml_vec_dot_f16's order (its four
-// accumulators over the same steps, the same FMAs on the same values, its reduction): s[16*r]. x is loaded and
-// converted once for all the rows, where the 1-row path loads and converts both operands for every product.
-static inline __attribute__((always_inline)) void fimble_vec_dot_f16_heads(
-        const int STEPS, float * s, const ggml_fp16_t * x, const float * y, const int64_t nr, const int64_t n) {
-    GGML_F16_DOT_VEC ax[2][GGML_F16_DOT_ARR];
-    for (int i = 0; i < STEPS; i++) {
-        for (int j = 0; j < GGML_F16_DOT_ARR; j++) {
-            ax[i][j] = GGML_F16_DOT_VEC_LOAD(x + i*GGML_F16_DOT_STEP + j*GGML_F16_DOT_EPR, j);
-        }
-    }
-    for (int64_t r = 0; r < nr; r++) {
-        const float * yr = y + r*n;
-        GGML_F16_DOT_VEC sum[GGML_F16_DOT_ARR] = { GGML_F16_DOT_VEC_ZERO };
-        for (int i = 0; i < STEPS; i++) {
-            for (int j = 0; j < GGML_F16_DOT_ARR; j++) {
-                sum[j] = GGML_F16_DOT_VEC_FMA(sum[j], ax[i][j],
-                                              GGML_F32_VEC_LOAD(yr + i*GGML_F16_DOT_STEP + j*GGML_F16_DOT_EPR));
-            }
-        }
-        ggml_float sumf;  // as ggml_vec_dot_f16's
-        GGML_F16_DOT_VEC_REDUCE(sumf, sum);
-        s[16*r] = sumf;
-    }
-}
-#endif
-#endif
+"""
+    + HEADS_KERNEL
+    + """#endif
 
 """
+)
 
 TMP_OLD = "    float tmp[32];\n"
 TMP_NEW = (
@@ -208,54 +184,8 @@ LOOP_OLD = """                //for (int64_t ir0 = iir0; ir0 < iir0 + blck_0 && 
 """
 LOOP_NEW = (
     LOOP_OLD
-    + """#if defined(FIMBLE_GQA)
-                // fimble: an attention product (f16 rows of one or two steps: a head's keys) against every src1 row
-                // of this block that reads the same src0 matrix: the query heads of one key/value head (GQA), and
-                // a verify block's rows. Each src0 row is loaded once for all of them, each sum in
-                // ggml_vec_dot_f16's order, so the results are the 1-row path's, bit for bit.
-                if (type == GGML_TYPE_F16 && vec_dot_type == GGML_TYPE_F16 && num_rows_per_vec_dot == 1 &&
-                    src1->type != vec_dot_type && (ne00 == GGML_F16_DOT_STEP || ne00 == 2*GGML_F16_DOT_STEP)) {
-                    const int64_t fimble_end = MIN(iir1 + blck_1, ir1_end);
-                    int64_t fimble_m = 1;  // rows ir1.. sharing src0_row: consecutive rows of wdata
-                    while (ir1 + fimble_m < fimble_end) {
-                        const int64_t j = ir1 + fimble_m;
-                        const int64_t j13 = j / (ne12 * ne1);
-                        const int64_t j12 = (j - j13 * ne12 * ne1) / ne1;
-                        if (j12 / r2 != i02 || j13 / r3 != i03) {
-                            break;
-                        }
-                        fimble_m++;
-                    }
-                    if (fimble_m >= 2) {
-                        for (int64_t r = 0; r < fimble_m; r++) {  // the rows as floats (exact)
-                            const ggml_fp16_t * yh = (const ggml_fp16_t *) (src1_col + r * row_size);
-                            for (int64_t k = 0; k < ne00; k += GGML_F16_DOT_EPR) {
-                                GGML_F32_VEC_STORE(fimble_heads + r * ne00 + k, GGML_F16_DOT_VEC_LOAD(yh + k, 0));
-                            }
-                        }
-                        for (int64_t ir0 = iir0; ir0 < iir0 + blck_0 && ir0 < ir0_end; ++ir0) {
-                            const ggml_fp16_t * x = (const ggml_fp16_t *) (src0_row + ir0 * nb01);
-                            float * s = &fimble_tmp[ir0 - iir0];
-                            if (ne00 == GGML_F16_DOT_STEP) {
-                                fimble_vec_dot_f16_heads(1, s, x, fimble_heads, fimble_m, ne00);
-                            } else {
-                                fimble_vec_dot_f16_heads(2, s, x, fimble_heads, fimble_m, ne00);
-                            }
-                        }
-                        for (int64_t r = 0; r < fimble_m; r++) {
-                            const int64_t j = ir1 + r;
-                            const int64_t j13 = j / (ne12 * ne1);
-                            const int64_t j12 = (j - j13 * ne12 * ne1) / ne1;
-                            const int64_t j11 = j - j13 * ne12 * ne1 - j12 * ne1;
-                            float * d = (float *) ((char *) dst->data + (j11 * nb1 + j12 * nb2 + j13 * nb3));
-                            memcpy(&d[iir0], fimble_tmp + 16 * r, (MIN(iir0 + blck_0, ir0_end) - iir0) * sizeof(float));
-                        }
-                        ir1 += fimble_m - 1;  // and the loop's own step: the next rows
-                        continue;
-                    }
-                }
-#endif
-#if defined(FIMBLE_ROWS)
+    + HEADS_LOOP
+    + """#if defined(FIMBLE_ROWS)
                 // fimble: two or three rows of the same src1 matrix (rows ir1.. of this block) in one pass over
                 // this block's src0 rows; f32 takes three where that leaves no single row behind.
                 const int64_t fimble_left = MIN(MIN(iir1 + blck_1, ir1_end) - ir1, ne11 - i11);
