@@ -139,13 +139,13 @@ async def test_event_loop_stays_free_while_decoding(client: LanguageClient):
     open_doc(client, uri, LONG)
     open_doc(client, other, "def add(a, b):\n    return \n")
     old = await _start_long(client, uri, f"busy-{id(client)}")
-    worst = 0.0
-    for _ in range(5):  # the server answers while the engine decodes
-        t = time.perf_counter()
+    # The server answers while the engine decodes: each answer says the decode is still running, and it is. (Not
+    # a bound on the answer's time: on a busy machine that measures the machine; a blocked loop would answer only
+    # after the decode, with nothing active.)
+    for _ in range(5):
         s = await stats(client)
-        worst = max(worst, time.perf_counter() - t)
         assert s["tables"]["active"] == 1
-    assert worst < 1.0, f"fimble/stats took {worst:.3f}s during a decode"
+        assert not old.done()
     await configure(client, maxTokens=8)
     t = time.perf_counter()
     change(client, other, 2, (1, 11), (1, 11), "a")
