@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The heavy suite: the full-size issue bars that the default suite (`python -m pytest -q`, CI's) runs smaller.
+# The heavy suite: the full-size issue bars that the default suite (`python -m pytest -q -n 2 --dist loadfile`, CI's) runs smaller.
 # They carry pytest's `heavy` marker (pyproject.toml), which the default run leaves out:
 #   - greedy speculative == plain greedy on 200 prompts: the embedded pair (tests/engine/test_lossless_greedy.py),
 #     the ggml runtime f32 and q8_0 (test_ggml_runtime.py), int8 (test_int8.py), the default Qwen model with its
