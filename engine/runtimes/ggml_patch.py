@@ -12,10 +12,11 @@ fimble's own lane order at every row count (item 3), faster, blocks still equal 
    ggml_vec_dot_f16's order: the same four accumulators over the same steps, the same reduction. Only
    for rows with no leftover elements (vec_dot sums those in scalar code, which a compiler may contract
    differently), and only where ggml's generic SIMD code is the vec_dot (not SVE or RISC-V vectors).
-   On x86 with F16C, attention's key products (f16 rows of one or two SIMD steps: a head's 64 keys) take
-   every src1 row of a block that reads the same key head at once: Qwen's query heads of one key/value head
-   (GQA) and a verify block's rows. A key row is loaded and converted once for all of them, each sum in
-   ggml_vec_dot_f16's order, so the results are stock's bit for bit (fimble_vec_dot_f16_heads).
+   On x86 with F16C, attention's products take every src1 row of a block that reads the same key/value
+   head at once: Qwen's query heads of one key/value head (GQA) and a verify block's rows. A key row (one or
+   two SIMD steps: a head's 64 keys) is loaded and converted once for all of them; a value row (n_kv long)
+   once for two of them. Each sum in ggml_vec_dot_f16's order, so the results are stock's bit for bit
+   (ggml_patch_heads.py).
 3. quants.h, arch/x86/quants.c, ggml-cpu.c: q8_0 weights against the q8_0 rows ggml quantises the
    activations to.
    - On every AVX2 CPU, every such product, 1-token steps and prefills included (tinyBLAS declines q8_0),

@@ -41,12 +41,13 @@ static inline __attribute__((always_inline)) void fimble_vec_dot_f16_heads(
 """
 
 HEADS_LOOP = """#if defined(FIMBLE_GQA)
-                // fimble: an attention product (f16 rows of one or two steps: a head's keys) against every src1 row
-                // of this block that reads the same src0 matrix: the query heads of one key/value head (GQA), and
-                // a verify block's rows. Each src0 row is loaded once for all of them, each sum in
-                // ggml_vec_dot_f16's order, so the results are the 1-row path's, bit for bit.
+                // fimble: an attention product (f16 rows: a head's keys, or its values' rows n_kv long) against every
+                // src1 row of this block that reads the same src0 matrix: the query heads of one key/value head
+                // (GQA), and a verify block's rows. Each sum in ggml_vec_dot_f16's order, so the results are the
+                // 1-row path's, bit for bit. Keys (one or two steps): each src0 row loaded once for all the rows;
+                // values: for two rows at a time (fimble_vec_dot_f16_x2), the odd one by ggml's own vec_dot.
                 if (type == GGML_TYPE_F16 && vec_dot_type == GGML_TYPE_F16 && num_rows_per_vec_dot == 1 &&
-                    src1->type != vec_dot_type && (ne00 == GGML_F16_DOT_STEP || ne00 == 2*GGML_F16_DOT_STEP)) {
+                    src1->type != vec_dot_type && ne00 % GGML_F16_DOT_STEP == 0) {
                     const int64_t fimble_end = MIN(iir1 + blck_1, ir1_end);
                     int64_t fimble_m = 1;  // rows ir1.. sharing src0_row: consecutive rows of wdata
                     while (ir1 + fimble_m < fimble_end) {
@@ -58,7 +59,21 @@ HEADS_LOOP = """#if defined(FIMBLE_GQA)
                         }
                         fimble_m++;
                     }
-                    if (fimble_m >= 2) {
+                    const bool fimble_keys = ne00 <= 2*GGML_F16_DOT_STEP;
+                    if (fimble_m >= 2 && !fimble_keys) {
+                        for (int64_t ir0 = iir0; ir0 < iir0 + blck_0 && ir0 < ir0_end; ++ir0) {
+                            const char * x = src0_row + ir0 * nb01;
+                            for (int64_t r = 0; r < fimble_m; r += 2) {
+                                float * s = &fimble_tmp[16 * r + (ir0 - iir0)];
+                                if (r + 1 < fimble_m) {
+                                    fimble_vec_dot_f16_x2((int) ne00, s, (const ggml_fp16_t *) x,
+                                                          src1_col + r * row_size, row_size);
+                                } else {
+                                    vec_dot(ne00, s, 0, x, 0, src1_col + r * row_size, 0, 1);
+                                }
+                            }
+                        }
+                    } else if (fimble_m >= 2) {
                         for (int64_t r = 0; r < fimble_m; r++) {  // the rows as floats (exact)
                             const ggml_fp16_t * yh = (const ggml_fp16_t *) (src1_col + r * row_size);
                             for (int64_t k = 0; k < ne00; k += GGML_F16_DOT_EPR) {
@@ -74,6 +89,8 @@ HEADS_LOOP = """#if defined(FIMBLE_GQA)
                                 fimble_vec_dot_f16_heads(2, s, x, fimble_heads, fimble_m, ne00);
                             }
                         }
+                    }
+                    if (fimble_m >= 2) {
                         for (int64_t r = 0; r < fimble_m; r++) {
                             const int64_t j = ir1 + r;
                             const int64_t j13 = j / (ne12 * ne1);
