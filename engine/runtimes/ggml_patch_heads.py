@@ -4,7 +4,8 @@ The default model is grouped-query (14 query heads over 2 key/value heads), and 
 vec_dot_f16 call per key and query head, each loading and converting both 64-half operands for 64 multiply-adds.
 HEADS_KERNEL (spliced into ggml-cpu.c with the two- and three-row kernels) takes a key row once for every src1 row of
 a block that reads the same key head (its query heads, and a verify block's rows), each sum in ggml_vec_dot_f16's
-order, so the results are stock's bit for bit. HEADS_LOOP is its branch in ggml_compute_forward_mul_mat_one_chunk.
+order, so the results are stock's bit for bit. HEADS_LOOP is its branch in ggml_compute_forward_mul_mat_one_chunk,
+which also sends the value product's rows (n_kv long) two query heads at a time through the two-row f16 kernel.
 """
 
 from __future__ import annotations
