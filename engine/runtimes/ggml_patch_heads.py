@@ -1,4 +1,4 @@
-"""ggml_patch.py item 2's attention part: an attention head's key rows shared by the query heads that read them.
+"""ggml_patch.py item 2's attention part: key and value rows shared by the query heads that read them.
 
 The default model is grouped-query (14 query heads over 2 key/value heads), and ggml's 1-row path runs QK^T as one
 vec_dot_f16 call per key and query head, each loading and converting both 64-half operands for 64 multiply-adds.
