@@ -74,15 +74,16 @@ def simulated_engine(graph_ms: float, row_ms: float, prefill_ms: float):
                     best.append(self._random_rows(1).tolist())
             return out
 
-        def replay_round(self, key):
-            rows = key[0] * key[1]
-            self.argmax_host[:rows] = self._random_rows(rows)
-            self._run_for(self.pass_ms(key))
+        def replay_round(self, rnd, feeds, kept, after) -> None:
+            rows = rnd.key[0] * rnd.key[1]
+            self._hosts[rnd.turn][:rows] = self._random_rows(rows)  # (a fed row's token: whatever its source chose)
+            self._run_for(self.pass_ms(rnd.key))
+            rnd.ready_at = self._busy_until  # rounds queue on the simulated device, as on a CUDA stream
             self.replays += 1
-            return self._logits
+            rnd.logits = self._logits
 
-        def wait_round(self, key) -> None:
-            time.sleep(max(0.0, self._busy_until - time.perf_counter()))  # the GIL is free, as in a CUDA sync
+        def wait_round(self, rnd) -> None:
+            time.sleep(max(0.0, rnd.ready_at - time.perf_counter()))  # the GIL is free, as in a CUDA sync
 
     torch.set_num_threads(1)
     target = load_model(DEFAULT_TARGET, device="cpu", runtime="compact")

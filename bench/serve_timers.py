@@ -92,13 +92,13 @@ def install(engine) -> None:
     wrap(slots, "_hand_out", "hand_out")
     wait = slots.wait_round
 
-    def wait_round(key) -> None:
+    def wait_round(rnd) -> None:
         t0 = time.perf_counter()
-        wait(key)
+        wait(rnd)
         counts.add("t_wait_ms", (time.perf_counter() - t0) * 1e3)
         counts.add("t_wait_n")
         if slots.use_graphs:
-            counts.add("t_gpu_ms", slots._began.elapsed_time(slots._ended))
+            counts.add("t_gpu_ms", slots._began[rnd.turn].elapsed_time(slots._ended[rnd.turn]))
             counts.add("t_gpu_n")
 
     slots.wait_round = wait_round

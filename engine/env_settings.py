@@ -228,6 +228,7 @@ TABLE: tuple[Setting, ...] = (
     # -- fimble serve --------------------------------------------------------------------------------------------
     switch("FIMBLE_SERVE_SLOTS", True, "CUDA: batched rounds replay one graph over slots (serve/scheduler.py)"),
     switch("FIMBLE_SERVE_OVERLAP", True, "CUDA: a round's host work overlaps its passes (serve/scheduler.py)"),
+    switch("FIMBLE_SERVE_FEED", True, "CUDA: the next round launched before this one is read (fed_rounds.py)"),
     switch("FIMBLE_SERVE_PROMPT_MEMO", True, "build a prompt from the editor's previous one (serve/scheduler.py)"),
     switch("FIMBLE_SERVE_GC_FREEZE", True, "freeze start-up objects out of the collector (serve/gc_pauses.py)"),
     # -- prompts and caches ----------------------------------------------------------------------------------

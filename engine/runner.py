@@ -50,6 +50,8 @@ class PassRunner:
         # round-robin: each drafter on its own, exactly as SpeculativeDecoder.step would
         return [n.drafter.propose(n.context, n.k, 0.0, 1.0, n.gate, None).tokens for n in needs]
 
+    can_feed = False  # rounds launched ahead, fed on the device (engine/fed_rounds.py): slotted rounds only
+
     def shorten(self, calls: list[Forward]) -> None:
         """Cut verify blocks before they run where shorter ones pay better (slotted rounds only)."""
 

@@ -90,6 +90,10 @@ SCHED_COUNTERS = (
     "sched_admitted_early",  # of those, admitted in the round that freed their document (_admit(ready_only))
     "sched_refused_unfit",  # prompts refused as too long for the context before being tokenised whole
     "sched_cancel_overlapped",  # cancelled sequences ended while a round's passes ran (engine/steps.py _decode)
+    "sched_fed_rounds",  # rounds launched before the one in flight was read (engine/fed_rounds.py)
+    "sched_fed_rows",  # guessed 1-token steps fed on the device, of which:
+    "sched_fed_matched",  # the sequence's own next pass (its row answered it)
+    "sched_fed_dropped",  # not (it drafted, ended, or chose another token): a wasted row
 )
 MAX_SESSIONS_REMEMBERED = 1024  # per-session n-gram drafters kept (least recently used dropped)
 _WAKE = ("wake",)  # queue item: a pre-warm was added
@@ -175,7 +179,13 @@ class Scheduler(Unwatched):
         self._lock = threading.Lock()
         self._waiting = 0  # completions submitted and not yet started
         self._arrivals = itertools.count()
-        self.rounds = Rounds(self.passes, self.counts, policy.overlap, policy.error_detail)
+        if self.passes.can_feed:  # fimble serve's slotted rounds: launched ahead, fed on the device
+            from engine.fed_rounds import FedRounds
+
+            feed = env_settings.read("FIMBLE_SERVE_FEED")
+            self.rounds = FedRounds(self.passes, self.counts, policy.overlap, policy.error_detail, feed)
+        else:
+            self.rounds = Rounds(self.passes, self.counts, policy.overlap, policy.error_detail)
         self._held: list[tuple[int, CompletionRequest, CompletionStream]] = []  # (arrival, ...): not yet admitted
         self._forgets: list[tuple[int, str]] = []  # forgets not done yet: their document is in use, or queued
         # Prompts built ahead for held requests whose document is busy (id(request) -> PromptPlan): built while a

@@ -28,6 +28,11 @@ OPENING = "@opening"
 DEFER_SYNC_S = 0.03
 DEFER_UNTIL_PRODUCED = 16
 
+# Under fed rounds (engine/fed_rounds.py, fimble serve on CUDA) a sequence's plain step is fed on the device and
+# runs every round, while a draft's verify block leaves it out of the next round (its start depends on what the
+# block accepts): a draft must then commit this many tokens on average to pay for the round it costs.
+FED_DRAFT_TOKENS = 2.0
+
 
 def fresh_acceptance() -> dict[str, Acceptance]:
     """Each drafter kind's acceptance at its prior, for a completion's opening pass and for the rest."""
@@ -106,6 +111,7 @@ class DraftPlan:
         self.record: Acceptance | None = None  # the acceptance record this round's draft is scored in
         self.shadow: list[int] = []  # an n-gram draft the policy chose not to verify
         self.opening = True  # no drafter consulted yet in this decode
+        self.fed = False  # set by fed rounds: a draft must be worth FED_DRAFT_TOKENS
 
     def new_round(self) -> None:
         self.kind, self.record, self.shadow = "", None, []
@@ -136,6 +142,8 @@ class DraftPlan:
                     if g == 0:  # not worth a verify row; still scored against the next token
                         self.shadow = draft.tokens
                     draft = Draft(draft.tokens[:g])
+                if self.fed and draft.tokens and record.expected_tokens(len(draft.tokens)) < FED_DRAFT_TOKENS:
+                    self.shadow, draft = draft.tokens, Draft([])  # a fed step pays more; scored all the same
                 return draft
         if self.model_drafter is None:
             return Draft([])
@@ -148,9 +156,11 @@ class DraftPlan:
         record = self._use("model", opening)
         if self.costs is not None:
             k = choose_gamma(self.costs, record, k, self.draft_cost)
-            if k == 0:  # skipped: drift back toward the prior, so it is tried again later
-                record.forget()
-                return Draft([])
+        if k and self.fed and record.expected_tokens(k) < FED_DRAFT_TOKENS:
+            k = 0
+        if k == 0:  # skipped: drift back toward the prior, so it is tried again later
+            record.forget()
+            return Draft([])
         return k
 
     def account(self, k: int, n_accepted: int, first: int) -> None:

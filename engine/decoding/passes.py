@@ -34,6 +34,35 @@ class Forward:
 
 
 @dataclass
+class FedPass:
+    """A sequence's next pass, guessed while its current one still runs (engine/fed_rounds.py): one token at
+    ``start`` into ``cache``, the argmax of the last row of ``source`` (its pass in the round in flight), which the
+    device copies in without a host round trip. The guess holds when the sequence then asks for exactly that pass."""
+
+    source: object  # the Forward (or FedPass) it follows, in the round launched just before
+    cache: object
+    start: int
+    forward: Forward | None = None  # the sequence's own pass, once it turned out to be this one
+    dropped: bool = False  # guessed wrong (or the sequence ended): its row is nobody's
+    best: list[int] | None = None  # as Forward.best, once collected
+    logits: object = None  # its row, once collected (a RowSpan)
+
+    def matches(self, fwd: object) -> bool:
+        """Whether ``fwd`` (the sequence's pass, now known) is the pass this row ran."""
+        src = self.source.best
+        return (
+            isinstance(fwd, Forward)
+            and fwd.cache is self.cache
+            and fwd.start == self.start
+            and fwd.num_logits == 1
+            and isinstance(fwd.tokens, list)
+            and len(fwd.tokens) == 1
+            and bool(src)
+            and fwd.tokens[0] == src[-1]
+        )
+
+
+@dataclass
 class DraftNeed:
     """A sequence's request for up to ``k`` greedy draft tokens from its draft model after ``context``."""
 

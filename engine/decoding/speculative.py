@@ -105,8 +105,12 @@ class SpeculativeDecoder:
     def _greedy_best(self) -> list[int] | None:
         """The host argmax of each row of the pass being verified, where a slotted round supplied it
         (``Forward.best``) and a greedy choice needs nothing else (no forced prefix, no trace)."""
-        blocked = self.opt.temperature > 0 or self.trace is not None or self.forced or self._no_stop_next
-        return None if blocked else self._best  # (no_empty: the first free row's argmax may be a stop token)
+        return None if self._greedy_best_blocked else self._best
+
+    @property
+    def _greedy_best_blocked(self) -> bool:
+        """A choice that the host argmax does not settle (no_empty: the first free row's argmax may be a stop token)."""
+        return bool(self.opt.temperature > 0 or self.trace is not None or self.forced or self._no_stop_next)
 
     @property
     def _no_stop_next(self) -> bool:
@@ -258,6 +262,25 @@ class SpeculativeDecoder:
         fwd = Forward(block, self.cache, start, k + 1, decoder=self, numpy=numpy)
         self._pending = (draft, start, fwd)
         return fwd
+
+    @property
+    def reads_logits(self) -> bool:
+        """Whether verifying the pending pass may read its logits rows, not only each row's host argmax
+        (``Forward.best``): sampling, a healing constraint, a trace, ``no_empty``'s first free choice."""
+        return self._greedy_best_blocked
+
+    def may_feed(self, fwd: Forward) -> bool:
+        """Whether the step after ``fwd`` (the pending pass) may be a fed one (engine/fed_rounds.py): ``fwd`` is a
+        1-token greedy step verified from the host argmax alone, and committing its token leaves room for another."""
+        return (
+            self._pending is not None
+            and self._pending[2] is fwd
+            and len(fwd.tokens) == 1
+            and not self._greedy_best_blocked
+            and not self.done
+            and len(self.ids) + 2 <= self.cache.max_len
+            and len(self.output) + 1 < self.opt.max_tokens
+        )
 
     def shorten(self, rows: int) -> None:
         """Cut the pending verify block to ``rows`` rows (its draft to ``rows - 1`` tokens) before it runs.

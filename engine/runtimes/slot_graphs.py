@@ -4,6 +4,7 @@ one batched cache, and one captured graph per round for all of their short passe
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -57,6 +58,25 @@ def batched_forward(
 
 
 SLOT_SCRATCH = 128  # positions past each slot's end that padding rows may write (the longest slotted pass)
+# Rows of a round whose logits the host may read after the next round was launched (a prompt's last pass, a sampled
+# or healed step): copied aside per round. At 151,936 tokens of vocabulary, 64 rows are 39 MB (twice: two turns).
+SIDE_ROWS = 64
+
+
+@dataclass
+class LaunchedRound:
+    """A round started by ``SlotGraphs.launch``: its passes (fed rows included), their slots, the graph key, which of
+    the two buffer sets it uses; once replayed, the graph's logits and argmax (device) and the kept rows' copy."""
+
+    passes: list
+    slots: list[int]
+    key: tuple[int, int, int]
+    turn: int
+    logits: Tensor | None = None
+    argmax: Tensor | None = None
+    kept: dict[int, int] = field(default_factory=dict)  # pass index -> its first row in ``side``
+    side: Tensor | None = None
+    ready_at: float = 0.0  # (a simulated device: when it is done)
 
 
 def batch_bucket(n: int, streams: int) -> int:
@@ -115,13 +135,19 @@ class SlotGraphs:
         self.starts = torch.full((streams,), slot_len, dtype=torch.long, device=dev)
         # Host side of a round: token ids and starts staged in pinned memory (copied without a sync), and every
         # row's argmax copied back into pinned memory by the round's stream; GPU time per graph from events.
+        # Two of each (``_turn``): a fed round is launched before the one in flight is collected (engine/fed_rounds.py),
+        # so a buffer is written again only once the round that used it two launches ago has been collected.
         pinned = self.use_graphs
-        self._stage = torch.zeros(streams * (max(BLOCKS) + 1), dtype=torch.long, pin_memory=pinned)
-        self._stage_np = self._stage.numpy()
-        self.argmax_host = torch.zeros(streams * max(BLOCKS), dtype=torch.long, pin_memory=pinned)
+        stage_len = streams * (max(BLOCKS) + 3) + SIDE_ROWS  # tokens, starts, fed rows' two indices, kept rows
+        self._stages = [torch.zeros(stage_len, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._stage_np = [s.numpy() for s in self._stages]
+        self._hosts = [torch.zeros(streams * max(BLOCKS), dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._index = torch.zeros(2 * streams + SIDE_ROWS, dtype=torch.long, device=dev)
+        self._side: list[Tensor | None] = [None, None]  # kept rows (launch's ``keep``), allocated on first use
+        self._turn = 0
         if self.use_graphs:
-            self._began = torch.cuda.Event(enable_timing=True)
-            self._ended = torch.cuda.Event(enable_timing=True)
+            self._began = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            self._ended = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         self._cost: dict[tuple[int, int, int], float] = {}  # graph key -> fastest replay seen, ms of GPU time
         self._free = list(range(streams))  # a heap: the lowest free slot first
         self._slot: dict[int, int] = {}  # id(view) -> slot
@@ -259,47 +285,108 @@ class SlotGraphs:
         return self._cost.get(key)
 
     @torch.inference_mode()
-    def launch(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]]) -> tuple:
+    def launch(
+        self,
+        passes: list[tuple[Tensor | list[int], KVCache, int, int]],
+        feeds: list[tuple[int, int]] = (),
+        after: LaunchedRound | None = None,
+        keep: list[int] = (),
+    ) -> LaunchedRound:
         """Start the round's graph on the GPU and return at once; ``collect`` waits for it. Tokens are
-        written through pinned host buffers (two asynchronous copies, no sync)."""
-        slots, key = self._stage_passes(passes)
-        return passes, slots, key, self.replay_round(key)
+        written through pinned host buffers (asynchronous copies, no sync).
 
-    def replay_round(self, key: tuple[int, int, int]) -> Tensor:
-        """The device step of ``launch``: the staged token ids and starts to the device, ``key``'s graph replayed
-        (captured on its first use), every row's argmax into ``argmax_host``; no host sync on CUDA. Returns the
-        graph's static logits."""
-        batch, block, keys_len = key
+        Fed rounds (engine/fed_rounds.py) launch a round before the one in flight (``after``) is collected:
+        ``feeds`` (pass index here, row of ``after``) are 1-token passes whose token is that row's argmax, copied on
+        the device, so no host round trip sits between the two graphs. ``keep``: passes whose rows the host may read
+        as logits (not only their argmax): copied aside once the graph has run, since the next round's replay
+        overwrites the graph's output before this round is read (at most ``SIDE_ROWS`` rows)."""
+        self._turn ^= 1  # staging, argmax copy, kept rows and events alternate: two rounds may be in flight
+        rnd = LaunchedRound(passes, [], (0, 0, 0), self._turn)
+        rnd.slots, rnd.key = self._stage_passes(passes, rnd.turn)
+        block = rnd.key[1]
+        kept = 0
+        for i in keep:
+            rnd.kept[i] = kept
+            kept += min(passes[i][3], len(passes[i][0]))
+        if kept > SIDE_ROWS:
+            raise ValueError(f"{kept} rows to keep aside, at most {SIDE_ROWS}")
+        # The device's index lists after the starts: fed rows' destinations and sources, then the kept rows.
+        stage, at = self._stage_np[rnd.turn], rnd.key[0] * block + rnd.key[0]
+        for i, src in feeds:
+            stage[at] = rnd.slots[i] * block
+            stage[at + len(feeds)] = src
+            at += 1
+        at += len(feeds)
+        for i in keep:
+            n = len(passes[i][0])
+            k = min(passes[i][3], n)
+            lo = rnd.slots[i] * block + n - k
+            stage[at : at + k] = range(lo, lo + k)
+            at += k
+        self.replay_round(rnd, len(feeds), kept, after)
+        return rnd
+
+    def replay_round(self, rnd: LaunchedRound, feeds: int, kept: int, after: LaunchedRound | None) -> None:
+        """The device step of ``launch``: the staged token ids, starts and index lists to the device, ``feeds`` fed
+        tokens from ``after``'s argmax, ``rnd.key``'s graph replayed (captured on its first use), every row's argmax
+        into the host buffer, ``kept`` rows aside; no host sync on CUDA. Sets ``rnd.logits`` and ``rnd.argmax``."""
+        batch, block, keys_len = key = rnd.key
         rows = batch * block
+        stage, extra = self._stages[rnd.turn], 2 * feeds + kept
         if self.use_graphs:
-            self.tokens[:rows].copy_(self._stage[:rows], non_blocking=True)
-            self.starts[:batch].copy_(self._stage[rows : rows + batch], non_blocking=True)
+            self.tokens[:rows].copy_(stage[:rows], non_blocking=True)
+            self.starts[:batch].copy_(stage[rows : rows + batch], non_blocking=True)
+            if extra:
+                self._index[:extra].copy_(stage[rows + batch : rows + batch + extra], non_blocking=True)
+            self._feed(feeds, after)
             entry = self._graphs.get(key)
             if entry is None:
                 entry = self._graphs[key] = capture(lambda: self._forward(batch, block, keys_len), self.pool)
                 self.captures += 1
             graph, (logits, argmax) = entry
-            self._began.record()
+            self._began[rnd.turn].record()
             graph.replay()
             self.replays += 1
-            self.argmax_host[:rows].copy_(argmax, non_blocking=True)
-            self._ended.record()
+            self._hosts[rnd.turn][:rows].copy_(argmax, non_blocking=True)
+            self._keep_aside(rnd, logits, feeds, kept)
+            self._ended[rnd.turn].record()
         else:  # CPU (tests): the same forward, synchronous, timed on the wall clock
             t0 = time.perf_counter()
-            self.tokens[:rows].copy_(self._stage[:rows])
-            self.starts[:batch].copy_(self._stage[rows : rows + batch])
+            self.tokens[:rows].copy_(stage[:rows])
+            self.starts[:batch].copy_(stage[rows : rows + batch])
+            if extra:
+                self._index[:extra].copy_(stage[rows + batch : rows + batch + extra])
+            self._feed(feeds, after)
             logits, argmax = self._forward(batch, block, keys_len)
-            self.argmax_host[:rows].copy_(argmax)
+            self._hosts[rnd.turn][:rows].copy_(argmax)
+            self._keep_aside(rnd, logits, feeds, kept)
             ms = (time.perf_counter() - t0) * 1e3
             self._cost[key] = min(ms, self._cost.get(key, ms))
-        return logits
+        rnd.logits, rnd.argmax = logits, argmax
 
-    def _stage_passes(self, passes: list[tuple[Tensor | list[int], KVCache, int, int]]) -> tuple[list[int], tuple]:
+    def _feed(self, feeds: int, after: LaunchedRound | None) -> None:
+        """Fed rows' tokens: the argmax of their sources in the round before (queued behind it on the stream)."""
+        if feeds:
+            dst, src = self._index[:feeds], self._index[feeds : 2 * feeds]
+            self.tokens.index_copy_(0, dst, after.argmax.index_select(0, src))
+
+    def _keep_aside(self, rnd: LaunchedRound, logits: Tensor, feeds: int, kept: int) -> None:
+        if kept:
+            side = self._side[rnd.turn]
+            if side is None or side.dtype != logits.dtype or side.shape[1] != logits.shape[1]:
+                side = self._side[rnd.turn] = logits.new_empty((SIDE_ROWS, logits.shape[1]))
+            at = 2 * feeds
+            torch.index_select(logits, 0, self._index[at : at + kept], out=side[:kept])
+            rnd.side = side
+
+    def _stage_passes(
+        self, passes: list[tuple[Tensor | list[int], KVCache, int, int]], turn: int = 0
+    ) -> tuple[list[int], tuple]:
         """Write the passes' token ids and starts into the host staging buffer; (their slots, the graph key)."""
         slots = [self._slot[id(c)] for _, c, _, _ in passes]
         key = batch, block, _ = self.shape(passes)
         rows = batch * block
-        stage = self._stage_np
+        stage = self._stage_np[turn]
         stage[:rows] = 0
         stage[rows : rows + batch] = self.slot_len
         for slot, (t, _, start, _) in zip(slots, passes, strict=True):
@@ -308,35 +395,42 @@ class SlotGraphs:
             stage[rows + slot] = start
         return slots, key
 
-    def collect(self, launched: tuple, best: list | None = None, lazy: bool = False) -> list:
+    def collect(self, rnd: LaunchedRound, best: list | None = None, lazy: bool = False, skip=()) -> list:
         """Wait for ``launch``'s graph (the round's one sync; the GIL is free meanwhile) and hand out the logits.
-        ``lazy``: each pass's rows as a ``RowSpan`` (sliced when read), for a caller that mostly needs ``best``."""
-        passes, slots, key, logits = launched
-        self.wait_round(key)
-        return self._hand_out(passes, slots, key, logits, best, lazy)
+        ``lazy``: each pass's rows as a ``RowSpan`` (sliced when read), for a caller that mostly needs ``best``.
+        ``skip``: passes whose rows nobody takes (fed rows guessed wrong): None for them, their caches untouched."""
+        self.wait_round(rnd)
+        return self._hand_out(rnd, best, lazy, skip)
 
-    def wait_round(self, key: tuple[int, int, int]) -> None:
+    def wait_round(self, rnd: LaunchedRound) -> None:
         """Wait for ``replay_round``'s graph (the GIL is free meanwhile) and note its GPU time."""
         if self.use_graphs:
-            self._ended.synchronize()
-            ms = self._began.elapsed_time(self._ended)
-            self._cost[key] = min(ms, self._cost.get(key, ms))
+            self._ended[rnd.turn].synchronize()
+            ms = self._began[rnd.turn].elapsed_time(self._ended[rnd.turn])
+            self._cost[rnd.key] = min(ms, self._cost.get(rnd.key, ms))
 
-    def _hand_out(
-        self, passes: list, slots: list[int], key: tuple, logits: Tensor, best: list | None, lazy: bool
-    ) -> list:
+    def _hand_out(self, rnd: LaunchedRound, best: list | None, lazy: bool, skip=()) -> list:
         """Each pass's rows of a finished round (and their argmax into ``best``); the caches' lengths move on."""
-        block = key[1]
-        host = self.argmax_host[: key[0] * block].tolist() if best is not None else None
+        block = rnd.key[1]
+        host = self._hosts[rnd.turn][: rnd.key[0] * block].tolist() if best is not None else None
         out = []
-        for slot, (t, cache, start, num_logits) in zip(slots, passes, strict=True):
+        for i, (slot, (t, cache, start, num_logits)) in enumerate(zip(rnd.slots, rnd.passes, strict=True)):
+            if i in skip:
+                out.append(None)
+                if host is not None:
+                    best.append(None)
+                continue
             n = len(t)
             cache.length = start + n
             k = min(num_logits, n)
             lo, hi = slot * block + n - k, slot * block + n
-            out.append(RowSpan(logits, lo, hi) if lazy else logits[lo:hi])
+            aside = rnd.kept.get(i)
+            if aside is not None:  # copied aside: the graph's output may hold a later round's rows by now
+                out.append(RowSpan(rnd.side, aside, aside + k) if lazy else rnd.side[aside : aside + k])
+            else:
+                out.append(RowSpan(rnd.logits, lo, hi) if lazy else rnd.logits[lo:hi])
             if host is not None:
-                best.append(host[slot * block + n - k : slot * block + n])
+                best.append(host[lo:hi])
         return out
 
     def warm(self, batches: tuple[int, ...], blocks: tuple[int, ...], keys: tuple[int, ...]) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import time
 
-from engine.decoding.passes import Forward
+from engine.decoding.passes import FedPass, Forward
 from engine.decoding.spec_policy import MIN_GAIN
 from engine.runner import PassRunner
 from engine.runtimes.cuda_graphs import BLOCKS, SLOT_SCRATCH, batch_bucket, block_bucket, key_bucket
+from engine.runtimes.slot_graphs import SIDE_ROWS
 
 HOST_MS_WEIGHT = 0.1  # the running mean's step: about the last ten rounds
 
@@ -28,6 +29,8 @@ def graph_attention(runtime) -> str:
 
 
 class SlottedPasses(PassRunner):
+    can_feed = True  # rounds launched ahead, fed on the device (engine/fed_rounds.py)
+
     def __init__(self, target_runtime, draft_runtime, counters, max_active: int, slot_len: int):
         super().__init__(target_runtime, draft_runtime, counters, batched=True)
         from engine.runtimes.cuda_graphs import SlotGraphs, eager_runtime
@@ -35,6 +38,9 @@ class SlottedPasses(PassRunner):
         self.slots = SlotGraphs(eager_runtime(target_runtime), max_active, slot_len, graph_attention(target_runtime))
         self.max_active = max_active
         self._host_ms = 0.0  # running mean of a graph round's wall time beyond its graph's GPU time
+        self._last_round = None  # the last graph launched, and each of its passes' last row (fed rounds read them)
+        self._last_rows: dict[int, int] = {}
+        self.ahead_ok = True  # whether the last launch kept aside every row the host may read (launch)
         self._last_gpu_ms: float | None = None
 
     def warm(self, announce=None) -> int:
@@ -72,18 +78,37 @@ class SlottedPasses(PassRunner):
     def fits_heal_draft(self, rows: int) -> bool:
         return rows <= max(BLOCKS)
 
-    def launch(self, calls: list[Forward]) -> tuple:
+    def launch(self, calls: list[Forward], fed: list[FedPass] = (), keep_rows: bool = False) -> tuple:
         """Slotted passes of up to 16 tokens in one graph replay, started and not waited for; slotted prefill
         chunks in one eager slot pass (``SlotGraphs.prefill``) and the others (sequences without a slot) as
         ``PassRunner.run``, run here. The graph's logits are views of its output, read by the scheduler before the
-        next round replays anything."""
+        next round replays anything, unless ``keep_rows``: then the rows the host may read as logits are copied aside
+        (a fed round is launched before this one is read; engine/fed_rounds.py). ``fed``: 1-token passes fed from
+        the round launched just before this one (each ``FedPass.source`` was in it)."""
         slots = self.slots
         fast = [i for i, c in enumerate(calls) if slots.fits(len(c.tokens), c.cache, c.start)]
         in_graph = set(fast)
         out: list = [None] * len(calls)
         graph = None
-        if fast:
-            graph = slots.launch([(calls[i].tokens, calls[i].cache, calls[i].start, calls[i].num_logits) for i in fast])
+        if fast or fed:
+            passes = [(calls[i].tokens, calls[i].cache, calls[i].start, calls[i].num_logits) for i in fast]
+            passes += [([0], f.cache, f.start, 1) for f in fed]
+            rows = self._last_rows if fed else {}
+            feeds = [(len(fast) + j, rows[id(f.source)]) for j, f in enumerate(fed)]
+            keep, kept = [], 0
+            for j, i in enumerate(fast) if keep_rows else ():
+                c = calls[i]
+                if c.decoder is None or c.decoder.reads_logits:
+                    kept += min(c.num_logits, len(c.tokens))
+                    keep.append(j)
+            self.ahead_ok = kept <= SIDE_ROWS  # more than the side buffer holds: read it before the next launch
+            graph = slots.launch(passes, feeds, self._last_round if fed else None, keep if self.ahead_ok else ())
+            self._last_round = graph
+            block = graph.key[1]
+            objs = [calls[i] for i in fast] + list(fed)
+            self._last_rows = {
+                id(o): slot * block + len(p[0]) - 1 for o, slot, p in zip(objs, graph.slots, passes, strict=True)
+            }
             self.counts.add("sched_passes")
             self.counts.add("sched_graph_rounds")
         chunks = [
@@ -102,17 +127,22 @@ class SlottedPasses(PassRunner):
         if rest:
             for i, logits in zip(rest, self.run([calls[i] for i in rest]), strict=True):
                 out[i] = logits
-        return calls, fast, graph, out
+        return calls, fast, graph, out, list(fed)
 
     def collect(self, launched: tuple) -> list:
-        calls, fast, graph, out = launched
+        """Each call's logits (in order); each fed pass's best and logits onto the pass (none for dropped ones)."""
+        calls, fast, graph, out, fed = launched
         if graph is not None:
             best: list[list[int]] = []
-            got = self.slots.collect(graph, best, lazy=True)  # rows sliced only where read (RowSpan)
-            for i, logits, row_best in zip(fast, got, best, strict=True):
+            skip = {len(fast) + j for j, f in enumerate(fed) if f.dropped}
+            got = self.slots.collect(graph, best, lazy=True, skip=skip)  # rows sliced only where read (RowSpan)
+            n = len(fast)
+            for i, logits, row_best in zip(fast, got[:n], best[:n], strict=True):
                 out[i] = logits
                 calls[i].best = row_best
-            gpu = self.slots.pass_ms(graph[2])
+            for f, logits, row_best in zip(fed, got[len(fast) :], best[len(fast) :], strict=True):
+                f.best, f.logits = row_best, logits
+            gpu = self.slots.pass_ms(graph.key)
             if gpu is not None:
                 self.counts.add("sched_gpu_ms", gpu)
                 self._last_gpu_ms = gpu
