@@ -189,6 +189,29 @@ prefill2)
     tail -1 "$O/step-prefill.log"
     echo "== job done"
     ;;
+fed)
+    # Fed rounds (engine/fed_rounds.py), 2026-12-07: `start fed` (carry .whl and .devcarry/k27t; ~9 min), poll with
+    # `wait 560`. 32 editors through fimble serve on the random 1.5B shape, fed rounds on (3 rounds), off (2), on again
+    # (2): the bar's 5 runs, with the plain loop between them on the same machine; then the serve slot tests on CUDA
+    # (fed rounds on: batched = unbatched on the 32 prompts with the invariant kernels).
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    tar -xJf .devcarry/k27t/target.tar.xz -C models
+    O=/tmp/k27job/out
+    mkdir -p $O
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/gpu.txt"
+    cat /proc/loadavg | tee -a "$O/gpu.txt"
+    S="python3 -m bench.serve_load --device cuda --shape 1.5B --no-peer --max-tokens 128 --max-lines 0 --levels 32"
+    for run in fed-a:1:3 plain:0:2 fed-b:1:2; do
+        IFS=: read -r tag feed rounds <<<"$run"
+        FIMBLE_SERVE_FEED=$feed timeout 240 $S --rounds "$rounds" --json "$O/serve-$tag.json" >"$O/serve-$tag.txt" 2>&1
+        echo "$tag: $(tail -1 "$O/serve-$tag.txt")"
+    done
+    timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_serve_graph_slots.py \
+        tests/gpu/test_serve_batched_gpu.py >"$O/tests.log" 2>&1
+    grep -E "serve slotted|passed|failed|Error" "$O/tests.log" | tail -8
+    echo "== job done"
+    ;;
 wide)
     # The wide tiles at WIDE_ROWS 16 (batched rounds too), in the foreground (carry .whl and .devcarry/k27t; ~7 min;
     # every result straight into $OUT, so a call cut short by the device budget still returns what ran): 32 editors

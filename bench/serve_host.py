@@ -80,7 +80,7 @@ def simulated_engine(graph_ms: float, row_ms: float, prefill_ms: float):
             self._run_for(self.pass_ms(rnd.key))
             rnd.ready_at = self._busy_until  # rounds queue on the simulated device, as on a CUDA stream
             self.replays += 1
-            rnd.logits = self._logits
+            rnd.logits, rnd.kept = self._logits, {}  # (the simulated logits never change: nothing to keep aside)
 
         def wait_round(self, rnd) -> None:
             time.sleep(max(0.0, rnd.ready_at - time.perf_counter()))  # the GIL is free, as in a CUDA sync

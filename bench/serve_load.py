@@ -458,6 +458,10 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
         "mean_advance_ms": round(advance_ms / rounds, 2) if rounds else 0,
         "mean_graph_gpu_ms": round(gpu_ms / graph_rounds, 2) if graph_rounds else 0,
         "drafts_shortened": shortened,
+        # fed rounds (engine/fed_rounds.py): rounds launched before the one in flight was read, guessed steps
+        "fed_rounds": diff("sched_fed_rounds"),
+        "fed_rows": diff("sched_fed_rows"),
+        "fed_matched": diff("sched_fed_matched"),
         "busy_share": round(round_ms / 1e3 / wall, 2) if wall else 0,
         # stalls: slow rounds of the decode loop, and the garbage collector's full collections in the engine's
         # process (gc_) and the listeners' (daemon_gc_; engine/serve/gc_pauses.py)
@@ -740,7 +744,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"launching {r['mean_launch_ms']} ms of it, "
                     f"overlapped {r['mean_overlap_ms']} ms, advancing {r['mean_advance_ms']} ms, "
                     f"graph GPU {r['mean_graph_gpu_ms']} ms, busy {r['busy_share']:.0%}), drafts cut "
-                    f"{r['drafts_shortened']}, load {r['load_average']}",
+                    f"{r['drafts_shortened']}, fed rounds {r['fed_rounds']:.0f} ({r['fed_matched']:.0f} of "
+                    f"{r['fed_rows']:.0f} guessed steps held), load {r['load_average']}",
                     flush=True,
                 )
                 print(

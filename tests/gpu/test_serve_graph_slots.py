@@ -153,6 +153,7 @@ def test_slot_graph_greedy_decode_1p5b_matches_eager():
 
 def test_slotted_scheduler_on_cuda_matches_unbatched():
     from bench.harness.prompts import fim_prompts
+    from engine import env_settings
     from engine.api import CompletionRequest, DecodeOptions
     from engine.local import open_engine
     from engine.serve.scheduler import ServeEngine
@@ -189,9 +190,13 @@ def test_slotted_scheduler_on_cuda_matches_unbatched():
         f"\nserve slotted graphs on CUDA, {N_PROMPTS} prompts x {MAX_TOKENS} tokens: together == unbatched "
         f"{same_together}/{N_PROMPTS}, alone == unbatched {same_alone}/{N_PROMPTS}; graph rounds "
         f"{counters['sched_graph_rounds']} of {counters['sched_rounds']}, max batch {counters['sched_max_batch']}, "
-        f"captures {engine.slots.captures}, replays {engine.slots.replays}, failed {counters.get('failed')}"
+        f"captures {engine.slots.captures}, replays {engine.slots.replays}, failed {counters.get('failed')}; fed "
+        f"rounds {counters['sched_fed_rounds']}, guessed steps {counters['sched_fed_matched']} of "
+        f"{counters['sched_fed_rows']} held"
     )
     assert counters["sched_graph_rounds"] > 0 and counters["sched_max_batch"] > 1 and not counters.get("failed")
+    if env_settings.read("FIMBLE_SERVE_FEED"):  # fed rounds ran (engine/fed_rounds.py): their rows gave these outputs
+        assert counters["sched_fed_rounds"] > 0 and counters["sched_fed_matched"] > 0
     assert in_use == 0
     if _invariant(engine.slots.attention):  # batched rounds give the unbatched bits
         assert same_together == same_alone == N_PROMPTS
