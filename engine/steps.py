@@ -202,10 +202,9 @@ def _decode(
 ) -> Generator[object, object, tuple[str, int, str | None]]:
     """Stream text until a stop, the end of decoding or a cancel; (text, shown, reason).
 
-    With the scheduler's ``overlap``, a step's text is streamed while the next step's pass runs (at STREAM_NOW; the first
-    text at once, as the editor waits for it);
-    if that text hits a stop string or the line limit, the pass in flight is dropped (``abandon_step``): one
-    wasted row, never a wrong token. Without, it is streamed as soon as its tokens are committed."""
+    With the scheduler's ``overlap``, a step's text is streamed while the next step's pass runs (at STREAM_NOW; the
+    first text at once, as the editor waits for it); if that text hits a stop string or the line limit, the pass in
+    flight is dropped (``abandon_step``): one wasted row, never a wrong token. Without, it is streamed as soon as its tokens are committed."""
     out = TextOut(eng, decoder, stream, heal, constrained)
     pending = first  # committed tokens whose text is not streamed yet
     reason = None
