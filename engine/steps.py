@@ -204,7 +204,8 @@ def _decode(
 
     With the scheduler's ``overlap``, a step's text is streamed while the next step's pass runs (at STREAM_NOW; the
     first text at once, as the editor waits for it); if that text hits a stop string or the line limit, the pass in
-    flight is dropped (``abandon_step``): one wasted row, never a wrong token. Without, it is streamed as soon as its tokens are committed."""
+    flight is dropped (``abandon_step``): one wasted row, never a wrong token. Without, it is streamed as soon as its
+    tokens are committed."""
     out = TextOut(eng, decoder, stream, heal, constrained)
     pending = first  # committed tokens whose text is not streamed yet
     reason = None
