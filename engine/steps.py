@@ -186,7 +186,7 @@ def _prefill(
             import torch  # a torch runtime's pass
 
             chunk = torch.tensor(chunk, dtype=torch.long, device=device)
-        fwd = Forward(chunk, cache, pos, 1 + len(draft), numpy=numpy)
+        fwd = Forward(chunk, cache, pos, 1 + len(draft), numpy=numpy, reads_logits=last and decoder.reads_logits)
         yield fwd  # answered STREAM_NOW: nothing to stream yet
         logits = yield AWAIT
         if last:

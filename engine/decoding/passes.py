@@ -31,6 +31,9 @@ class Forward:
     # Run through the runtime's ``numpy_logits`` (host token list in, numpy rows out): a greedy step that needs
     # only each row's argmax, on a runtime that declares ``numpy_rows`` (the ggml runtime).
     numpy: bool = False
+    # Whether the rows may be read as logits, not only through ``best`` (a sampled or healed choice; a prefill chunk
+    # before the last reads nothing): fed rounds keep those rows aside (engine/serve/slot_passes.py ``launch``).
+    reads_logits: bool = True
 
 
 @dataclass

@@ -259,7 +259,7 @@ class SpeculativeDecoder:
             import torch  # a torch runtime's pass
 
             block = torch.tensor(block, dtype=torch.long, device=self.runtime.device)
-        fwd = Forward(block, self.cache, start, k + 1, decoder=self, numpy=numpy)
+        fwd = Forward(block, self.cache, start, k + 1, decoder=self, numpy=numpy, reads_logits=self.reads_logits)
         self._pending = (draft, start, fwd)
         return fwd
 

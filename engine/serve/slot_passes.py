@@ -98,7 +98,7 @@ class SlottedPasses(PassRunner):
             keep, kept = [], 0
             for j, i in enumerate(fast) if keep_rows else ():
                 c = calls[i]
-                if c.decoder is None or c.decoder.reads_logits:
+                if c.reads_logits:
                     kept += min(c.num_logits, len(c.tokens))
                     keep.append(j)
             self.ahead_ok = kept <= SIDE_ROWS  # more than the side buffer holds: read it before the next launch
