@@ -105,9 +105,7 @@ def test_a_fed_row_reads_its_token_from_the_round_before(compact_target, one_thr
             rt(p, cache, 0, 1)
             caches.append(cache)
     views = [slots.take(c) for c in own]
-    first = slots.launch(
-        [(b, v, len(p), len(b)) for p, b, v in zip(prompts, blocks, views, strict=True)], keep=[1]
-    )
+    first = slots.launch([(b, v, len(p), len(b)) for p, b, v in zip(prompts, blocks, views, strict=True)], keep=[1])
     # Sequence 0 steps on with its argmax, fed on the device, before the first round is read.
     row = first.slots[0] * first.key[1]
     second = slots.launch([([0], views[0], len(prompts[0]) + 1, 1)], feeds=[(0, row)], after=first)
