@@ -26,9 +26,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from engine import env_settings
 from engine.decoding.passes import FedPass, Forward
 from engine.rounds import SLOW_ROUND_MS, Rounds, _Seq
 from engine.steps import STREAM_NOW
+
+
+def _feedable(fwd: Forward, decoder) -> bool:
+    """Whether the step after ``fwd`` (its decoder's pending pass) may be fed: ``fwd`` is a 1-token greedy step
+    verified from the host argmax alone, and committing its token leaves room and budget for another."""
+    return (
+        len(fwd.tokens) == 1
+        and not fwd.reads_logits
+        and not decoder.done
+        and len(decoder.ids) + 2 <= decoder.cache.max_len
+        and len(decoder.output) + 1 < decoder.opt.max_tokens
+    )
+
 
 # Launch ahead only where at least this share of the round in flight's sequences can be fed: the others get a pass
 # every other round, which a round that is all host bubble, not GPU, does not buy back.
@@ -143,7 +157,7 @@ class FedRounds(Rounds):
             if decoder is None:
                 continue
             decoder.plan.fed = True  # from now on a draft must pay for the round it costs
-            if decoder.may_feed(fwd):
+            if _feedable(fwd, decoder):
                 fed.append((seq, FedPass(p, fwd.cache, fwd.start + 1)))
         return fed
 
@@ -188,3 +202,10 @@ class FedRounds(Rounds):
                 if isinstance(p, FedPass):
                     p.dropped = True
             self.passes.collect(ahead.launched)
+
+
+def rounds_for(passes, counts, overlap: bool, error_detail: bool) -> Rounds:
+    """A scheduler's rounds: fed where its passes can be fed (fimble serve's slotted rounds), else plain."""
+    if passes.can_feed:
+        return FedRounds(passes, counts, overlap, error_detail, env_settings.read("FIMBLE_SERVE_FEED"))
+    return Rounds(passes, counts, overlap, error_detail)

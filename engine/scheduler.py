@@ -39,8 +39,8 @@ from engine.decoding.drafters import ModelDrafter, NgramDrafter, SessionNgrams
 from engine.decoding.spec_policy import Acceptance, verify_costs
 from engine.documents import DocumentPrompts
 from engine.errors import FimbleError, PromptError
+from engine.fed_rounds import rounds_for
 from engine.loader import LoadedModel
-from engine.rounds import Rounds
 from engine.runner import PassRunner
 from engine.steps import request_steps
 
@@ -179,13 +179,7 @@ class Scheduler(Unwatched):
         self._lock = threading.Lock()
         self._waiting = 0  # completions submitted and not yet started
         self._arrivals = itertools.count()
-        if self.passes.can_feed:  # fimble serve's slotted rounds: launched ahead, fed on the device
-            from engine.fed_rounds import FedRounds
-
-            feed = env_settings.read("FIMBLE_SERVE_FEED")
-            self.rounds = FedRounds(self.passes, self.counts, policy.overlap, policy.error_detail, feed)
-        else:
-            self.rounds = Rounds(self.passes, self.counts, policy.overlap, policy.error_detail)
+        self.rounds = rounds_for(self.passes, self.counts, policy.overlap, policy.error_detail)
         self._held: list[tuple[int, CompletionRequest, CompletionStream]] = []  # (arrival, ...): not yet admitted
         self._forgets: list[tuple[int, str]] = []  # forgets not done yet: their document is in use, or queued
         # Prompts built ahead for held requests whose document is busy (id(request) -> PromptPlan): built while a

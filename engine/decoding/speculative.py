@@ -102,14 +102,8 @@ class SpeculativeDecoder:
         self._pending: tuple[Draft, int, Forward] | None = None
 
     # -- token choice ---------------------------------------------------------
-    def _greedy_best(self) -> list[int] | None:
-        """The host argmax of each row of the pass being verified, where a slotted round supplied it
-        (``Forward.best``) and a greedy choice needs nothing else (no forced prefix, no trace)."""
-        return None if self._greedy_best_blocked else self._best
-
     @property
-    def _greedy_best_blocked(self) -> bool:
-        """A choice that the host argmax does not settle (no_empty: the first free row's argmax may be a stop token)."""
+    def reads_logits(self) -> bool:  # sampling, healing, a trace, no_empty's first free choice (argmax: a stop?)
         return bool(self.opt.temperature > 0 or self.trace is not None or self.forced or self._no_stop_next)
 
     @property
@@ -119,7 +113,7 @@ class SpeculativeDecoder:
 
     def _choose(self, logits: Tensor | np.ndarray) -> int:
         """The next token from one row of logits (numpy only when greedy with nothing forced: _numpy_rows)."""
-        best = self._greedy_best()
+        best = None if self.reads_logits else self._best
         if best is not None:  # called with the last row only (and never for no_empty's first free choice)
             return best[-1]
         if not self.forced:
@@ -263,25 +257,6 @@ class SpeculativeDecoder:
         self._pending = (draft, start, fwd)
         return fwd
 
-    @property
-    def reads_logits(self) -> bool:
-        """Whether verifying the pending pass may read its logits rows, not only each row's host argmax
-        (``Forward.best``): sampling, a healing constraint, a trace, ``no_empty``'s first free choice."""
-        return self._greedy_best_blocked
-
-    def may_feed(self, fwd: Forward) -> bool:
-        """Whether the step after ``fwd`` (the pending pass) may be a fed one (engine/fed_rounds.py): ``fwd`` is a
-        1-token greedy step verified from the host argmax alone, and committing its token leaves room for another."""
-        return (
-            self._pending is not None
-            and self._pending[2] is fwd
-            and len(fwd.tokens) == 1
-            and not self._greedy_best_blocked
-            and not self.done
-            and len(self.ids) + 2 <= self.cache.max_len
-            and len(self.output) + 1 < self.opt.max_tokens
-        )
-
     def shorten(self, rows: int) -> None:
         """Cut the pending verify block to ``rows`` rows (its draft to ``rows - 1`` tokens) before it runs.
 
@@ -361,7 +336,7 @@ class SpeculativeDecoder:
 
     def _verify(self, draft: Draft, logits: Tensor | np.ndarray) -> list[int]:
         d = draft.tokens
-        best = self._greedy_best()
+        best = None if self.reads_logits else self._best
         if best is not None:  # (no draft: the one row's argmax, with no tensor indexed)
             n = 0
             while n < len(d) and d[n] == best[n]:

@@ -215,39 +215,9 @@ class SlotGraphs:
             and start + tokens <= cache.max_len
         )
 
-    @torch.inference_mode()
     def prefill(self, passes: list[tuple[Tensor, KVCache, int, int]], best: list | None = None) -> list[Tensor]:
         """Eager pass of several slotted chunks (each ``fits_prefill``), padded to the longest; like ``run``."""
-        slots = [self._slot[id(c)] for _, c, _, _ in passes]
-        lens = [len(t) for t, _, _, _ in passes]
-        block = -(-max(lens) // 16) * 16
-        batch = batch_bucket(max(slots) + 1, self.streams)
-        keys_len = key_bucket(max(s + block for _, _, s, _ in passes), self.slot_len + SLOT_SCRATCH)
-        dev = self.tokens.device
-        tokens = torch.zeros(batch, block, dtype=torch.long)
-        starts = [self.slot_len] * batch
-        last = [0] * batch
-        for slot, n, (t, _, start, _) in zip(slots, lens, passes, strict=True):
-            tokens[slot, :n] = torch.as_tensor(t) if isinstance(t, list) else t.cpu()
-            starts[slot], last[slot] = start, n - 1
-        logits = forward_batch(
-            self.model,
-            self.cache.keys[:, :batch],
-            self.cache.values[:, :batch],
-            tokens.to(dev),
-            torch.tensor(starts, dtype=torch.long).to(dev),
-            keys_len,
-            last=torch.tensor(last, dtype=torch.long).to(dev),
-            attention=self.attention,
-        )
-        host = logits.argmax(-1).tolist() if best is not None else None
-        out = []
-        for slot, n, (_, cache, start, _) in zip(slots, lens, passes, strict=True):
-            cache.length = start + n
-            out.append(logits[slot : slot + 1])
-            if host is not None:
-                best.append(host[slot : slot + 1])
-        return out
+        return prefill_slots(self, passes, best)
 
     # -- passes ---------------------------------------------------------------------------
     def _forward(self, batch: int, block: int, keys_len: int) -> tuple[Tensor, Tensor]:
@@ -303,26 +273,7 @@ class SlotGraphs:
         self._turn ^= 1  # staging, argmax copy, kept rows and events alternate: two rounds may be in flight
         rnd = LaunchedRound(passes, [], (0, 0, 0), self._turn)
         rnd.slots, rnd.key = self._stage_passes(passes, rnd.turn)
-        block = rnd.key[1]
-        kept = 0
-        for i in keep:
-            rnd.kept[i] = kept
-            kept += min(passes[i][3], len(passes[i][0]))
-        if kept > SIDE_ROWS:
-            raise ValueError(f"{kept} rows to keep aside, at most {SIDE_ROWS}")
-        # The device's index lists after the starts: fed rows' destinations and sources, then the kept rows.
-        stage, at = self._stage_np[rnd.turn], rnd.key[0] * block + rnd.key[0]
-        for i, src in feeds:
-            stage[at] = rnd.slots[i] * block
-            stage[at + len(feeds)] = src
-            at += 1
-        at += len(feeds)
-        for i in keep:
-            n = len(passes[i][0])
-            k = min(passes[i][3], n)
-            lo = rnd.slots[i] * block + n - k
-            stage[at : at + k] = range(lo, lo + k)
-            at += k
+        kept = _stage_indices(self._stage_np[rnd.turn], rnd, feeds, keep)
         self.replay_round(rnd, len(feeds), kept, after)
         return rnd
 
@@ -338,7 +289,7 @@ class SlotGraphs:
             self.starts[:batch].copy_(stage[rows : rows + batch], non_blocking=True)
             if extra:
                 self._index[:extra].copy_(stage[rows + batch : rows + batch + extra], non_blocking=True)
-            self._feed(feeds, after)
+            _feed(self.tokens, self._index, feeds, after)
             entry = self._graphs.get(key)
             if entry is None:
                 entry = self._graphs[key] = capture(lambda: self._forward(batch, block, keys_len), self.pool)
@@ -348,7 +299,7 @@ class SlotGraphs:
             graph.replay()
             self.replays += 1
             self._hosts[rnd.turn][:rows].copy_(argmax, non_blocking=True)
-            self._keep_aside(rnd, logits, feeds, kept)
+            _keep_aside(self._side, self._index, rnd, logits, feeds, kept)
             self._ended[rnd.turn].record()
         else:  # CPU (tests): the same forward, synchronous, timed on the wall clock
             t0 = time.perf_counter()
@@ -356,28 +307,13 @@ class SlotGraphs:
             self.starts[:batch].copy_(stage[rows : rows + batch])
             if extra:
                 self._index[:extra].copy_(stage[rows + batch : rows + batch + extra])
-            self._feed(feeds, after)
+            _feed(self.tokens, self._index, feeds, after)
             logits, argmax = self._forward(batch, block, keys_len)
             self._hosts[rnd.turn][:rows].copy_(argmax)
-            self._keep_aside(rnd, logits, feeds, kept)
+            _keep_aside(self._side, self._index, rnd, logits, feeds, kept)
             ms = (time.perf_counter() - t0) * 1e3
             self._cost[key] = min(ms, self._cost.get(key, ms))
         rnd.logits, rnd.argmax = logits, argmax
-
-    def _feed(self, feeds: int, after: LaunchedRound | None) -> None:
-        """Fed rows' tokens: the argmax of their sources in the round before (queued behind it on the stream)."""
-        if feeds:
-            dst, src = self._index[:feeds], self._index[feeds : 2 * feeds]
-            self.tokens.index_copy_(0, dst, after.argmax.index_select(0, src))
-
-    def _keep_aside(self, rnd: LaunchedRound, logits: Tensor, feeds: int, kept: int) -> None:
-        if kept:
-            side = self._side[rnd.turn]
-            if side is None or side.dtype != logits.dtype or side.shape[1] != logits.shape[1]:
-                side = self._side[rnd.turn] = logits.new_empty((SIDE_ROWS, logits.shape[1]))
-            at = 2 * feeds
-            torch.index_select(logits, 0, self._index[at : at + kept], out=side[:kept])
-            rnd.side = side
 
     def _stage_passes(
         self, passes: list[tuple[Tensor | list[int], KVCache, int, int]], turn: int = 0
@@ -446,3 +382,83 @@ class SlotGraphs:
                         if key not in self._graphs:
                             self._graphs[key] = capture(lambda key=key: self._forward(*key), self.pool)
                             self.captures += 1
+
+
+@torch.inference_mode()
+def prefill_slots(
+    graphs: SlotGraphs, passes: list[tuple[Tensor, KVCache, int, int]], best: list | None = None
+) -> list[Tensor]:
+    """``SlotGraphs.prefill``: one eager ``forward_batch`` over the slot range for several slotted chunks."""
+    slots = [graphs._slot[id(c)] for _, c, _, _ in passes]
+    lens = [len(t) for t, _, _, _ in passes]
+    block = -(-max(lens) // 16) * 16
+    batch = batch_bucket(max(slots) + 1, graphs.streams)
+    keys_len = key_bucket(max(s + block for _, _, s, _ in passes), graphs.slot_len + SLOT_SCRATCH)
+    dev = graphs.tokens.device
+    tokens = torch.zeros(batch, block, dtype=torch.long)
+    starts = [graphs.slot_len] * batch
+    last = [0] * batch
+    for slot, n, (t, _, start, _) in zip(slots, lens, passes, strict=True):
+        tokens[slot, :n] = torch.as_tensor(t) if isinstance(t, list) else t.cpu()
+        starts[slot], last[slot] = start, n - 1
+    logits = forward_batch(
+        graphs.model,
+        graphs.cache.keys[:, :batch],
+        graphs.cache.values[:, :batch],
+        tokens.to(dev),
+        torch.tensor(starts, dtype=torch.long).to(dev),
+        keys_len,
+        last=torch.tensor(last, dtype=torch.long).to(dev),
+        attention=graphs.attention,
+    )
+    host = logits.argmax(-1).tolist() if best is not None else None
+    out = []
+    for slot, n, (_, cache, start, _) in zip(slots, lens, passes, strict=True):
+        cache.length = start + n
+        out.append(logits[slot : slot + 1])
+        if host is not None:
+            best.append(host[slot : slot + 1])
+    return out
+
+
+def _feed(tokens: Tensor, index: Tensor, feeds: int, after: LaunchedRound | None) -> None:
+    """Fed rows' tokens: the argmax of their sources in the round before (queued behind it on the stream)."""
+    if feeds:
+        tokens.index_copy_(0, index[:feeds], after.argmax.index_select(0, index[feeds : 2 * feeds]))
+
+
+def _keep_aside(
+    sides: list[Tensor | None], index: Tensor, rnd: LaunchedRound, logits: Tensor, feeds: int, kept: int
+) -> None:
+    """Copy the round's kept rows (their indices after the fed rows') into its turn's side buffer."""
+    if kept:
+        side = sides[rnd.turn]
+        if side is None or side.dtype != logits.dtype or side.shape[1] != logits.shape[1]:
+            side = sides[rnd.turn] = logits.new_empty((SIDE_ROWS, logits.shape[1]))
+        torch.index_select(logits, 0, index[2 * feeds : 2 * feeds + kept], out=side[:kept])
+        rnd.side = side
+
+
+def _stage_indices(stage, rnd: LaunchedRound, feeds: list[tuple[int, int]], keep: list[int]) -> int:
+    """Stage the device's index lists after the round's starts: fed rows' destinations and sources, then the kept
+    rows (noted in ``rnd.kept``); the number of kept rows."""
+    passes, block = rnd.passes, rnd.key[1]
+    kept = 0
+    for i in keep:
+        rnd.kept[i] = kept
+        kept += min(passes[i][3], len(passes[i][0]))
+    if kept > SIDE_ROWS:
+        raise ValueError(f"{kept} rows to keep aside, at most {SIDE_ROWS}")
+    at = rnd.key[0] * block + rnd.key[0]
+    for i, src in feeds:
+        stage[at] = rnd.slots[i] * block
+        stage[at + len(feeds)] = src
+        at += 1
+    at += len(feeds)
+    for i in keep:
+        n = len(passes[i][0])
+        k = min(passes[i][3], n)
+        lo = rnd.slots[i] * block + n - k
+        stage[at : at + k] = range(lo, lo + k)
+        at += k
+    return kept
