@@ -129,8 +129,9 @@ class FedRounds(Rounds):
 
     # -- the steps of a round ------------------------------------------------------------------------------------
     def _live(self, ahead: _Ahead) -> list[tuple[_Seq, object]]:
-        """The round's rows that belong to a running sequence (not a dropped guess)."""
-        return [(s, p) for s, p in ahead.rows if not (isinstance(p, FedPass) and p.dropped)]
+        """The round's rows that belong to a running sequence (not one that has ended, nor a dropped guess)."""
+        active = {id(s) for s in self.active}
+        return [(s, p) for s, p in ahead.rows if id(s) in active and not (isinstance(p, FedPass) and p.dropped)]
 
     def _match(self, ahead: _Ahead) -> list[_Seq]:
         """Check the round in flight's guesses against the passes their sequences now ask for; the sequences whose
