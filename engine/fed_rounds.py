@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from engine import env_settings
 from engine.decoding.passes import FedPass, Forward
-from engine.rounds import SLOW_ROUND_MS, Rounds, _Seq
+from engine.rounds import Rounds, _Seq
 from engine.steps import STREAM_NOW
 
 
@@ -115,16 +115,7 @@ class FedRounds(Rounds):
         c.add("sched_pass_ms", (t2 - t1 + t4 - t3) * 1e3)
         c.add("sched_launch_ms", (t2 - t1) * 1e3)
         c.add("sched_overlap_ms", (t3 - t2) * 1e3)
-        c.add("sched_advance_ms", (time.perf_counter() - t4) * 1e3)
-        round_ms = (time.perf_counter() - t0) * 1e3
-        c.add("sched_round_ms", round_ms)
-        if round_ms >= SLOW_ROUND_MS:
-            c.add("sched_slow_rounds")
-            c.add("sched_slow_round_ms", round_ms)
-            c.add("sched_slow_drafts_ms", (t1 - t0) * 1e3)
-            c.add("sched_slow_overlap_ms", (t3 - t2) * 1e3)
-            c.add("sched_slow_advance_ms", round_ms - (t4 - t0) * 1e3)
-        self.passes.round_done(round_ms)
+        self._round_times(t0, t1, t2, t3, t4)
         return bool(ended)
 
     # -- the steps of a round ------------------------------------------------------------------------------------

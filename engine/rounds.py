@@ -91,6 +91,13 @@ class Rounds:
             if id(seq) not in ended and not self.advance(seq, out):
                 ended.add(id(seq))
         self.active = [s for s in self.active if id(s) not in ended]
+        self._round_times(t0, t1, t2, t3, t4)
+        return bool(ended)
+
+    def _round_times(self, t0: float, t1: float, t2: float, t3: float, t4: float) -> None:
+        """Count a round's time: started t0, drafted and chose blocks by t1, launched by t2, streamed and admitted
+        by t3, read the passes by t4, advanced by now."""
+        c = self.counts
         c.add("sched_advance_ms", (time.perf_counter() - t4) * 1e3)
         round_ms = (time.perf_counter() - t0) * 1e3
         c.add("sched_round_ms", round_ms)
@@ -101,7 +108,6 @@ class Rounds:
             c.add("sched_slow_overlap_ms", (t3 - t2) * 1e3)
             c.add("sched_slow_advance_ms", round_ms - (t4 - t0) * 1e3)
         self.passes.round_done(round_ms)
-        return bool(ended)
 
     def _drafts(self) -> None:
         """Answer every request waiting for greedy draft tokens: token i of all drafts in one pass."""

@@ -27,6 +27,12 @@ def _requests(n: int, max_tokens: int) -> list[CompletionRequest]:
     ]
 
 
+def _plain(target, requests: list[CompletionRequest]) -> list[str]:
+    """Each request's text from `fimble lsp`'s engine, one at a time: what plain decoding gives."""
+    plain = LocalEngine(target, None, start_thread=False)
+    return [plain.complete(r).text for r in requests]
+
+
 def _serve(engine: ServeEngine, requests: list[CompletionRequest]) -> tuple[list[str], dict]:
     thread = threading.Thread(target=engine.serve_forever, daemon=True)
     thread.start()
@@ -42,11 +48,9 @@ def _serve(engine: ServeEngine, requests: list[CompletionRequest]) -> tuple[list
 
 def test_fed_rounds_give_plain_output(compact_target, one_thread):
     requests = _requests(5, 24)
-    plain = LocalEngine(compact_target, None, start_thread=False)
-    expected = [plain.complete(r).text for r in requests]
     engine = ServeEngine(compact_target, None, batch=True, slots=True, overlap=True)
     texts, c = _serve(engine, requests)
-    assert texts == expected
+    assert texts == _plain(compact_target, requests)
     assert not c.get("failed")
     assert c["sched_fed_rounds"] > 0 and c["sched_fed_matched"] > 0
     # Every guess is either some sequence's pass or dropped, once the last round is read.
@@ -57,19 +61,16 @@ def test_fed_rounds_give_plain_output(compact_target, one_thread):
 def test_feed_off_runs_plain_rounds(compact_target, one_thread, monkeypatch):
     monkeypatch.setenv("FIMBLE_SERVE_FEED", "0")
     requests = _requests(3, 16)
-    plain = LocalEngine(compact_target, None, start_thread=False)
-    expected = [plain.complete(r).text for r in requests]
     engine = ServeEngine(compact_target, None, batch=True, slots=True, overlap=True)
     texts, c = _serve(engine, requests)
-    assert texts == expected
+    assert texts == _plain(compact_target, requests)
     assert c["sched_fed_rows"] == 0 and c["sched_fed_rounds"] == 0 and c["sched_graph_rounds"] > 0
 
 
 def test_cancels_under_fed_rounds_free_slots_and_keep_caches_exact(compact_target, one_thread):
     """Sequences cancelled while fed rows of theirs are in flight: no slot leaks, and the caches they leave behind
     serve the next requests exactly (a dropped row's key/value write lies past the cache's length)."""
-    plain = LocalEngine(compact_target, None, start_thread=False)
-    expected = [plain.complete(r).text for r in _requests(4, 20)]
+    expected = _plain(compact_target, _requests(4, 20))
     engine = ServeEngine(compact_target, None, batch=True, slots=True, overlap=True)
     thread = threading.Thread(target=engine.serve_forever, daemon=True)
     thread.start()
