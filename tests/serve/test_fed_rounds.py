@@ -20,6 +20,12 @@ from engine.runtimes.cuda_graphs import SlotGraphs
 from engine.serve.scheduler import ServeEngine
 
 
+@pytest.fixture(autouse=True)
+def feed_on(monkeypatch):
+    """Fed rounds are opt-in (engine/env_settings.py says why): on for these tests unless a test turns them off."""
+    monkeypatch.setenv("FIMBLE_SERVE_FEED", "1")
+
+
 def _requests(n: int, max_tokens: int) -> list[CompletionRequest]:
     return [
         CompletionRequest(p, s, options=DecodeOptions(max_tokens=max_tokens), document_id=f"fed{i}")
