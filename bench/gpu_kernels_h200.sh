@@ -212,6 +212,43 @@ fed)
     grep -E "serve slotted|passed|failed|Error" "$O/tests.log" | tail -8
     echo "== job done"
     ;;
+feddiag)
+    # Where fimble serve stops with fed rounds on (2026-12-07, H100: 32 editors, no result in 240 s). Every Python
+    # process dumps its threads' stacks on SIGUSR1 (a sitecustomize) into $OUT; the daemon's log is kept too.
+    # carry .whl; ~5 min in the foreground.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    mkdir -p /tmp/fh/site
+    cat >/tmp/fh/site/sitecustomize.py <<'PY'
+import faulthandler, os, signal, sys
+_f = open(f"/tmp/fh/{os.getpid()}-{os.path.basename(sys.argv[0] or 'py')}.txt", "w")
+_f.write(" ".join(sys.argv) + "\n"); _f.flush()
+faulthandler.register(signal.SIGUSR1, file=_f, all_threads=True)
+PY
+    export PYTHONPATH=/tmp/fh/site:/tmp/site PYTHONUNBUFFERED=1 FIMBLE_SERVE_FEED=1
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    S="python3 -m bench.serve_load --device cuda --shape 1.5B --no-peer --max-tokens 128 --max-lines 0"
+    for run in ${FEDDIAG_RUNS:-c32:on:32 p32:off:32 c4:on:4}; do
+        IFS=: read -r tag proc level rounds <<<"$run"
+        rm -f /tmp/fh/*.txt /tmp/fimble-serve-load-*.log
+        timeout 150 $S --levels "$level" --rounds "${rounds:-1}" --engine-process "$proc" --json "$OUT/diag-$tag.json" >"$OUT/diag-$tag.txt" 2>&1 &
+        for _ in $(seq 100); do sleep 1; [ -s "$OUT/diag-$tag.json" ] && break; done
+        if [ ! -s "$OUT/diag-$tag.json" ]; then
+            nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >"$OUT/diag-$tag-smi.txt"
+            ps -eo pid,ppid,stat,pcpu,etime,args | grep -E -- "-m (bench|engine)" | grep -v grep >"$OUT/diag-$tag-ps.txt"
+            pkill -USR1 -f -- "-m (bench|engine)\."
+            sleep 3
+            pkill -USR1 -f -- "-m (bench|engine)\."
+            sleep 2
+            tail -c 6000 /tmp/fimble-serve-load-*.log >"$OUT/diag-$tag-daemon.log" 2>&1
+            for f in /tmp/fh/*.txt; do echo "=== $f"; cat "$f"; done >"$OUT/diag-$tag-stacks.txt"
+            pkill -f -- "-m (bench|engine)\."; sleep 3; pkill -9 -f -- "-m (bench|engine)\."
+            echo "$tag: hung (stacks kept)"
+        else
+            echo "$tag: $(tail -1 "$OUT/diag-$tag.txt")"
+        fi
+        wait
+    done
+    ;;
 wide)
     # The wide tiles at WIDE_ROWS 16 (batched rounds too), in the foreground (carry .whl and .devcarry/k27t; ~7 min;
     # every result straight into $OUT, so a call cut short by the device budget still returns what ran): 32 editors

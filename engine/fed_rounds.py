@@ -84,6 +84,9 @@ class FedRounds(Rounds):
             ended |= self._collect(ahead, ended)
             ahead, joined, fed = None, [], []
             self._keep(ended)
+            # Those sequences are gone, and a sequence admitted below may be given one's freed address: their ids
+            # must not be matched again (a newcomer dropped without an answer hung 32 editors on an H100).
+            ended = set()
         self._drafts()
         in_flight = {id(s) for s in joined} | ({id(s) for s, _ in ahead.rows} if ahead is not None else set())
         waiting = [s for s in self.active if isinstance(s.pending, Forward) and id(s) not in in_flight]

@@ -15,9 +15,12 @@ from bench.harness.prompts import fim_prompts
 from engine.api import CompletionRequest, DecodeOptions
 from engine.decoding.draft_plan import FED_DRAFT_TOKENS, DraftPlan
 from engine.decoding.drafters import Draft
+from engine.decoding.passes import Forward
+from engine.fed_rounds import FedRounds
 from engine.local import LocalEngine
 from engine.runtimes.cuda_graphs import SlotGraphs
 from engine.serve.scheduler import ServeEngine
+from engine.steps import AWAIT
 
 
 @pytest.fixture(autouse=True)
@@ -167,3 +170,68 @@ def test_under_fed_rounds_a_draft_must_be_worth_a_round(rate, fed, drafted):
         assert plan.shadow == [7, 8, 9]
     expected = plan.acceptance["ngram"].expected_tokens(3)
     assert (expected >= FED_DRAFT_TOKENS) == drafted or not fed
+
+
+class _Stream:
+    cancelled = False
+
+    def __init__(self):
+        self.deltas = []
+
+    def push(self, delta):
+        self.deltas.append(delta)
+
+
+class _Passes:
+    """The passes FedRounds drives, with no model: every call's logits are a string, every guess holds token 5."""
+
+    can_feed, ahead_ok = True, True
+
+    def shorten(self, calls):
+        pass
+
+    def launch(self, calls, fed=(), keep_rows=False):
+        return list(calls), list(fed)
+
+    def collect(self, launched):
+        calls, fed = launched
+        for f in fed:
+            f.best, f.logits = [5], "row"
+        return ["logits"] * len(calls)
+
+    def round_done(self, round_ms):
+        pass
+
+
+def _steps(passes: int):
+    """A request that runs ``passes`` prefill-like passes (nothing to feed: no decoder), then ends."""
+    for i in range(passes):
+        yield Forward([1], object(), i)
+        yield AWAIT
+
+
+def test_a_request_admitted_in_a_round_that_ended_another_stays_active(monkeypatch):
+    """A round that reads the round in flight first (few to feed) and ends a sequence there, then admits a new one
+    that CPython places at the ended one's freed address: the new one runs. (A set of ended sequences' ids outlived
+    the sequences, and such a newcomer was dropped without an answer: 32 editors through fimble serve hung on an
+    H100, 2026-12-07.) The allocator's reuse is made certain here: a sequence's id is its request's "address"."""
+    import builtins
+
+    from engine.counters import Counters
+    from engine.rounds import _Seq
+    from engine.scheduler import COUNTER_NAMES, SCHED_COUNTERS
+
+    monkeypatch.setattr(
+        "engine.fed_rounds.id", lambda o: hash(o.request) if isinstance(o, _Seq) else builtins.id(o), raising=False
+    )
+    rounds = FedRounds(_Passes(), Counters(COUNTER_NAMES + SCHED_COUNTERS), overlap=True, error_detail=False, feed=True)
+    newcomer = _Stream()
+    rounds.start("address 1", _Stream(), _steps(1), "short")
+    rounds.start("address 2", _Stream(), _steps(3), "long")
+    rounds.run(lambda: None)  # launches both
+    # Reads them first (nothing to feed: no decoder), "short" ends, then a request lands where it was.
+    rounds.run(lambda: rounds.start("address 1", newcomer, _steps(2), "new"))
+    assert sorted(rounds.keys()) == ["long", "new"]
+    for _ in range(6):
+        rounds.run(lambda: None)
+    assert not rounds.active and rounds.ahead is None
