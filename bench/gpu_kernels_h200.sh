@@ -224,20 +224,20 @@ _f = open(f"/tmp/fh/{os.getpid()}-{os.path.basename(sys.argv[0] or 'py')}.txt", 
 _f.write(" ".join(sys.argv) + "\n"); _f.flush()
 faulthandler.register(signal.SIGUSR1, file=_f, all_threads=True)
 PY
-    export PYTHONPATH=/tmp/fh/site:/tmp/site PYTHONUNBUFFERED=1 FIMBLE_SERVE_FEED=1
+    export PYTHONPATH=/tmp/fh/site:/tmp/site PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
     S="python3 -m bench.serve_load --device cuda --shape 1.5B --no-peer --max-tokens 128 --max-lines 0"
     for run in ${FEDDIAG_RUNS:-c32:on:32 p32:off:32 c4:on:4}; do
-        IFS=: read -r tag proc level rounds <<<"$run"
+        IFS=: read -r tag proc level rounds feed <<<"$run"
         rm -f /tmp/fh/*.txt /tmp/fimble-serve-load-*.log
-        timeout 150 $S --levels "$level" --rounds "${rounds:-1}" --engine-process "$proc" --json "$OUT/diag-$tag.json" >"$OUT/diag-$tag.txt" 2>&1 &
+        FIMBLE_SERVE_FEED=${feed:-1} timeout 150 $S --levels "$level" --rounds "${rounds:-1}" --engine-process "$proc" --json "$OUT/diag-$tag.json" >"$OUT/diag-$tag.txt" 2>&1 &
         for _ in $(seq 100); do sleep 1; [ -s "$OUT/diag-$tag.json" ] && break; done
         if [ ! -s "$OUT/diag-$tag.json" ]; then
             nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >"$OUT/diag-$tag-smi.txt"
             ps -eo pid,ppid,stat,pcpu,etime,args | grep -E -- "-m (bench|engine)" | grep -v grep >"$OUT/diag-$tag-ps.txt"
-            pkill -USR1 -f -- "-m (bench|engine)\."
+            pkill -USR1 -f -- "^[^ ]*python3? -m (bench|engine)\."
             sleep 3
-            pkill -USR1 -f -- "-m (bench|engine)\."
+            pkill -USR1 -f -- "^[^ ]*python3? -m (bench|engine)\."
             sleep 2
             tail -c 6000 /tmp/fimble-serve-load-*.log >"$OUT/diag-$tag-daemon.log" 2>&1
             for f in /tmp/fh/*.txt; do echo "=== $f"; cat "$f"; done >"$OUT/diag-$tag-stacks.txt"
@@ -248,6 +248,12 @@ PY
         fi
         wait
     done
+    if [ -n "${FEDDIAG_TESTS:-}" ]; then  # the serve slot tests on CUDA, fed rounds on (carry .devcarry/k27t too)
+        tar -xJf .devcarry/k27t/target.tar.xz -C models
+        FIMBLE_SERVE_FEED=1 timeout "$FEDDIAG_TESTS" python3 -m pytest -q -s -p no:cacheprovider \
+            tests/gpu/test_serve_graph_slots.py tests/gpu/test_serve_batched_gpu.py >"$OUT/tests.log" 2>&1
+        grep -E "serve slotted|passed|failed|Error" "$OUT/tests.log" | tail -8
+    fi
     ;;
 wide)
     # The wide tiles at WIDE_ROWS 16 (batched rounds too), in the foreground (carry .whl and .devcarry/k27t; ~7 min;

@@ -458,6 +458,10 @@ async def level(url: str, editors: int, chars: int, think_s: float, max_tokens: 
         "mean_advance_ms": round(advance_ms / rounds, 2) if rounds else 0,
         "mean_graph_gpu_ms": round(gpu_ms / graph_rounds, 2) if graph_rounds else 0,
         "drafts_shortened": shortened,
+        # the slotted graphs' mean shape: batch (slots) x block (rows a slot), attended keys
+        "mean_graph_batch": round(diff("sched_graph_batch") / graph_rounds, 1) if graph_rounds else 0,
+        "mean_graph_block": round(diff("sched_graph_block") / graph_rounds, 2) if graph_rounds else 0,
+        "mean_graph_keys": round(diff("sched_graph_keys") / graph_rounds) if graph_rounds else 0,
         # fed rounds (engine/fed_rounds.py): rounds launched before the one in flight was read, guessed steps
         "fed_rounds": diff("sched_fed_rounds"),
         "fed_rows": diff("sched_fed_rows"),
@@ -743,7 +747,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['mean_rows_per_round']}, round {r['mean_round_ms']} ms (passes {r['mean_pass_ms']} ms, "
                     f"launching {r['mean_launch_ms']} ms of it, "
                     f"overlapped {r['mean_overlap_ms']} ms, advancing {r['mean_advance_ms']} ms, "
-                    f"graph GPU {r['mean_graph_gpu_ms']} ms, busy {r['busy_share']:.0%}), drafts cut "
+                    f"graph GPU {r['mean_graph_gpu_ms']} ms of {r.get('mean_graph_batch', 0)} x "
+                    f"{r.get('mean_graph_block', 0)} rows, {r.get('mean_graph_keys', 0)} keys, busy "
+                    f"{r['busy_share']:.0%}), drafts cut "
                     f"{r['drafts_shortened']}, fed rounds {r['fed_rounds']:.0f} ({r['fed_matched']:.0f} of "
                     f"{r['fed_rows']:.0f} guessed steps held), load {r['load_average']}",
                     flush=True,

@@ -80,6 +80,9 @@ SCHED_COUNTERS = (
     "sched_overlap_ms",  # of which streaming text and admitting requests while the passes run (overlap)
     "sched_advance_ms",  # of which verifying every sequence's logits and preparing its next pass (after the wait)
     "sched_gpu_ms",  # slotted rounds: GPU time of their graph replays
+    "sched_graph_batch",  # slotted rounds: the graphs' batch (slots), block (rows a slot) and key length, summed
+    "sched_graph_block",
+    "sched_graph_keys",
     "sched_shortened",  # verify blocks cut by the round's block choice (SlottedPasses.shorten)
     "sched_slow_rounds",  # rounds of SLOW_ROUND_MS or more (engine/rounds.py): stalls every active request sees
     "sched_slow_round_ms",  # the wall time of those rounds, of which:

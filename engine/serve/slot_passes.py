@@ -104,7 +104,10 @@ class SlottedPasses(PassRunner):
             self.ahead_ok = kept <= SIDE_ROWS  # more than the side buffer holds: read it before the next launch
             graph = slots.launch(passes, feeds, self._last_round if fed else None, keep if self.ahead_ok else ())
             self._last_round = graph
-            block = graph.key[1]
+            batch, block, keys = graph.key  # (means over rounds: bench/serve_load.py)
+            self.counts.add("sched_graph_batch", batch)
+            self.counts.add("sched_graph_block", block)
+            self.counts.add("sched_graph_keys", keys)
             objs = [calls[i] for i in fast] + list(fed)
             self._last_rows = {
                 id(o): slot * block + len(p[0]) - 1 for o, slot, p in zip(objs, graph.slots, passes, strict=True)
