@@ -179,9 +179,13 @@ class FedRounds(Rounds):
                 continue
             if isinstance(p, FedPass):
                 p.forward.best, out = p.best, p.logits
+                going = self.advance(seq, out)
+            elif p.reads_logits:  # (its rows were kept aside: read where the round in flight does not hold them up)
+                with self.passes.reading(ahead.launched):
+                    going = self.advance(seq, by_call[id(p)])
             else:
-                out = by_call[id(p)]
-            if not self.advance(seq, out):
+                going = self.advance(seq, by_call[id(p)])
+            if not going:
                 done.add(id(seq))
         return done
 

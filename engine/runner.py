@@ -8,6 +8,8 @@ forward (engine/serve/batched.py), else each through the runtime's own forward (
 
 from __future__ import annotations
 
+import contextlib
+
 from engine.counters import Counters
 from engine.decoding.passes import DraftNeed, Forward, run_one
 
@@ -65,6 +67,11 @@ class PassRunner:
 
     def round_done(self, round_ms: float) -> None:
         """A round took ``round_ms`` (slotted rounds learn their host time from it)."""
+
+    def reading(self, launched):
+        """Where the host reads a collected round's rows as logits while a later round runs (fed rounds): here,
+        nothing runs ahead, so anywhere."""
+        return contextlib.nullcontext()
 
     def run(self, calls: list[Forward]) -> list:
         runtime = self.runtime

@@ -3,6 +3,7 @@ one batched cache, and one captured graph per round for all of their short passe
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -148,6 +149,9 @@ class SlotGraphs:
         if self.use_graphs:
             self._began = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             self._ended = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        # Reads of a collected round's rows while the next round runs (``reading``): on the round's stream they would
+        # wait for that next round (a healed first token held every fed round's launch by a whole graph on an H100).
+        self.reader = torch.cuda.Stream(device=model.device) if self.use_graphs else None
         self._cost: dict[tuple[int, int, int], float] = {}  # graph key -> fastest replay seen, ms of GPU time
         self._free = list(range(streams))  # a heap: the lowest free slot first
         self._slot: dict[int, int] = {}  # id(view) -> slot
@@ -344,6 +348,22 @@ class SlotGraphs:
             self._ended[rnd.turn].synchronize()
             ms = self._began[rnd.turn].elapsed_time(self._ended[rnd.turn])
             self._cost[rnd.key] = min(ms, self._cost.get(rnd.key, ms))
+
+    @contextlib.contextmanager
+    def reading(self, rnd: LaunchedRound):
+        """A context for the host's reads of ``rnd``'s rows (collected) as logits: on CUDA its device work runs on a
+        side stream that waits for ``rnd`` alone, and the round's stream waits for those reads before anything it
+        queues next (the next launch of ``rnd``'s turn rewrites the rows kept aside)."""
+        if self.reader is None:
+            yield
+            return
+        main = torch.cuda.current_stream(self.reader.device)
+        self.reader.wait_event(self._ended[rnd.turn])
+        try:
+            with torch.cuda.stream(self.reader):
+                yield
+        finally:
+            main.wait_stream(self.reader)
 
     def _hand_out(self, rnd: LaunchedRound, best: list | None, lazy: bool, skip=()) -> list:
         """Each pass's rows of a finished round (and their argmax into ``best``); the caches' lengths move on."""

@@ -10,6 +10,7 @@ longer than a slot) a sequence runs as ``PassRunner`` runs it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from engine.decoding.passes import FedPass, Forward
@@ -150,6 +151,12 @@ class SlottedPasses(PassRunner):
                 self.counts.add("sched_gpu_ms", gpu)
                 self._last_gpu_ms = gpu
         return out
+
+    def reading(self, launched: tuple):
+        """The host's reads of a collected round's kept rows (a healed or sampled choice) go to a side stream on CUDA,
+        so they do not queue behind the round launched after it (SlotGraphs.reading)."""
+        graph = launched[2]
+        return self.slots.reading(graph) if graph is not None else contextlib.nullcontext()
 
     def round_done(self, round_ms: float) -> None:
         gpu_ms, self._last_gpu_ms = self._last_gpu_ms, None

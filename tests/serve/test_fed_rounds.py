@@ -5,6 +5,7 @@ aside, guesses matched and dropped, and output equal to plain decoding."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -201,6 +202,9 @@ class _Passes:
 
     def round_done(self, round_ms):
         pass
+
+    def reading(self, launched):
+        return contextlib.nullcontext()
 
 
 def _steps(passes: int):
