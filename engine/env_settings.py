@@ -228,8 +228,8 @@ TABLE: tuple[Setting, ...] = (
     # -- fimble serve --------------------------------------------------------------------------------------------
     switch("FIMBLE_SERVE_SLOTS", True, "CUDA: batched rounds replay one graph over slots (serve/scheduler.py)"),
     switch("FIMBLE_SERVE_OVERLAP", True, "CUDA: a round's host work overlaps its passes (serve/scheduler.py)"),
-    # Off by default: 32 editors through fimble serve hung with it on an H100 (2026-12-07), while 8 requests through
-    # a ServeEngine on CUDA passed; on again once that is found (docs/decisions.md, fed rounds).
+    # Off by default: at 32 editors on an H100 (2026-12-07) fed rounds gave 0.8x the plain loop's tok/s, since drafting
+    # sequences and new requests sit out a round each (docs/decisions.md, fed rounds).
     switch("FIMBLE_SERVE_FEED", False, "CUDA: the next round launched before this one is read (fed_rounds.py)"),
     switch("FIMBLE_SERVE_PROMPT_MEMO", True, "build a prompt from the editor's previous one (serve/scheduler.py)"),
     switch("FIMBLE_SERVE_GC_FREEZE", True, "freeze start-up objects out of the collector (serve/gc_pauses.py)"),
