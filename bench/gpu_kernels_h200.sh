@@ -228,9 +228,9 @@ PY
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
     S="python3 -m bench.serve_load --device cuda --shape 1.5B --no-peer --max-tokens 128 --max-lines 0"
     for run in ${FEDDIAG_RUNS:-c32:on:32 p32:off:32 c4:on:4}; do
-        IFS=: read -r tag proc level rounds feed <<<"$run"
+        IFS=: read -r tag proc level rounds feed tail <<<"$run"
         rm -f /tmp/fh/*.txt /tmp/fimble-serve-load-*.log
-        FIMBLE_SERVE_FEED=${feed:-1} timeout 150 $S --levels "$level" --rounds "${rounds:-1}" --engine-process "$proc" --json "$OUT/diag-$tag.json" >"$OUT/diag-$tag.txt" 2>&1 &
+        FIMBLE_SERVE_FEED=${feed:-1} FIMBLE_SERVE_TAIL_ROWS=${tail:-0} timeout 150 $S --levels "$level" --rounds "${rounds:-1}" --engine-process "$proc" --json "$OUT/diag-$tag.json" >"$OUT/diag-$tag.txt" 2>&1 &
         for _ in $(seq 100); do sleep 1; [ -s "$OUT/diag-$tag.json" ] && break; done
         if [ ! -s "$OUT/diag-$tag.json" ]; then
             nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >"$OUT/diag-$tag-smi.txt"

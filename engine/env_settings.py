@@ -230,6 +230,9 @@ TABLE: tuple[Setting, ...] = (
     switch("FIMBLE_SERVE_OVERLAP", True, "CUDA: a round's host work overlaps its passes (serve/scheduler.py)"),
     # Off by default: at 32 editors on an H100 (2026-12-07) fed rounds gave 0.8x the plain loop's tok/s, since drafting
     # sequences and new requests sit out a round each (docs/decisions.md, fed rounds).
+    # A keystroke's last prefill pass (its new tokens and the heal draft) is cut to this many rows in a slotted round
+    # (engine/steps.py _prefill): a longer pass pads every slot of the round's graph to its block. 0: no cap.
+    whole("FIMBLE_SERVE_TAIL_ROWS", 0, 0, 16, "slotted rounds: rows of a keystroke's last prefill pass (steps.py)"),
     switch("FIMBLE_SERVE_FEED", False, "CUDA: the next round launched before this one is read (fed_rounds.py)"),
     switch("FIMBLE_SERVE_PROMPT_MEMO", True, "build a prompt from the editor's previous one (serve/scheduler.py)"),
     switch("FIMBLE_SERVE_GC_FREEZE", True, "freeze start-up objects out of the collector (serve/gc_pauses.py)"),

@@ -68,6 +68,10 @@ class PassRunner:
     def round_done(self, round_ms: float) -> None:
         """A round took ``round_ms`` (slotted rounds learn their host time from it)."""
 
+    def tail_rows(self) -> int:
+        """The most rows a keystroke's last prefill pass may take (0: no cap; slotted rounds only)."""
+        return 0
+
     def reading(self, launched):
         """Where the host reads a collected round's rows as logits while a later round runs (fed rounds): here,
         nothing runs ahead, so anywhere."""

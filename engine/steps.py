@@ -40,6 +40,9 @@ AWAIT = object()
 # left; the rest is the answer's own pass (which computes the logits it needs and carries the heal draft): as in
 # llama.cpp's own prefill, its rows take the many-row kernels (engine/runtimes/ggml_runtime.py ``_blocks``).
 PREFILL_TAIL = 128
+# A slotted round's cap on a keystroke's last pass (FIMBLE_SERVE_TAIL_ROWS) applies where at most this many prompt
+# tokens are left; a longer tail (a paste) runs as one pass, rather than a round per few tokens.
+MAX_CAPPED_TAIL = 4
 # A background request (Tab-Tab's follow-up: nobody waits on it yet) prefills in passes no longer than a pre-warm's
 # (engine/background.py PREWARM_CHUNK), its last one included: the host's quiet stop (lsp_server/decodes.py) lands
 # between passes, and one pass of PREFILL_TAIL tokens is over a second on a 2-core CPU. A follow-up of a cold answer
@@ -172,6 +175,7 @@ def _prefill(
     cache, device = doc.target, decoder.runtime.device
     if pos < cache.length:
         cache.rollback(pos)
+    cap = eng.passes.tail_rows() if slotted else 0
     while True:
         last = len(prompt) - pos <= tail
         end = len(prompt) if last else pos + chunk_len
@@ -180,6 +184,13 @@ def _prefill(
             draft = decoder.prefill_draft(len(prompt))
             if slotted and not eng.passes.fits_heal_draft(end - pos + len(draft)):
                 draft = []  # slotted: a longer chunk runs in SlotGraphs.prefill, last logits only
+            if cap and end - pos <= MAX_CAPPED_TAIL:
+                # A slotted round pads every slot to its longest pass: a keystroke's few new tokens and heal draft
+                # go in passes of at most ``cap`` rows (a shorter heal draft: the rest is healed step by step).
+                draft = draft[: cap - 1]
+                if end - pos + len(draft) > cap:
+                    last, draft = False, []
+                    end = min(pos + cap, len(prompt) - 1)
         chunk = prompt[pos:end] + draft
         numpy = not slotted and decoder.numpy_ok  # host ids in, numpy rows out: the ggml runtime, no torch
         if not (slotted or numpy):  # (slotted: host ids, staged with the round's others)

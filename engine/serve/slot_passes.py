@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from engine import env_settings
 from engine.decoding.passes import FedPass, Forward
 from engine.decoding.spec_policy import MIN_GAIN
 from engine.runner import PassRunner
@@ -38,6 +39,7 @@ class SlottedPasses(PassRunner):
 
         self.slots = SlotGraphs(eager_runtime(target_runtime), max_active, slot_len, graph_attention(target_runtime))
         self.max_active = max_active
+        self._tail_rows = env_settings.read("FIMBLE_SERVE_TAIL_ROWS")
         self._host_ms = 0.0  # running mean of a graph round's wall time beyond its graph's GPU time
         self._last_round = None  # the last graph launched, and each of its passes' last row (fed rounds read them)
         self._last_rows: dict[int, int] = {}
@@ -78,6 +80,9 @@ class SlottedPasses(PassRunner):
 
     def fits_heal_draft(self, rows: int) -> bool:
         return rows <= max(BLOCKS)
+
+    def tail_rows(self) -> int:
+        return self._tail_rows
 
     def launch(self, calls: list[Forward], fed: list[FedPass] = (), keep_rows: bool = False) -> tuple:
         """Slotted passes of up to 16 tokens in one graph replay, started and not waited for; slotted prefill

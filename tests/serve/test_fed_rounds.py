@@ -239,3 +239,41 @@ def test_a_request_admitted_in_a_round_that_ended_another_stays_active(monkeypat
     for _ in range(6):
         rounds.run(lambda: None)
     assert not rounds.active and rounds.ahead is None
+
+
+@pytest.mark.parametrize("feed", ["0", "1"])
+def test_a_keystrokes_last_prefill_pass_is_capped_in_slotted_rounds(compact_target, one_thread, monkeypatch, feed):
+    """FIMBLE_SERVE_TAIL_ROWS=2: a keystroke's new tokens and heal draft run in passes of at most two rows (a longer
+    pass pads every slot of a slotted round's graph), and the text is still plain decoding's."""
+    from engine.serve.slot_passes import SlottedPasses
+
+    monkeypatch.setenv("FIMBLE_SERVE_TAIL_ROWS", "2")
+    monkeypatch.setenv("FIMBLE_SERVE_FEED", feed)
+    ((prefix, suffix),) = fim_prompts(1, seed=9)
+    typed = [prefix, prefix + "total = ", prefix + "total = a + b"]
+    requests = [CompletionRequest(p, suffix, options=DecodeOptions(max_tokens=12), document_id="tail") for p in typed]
+    rows: list[int] = []
+    launch = SlottedPasses.launch
+
+    def spy(self, calls, fed=(), keep_rows=False):
+        rows.extend(
+            len(c.tokens) for c in calls if c.decoder is None and self.slots.fits(len(c.tokens), c.cache, c.start)
+        )
+        return launch(self, calls, fed, keep_rows)
+
+    monkeypatch.setattr(SlottedPasses, "launch", spy)
+    engine = ServeEngine(compact_target, None, batch=True, slots=True, overlap=True)
+    thread = threading.Thread(target=engine.serve_forever, daemon=True)
+    thread.start()
+    try:
+        texts = [engine.submit(r).collect() for r in requests]
+        c = engine.counters()
+    finally:
+        engine.close()
+        thread.join(10)
+    assert not c.get("failed")
+    assert rows and max(rows) <= 2
+    assert len(rows) >= 4  # the two keystrokes' tails were split (each is three tokens or more)
+    monkeypatch.setenv("FIMBLE_SERVE_TAIL_ROWS", "0")
+    plain = LocalEngine(compact_target, None, start_thread=False)
+    assert texts == [plain.complete(r).text for r in requests]
