@@ -431,7 +431,7 @@ def attention(
             out, part_acc, part_ml, t, out.stride(0), splits, KV=kv_heads, G=group, HD=hd, BM=BLOCK_M,
             PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
-    elif splits > 1:
+    elif splits > 1 and not combine_in_split:  # (combined in the split kernel: a second combine would only redo it)
         combine_kernel[(programs, BLOCK_M)](
             out, part_acc, part_ml, t, out.stride(0), splits,
             KV=kv_heads, G=group, HD=hd, BM=BLOCK_M, SP=max(MIN_SPLITS_TILE, _pow2(splits)), PDL=pdl, launch_pdl=pdl,

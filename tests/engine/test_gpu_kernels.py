@@ -140,6 +140,29 @@ def test_ordered_combine_in_the_split_kernel_equals_the_combine_kernel(monkeypat
     assert torch.allclose(fused.cpu().double(), want, atol=2e-2, rtol=2e-2)
 
 
+def test_ordered_attention_combined_in_the_split_kernel_launches_no_other_combine(monkeypatch):
+    """With the splits combined in the split kernel, no combine kernel runs after it. (From 2026-12-05 to 12-07 the
+    unordered combine ran too and overwrote the result: 28 wasted launches a pass, 0.2-0.55 ms of a 32-sequence
+    round of the 1.5B shape on an H100, bench/reports/gpu-round-context-h100-2026-12-07/.)"""
+    from engine.runtimes import gpu_kernels
+    from engine.runtimes.gpu_kernels import attention
+
+    rope, split, combine, ordered = gpu_kernels._kernels()
+    launched = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return combine[grid]
+
+    monkeypatch.setattr(gpu_kernels, "_kernels", lambda: (rope, split, Spy(), Spy()))
+    q, keys, values, positions = _two_sequences(9, 1024, [700, 1000])
+    attention(q, keys, values, positions, 1024, 2, 2, ordered=True)
+    assert launched == []
+    attention(q, keys, values, positions, 1024, 2, 2, ordered=False)
+    assert len(launched) == 1  # (the unordered mode still combines apart)
+
+
 def _two_sequences(seed: int, keys_len: int, starts: list[int]) -> tuple:
     """Queries, caches and positions of 2 sequences x 3 rows (14 heads over 2 kv heads of 64) starting at ``starts``."""
     torch.manual_seed(seed)
