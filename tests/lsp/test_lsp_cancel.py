@@ -98,15 +98,22 @@ async def _start_long(
 async def test_cancel_request_stops_decoding(client: LanguageClient):
     uri = f"file:///tmp/fimble-cancel/{id(client)}/a.py"
     open_doc(client, uri, LONG)
-    before = await _counters(client)
-    rid = f"long-{id(client)}"
-    task = await _start_long(client, uri, rid)
-    client.cancel_request(types.CancelParams(id=rid))
-    with pytest.raises(JsonRpcRequestCancelled):
-        await task
-    after = await _decoding_stopped(client, before["cancelled"])
-    assert after["tokens_generated"] - before["tokens_generated"] < 400
-    assert client.deltas.of(rid)[-1]["done"] and client.deltas.of(rid)[-1]["finishReason"] == "cancelled"
+    # The longest decode a request may ask for (4,096 tokens: ~12 s on an idle machine, longer on a busy one), so the
+    # cancel lands while it runs however slow the test's own loop is: with 400 (~1 s) the decode once finished first
+    # under two test workers.
+    await configure(client, maxTokens=4096, policy={"*": {**UNCAPPED["*"], "max_tokens": 4096}})
+    try:
+        before = await _counters(client)
+        rid = f"long-{id(client)}"
+        task = await _start_long(client, uri, rid)
+        client.cancel_request(types.CancelParams(id=rid))
+        with pytest.raises(JsonRpcRequestCancelled):
+            await task
+        after = await _decoding_stopped(client, before["cancelled"])
+        assert after["tokens_generated"] - before["tokens_generated"] < 4096
+        assert client.deltas.of(rid)[-1]["done"] and client.deltas.of(rid)[-1]["finishReason"] == "cancelled"
+    finally:
+        await configure(client, maxTokens=400, policy=UNCAPPED)
 
 
 async def test_newer_request_cancels_older_decode(client: LanguageClient):
