@@ -366,28 +366,7 @@ class SlotGraphs:
             main.wait_stream(self.reader)
 
     def _hand_out(self, rnd: LaunchedRound, best: list | None, lazy: bool, skip=()) -> list:
-        """Each pass's rows of a finished round (and their argmax into ``best``); the caches' lengths move on."""
-        block = rnd.key[1]
-        host = self._hosts[rnd.turn][: rnd.key[0] * block].tolist() if best is not None else None
-        out = []
-        for i, (slot, (t, cache, start, num_logits)) in enumerate(zip(rnd.slots, rnd.passes, strict=True)):
-            if i in skip:
-                out.append(None)
-                if host is not None:
-                    best.append(None)
-                continue
-            n = len(t)
-            cache.length = start + n
-            k = min(num_logits, n)
-            lo, hi = slot * block + n - k, slot * block + n
-            aside = rnd.kept.get(i)
-            if aside is not None:  # copied aside: the graph's output may hold a later round's rows by now
-                out.append(RowSpan(rnd.side, aside, aside + k) if lazy else rnd.side[aside : aside + k])
-            else:
-                out.append(RowSpan(rnd.logits, lo, hi) if lazy else rnd.logits[lo:hi])
-            if host is not None:
-                best.append(host[lo:hi])
-        return out
+        return _rows_of(self, rnd, best, lazy, skip)  # (a method: bench/serve_timers.py times it)
 
     def warm(self, batches: tuple[int, ...], blocks: tuple[int, ...], keys: tuple[int, ...]) -> None:
         """Capture graphs ahead of traffic (each capture runs the forward once on scratch positions)."""
@@ -438,6 +417,31 @@ def prefill_slots(
         out.append(logits[slot : slot + 1])
         if host is not None:
             best.append(host[slot : slot + 1])
+    return out
+
+
+def _rows_of(graphs: SlotGraphs, rnd: LaunchedRound, best: list | None, lazy: bool, skip=()) -> list:
+    """Each pass's rows of a finished round (and their argmax into ``best``); the caches' lengths move on."""
+    block = rnd.key[1]
+    host = graphs._hosts[rnd.turn][: rnd.key[0] * block].tolist() if best is not None else None
+    out = []
+    for i, (slot, (t, cache, start, num_logits)) in enumerate(zip(rnd.slots, rnd.passes, strict=True)):
+        if i in skip:
+            out.append(None)
+            if host is not None:
+                best.append(None)
+            continue
+        n = len(t)
+        cache.length = start + n
+        k = min(num_logits, n)
+        lo, hi = slot * block + n - k, slot * block + n
+        aside = rnd.kept.get(i)
+        if aside is not None:  # copied aside: the graph's output may hold a later round's rows by now
+            out.append(RowSpan(rnd.side, aside, aside + k) if lazy else rnd.side[aside : aside + k])
+        else:
+            out.append(RowSpan(rnd.logits, lo, hi) if lazy else rnd.logits[lo:hi])
+        if host is not None:
+            best.append(host[lo:hi])
     return out
 
 
