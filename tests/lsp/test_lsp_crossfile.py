@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import pytest_lsp
-from lsp_helpers import SERVER, change, configure, init_params, inline, open_doc, plain, stats
+from lsp_helpers import SERVER, change, configure, init_params, inline, open_doc, plain, server_text, stats
 from pytest_lsp import LanguageClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -219,6 +219,8 @@ async def test_imports_of_go_rust_java_and_c_reach_the_ring(client: LanguageClie
 
 async def test_settings_turn_it_off(client: LanguageClient):
     main = "file:///tmp/fimble-tests/xf/pkg/main.py"
+    if await server_text(client, main) is None:  # (an earlier test opens it; this one may also run alone)
+        open_doc(client, main, MAIN)
     await configure(client, crossFileContext=False)
     before = _engine(await stats(client))
     lines = MAIN.split("\n")
