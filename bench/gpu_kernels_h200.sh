@@ -24,6 +24,9 @@
 #        `bash bench/gpu_kernels_h200.sh wide` the same in the foreground. Both ran on 2026-12-06 (H100):
 #        bench/reports/gpu-wide-tiles-h100-2026-12-06.txt
 #   run: bash bench/gpu_kernels_h200.sh rounds  (no carry; ~3 min) a serve round's kernels per kernel set (not run yet)
+#   run: bash bench/gpu_kernels_h200.sh start verify; sleep 5; bash bench/gpu_kernels_h200.sh wait 560  (carry .whl,
+#        .devcarry/k27t; ~11 min, so `wait 560` again) the GPU suite, the step table and 5 x 32 editors after the
+#        attention fix of 2026-12-07; `feddiag` (carry .whl) 32 editors per setting with stacks of a hung run
 set -o pipefail
 case "${1:-}" in
 prep)
@@ -210,6 +213,30 @@ fed)
     timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_serve_graph_slots.py \
         tests/gpu/test_serve_batched_gpu.py >"$O/tests.log" 2>&1
     grep -E "serve slotted|passed|failed|Error" "$O/tests.log" | tail -8
+    echo "== job done"
+    ;;
+verify)
+    # The next session's one detached job (2026-12-07; carry .whl and .devcarry/k27t; ~11 min: `start verify`, then
+    # `wait 560` twice): what the attention fix (one combine a layer) left unmeasured. The whole GPU suite (its bits
+    # changed: the 200-prompt lossless tests); the step table, step / floor per shape (issue 27's second bar); five
+    # runs of 32 editors through fimble serve, plain loop (the third).
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    tar -xJf .devcarry/k27t/target.tar.xz -C models
+    O=/tmp/k27job/out
+    mkdir -p $O
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/gpu.txt"
+    cat /proc/loadavg | tee -a "$O/gpu.txt"
+    timeout 420 python3 -m pytest -q -p no:cacheprovider --durations=10 tests/gpu tests/engine/test_gpu_kernels.py \
+        >"$O/tests.log" 2>&1
+    tail -3 "$O/tests.log"
+    timeout 170 python3 -m bench.gpu_linear --step-only >"$O/step.txt" 2>&1
+    tail -2 "$O/step.txt"
+    S="python3 -m bench.serve_load --device cuda --shape 1.5B --no-peer --max-tokens 128 --max-lines 0 --levels 32"
+    for i in 1 2 3 4 5; do
+        timeout 100 $S >"$O/serve-$i.txt" 2>&1  # (8 files come back a call: no json)
+        echo "serve $i: $(tail -1 "$O/serve-$i.txt")"
+    done
     echo "== job done"
     ;;
 feddiag)
