@@ -28,6 +28,20 @@
 #        .devcarry/k27t; ~11 min, so `wait 560` again) the GPU suite, the step table and 5 x 32 editors after the
 #        attention fix of 2026-12-07; `feddiag` (carry .whl) 32 editors per setting with stacks of a hung run
 set -o pipefail
+# The device's Python lacks websockets and msgpack: the wheels carried in .whl, installed into /tmp/site.
+wheels() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+}
+# A detached job's start: the wheels, the embedded target's shards, its output folder O and the GPU's name and load.
+job_setup() {
+    wheels
+    tar -xJf .devcarry/k27t/target.tar.xz -C models
+    O=/tmp/k27job/out
+    mkdir -p $O
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/gpu.txt"
+    cat /proc/loadavg | tee -a "$O/gpu.txt"
+}
 case "${1:-}" in
 prep)
     P="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
@@ -64,8 +78,7 @@ sweep)
         --configs-from "$OUT/sweep.json" 2>&1 | tail -2 | sed "s/^/fixed trips 0: /" | tee -a "$OUT/sweep.log"
     ;;
 tests)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    wheels
     tar -xJf .devcarry/k27t/target.tar.xz -C models
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
     # attention's fixed trips are the default (FIMBLE_ATTENTION_FIXED_TRIPS=0: the bounded loop, the same bits)
@@ -131,8 +144,7 @@ pdl)
     mkdir -p $O
     FIMBLE_CUDA_PDL=0 PEER_F16=0 PEER_SERVE=0 LLAMA_SERVER_ARGS="-bs --cache-ram 0" PEER_TAG=-pdl-off \
         PEER_AFTER=/tmp/k27job/tests.done PEER_AFTER_S=900 bash bench/peer_h200.sh start
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    wheels
     timeout 100 python3 -m bench.gpu_pdl --shapes 0.5B --sets invariant --variants on,pf2 --rounds 3 \
         --json $O/pdl.json >$O/pdl.txt 2>&1
     tail -6 $O/pdl.txt
@@ -153,8 +165,7 @@ prefill)
     # (carry .whl; ~8 min): the per-weight probe of a 512-row pass (bench/gpu_prefill_tiles.py: cuBLAS, the engine's
     # tiles, wider swap tiles and whether they keep a row's bits), the step table with a cold 1,024-token prompt per
     # kernel set, then 32 typing editors through fimble serve on the 1.5B shape, Triton set then cuBLAS set.
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    wheels
     O=/tmp/k27job/out
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/gpu.txt"
     cat /proc/loadavg | tee -a "$O/gpu.txt"
@@ -172,8 +183,7 @@ prefill2)
     # The prefill tiles (gpu_linear.wide_config), counted before the Triton set can be the default. `start prefill2`
     # (carry .whl and .devcarry/k27t; ~12 min: poll twice): the probe, the GPU suite with the Triton set, 32 editors
     # through fimble serve with each set, the step table with a cold 1,024-token prompt.
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    wheels
     tar -xJf .devcarry/k27t/target.tar.xz -C models
     O=/tmp/k27job/out
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/gpu.txt"
@@ -197,13 +207,7 @@ fed)
     # `wait 560`. 32 editors through fimble serve on the random 1.5B shape, fed rounds on (3 rounds), off (2), on again
     # (2): the bar's 5 runs, with the plain loop between them on the same machine; then the serve slot tests on CUDA
     # (fed rounds on: batched = unbatched on the 32 prompts with the invariant kernels).
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-    tar -xJf .devcarry/k27t/target.tar.xz -C models
-    O=/tmp/k27job/out
-    mkdir -p $O
-    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/gpu.txt"
-    cat /proc/loadavg | tee -a "$O/gpu.txt"
+    job_setup
     S="python3 -m bench.serve_load --device cuda --shape 1.5B --no-peer --max-tokens 128 --max-lines 0 --levels 32"
     for run in fed-a:1:3 plain:0:2 fed-b:1:2; do
         IFS=: read -r tag feed rounds <<<"$run"
@@ -220,13 +224,7 @@ verify)
     # `wait 560` twice): what the attention fix (one combine a layer) left unmeasured. The whole GPU suite (its bits
     # changed: the 200-prompt lossless tests); the step table, step / floor per shape (issue 27's second bar); five
     # runs of 32 editors through fimble serve, plain loop (the third).
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-    tar -xJf .devcarry/k27t/target.tar.xz -C models
-    O=/tmp/k27job/out
-    mkdir -p $O
-    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/gpu.txt"
-    cat /proc/loadavg | tee -a "$O/gpu.txt"
+    job_setup
     timeout 420 python3 -m pytest -q -p no:cacheprovider --durations=10 tests/gpu tests/engine/test_gpu_kernels.py \
         >"$O/tests.log" 2>&1
     tail -3 "$O/tests.log"
@@ -243,7 +241,7 @@ feddiag)
     # Where fimble serve stops with fed rounds on (2026-12-07, H100: 32 editors, no result in 240 s). Every Python
     # process dumps its threads' stacks on SIGUSR1 (a sitecustomize) into $OUT; the daemon's log is kept too.
     # carry .whl; ~5 min in the foreground.
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    wheels
     mkdir -p /tmp/fh/site
     cat >/tmp/fh/site/sitecustomize.py <<'PY'
 import faulthandler, os, signal, sys
@@ -286,8 +284,7 @@ wide)
     # The wide tiles at WIDE_ROWS 16 (batched rounds too), in the foreground (carry .whl and .devcarry/k27t; ~7 min;
     # every result straight into $OUT, so a call cut short by the device budget still returns what ran): 32 editors
     # through fimble serve, Triton set then cuBLAS set; the rows-equal and lossless tests with the Triton set; the probe.
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    wheels
     tar -xJf .devcarry/k27t/target.tar.xz -C models
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
     cat /proc/loadavg | tee -a "$OUT/gpu.txt"
