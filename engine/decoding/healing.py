@@ -14,6 +14,8 @@ import bisect
 import heapq
 import threading
 
+import numpy as np
+
 MAX_HEAL_CHARS = 24
 SORT_RUN = 8192  # TokenIndex.build sorts this many token texts per C call
 # Newline healing re-types the prefix's trailing line break(s) and indentation, up to this long.
@@ -34,8 +36,8 @@ class TokenIndex:
             decoded = token_texts(tokenizer)
         self._decoded, self._special = decoded, special
         self.text = TokenTexts(decoded, special)
-        # (ids sorted by text, their texts, text -> ids): set once, whole, by build()
-        self._index: tuple[list[int], list[str], dict[str, list[int]]] | None = None
+        # (ids sorted by text, their texts, text -> ids, the sorted ids as an array): set once, whole, by build()
+        self._index: tuple[list[int], list[str], dict[str, list[int]], np.ndarray] | None = None
         self._build_lock = threading.Lock()
 
     @property
@@ -58,7 +60,7 @@ class TokenIndex:
             by_text: dict[str, list[int]] = {}
             for t, i in zip(sorted_texts, sorted_ids, strict=True):
                 by_text.setdefault(t, []).append(i)
-            self._index = (sorted_ids, sorted_texts, by_text)
+            self._index = (sorted_ids, sorted_texts, by_text, np.asarray(sorted_ids, dtype=np.int64))
 
     def build_soon(self) -> threading.Thread:
         """``build()`` on a daemon thread (an engine that serves many requests; one-shot callers scan)."""
@@ -100,7 +102,7 @@ class TokenIndex:
         index = self._index
         top = forced + "\U0010ffff"
         if index is not None:
-            sorted_ids, sorted_texts, by_text = index
+            sorted_ids, sorted_texts, by_text, _ = index
             ids = [i for n in range(1, len(forced)) for i in by_text.get(forced[:n], ())]
             lo = bisect.bisect_left(sorted_texts, forced)
             hi = bisect.bisect_left(sorted_texts, top)
@@ -114,6 +116,21 @@ class TokenIndex:
             elif forced <= t < top and self._kept(tid):
                 longer.append((t, tid))
         return [tid for _, tid in sorted(shorter)] + [tid for _, tid in sorted(longer)]
+
+    def allowed_ids(self, forced: str) -> np.ndarray:
+        """``allowed(forced)``'s ids as an int64 array, in no promised order (constrained_argmax breaks ties by id).
+        Built, the tokens that start with ``forced`` are a view of the sorted index, not a list: after a space the
+        Qwen vocabulary allows 52,820 of them, which as a list cost ~10 ms a choice to sort and convert."""
+        index = self._index
+        if index is None:
+            return np.asarray(self.allowed(forced), dtype=np.int64)
+        _, sorted_texts, by_text, ids_array = index
+        shorter = [i for n in range(1, len(forced)) for i in by_text.get(forced[:n], ())]
+        lo = bisect.bisect_left(sorted_texts, forced)
+        hi = bisect.bisect_left(sorted_texts, forced + "\U0010ffff")
+        if not shorter:
+            return ids_array[lo:hi]
+        return np.concatenate((np.asarray(shorter, dtype=np.int64), ids_array[lo:hi]))
 
 
 class TokenTexts:

@@ -120,8 +120,8 @@ class SpeculativeDecoder:
             logits = without(logits, self.stop_ids) if self._no_stop_next else logits
             self._said = True
         if self.forced and self.opt.temperature <= 0 and self.trace is None:
-            allowed = self.token_index.allowed(self.forced)
-            if allowed:  # the same choice as the mask below, without masking the whole row
+            allowed = self.token_index.allowed_ids(self.forced)
+            if allowed.size:  # the same choice as the mask below, without masking the whole row
                 tok = constrained_argmax(logits, allowed)
                 text = self.token_index.text.get(tok, "")
                 self.forced = self.forced[len(text) :] if self.forced.startswith(text) and text else ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.decoding.sampling import greedy_ids
@@ -39,5 +40,22 @@ def test_constrained_argmax_is_the_masked_rows_argmax():
         want = greedy_ids((row + mask).reshape(1, -1))[0]
         assert constrained_argmax(row, allowed) == want
         assert constrained_argmax(row.numpy(), allowed) == want
+        assert constrained_argmax(row.numpy(), np.asarray(allowed[::-1])) == want  # an array, in any order
         checked += want != greedy_ids(row.reshape(1, -1))[0]  # the constraint changed the choice
     assert checked > 100
+
+
+def test_constrained_argmax_takes_a_nan_as_the_maximum_and_the_lowest_nan_id():
+    from engine.decoding.sampling import constrained_argmax
+
+    row = torch.zeros(50)
+    row[[30, 12]] = float("nan")
+    row[5] = 1e9
+    want = greedy_ids(
+        (row + torch.where(torch.isin(torch.arange(50), torch.tensor([5, 12, 30])), 0.0, -float("inf"))).reshape(1, -1)
+    )[0]
+    assert want == 12
+    for allowed in ([30, 5, 12], np.array([12, 30, 5])):
+        assert constrained_argmax(row, allowed) == 12
+        assert constrained_argmax(row.numpy(), allowed) == 12
+    assert constrained_argmax(torch.full((8,), -float("inf")), np.array([6, 3, 7])) == 3  # all -inf: the lowest id

@@ -265,10 +265,10 @@ def test_prewarm_fills_the_cache_and_yields_to_completions(embedded_target, embe
         small = source(engine, 300)
         engine.prewarm(request(text, "", "big"))
         time.sleep(0.2)  # the pre-warm is running now
-        t0 = time.perf_counter()
-        quick = engine.complete(request(small, "", "small"))
-        waited = (time.perf_counter() - t0) * 1e3 - quick.stats["total_ms"]
-        assert waited < 250, waited  # one 32-token chunk, not the whole 3k-token prefill
+        engine.complete(request(small, "", "small"))
+        # The keystroke was answered while the 3k-token pre-warm was still unfinished: it waited for one chunk, not
+        # the whole prefill (a count, not a time: a busy machine made the old 250 ms bound fail, 2026-12-07).
+        assert engine.counters()["prewarms_done"] == 0
         deadline = time.time() + 60
         while engine.counters()["prewarms_done"] < 1 and time.time() < deadline:
             time.sleep(0.05)

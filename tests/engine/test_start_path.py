@@ -154,6 +154,9 @@ def test_the_token_index_answers_the_same_before_and_after_it_is_sorted():
     for text in probes:
         allowed = scanning.allowed(text)
         assert allowed == built.allowed(text), text
+        for index in (scanning, built):  # the array constrained_argmax takes: the same ids, once each
+            ids = index.allowed_ids(text).tolist()
+            assert sorted(ids) == sorted(allowed) and len(set(ids)) == len(ids), text
         assert scanning.spell(text, 8) == built.spell(text, 8), text
     assert any(len(scanning.allowed(t)) > 1 for t in probes)  # the probes reach tokens of both kinds
     assert any(scanning.spell(t, 8) for t in probes)
