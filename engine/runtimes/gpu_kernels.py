@@ -89,6 +89,7 @@ from engine.runtimes.gpu_linear import (  # the projections (re-exported: caller
 BLOCK_M = 16  # query rows of one kv head per program (tl.dot needs 16)
 BLOCK_N = 64  # keys per inner iteration
 SPLIT_KEYS = 256  # keys per split: the split layout depends on positions only, never on the batch
+ATTENTION_WARPS = 4  # warps of a split program (Triton's default; bench/gpu_attention.py compares others)
 MIN_SPLITS_TILE = 64  # the combine kernel's split tile: one compiled variant up to 16,384 keys
 # Ordered attention combines its splits in the split kernel (the block's last split to finish, summing in split order:
 # the same arithmetic as attention_combine_ordered_kernel, one launch fewer a layer); the
@@ -424,7 +425,7 @@ def attention(
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         hd**-0.5, splits,
         KV=kv_heads, G=group, HD=hd, BM=BLOCK_M, BN=BLOCK_N, SPLIT=SPLIT_KEYS, COMBINE=combine_in_split,
-        FIXED=FIXED_TRIPS, PDL=pdl, launch_pdl=pdl,
+        FIXED=FIXED_TRIPS, PDL=pdl, launch_pdl=pdl, num_warps=ATTENTION_WARPS,
     )  # fmt: skip
     if splits > 1 and ordered and not combine_in_split:
         ordered_kernel[(programs, BLOCK_M)](
