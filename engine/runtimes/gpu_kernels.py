@@ -86,7 +86,11 @@ from engine.runtimes.gpu_linear import (  # the projections (re-exported: caller
     use_pdl,
 )
 
-BLOCK_M = 16  # query rows of one kv head per program (tl.dot needs 16)
+# Query rows of one kv head of one sequence per program (tl.dot needs 16). fimble serve's rounds run 2-4 tokens a
+# sequence: 12-24 rows at Qwen2.5-1.5B's 6 query heads a kv head, so at 16 a program each kv head's keys are read by
+# two programs (FIMBLE_ATTENTION_ROWS: 16, 32 or 64; bench/gpu_attention.py compares them). One value per process: a
+# row's bits depend on it, never on the rows beside it.
+BLOCK_M = int(env_settings.read("FIMBLE_ATTENTION_ROWS"))
 BLOCK_N = 64  # keys per inner iteration
 SPLIT_KEYS = 256  # keys per split: the split layout depends on positions only, never on the batch
 ATTENTION_WARPS = 4  # warps of a split program (Triton's default; bench/gpu_attention.py compares others)
