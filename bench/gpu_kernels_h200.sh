@@ -28,8 +28,8 @@
 #        .devcarry/k27t; ~11 min, so `wait 560` again) the GPU suite, the step table and 5 x 32 editors after the
 #        attention fix of 2026-12-07; `feddiag` (carry .whl) 32 editors per setting with stacks of a hung run
 #   run: bash bench/gpu_kernels_h200.sh start attn; sleep 5; bash bench/gpu_kernels_h200.sh wait 540  (carry .whl,
-#        .devcarry/k27t; ~13 min, so `wait 540` again) attention's geometry, then 32 query rows a program: the GPU suite,
-#        32 editors against 16 rows, the step table
+#        .devcarry/k27t; ~10 min, so `wait` again) attention's geometry, then 32 query rows a program: 32 editors
+#        against 16 rows, the GPU suite
 set -o pipefail
 # The device's Python lacks websockets and msgpack: the wheels carried in .whl, installed into /tmp/site.
 wheels() {
@@ -241,24 +241,22 @@ verify)
     echo "== job done"
     ;;
 attn)
-    # 2026-12-07 (carry .whl and .devcarry/k27t; ~13 min: `start attn`, then `wait 540` twice): attention's geometry per
-    # pass shape (bench/gpu_attention.py); with 32 query rows a program (FIMBLE_ATTENTION_ROWS, the candidate for fimble
-    # serve's 2-4-token rounds) the whole GPU suite (its bits change: the 200-prompt lossless tests), 32 editors
-    # interleaved with 16 rows, and the step table. Five files come back (8 a call).
+    # 2026-12-07 (carry .whl and .devcarry/k27t; ~10 min: `start attn`, then `wait 540`, and `wait` again): attention's
+    # geometry per pass shape (bench/gpu_attention.py); then 32 query rows a program (FIMBLE_ATTENTION_ROWS, the candidate
+    # for fimble serve's 2-4-token rounds) against 16: 32 editors, interleaved; then the whole GPU suite with 32 rows
+    # (its bits change: the 200-prompt lossless tests). Four files come back.
     job_setup
-    timeout 240 python3 -m bench.gpu_attention >"$O/attn.txt" 2>&1
+    timeout 150 python3 -m bench.gpu_attention --rounds 3 >"$O/attn.txt" 2>&1
     tail -1 "$O/attn.txt"
-    FIMBLE_ATTENTION_ROWS=32 timeout 420 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/gpu \
-        tests/engine/test_gpu_kernels.py >"$O/tests32.log" 2>&1
-    tail -1 "$O/tests32.log"
     S="python3 -m bench.serve_load --device cuda --shape 1.5B --no-peer --max-tokens 128 --max-lines 0 --levels 32"
-    for rows in 32 16 32 16; do
+    for rows in 32 16; do
         echo "== FIMBLE_ATTENTION_ROWS=$rows" >>"$O/serve.txt"
         FIMBLE_ATTENTION_ROWS=$rows timeout 100 $S >>"$O/serve.txt" 2>&1
         echo "serve rows $rows: $(tail -1 "$O/serve.txt")"
     done
-    FIMBLE_ATTENTION_ROWS=32 timeout 170 python3 -m bench.gpu_linear --step-only >"$O/step32.txt" 2>&1
-    tail -1 "$O/step32.txt"
+    FIMBLE_ATTENTION_ROWS=32 timeout 420 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/gpu \
+        tests/engine/test_gpu_kernels.py >"$O/tests32.log" 2>&1
+    tail -1 "$O/tests32.log"
     echo "== job done"
     ;;
 feddiag)
