@@ -206,12 +206,6 @@ TABLE: tuple[Setting, ...] = (
         "attention split loops of fixed trip count; 0: the bounded loop (runtimes/gpu_kernels.py)",
     ),
     choice(
-        "FIMBLE_ATTENTION_ROWS",
-        "16",
-        ("16", "32", "64"),
-        "attention query rows a program (one kv head's rows of a sequence; runtimes/gpu_kernels.py)",
-    ),
-    choice(
         "FIMBLE_CUDA_PDL",
         "auto",
         ("auto", "on", "off", "1", "0"),

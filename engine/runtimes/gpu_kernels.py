@@ -86,12 +86,15 @@ from engine.runtimes.gpu_linear import (  # the projections (re-exported: caller
     use_pdl,
 )
 
-# Query rows of one kv head of one sequence per program (tl.dot needs 16). fimble serve's rounds run 2-4 tokens a
-# sequence: 12-24 rows at Qwen2.5-1.5B's 6 query heads a kv head, so at 16 a program each kv head's keys are read by
-# two programs (FIMBLE_ATTENTION_ROWS: 16, 32 or 64; bench/gpu_attention.py compares them). One value per process: a
-# row's bits depend on it, never on the rows beside it.
-BLOCK_M = int(env_settings.read("FIMBLE_ATTENTION_ROWS"))
-BLOCK_N = 64  # keys per inner iteration
+# Query rows of one kv head of one sequence per program (tl.dot needs 16). 32 would let a 3-5-token serve pass of the
+# 1.5B shape (18-30 rows) read each kv head's keys once instead of twice, but it measured slower wherever it was tried
+# (H100, bench/reports/gpu-attention-geometry-h100-2026-12-07/: the kernel 1.11-1.26x at 1-2 tokens, 0.97x at 4; 32
+# editors 7,232 tok/s against 7,530 at 16), so 16 it stays.
+BLOCK_M = 16
+# Keys per inner iteration. 128 makes a single sequence's step ~7-9% faster in this kernel (1.5B 10.3 against 11.2 us a
+# layer, 0.5B 8.7 against 9.7) but fimble serve's 32-sequence rounds 7-34% slower (same report): not taken, a process
+# would need its own geometry per workload, and the GPU suite to pass on each.
+BLOCK_N = 64
 SPLIT_KEYS = 256  # keys per split: the split layout depends on positions only, never on the batch
 ATTENTION_WARPS = 4  # warps of a split program (Triton's default; bench/gpu_attention.py compares others)
 MIN_SPLITS_TILE = 64  # the combine kernel's split tile: one compiled variant up to 16,384 keys
