@@ -127,8 +127,8 @@ class SpeculativeDecoder:
                 self.forced = self.forced[len(text) :] if self.forced.startswith(text) and text else ""
                 return tok
         if self.forced:
-            allowed = self.token_index.allowed(self.forced)
-            if allowed:
+            allowed = self.token_index.allowed_ids(self.forced)
+            if allowed.size:
                 logits = _masked(logits, allowed)
         if self.opt.temperature <= 0:
             tok = greedy_ids(logits.reshape(1, -1))[0]
@@ -376,8 +376,9 @@ def _generator(seed: int):
     return torch.Generator().manual_seed(seed)
 
 
-def _masked(logits, allowed: list[int]):
-    """``logits`` with every token but ``allowed`` at -inf (numpy rows or a tensor)."""
+def _masked(logits, allowed: np.ndarray):
+    """``logits`` with every token but ``allowed`` (an id array, TokenIndex.allowed_ids) at -inf (numpy rows or a
+    tensor)."""
     if isinstance(logits, np.ndarray):
         mask = np.full_like(logits, -np.inf)
         mask[allowed] = 0.0
@@ -385,5 +386,5 @@ def _masked(logits, allowed: list[int]):
     import torch
 
     mask = torch.full_like(logits, float("-inf"))
-    mask[allowed] = 0.0
+    mask[torch.from_numpy(allowed).to(logits.device)] = 0.0
     return logits + mask
