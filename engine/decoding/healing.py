@@ -102,11 +102,9 @@ class TokenIndex:
         index = self._index
         top = forced + "\U0010ffff"
         if index is not None:
-            sorted_ids, sorted_texts, by_text, _ = index
-            ids = [i for n in range(1, len(forced)) for i in by_text.get(forced[:n], ())]
-            lo = bisect.bisect_left(sorted_texts, forced)
-            hi = bisect.bisect_left(sorted_texts, top)
-            return ids + sorted_ids[lo:hi]
+            sorted_ids = index[0]
+            shorter, lo, hi = _span(index, forced)
+            return shorter + sorted_ids[lo:hi]
         shorter: list[tuple[int, int]] = []
         longer: list[tuple[str, int]] = []
         for tid, t in enumerate(self._decoded):
@@ -124,13 +122,20 @@ class TokenIndex:
         index = self._index
         if index is None:
             return np.asarray(self.allowed(forced), dtype=np.int64)
-        _, sorted_texts, by_text, ids_array = index
-        shorter = [i for n in range(1, len(forced)) for i in by_text.get(forced[:n], ())]
-        lo = bisect.bisect_left(sorted_texts, forced)
-        hi = bisect.bisect_left(sorted_texts, forced + "\U0010ffff")
+        ids_array = index[3]  # the ids in text order, as an array
+        shorter, lo, hi = _span(index, forced)
         if not shorter:
             return ids_array[lo:hi]
         return np.concatenate((np.asarray(shorter, dtype=np.int64), ids_array[lo:hi]))
+
+
+def _span(index: tuple, forced: str) -> tuple[list[int], int, int]:
+    """In a built index: the ids of the texts that are shorter prefixes of ``forced`` (shortest first), and the range
+    of the sorted texts that start with it."""
+    _, sorted_texts, by_text, _ = index
+    shorter = [i for n in range(1, len(forced)) for i in by_text.get(forced[:n], ())]
+    lo = bisect.bisect_left(sorted_texts, forced)
+    return shorter, lo, bisect.bisect_left(sorted_texts, forced + "\U0010ffff")
 
 
 class TokenTexts:
