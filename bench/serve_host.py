@@ -50,7 +50,10 @@ def simulated_engine(graph_ms: float, row_ms: float, prefill_ms: float):
         def __init__(self, model, streams: int, slot_len: int):
             super().__init__(model, streams, slot_len, attention="simulated", device=False)
             self.use_graphs = True  # the scheduler overlaps rounds, as on CUDA
-            self._logits = torch.zeros(streams * max(BLOCKS), model.cfg.vocab_size)
+            # Random rows, as random weights give: a healed first token read from them is any allowed token, not
+            # always the lowest id (all-zero rows re-typed the healed text one character a step, 2026-12-07).
+            gen = torch.Generator().manual_seed(0)
+            self._logits = torch.randn(streams * max(BLOCKS), model.cfg.vocab_size, generator=gen)
             self._rng = np.random.default_rng(0)
             self._busy_until = 0.0
 
