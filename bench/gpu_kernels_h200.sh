@@ -246,6 +246,22 @@ attn)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
     timeout 300 python3 -m bench.gpu_attention --json "$OUT/attn.json" 2>&1 | tee "$OUT/attn.txt"
     ;;
+attn2)
+    # 2026-12-08 (carry .whl; ~5 min): the split kernel that skips splits past every row and loads the combine's
+    # partials in chunks: its GPU tests, its geometry per pass shape (split / tile / combine chunk), then the graph
+    # step per attention split on the Triton set (bench/gpu_pdl.py's auto variants: PDL as the engine's default).
+    wheels
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    cat /proc/loadavg | tee -a "$OUT/gpu.txt"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_kernels.py -k attention 2>&1 |
+        tail -4 | tee "$OUT/tests.txt"
+    V=bm16-s256-n64-w4,bm16-s256-n64-w4-c8,bm16-s128-n64-w4,bm16-s64-n64-w4,bm16-s64-n64-w4-c8,bm16-s64-n32-w4
+    V=$V,bm16-s32-n32-w4,bm16-s32-n32-w4-c8,bm16-s128-n128-w4,bm16-s256-n64-w8
+    timeout 200 python3 -m bench.gpu_attention --rounds 3 --variants $V --json "$OUT/attn.json" >"$OUT/attn.txt" 2>&1
+    tail -1 "$OUT/attn.txt"
+    timeout 240 python3 -m bench.gpu_pdl --sets invariant --variants auto,auto-s128,auto-s64,auto-s64-t32,auto-s32-t32 \
+        --json "$OUT/pdl.json" 2>&1 | tee "$OUT/pdl.txt"
+    ;;
 feddiag)
     # Where fimble serve stops with fed rounds on (2026-12-07, H100: 32 editors, no result in 240 s). Every Python
     # process dumps its threads' stacks on SIGUSR1 (a sitecustomize) into $OUT; the daemon's log is kept too.

@@ -35,6 +35,12 @@ from engine.runtimes.graph_forward import _min_block, block_bucket
 # the keys in another order: lossless within a process either way, as every pass uses the same geometry).
 VARIANTS = {
     "off": (False, 0, 256, 64),
+    # PDL as the engine's default (auto: layers 1,536 wide and up), attention at another split / tile (2026-12-08)
+    "auto": (None, 2, 256, 64),
+    "auto-s128": (None, 2, 128, 64),
+    "auto-s64": (None, 2, 64, 64),
+    "auto-s64-t32": (None, 2, 64, 32),
+    "auto-s32-t32": (None, 2, 32, 32),
     "on": (True, 0, 256, 64),
     "pf2": (True, 2, 256, 64),
     "pf2-s128": (True, 2, 128, 64),
@@ -45,7 +51,7 @@ VARIANTS = {
 
 def set_variant(name: str) -> None:
     on, slabs, split, tile = VARIANTS[name]
-    os.environ[gl.PDL_ENV] = "1" if on else "0"
+    os.environ[gl.PDL_ENV] = "auto" if on is None else "1" if on else "0"
     os.environ[gl.PREFETCH_ENV] = str(slabs)
     gl.use_pdl.cache_clear()
     gl.prefetch_slabs.cache_clear()

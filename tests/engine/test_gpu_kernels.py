@@ -199,6 +199,30 @@ def test_attention_fixed_trips_equal_the_bounded_loop(monkeypatch, keys_len, sta
     assert torch.allclose(fixed.cpu().double(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("split,tile", [(256, 64), (64, 64), (64, 32)])
+def test_ordered_attention_row_does_not_depend_on_the_bucket_or_its_pass(monkeypatch, split, tile):
+    """Ordered attention (the batch-invariant sets'), at each split geometry: a row's bits are the same over its exact
+    keys and over a longer key bucket (splits past every row do no work, and add nothing), alone and in a block of
+    two sequences; every arrival counter is back at 0."""
+    from engine.runtimes import gpu_kernels, gpu_linear
+    from engine.runtimes.gpu_kernels import attention
+
+    monkeypatch.setattr(gpu_kernels, "SPLIT_KEYS", split)
+    monkeypatch.setattr(gpu_kernels, "BLOCK_N", tile)
+    q, keys, values, positions = _two_sequences(21, 1024, [40, 700])
+    exact = attention(q, keys, values, positions, int(positions.max()) + 1, 2, 2, ordered=True)
+    bucket = attention(q, keys, values, positions, 1024, 2, 2, ordered=True)
+    _assert_same_bits(exact, bucket)
+    assert int(gpu_linear._LOCKS[exact.device].count_nonzero()) == 0
+    for r in (0, 2, 4):
+        s = r // 3
+        p = positions[r : r + 1]
+        alone = attention(q[r : r + 1], keys[s : s + 1], values[s : s + 1], p, int(p) + 1, 1, 2, ordered=True)
+        _assert_same_bits(alone[0], bucket[r])
+    want = _reference_attention(q.cpu(), keys.cpu(), values.cpu(), positions.cpu(), 1024, 2, 2)
+    assert torch.allclose(bucket.cpu().double(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_attention_row_does_not_depend_on_its_pass():
     """A query row's result is the same alone (a 1-token step) and in a block or batch (batch invariance)."""
     from engine.runtimes.gpu_kernels import attention
