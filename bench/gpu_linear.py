@@ -51,6 +51,18 @@ def weights_of(shape: str) -> dict[str, tuple[int, int, str]]:
     }
 
 
+def narrow_candidates(n: int, k: int) -> list[tuple]:
+    """Swap-AB tiles only 16-32 weight rows wide, K split at most twice: for the small products (qkv, o) whose time is
+    latency, not bytes (2026-12-07: their wide split-K swap tiles take 6-8 us for 1.5-2 us of weights)."""
+    out = []
+    for bn in (16, 32):
+        for bk in (128, 256, 512):
+            for splits in (1, 2):
+                for stages in (3, 4):
+                    out.append(gl.LinearConfig(bn, bk, 4, stages, splits, gk.LINEAR_ROWS, True))
+    return out
+
+
 def candidates(n: int, k: int, quick: bool) -> list[tuple]:
     """Configs (``LinearConfig``: BN, BK, warps, stages, splits, BM, swap) worth timing beside ``linear_config``'s:
     16-row tensor-core tiles with the weight as the wide side (swap: the weight read once for every row of a
@@ -157,10 +169,12 @@ def measure(wt: Weight, row: dict, tried: dict, cfg: tuple) -> None:
 
 
 @torch.inference_mode()
-def sweep(shapes: list[str], quick: bool) -> list[dict]:
+def sweep(shapes: list[str], quick: bool, weights: list[str] | None = None, narrow: bool = False) -> list[dict]:
     rows = []
     for shape in shapes:
         for label, (n, k, kind) in weights_of(shape).items():
+            if weights and label not in weights:
+                continue
             t0 = time.perf_counter()
             wt = Weight(n, k, kind)
             row = {"shape": shape, "weight": label, "n": n, "k": k, "fused": kind, "copies": len(wt.ws)}
@@ -172,7 +186,7 @@ def sweep(shapes: list[str], quick: bool) -> list[dict]:
             row["unsplit_m1_us"] = wt.triton_us(1, old)
             tried: dict = {}  # config -> (1 row, 8 rows) us; the sweep's score is their sum (a step and a verify)
             measure(wt, row, tried, tuple(row["config_default"]))
-            for cfg in candidates(n, k, quick):
+            for cfg in candidates(n, k, quick) + (narrow_candidates(n, k) if narrow else []):
                 measure(wt, row, tried, cfg)
             best = min(tried, key=lambda c: sum(tried[c]))
             for warps, stages in ((8, best[3]), (best[2], 2), (best[2], 4)):
@@ -237,6 +251,8 @@ def main() -> None:
     ap.add_argument("--step-only", action="store_true", help="only the graph step, at linear_config's configs")
     ap.add_argument("--configs-from", type=Path, help="with --step-only: an earlier sweep's configs (its json)")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--weights", help="comma list of qkv,o,gate_up,down,lm_head to sweep (default all)")
+    ap.add_argument("--narrow", action="store_true", help="also 16-32-row swap tiles, K split at most twice")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available() or not gk.available():
@@ -247,7 +263,10 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     result["attention_fixed_trips"] = gk.FIXED_TRIPS
     print(f"device {result['device']}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    result["sweep"] = [] if args.step_only else sweep(shapes, args.quick)
+    weights = args.weights.split(",") if args.weights else None
+    if weights and set(weights) - {"qkv", "o", "gate_up", "down", "lm_head"}:
+        sys.exit(f"--weights: unknown {', '.join(sorted(set(weights) - {'qkv', 'o', 'gate_up', 'down', 'lm_head'}))}")
+    result["sweep"] = [] if args.step_only else sweep(shapes, args.quick, weights, args.narrow)
     swept = json.loads(args.configs_from.read_text())["sweep"] if args.configs_from else result["sweep"]
     table = {(r["n"], r["k"]): tuple(r["best"]) for r in swept}
     if args.step or args.step_only:

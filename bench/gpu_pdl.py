@@ -35,7 +35,7 @@ from engine.runtimes.graph_forward import _min_block, block_bucket
 # the keys in another order: lossless within a process either way, as every pass uses the same geometry).
 VARIANTS = {
     "off": (False, 0, 256, 64),
-    # PDL as the engine's default (auto: layers 1,536 wide and up), attention at another split / tile (2026-12-08)
+    # PDL as the engine's default (auto: layers 1,536 wide and up), attention at another split / tile (2026-12-07)
     "auto": (None, 2, 256, 64),
     "auto-s128": (None, 2, 128, 64),
     "auto-s64": (None, 2, 64, 64),
