@@ -51,28 +51,22 @@ CASES = (
 LAYERS = 28
 
 
-def parse_variant(name: str) -> tuple[int, int, int, int, int]:
-    """ "bm32-s256-n64-w4" -> (32, 256, 64, 4, 4); "bm16-s64-n64-w4-c8" -> (16, 64, 64, 4, 8) (the last part: splits
-    the in-kernel combine loads together, gpu_kernels.COMBINE_CHUNK); a clear error on anything else."""
+def parse_variant(name: str) -> tuple[int, int, int, int]:
+    """ "bm32-s256-n64-w4" -> (32, 256, 64, 4); a clear error on anything else."""
     try:
-        parts = name.split("-")
-        chunk = int(parts.pop()[1:]) if len(parts) == 5 and parts[-1][0] == "c" else gk.COMBINE_CHUNK
-        bm, split, tile, warps = parts
-        out = int(bm[2:]), int(split[1:]), int(tile[1:]), int(warps[1:]), chunk
+        bm, split, tile, warps = name.split("-")
+        out = int(bm[2:]), int(split[1:]), int(tile[1:]), int(warps[1:])
         assert bm[:2] == "bm" and split[0] == "s" and tile[0] == "n" and warps[0] == "w"
     except (ValueError, AssertionError):
-        want = "bm<rows>-s<split keys>-n<tile keys>-w<warps>[-c<chunk>]"
-        raise SystemExit(f"bad variant {name!r}: want {want}") from None
-    rows, split, tile, warps, chunk = out
+        raise SystemExit(f"bad variant {name!r}: want bm<rows>-s<split keys>-n<tile keys>-w<warps>") from None
+    rows, split, tile, warps = out
     if rows not in (16, 32, 64) or tile not in (32, 64, 128) or split % tile or warps not in (2, 4, 8):
         raise SystemExit(f"bad variant {name!r}: rows 16/32/64, tile 32/64/128 dividing the split, warps 2/4/8")
-    if chunk not in (1, 2, 4, 8, 16):
-        raise SystemExit(f"bad variant {name!r}: combine chunk 1/2/4/8/16")
     return out
 
 
 def set_variant(name: str) -> None:
-    gk.BLOCK_M, gk.SPLIT_KEYS, gk.BLOCK_N, gk.ATTENTION_WARPS, gk.COMBINE_CHUNK = parse_variant(name)
+    gk.BLOCK_M, gk.SPLIT_KEYS, gk.BLOCK_N, gk.ATTENTION_WARPS = parse_variant(name)
 
 
 def case_tensors(case: tuple, device: torch.device) -> dict:

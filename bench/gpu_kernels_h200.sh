@@ -247,45 +247,10 @@ attn)
     timeout 300 python3 -m bench.gpu_attention --json "$OUT/attn.json" 2>&1 | tee "$OUT/attn.txt"
     ;;
 attn2)
-    # 2026-12-07 (carry .whl; ~5 min): the split kernel that skips splits past every row and loads the combine's
-    # partials in chunks: its GPU tests, its geometry per pass shape (split / tile / combine chunk), then the graph
-    # step per attention split on the Triton set (bench/gpu_pdl.py's auto variants: PDL as the engine's default).
-    wheels
-    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-    cat /proc/loadavg | tee -a "$OUT/gpu.txt"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_kernels.py -k attention 2>&1 |
-        tail -4 | tee "$OUT/tests.txt"
-    V=bm16-s256-n64-w4,bm16-s256-n64-w4-c8,bm16-s128-n64-w4,bm16-s64-n64-w4,bm16-s64-n64-w4-c8,bm16-s64-n32-w4
-    V=$V,bm16-s32-n32-w4,bm16-s32-n32-w4-c8,bm16-s128-n128-w4,bm16-s256-n64-w8
-    timeout 200 python3 -m bench.gpu_attention --rounds 3 --variants $V --json "$OUT/attn.json" >"$OUT/attn.txt" 2>&1
-    tail -1 "$OUT/attn.txt"
-    timeout 240 python3 -m bench.gpu_pdl --sets invariant --variants auto,auto-s128,auto-s64,auto-s64-t32,auto-s32-t32 \
-        --json "$OUT/pdl.json" 2>&1 | tee "$OUT/pdl.txt"
-    ;;
-attn3)
-    # 2026-12-07, detached (`start attn3`, then `wait 560` twice; carry .whl, .devcarry/k27t, .devcarry/old): the
-    # attention kernel of 931430b (.devcarry/old) against this tree's (splits past every row skipped, the combine's
-    # loads in chunks), alternately in two copies of the tree; then the GPU suite, the step table and 32 editors.
-    job_setup
-    rm -rf /tmp/oldtree && mkdir -p /tmp/oldtree && cp -r bench engine /tmp/oldtree/
-    cp .devcarry/old/gpu_kernels.py /tmp/oldtree/engine/runtimes/gpu_kernels.py
-    cp .devcarry/old/gpu_attention.py /tmp/oldtree/bench/gpu_attention.py
-    for i in 1 2; do
-        (cd /tmp/oldtree && timeout 100 python3 -m bench.gpu_attention --rounds 3 --variants bm16-s256-n64-w4 \
-            --json "$O/attn-old-$i.json" >"$O/attn-old-$i.txt" 2>&1)
-        timeout 100 python3 -m bench.gpu_attention --rounds 3 --variants bm16-s256-n64-w4 --json "$O/attn-new-$i.json" \
-            >"$O/attn-new-$i.txt" 2>&1
-        tail -1 "$O/attn-old-$i.txt" "$O/attn-new-$i.txt"
-    done
-    timeout 560 python3 -m pytest -q -s --durations=15 -p no:cacheprovider tests/gpu tests/engine/test_gpu_kernels.py \
-        >"$O/tests.log" 2>&1
-    grep -E "rows differ|passed|failed|Error" "$O/tests.log" | tail -12
-    timeout 150 python3 -m bench.gpu_linear --step-only --json "$O/step.json" >"$O/step.txt" 2>&1
-    tail -3 "$O/step.txt"
-    timeout 200 python3 -m bench.serve_load --device cuda --shape 1.5B --no-peer --max-tokens 128 --max-lines 0 \
-        --levels 32 --json "$O/serve.json" >"$O/serve.txt" 2>&1
-    tail -2 "$O/serve.txt"
-    echo "== job done"
+    # 2026-12-07: ran at 600b917 (attn2) and 3cc1bfa (attn3) with an attention kernel that skipped the splits past every
+    # row and loaded the combine's partials in chunks; slower than this tree's kernel in the same call, so reverted.
+    # bench/reports/gpu-attention-skip-h100-2026-12-07/README.md has both cases' commands and figures.
+    echo "see bench/reports/gpu-attention-skip-h100-2026-12-07/README.md (git show 3cc1bfa:bench/gpu_kernels_h200.sh)"
     ;;
 narrow)
     # 2026-12-07 (carry .whl; ~5 min): narrow swap tiles for the small products (qkv, o) of both shapes, then the graph

@@ -97,7 +97,6 @@ BLOCK_M = 16
 BLOCK_N = 64
 SPLIT_KEYS = 256  # keys per split: the split layout depends on positions only, never on the batch
 ATTENTION_WARPS = 4  # warps of a split program (Triton's default; bench/gpu_attention.py compares others)
-COMBINE_CHUNK = 4  # splits whose partials the in-kernel combine loads together (the loads overlap; sums stay in order)
 MIN_SPLITS_TILE = 64  # the combine kernel's split tile: one compiled variant up to 16,384 keys
 # Ordered attention combines its splits in the split kernel (the block's last split to finish, summing in split order:
 # the same arithmetic as attention_combine_ordered_kernel, one launch fewer a layer); the
@@ -223,7 +222,7 @@ def _kernels():
         scale, SPLITS,
         KV: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr, FIXED: tl.constexpr,
-        PDL: tl.constexpr, CH: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         if PDL:  # see gpu_linear.PDL_ENV: the kernel before has finished before any buffer is touched
             tl.extra.cuda.gdc_wait()
@@ -239,91 +238,63 @@ def _kernels():
         t = r // G
         head = h * G + r % G
         pos = tl.load(positions + s * T + t, mask=live, other=-1)
-        # Splits that hold a key some row of the block sees. With the combine in this kernel, a split past them
-        # does nothing at all (its partials would be exact zeros: weight 0, sums 0), and the block's last live
-        # split combines only the live ones: a key bucket longer than the rows' positions costs no work, and the
-        # sums are the same bits (adding exact zeros changes nothing).
-        used = tl.cdiv(tl.minimum(keys_len, tl.max(pos, axis=0) + 1), SPLIT)
-        if COMBINE:
-            active = split < used
-        else:  # the combine kernel reads every split's partials: each split writes them
-            active = split < SPLITS
-        if active:
-            d = tl.arange(0, HD)
-            qrow = s * T + t
-            qt = tl.load(q + qrow[:, None] * q_stride + head[:, None] * HD + d[None, :], mask=live[:, None], other=0.0)
-            lo = split * SPLIT
-            hi = tl.minimum(tl.minimum(lo + SPLIT, keys_len), tl.max(pos, axis=0) + 1)  # keys past every row: none
-            m = tl.full((BM,), -1.0e30, tl.float32)
-            l = tl.zeros((BM,), tl.float32)  # noqa: E741
-            acc = tl.zeros((BM, HD), tl.float32)
-            n = tl.arange(0, BN)
-            if FIXED:  # SPLIT // BN trips whatever hi is: tiles at or past hi load nothing and change nothing
-                for k0 in range(0, SPLIT, BN):
-                    m, l, acc = _attend_tile(  # noqa: E741
-                        qt, keys, values, s * k_s + h * k_h, s * v_s + h * v_h, k_p, v_p, lo + k0 + n, hi, pos, d,
-                        m, l, acc, scale,
-                    )  # fmt: skip
-            else:
-                start = lo
-                while start < hi:  # a while loop: bounds that are tensors (Triton's interpreter needs it for range)
-                    m, l, acc = _attend_tile(  # noqa: E741
-                        qt, keys, values, s * k_s + h * k_h, s * v_s + h * v_h, k_p, v_p, start + n, hi, pos, d,
-                        m, l, acc, scale,
-                    )  # fmt: skip
-                    start += BN
+        d = tl.arange(0, HD)
+        qrow = s * T + t
+        qt = tl.load(q + qrow[:, None] * q_stride + head[:, None] * HD + d[None, :], mask=live[:, None], other=0.0)
+        lo = split * SPLIT
+        hi = tl.minimum(tl.minimum(lo + SPLIT, keys_len), tl.max(pos, axis=0) + 1)  # keys past every row: skipped
+        m = tl.full((BM,), -1.0e30, tl.float32)
+        l = tl.zeros((BM,), tl.float32)  # noqa: E741
+        acc = tl.zeros((BM, HD), tl.float32)
+        n = tl.arange(0, BN)
+        if FIXED:  # SPLIT // BN trips whatever hi is: tiles at or past hi load nothing and change nothing
+            for k0 in range(0, SPLIT, BN):
+                m, l, acc = _attend_tile(  # noqa: E741
+                    qt, keys, values, s * k_s + h * k_h, s * v_s + h * v_h, k_p, v_p, lo + k0 + n, hi, pos, d,
+                    m, l, acc, scale,
+                )  # fmt: skip
+        else:
+            start = lo
+            while start < hi:  # a while loop: bounds that are tensors (Triton's interpreter needs it for range)
+                m, l, acc = _attend_tile(  # noqa: E741
+                    qt, keys, values, s * k_s + h * k_h, s * v_s + h * v_h, k_p, v_p, start + n, hi, pos, d,
+                    m, l, acc, scale,
+                )  # fmt: skip
+                start += BN
+        if SPLITS == 1:  # one split: normalise and write the rows here
+            res = acc / tl.where(l > 0, l, 1.0)[:, None]
             optr = out + qrow[:, None] * out_stride + head[:, None] * HD + d[None, :]
-            if COMBINE:
-                direct = (SPLITS == 1) | (used == 1)
-            else:
-                direct = SPLITS == 1
-            if direct:
-                # one split holds every visible key: normalise and write the rows here (the combine of one split
-                # gives these bits: weight exp(0) = 1, acc / l)
-                res = acc / tl.where(l > 0, l, 1.0)[:, None]
-                tl.store(optr, res.to(out.dtype.element_ty), mask=live[:, None])
-            else:
-                slot = (pid * SPLITS + split) * BM + tl.arange(0, BM)  # only live rows' partials are ever read
-                tl.store(part_acc + slot[:, None] * HD + d[None, :], acc, mask=live[:, None])
-                tl.store(part_ml + slot * 2, m, mask=live)
-                tl.store(part_ml + slot * 2 + 1, l, mask=live)
-                if COMBINE:  # the block's last live split to finish combines them, as attention_combine_ordered_kernel
-                    tl.debug_barrier()  # every thread's partials are written before the count says so (released below)
-                    last = tl.atomic_add(lock + pid, 1, sem="acq_rel") == used - 1
-                    tl.debug_barrier()
-                    rows = pid * SPLITS * BM + tl.arange(0, BM)  # split 0's slots of the block's rows
-                    mine = live & last
-                    # The maximum over the splits (exact in any order): CH splits' m at a time, one [CH, BM] load.
-                    c = tl.arange(0, CH)
-                    top = tl.full((BM,), -1.0e30, tl.float32)
-                    sp = 0
-                    while sp < used:
-                        at = rows[None, :] + (sp + c)[:, None] * BM
-                        got = tl.load(part_ml + at * 2, mask=mine[None, :] & (sp + c < used)[:, None],
-                                      other=-1.0e30, cache_modifier=".cg")  # fmt: skip
-                        top = tl.maximum(top, tl.max(got, axis=0))
-                        sp += CH
-                    # The sums in split order, as the ordered combine kernel forms them; CH splits' loads unrolled
-                    # ahead of their adds (independent: the loads overlap instead of waiting one by one), a split
-                    # past the live ones weighted exactly 0.
-                    total = tl.zeros((BM,), tl.float32)
-                    res = tl.zeros((BM, HD), tl.float32)
-                    sp = 0
-                    while sp < used:
-                        for j in tl.static_range(CH):
-                            at = rows + (sp + j) * BM
-                            ok = mine & (sp + j < used)
-                            mj = tl.load(part_ml + at * 2, mask=ok, other=-1.0e30, cache_modifier=".cg")
-                            lj = tl.load(part_ml + at * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-                            aj = tl.load(part_acc + at[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0,
-                                         cache_modifier=".cg")  # fmt: skip
-                            w = tl.where(ok, tl.exp(mj - top), 0.0)
-                            total += lj * w
-                            res += aj * w[:, None]
-                        sp += CH
-                    tl.atomic_xchg(lock + pid, 0, mask=last)  # back to 0 for the next kernel that counts on it
-                    res = res / tl.where(total > 0, total, 1.0)[:, None]
-                    tl.store(optr, res.to(out.dtype.element_ty), mask=mine[:, None])
+            tl.store(optr, res.to(out.dtype.element_ty), mask=live[:, None])
+        else:
+            slot = (pid * SPLITS + split) * BM
+            tl.store(part_acc + (slot + tl.arange(0, BM))[:, None] * HD + d[None, :], acc)
+            tl.store(part_ml + (slot + tl.arange(0, BM)) * 2, m)
+            tl.store(part_ml + (slot + tl.arange(0, BM)) * 2 + 1, l)
+            if COMBINE:  # the block's last split to finish combines all of them, as attention_combine_ordered_kernel
+                tl.debug_barrier()  # every thread's partials are written before the count says so (released below)
+                last = tl.atomic_add(lock + pid, 1, sem="acq_rel") == SPLITS - 1
+                tl.debug_barrier()
+                rows = pid * SPLITS * BM + tl.arange(0, BM)  # split 0's slots of the block's rows
+                top = tl.load(part_ml + rows * 2, mask=last, other=0.0, cache_modifier=".cg")
+                sp = 1
+                while sp < SPLITS:
+                    top = tl.maximum(top, tl.load(part_ml + (rows + sp * BM) * 2, mask=last, other=0.0,
+                                                  cache_modifier=".cg"))  # fmt: skip
+                    sp += 1
+                total = tl.zeros((BM,), tl.float32)
+                res = tl.zeros((BM, HD), tl.float32)
+                sp = 0
+                while sp < SPLITS:  # in split order: each row's sums as the ordered combine kernel forms them
+                    at = rows + sp * BM
+                    w = tl.exp(tl.load(part_ml + at * 2, mask=last, other=0.0, cache_modifier=".cg") - top)
+                    total += tl.load(part_ml + at * 2 + 1, mask=last, other=0.0, cache_modifier=".cg") * w
+                    res += tl.load(part_acc + at[:, None] * HD + d[None, :], mask=last, other=0.0,
+                                   cache_modifier=".cg") * w[:, None]  # fmt: skip
+                    sp += 1
+                tl.atomic_xchg(lock + pid, 0, mask=last)  # back to 0 for the next kernel that counts on it
+                res = res / tl.where(total > 0, total, 1.0)[:, None]
+                optr = out + qrow[:, None] * out_stride + head[:, None] * HD + d[None, :]
+                tl.store(optr, res.to(out.dtype.element_ty), mask=live[:, None] & last)
 
     @triton.jit(do_not_specialize=["T", "SPLITS"])
     def attention_combine_kernel(
@@ -461,7 +432,7 @@ def attention(
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         hd**-0.5, splits,
         KV=kv_heads, G=group, HD=hd, BM=BLOCK_M, BN=BLOCK_N, SPLIT=SPLIT_KEYS, COMBINE=combine_in_split,
-        FIXED=FIXED_TRIPS, PDL=pdl, CH=COMBINE_CHUNK, launch_pdl=pdl, num_warps=ATTENTION_WARPS,
+        FIXED=FIXED_TRIPS, PDL=pdl, launch_pdl=pdl, num_warps=ATTENTION_WARPS,
     )  # fmt: skip
     if splits > 1 and ordered and not combine_in_split:
         ordered_kernel[(programs, BLOCK_M)](
