@@ -87,6 +87,23 @@ VSCODE_SETTINGS = {
     "prewarmDelayMs": 300,
     "streaming": True,
 }
+
+
+def setting_overrides(pairs: list[str]) -> dict:
+    """``--setting NAME=VALUE`` pairs as initializationOptions entries (VALUE as JSON where it parses); a clear
+    error for a pair without ``=`` (the server range-checks the values themselves)."""
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--setting {pair!r}: want NAME=VALUE")
+        try:
+            out[name] = json.loads(value)
+        except ValueError:
+            out[name] = value
+    return out
+
+
 CURSOR_REST_S = 0.150  # editors/vscode/src/cursor.ts: fimble/cursor once the cursor rests this long
 CPU_DELAY_S, CPU_WINDOW_S, CPU_TARGET_PCT = 2.0, 1.0, 2.0
 AFTER_TAB_TARGET_MS = 50.0
@@ -637,7 +654,11 @@ async def _run_session(
                 },
                 "experimental": {"fimble": {"completionDelta": True, "status": True, "replaceStart": True}},
             },
-            "initializationOptions": {**VSCODE_SETTINGS, "crossFileContext": not args.no_context},
+            "initializationOptions": {
+                **VSCODE_SETTINGS,
+                "crossFileContext": not args.no_context,
+                **setting_overrides(args.setting),
+            },
         },
         timeout=60,
     )
@@ -862,6 +883,7 @@ def print_report(out: dict, s: dict, args: argparse.Namespace, commit: str) -> N
         f"tree: {len(out.get('threads', {}))} processes, {threads} OS threads; {out['cpus']} CPU cores; load average "
         f"{la0[0]:.2f} {la0[1]:.2f} {la0[2]:.2f} at start, {la1[0]:.2f} {la1[1]:.2f} {la1[2]:.2f} at end"
         + (f"; {args.hogs} CPU hogs (busy loops) running beside it" if getattr(args, "hogs", 0) else "")
+        + (f"; settings changed: {', '.join(args.setting)}" if getattr(args, "setting", None) else "")
     )
     print(
         f"typing: {args.ms_per_key:.0f} ms/key (80-140), request {args.debounce_ms:.0f} ms after each key, pauses: "
@@ -998,6 +1020,13 @@ def main(argv: list[str] | None = None) -> int:
         "context reads imports inside it; default: none)",
     )
     ap.add_argument("--no-context", action="store_true", help="crossFileContext off (the extension's default is on)")
+    ap.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override one of the extension's settings (a JSON value, else a string), e.g. earlyAnswerMs=0",
+    )
     ap.add_argument("--chars", type=int, default=None, help="characters typed per file (whole lines; default 240)")
     ap.add_argument("--ms-per-key", type=float, default=110.0)
     ap.add_argument("--debounce-ms", type=float, default=50.0, help="the editor's wait before each request")
@@ -1021,6 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 0 <= args.hogs <= 64:
         ap.error("--hogs must be 0-64")
+    setting_overrides(args.setting)  # a malformed pair fails here, before a server starts
     if args.files is None:
         args.files = DEFAULT_FILES[:1] if args.quick else DEFAULT_FILES
     if args.chars is None:
