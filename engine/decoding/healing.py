@@ -100,11 +100,11 @@ class TokenIndex:
         """Tokens that keep the output consistent with ``forced``: a prefix of it (shortest first), or starting
         with it (in text order); ids in order within equal texts."""
         index = self._index
-        top = forced + "\U0010ffff"
         if index is not None:
             sorted_ids = index[0]
             shorter, lo, hi = _span(index, forced)
             return shorter + sorted_ids[lo:hi]
+        top = forced + "\U0010ffff"
         shorter: list[tuple[int, int]] = []
         longer: list[tuple[str, int]] = []
         for tid, t in enumerate(self._decoded):
