@@ -9,10 +9,17 @@ from collections import OrderedDict
 
 from engine.caching.kv_store import session_of
 from engine.decoding.drafters import Draft, ModelDrafter, NgramDrafter
-from engine.decoding.spec_policy import Acceptance, VerifyCosts, choose_gamma, verify_costs
+from engine.decoding.spec_policy import Acceptance, VerifyCosts, best_draft, choose_gamma, verify_costs
 from engine.options import DecodeOptions
 
-DRAFTER_KINDS = ("ngram", "model")
+DRAFTER_KINDS = ("ngram", "ngram2", "ngram1", "model")
+# Prompt lookup keeps a record per match length: "ngram1" and "ngram2" for drafts found by matching the context's last
+# one or two tokens, "ngram" for three or more. Their drafts differ in kind, not degree. Simulated on the greedy
+# output of 12 of bench/vs_llamacpp.py's cold prompts (default model, /tmp script, 2026-12-07): the first drafted
+# token was the target's own 27% of the time after a 1-token match (319 drafts), 54% after 2 (140), 64% after 3 (84)
+# and 79% after 4 (302), whose first four tokens all held 48% of the time (1-token matches: 8%). One record for all
+# drafted 2-3 tokens on a 1-token match and too few on a 4-token one. Priors from those figures; 0.75 otherwise.
+PRIORS = {"ngram1": 0.3, "ngram2": 0.5}
 # A completion's first verify pass has its own record per drafter. Right after the prompt, a keystroke's completion
 # often ends within a token or two (" );" then the end), and prompt lookup replays the previous completion, which the
 # user's typing has just departed from. Typing 30 keys into three files (2 threads), the first token of prompt
@@ -36,7 +43,12 @@ FED_DRAFT_TOKENS = 2.0
 
 def fresh_acceptance() -> dict[str, Acceptance]:
     """Each drafter kind's acceptance at its prior, for a completion's opening pass and for the rest."""
-    return {kind + phase: Acceptance() for kind in DRAFTER_KINDS for phase in ("", OPENING)}
+    return {kind + phase: Acceptance(prior=PRIORS.get(kind, 0.75)) for kind in DRAFTER_KINDS for phase in ("", OPENING)}
+
+
+def ngram_kind(match: int) -> str:
+    """The record of a prompt-lookup draft that matched ``match`` tokens of the context."""
+    return "ngram" if match >= 3 else f"ngram{max(1, match)}"
 
 
 class AcceptanceBook:
@@ -110,11 +122,12 @@ class DraftPlan:
         self.kind = ""  # which drafter drafted this round
         self.record: Acceptance | None = None  # the acceptance record this round's draft is scored in
         self.shadow: list[int] = []  # an n-gram draft the policy chose not to verify
+        self.shadow_record: Acceptance | None = None  # the record it is scored in against the next token
         self.opening = True  # no drafter consulted yet in this decode
         self.fed = False  # set by fed rounds: a draft must be worth FED_DRAFT_TOKENS
 
     def new_round(self) -> None:
-        self.kind, self.record, self.shadow = "", None, []
+        self.kind, self.record, self.shadow, self.shadow_record = "", None, [], None
 
     def _use(self, kind: str, opening: bool) -> Acceptance:
         """Make ``kind`` this round's drafter; its record for the opening pass or the rest."""
@@ -133,26 +146,25 @@ class DraftPlan:
         if k <= 0:
             return Draft([])
         opening, self.opening = self.opening, False
-        if self.ngram_drafter is not None:
-            draft = self.ngram_drafter.propose(ids, k)
-            if len(draft.tokens) >= 2 or self.model_drafter is None:
-                record = self._use("ngram", opening)
-                if self.costs is not None and draft.tokens:
-                    g = choose_gamma(self.costs, record, len(draft.tokens))
-                    if g == 0:  # not worth a verify row; still scored against the next token
-                        self.shadow = draft.tokens
-                    draft = Draft(draft.tokens[:g])
-                if self.fed and draft.tokens and record.expected_tokens(len(draft.tokens)) < FED_DRAFT_TOKENS:
-                    self.shadow, draft = draft.tokens, Draft([])  # a fed step pays more; scored all the same
-                return draft
-        if self.model_drafter is None:
-            return Draft([])
-        if (
-            self.draft_prefill_rate > 0
-            and produced < DEFER_UNTIL_PRODUCED
-            and self.model_drafter.missing(ids) > DEFER_SYNC_S * self.draft_prefill_rate
-        ):
-            return Draft([])  # its cache is cold: no prefill of it before the completion's first tokens are out
+        phase = OPENING if opening else ""
+        model_ready = self.model_drafter is not None and not self._model_deferred(ids, produced)
+        draft = self.ngram_drafter.propose(ids, k) if self.ngram_drafter is not None else Draft([])
+        if draft.tokens:
+            kind = ngram_kind(draft.match)
+            # Where costs are unknown, prompt lookup drafts when it found two tokens or more, or when no draft model
+            # can; where they are known, whichever of the two commits more tokens per unit of time.
+            use_ngram = not model_ready or len(draft.tokens) >= 2
+            if self.costs is not None and model_ready:
+                ngram_rate = best_draft(self.costs, self.acceptance[kind + phase], len(draft.tokens))[1]
+                model_rate = best_draft(self.costs, self.acceptance["model" + phase], k, self.draft_cost)[1]
+                use_ngram = ngram_rate >= model_rate
+                if use_ngram:
+                    self.acceptance["model" + phase].forget()  # skipped: drift back toward the prior
+            if use_ngram:
+                return self._ngram_draft(draft, kind, opening)
+            self.shadow, self.shadow_record = draft.tokens, self.acceptance[kind + phase]  # scored all the same
+        if not model_ready:
+            return Draft([])  # none, or its cache is cold: no prefill before the completion's first tokens are out
         record = self._use("model", opening)
         if self.costs is not None:
             k = choose_gamma(self.costs, record, k, self.draft_cost)
@@ -163,13 +175,35 @@ class DraftPlan:
             return Draft([])
         return k
 
+    def _model_deferred(self, ids: list[int], produced: int) -> bool:
+        """Whether the draft model waits: its cache would take over DEFER_SYNC_S to catch up on ``ids`` and the
+        completion has not produced its first DEFER_UNTIL_PRODUCED tokens yet."""
+        return (
+            self.draft_prefill_rate > 0
+            and produced < DEFER_UNTIL_PRODUCED
+            and self.model_drafter.missing(ids) > DEFER_SYNC_S * self.draft_prefill_rate
+        )
+
+    def _ngram_draft(self, draft: Draft, kind: str, opening: bool) -> Draft:
+        """A prompt-lookup draft, cut to the length that pays (scored in ``kind``'s record)."""
+        record = self._use(kind, opening)
+        if self.costs is not None:
+            g = choose_gamma(self.costs, record, len(draft.tokens))
+            if g == 0:  # not worth a verify row; still scored against the next token
+                self.shadow, self.shadow_record = draft.tokens, record
+            draft = Draft(draft.tokens[:g], match=draft.match)
+        if self.fed and draft.tokens and record.expected_tokens(len(draft.tokens)) < FED_DRAFT_TOKENS:
+            self.shadow, self.shadow_record = draft.tokens, record  # a fed step pays more; scored all the same
+            draft = Draft([], match=draft.match)
+        return draft
+
     def account(self, k: int, n_accepted: int, first: int) -> None:
         """Acceptance estimates and adaptive gamma after a verify pass of ``k`` drafts (``first``: its first
         committed token)."""
         if self.record is not None and k:
             self.record.update(k, n_accepted)
-        elif self.shadow and self.record is not None:
-            self.record.update(1, int(self.shadow[0] == first))
+        if self.shadow and self.shadow_record is not None:
+            self.shadow_record.update(1, int(self.shadow[0] == first))
         if self.opt.adaptive_gamma and k:
             self.gamma = min(self.opt.max_gamma, self.gamma + 2) if n_accepted == k else max(1, self.gamma - 1)
 

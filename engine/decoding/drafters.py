@@ -28,6 +28,8 @@ class Draft:
     tokens: list[int]
     # Per-token proposal distributions [k, V] for sampled drafts; None when deterministic.
     probs: Tensor | None = None
+    # An n-gram draft's match: how many context tokens its lookup matched (0 for other drafts).
+    match: int = 0
 
 
 class ModelDrafter:
@@ -199,13 +201,13 @@ class NgramDrafter:
             # An occurrence must end before the last token, so that something follows it.
             found = _rfind_aligned(buf, pattern, 4 * (len(context) - 1))
             if found is not None:
-                return Draft(_tokens(buf, found + 4 * n, k))
+                return Draft(_tokens(buf, found + 4 * n, k), match=n)
             # The newest remembered completion holding it, where a token (not the separator) follows it.
             end = len(joined)
             while (found := _rfind_aligned(joined, pattern, end)) is not None:
                 after = found + 4 * n
                 if joined[after : after + 4] != _SEPARATOR:
-                    return Draft(_tokens(joined, after, k))
+                    return Draft(_tokens(joined, after, k), match=n)
                 end = after - 4  # ends a completion: look further left
         return Draft([])
 

@@ -110,11 +110,12 @@ def expected_tokens(a: float, g: int) -> float:
     return (1.0 - a ** (g + 1)) / (1.0 - a)
 
 
-def choose_gamma(costs: VerifyCosts, a: float | Acceptance, cap: int, draft_cost: float = 0.0) -> int:
-    """The draft length in ``0..cap`` with the most committed tokens per unit of time; ``a`` a rate
-    for every position, or an ``Acceptance``."""
+def best_draft(costs: VerifyCosts, a: float | Acceptance, cap: int, draft_cost: float = 0.0) -> tuple[int, float]:
+    """(g, rate): the draft length in ``0..cap`` with the most committed tokens per unit of time, and that rate in
+    tokens per 1-row step (a plain step's is 1); ``a`` a rate for every position, or an ``Acceptance``. ``g`` is 0
+    unless drafting beats a plain step by MIN_GAIN."""
     if costs.step_s <= 0:  # unmeasured (GPU, or a runtime that cannot be probed): draft all, as before
-        return max(0, cap)
+        return max(0, cap), 1.0
     plain = 1.0 / costs.cost(1)
     best_g, best = 0, 0.0
     for g in range(1, max(0, cap) + 1):
@@ -122,7 +123,12 @@ def choose_gamma(costs: VerifyCosts, a: float | Acceptance, cap: int, draft_cost
         rate = tokens / (costs.cost(g + 1) + g * draft_cost)
         if rate > best:
             best_g, best = g, rate
-    return best_g if best > plain * MIN_GAIN else 0
+    return (best_g, best) if best > plain * MIN_GAIN else (0, plain)
+
+
+def choose_gamma(costs: VerifyCosts, a: float | Acceptance, cap: int, draft_cost: float = 0.0) -> int:
+    """``best_draft``'s length alone."""
+    return best_draft(costs, a, cap, draft_cost)[0]
 
 
 def _time_pass(runtime, cache, tokens: list[int], start: int) -> float:
