@@ -220,6 +220,23 @@ fed)
     grep -E "serve slotted|passed|failed|Error" "$O/tests.log" | tail -8
     echo "== job done"
     ;;
+plan)
+    # The draft plan of 2026-12-07 (prompt lookup scored per match length) against the plan before it (559a52c's
+    # engine/decoding/{draft_plan,spec_policy,drafters}.py, carried in .devcarry/oldplan), 32 editors through fimble
+    # serve on the random 1.5B shape, plain loop, alternating new / old twice (carry .whl and .devcarry/oldplan;
+    # ~7 min in the foreground).
+    wheels
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    mkdir -p /tmp/newplan && cp engine/decoding/{draft_plan,spec_policy,drafters}.py /tmp/newplan/
+    S="python3 -m bench.serve_load --device cuda --shape 1.5B --no-peer --max-tokens 128 --max-lines 0 --levels 32"
+    for tag in new-1 old-1 new-2 old-2; do
+        cp "/tmp/newplan/"*.py engine/decoding/
+        [[ $tag == old-* ]] && cp .devcarry/oldplan/*.py engine/decoding/
+        timeout 100 $S >"$OUT/serve-$tag.txt" 2>&1
+        echo "$tag: $(tail -1 "$OUT/serve-$tag.txt")"
+    done
+    cp "/tmp/newplan/"*.py engine/decoding/
+    ;;
 verify)
     # The next session's one detached job (2026-12-07; carry .whl and .devcarry/k27t; ~11 min: `start verify`, then
     # `wait 560` twice): what the attention fix (one combine a layer) left unmeasured. The whole GPU suite (its bits
