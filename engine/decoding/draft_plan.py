@@ -15,10 +15,11 @@ from engine.options import DecodeOptions
 DRAFTER_KINDS = ("ngram", "ngram2", "ngram1", "model")
 # Prompt lookup keeps a record per match length: "ngram1" and "ngram2" for drafts found by matching the context's last
 # one or two tokens, "ngram" for three or more. Their drafts differ in kind, not degree. Simulated on the greedy
-# output of 12 of bench/vs_llamacpp.py's cold prompts (default model, /tmp script, 2026-12-07): the first drafted
-# token was the target's own 27% of the time after a 1-token match (319 drafts), 54% after 2 (140), 64% after 3 (84)
-# and 79% after 4 (302), whose first four tokens all held 48% of the time (1-token matches: 8%). One record for all
-# drafted 2-3 tokens on a 1-token match and too few on a 4-token one. Priors from those figures; 0.75 otherwise.
+# output of 12 of bench/vs_llamacpp.py's cold prompts (default model; bench/reports/draft-choice-2026-12-07/):
+# the first drafted token was the target's own 27% of the time after a 1-token match (319 drafts), 54% after 2 (140),
+# 64% after 3 (84) and 79% after 4 (302), whose first four tokens all held 48% of the time (1-token matches: 8%). One
+# record for all drafted 2-3 tokens on a 1-token match and too few on a 4-token one. Priors from those figures; 0.75
+# otherwise.
 PRIORS = {"ngram1": 0.3, "ngram2": 0.5}
 # A completion's first verify pass has its own record per drafter. Right after the prompt, a keystroke's completion
 # often ends within a token or two (" );" then the end), and prompt lookup replays the previous completion, which the
