@@ -150,24 +150,28 @@ class DraftPlan:
         phase = OPENING if opening else ""
         model_ready = self.model_drafter is not None and not self._model_deferred(ids, produced)
         draft = self.ngram_drafter.propose(ids, k) if self.ngram_drafter is not None else Draft([])
+        model_best: tuple[int, float] | None = None  # the draft model's (length, rate), where weighed against lookup's
         if draft.tokens:
             kind = ngram_kind(draft.match)
             # Where costs are unknown, prompt lookup drafts when it found two tokens or more, or when no draft model
             # can; where they are known, whichever of the two commits more tokens per unit of time.
             use_ngram = not model_ready or len(draft.tokens) >= 2
             if self.costs is not None and model_ready:
-                ngram_rate = best_draft(self.costs, self.acceptance[kind + phase], len(draft.tokens))[1]
-                model_rate = best_draft(self.costs, self.acceptance["model" + phase], k, self.draft_cost)[1]
-                use_ngram = ngram_rate >= model_rate
+                ngram_g, ngram_rate = best_draft(self.costs, self.acceptance[kind + phase], len(draft.tokens))
+                model_best = best_draft(self.costs, self.acceptance["model" + phase], k, self.draft_cost)
+                use_ngram = ngram_rate >= model_best[1]
                 if use_ngram:
                     self.acceptance["model" + phase].forget()  # skipped: drift back toward the prior
-            if use_ngram:
+                    return self._ngram_draft(draft, kind, opening, ngram_g)
+            elif use_ngram:
                 return self._ngram_draft(draft, kind, opening)
             self.shadow, self.shadow_record = draft.tokens, self.acceptance[kind + phase]  # scored all the same
         if not model_ready:
             return Draft([])  # none, or its cache is cold: no prefill before the completion's first tokens are out
         record = self._use("model", opening)
-        if self.costs is not None:
+        if model_best is not None:  # its length, weighed against the lookup draft's above
+            k = model_best[0]
+        elif self.costs is not None:
             k = choose_gamma(self.costs, record, k, self.draft_cost)
         if k and self.fed and record.expected_tokens(k) < FED_DRAFT_TOKENS:
             k = 0
@@ -185,11 +189,13 @@ class DraftPlan:
             and self.model_drafter.missing(ids) > DEFER_SYNC_S * self.draft_prefill_rate
         )
 
-    def _ngram_draft(self, draft: Draft, kind: str, opening: bool) -> Draft:
-        """A prompt-lookup draft, cut to the length that pays (scored in ``kind``'s record)."""
+    def _ngram_draft(self, draft: Draft, kind: str, opening: bool, g: int | None = None) -> Draft:
+        """A prompt-lookup draft, cut to the length that pays (``g`` where already weighed; scored in ``kind``'s
+        record)."""
         record = self._use(kind, opening)
         if self.costs is not None:
-            g = choose_gamma(self.costs, record, len(draft.tokens))
+            if g is None:
+                g = choose_gamma(self.costs, record, len(draft.tokens))
             if g == 0:  # not worth a verify row; still scored against the next token
                 self.shadow, self.shadow_record = draft.tokens, record
             draft = Draft(draft.tokens[:g], match=draft.match)
