@@ -79,7 +79,11 @@ static inline __attribute__((always_inline)) __m256 fimble_lanes_weights(
 typedef struct {
     int8_t * q; float * d; int32_t * c; size_t cap;  // the rows
     const char * vy; int nr, nb; size_t by;          // their key
+    int layout;  // and which prepare wrote them (FIMBLE_ROWS_*: the kernels lay out a short group differently)
 } fimble_lanes_rows_t;
+#define FIMBLE_ROWS_VNNI 1         // fimble_lanes_prepare: every group in eight vectors, with -128 * sum(quants)
+#define FIMBLE_ROWS_AVX2 2         // fimble_lanes2_prepare: a group of at most four blocks in four vectors
+#define FIMBLE_ROWS_VNNI_PACKED 3  // fimble_packed_vnni_prepare: AVX2's layout, with -128 * sum(quants)
 static __thread fimble_lanes_rows_t fimble_lanes_buf;
 
 void fimble_q8_0_lanes_forget(void) {
@@ -103,7 +107,7 @@ static void fimble_lanes_reserve(fimble_lanes_rows_t * b, const size_t groups) {
 static FIMBLE_LANES_T void fimble_lanes_prepare(const int nb, const int nr, const char * GGML_RESTRICT vy,
                                                 const size_t by) {
     fimble_lanes_rows_t * b = &fimble_lanes_buf;
-    if (b->vy == vy && b->nr == nr && b->nb == nb && b->by == by) {
+    if (b->vy == vy && b->nr == nr && b->nb == nb && b->by == by && b->layout == FIMBLE_ROWS_VNNI) {
         return;  // this product's rows, prepared by an earlier call
     }
     const int ng = (nb + 7) / 8;
@@ -131,7 +135,7 @@ static FIMBLE_LANES_T void fimble_lanes_prepare(const int nb, const int nr, cons
             _mm256_store_ps(b->d + 8*at, fimble_lanes_scales(y + 8*g, m));
         }
     }
-    b->vy = vy, b->nr = nr, b->nb = nb, b->by = by;
+    b->vy = vy, b->nr = nr, b->nb = nb, b->by = by, b->layout = FIMBLE_ROWS_VNNI;
 }
 
 static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_rows(

@@ -38,7 +38,7 @@ static inline __attribute__((always_inline)) void fimble_lanes_transpose4(
 static inline __attribute__((always_inline)) void fimble_lanes2_prepare(
         const int nb, const int nr, const char * GGML_RESTRICT vy, const size_t by) {
     fimble_lanes_rows_t * b = &fimble_lanes_buf;
-    if (b->vy == vy && b->nr == nr && b->nb == nb && b->by == by) {
+    if (b->vy == vy && b->nr == nr && b->nb == nb && b->by == by && b->layout == FIMBLE_ROWS_AVX2) {
         return;  // this product's rows, prepared by an earlier call
     }
     const int ng = (nb + 7) / 8;
@@ -64,7 +64,7 @@ static inline __attribute__((always_inline)) void fimble_lanes2_prepare(
             _mm256_store_ps(b->d + 8*at, fimble_lanes_scales(y + 8*g, m));
         }
     }
-    b->vy = vy, b->nr = nr, b->nb = nb, b->by = by;
+    b->vy = vy, b->nr = nr, b->nb = nb, b->by = by, b->layout = FIMBLE_ROWS_AVX2;
 }
 
 // PACKED (a constant): x's row is in fimble_q8_0_pack's layout (ggml_patch_packed.py), whose groups of eight and of
