@@ -43,9 +43,9 @@ fimble's own lane order at every row count (item 3), faster, blocks still equal 
 4. ggml-cpu.c: a product of 2-16 activation rows (a verify block) is split among the threads in 64-row chunks, as a
    1-token step is (stock: 16-row chunks whenever there is more than one activation row). At 2 threads a verify block
    then costs 10-13% less (CHUNK_OLD's comment says why); which weight rows one call takes never changes a row's sum.
-5. repack.cpp (ggml_patch_packed.py): on the AVX2 lane kernel, q8_0 weights are packed in the lane order when the
-   model loads (ggml's CPU_REPACK buffer type), so the kernel loads each group's scales and quants instead of
-   gathering and transposing them in every pass; the same arithmetic, the same bits.
+5. repack.cpp (ggml_patch_packed.py): on either lane kernel, q8_0 weights are packed in the lane order when the
+   model loads (ggml's CPU_REPACK buffer type, asked for transparent huge pages), so the kernel loads each group's
+   scales and quants instead of gathering and transposing them in every pass; the same arithmetic, the same bits.
 """
 
 from __future__ import annotations
