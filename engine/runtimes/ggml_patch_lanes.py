@@ -21,7 +21,7 @@ LANES_KERNEL = (
 
 // Eight consecutive blocks' quants transposed: lane j of c[k] holds bytes 4k..4k+3 of block j. Blocks at or past
 // m (1..8) read as zero.
-// (These two helpers are plain AVX2, inlined into the AVX2 lane kernel too: ggml_patch_lanes_avx2.py.)
+// (These helpers are plain AVX2, inlined into the AVX2 lane kernel too: ggml_patch_lanes_avx2.py.)
 static inline __attribute__((always_inline)) void fimble_lanes_transpose(
         const block_q8_0 * GGML_RESTRICT x, const int m, __m256i c[8]) {
     const __m256i z = _mm256_setzero_si256();
@@ -45,6 +45,23 @@ static inline __attribute__((always_inline)) void fimble_lanes_transpose(
     c[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
     c[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
     c[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+// A group of at most four blocks (the last of a 28-block row, 896 columns: most of the default model's products)
+// is packed into four vectors, not eight: lane j (j < 4) of u[k] holds bytes 4k..4k+3 of block j, lane j + 4 bytes
+// 16+4k..16+4k+3 of block j (fimble_lanes_transpose's first two steps). Each row then adds its low and high
+// halves into the four blocks' exact sums: half the multiplies, the same sums, and the FMA leaves lanes 4-7 as the
+// eight-lane kernel's FMA with zero scales does (acc + 0 = acc: acc is never -0, it starts at +0).
+static inline __attribute__((always_inline)) void fimble_lanes_transpose4(
+        const block_q8_0 * GGML_RESTRICT x, const int m, __m256i u[4]) {
+    const __m256i z = _mm256_setzero_si256();
+#define FIMBLE_LD(j) (m > j ? _mm256_loadu_si256((const __m256i *) x[j].qs) : z)
+    const __m256i r0 = FIMBLE_LD(0), r1 = FIMBLE_LD(1), r2 = FIMBLE_LD(2), r3 = FIMBLE_LD(3);
+#undef FIMBLE_LD
+    const __m256i t0 = _mm256_unpacklo_epi32(r0, r1), t1 = _mm256_unpackhi_epi32(r0, r1);
+    const __m256i t2 = _mm256_unpacklo_epi32(r2, r3), t3 = _mm256_unpackhi_epi32(r2, r3);
+    u[0] = _mm256_unpacklo_epi64(t0, t2), u[1] = _mm256_unpackhi_epi64(t0, t2);
+    u[2] = _mm256_unpacklo_epi64(t1, t3), u[3] = _mm256_unpackhi_epi64(t1, t3);
 }
 
 // The eight blocks' scales as floats (zero at or past m).
@@ -71,6 +88,16 @@ static inline __attribute__((always_inline)) __m256 fimble_lanes_weights(
     return fimble_lanes_scales(x, m);
 }
 
+// The float part of a group of at most four blocks in four vectors (fimble_lanes_transpose4): lanes j and j + 4 of is
+// hold block j's two halves' exact sums; their sum's FMA goes to lanes 0-3 of acc, lanes 4-7 stay as they are.
+static inline __attribute__((always_inline)) __m256 fimble_lanes_fma4(
+        const __m256i is, const __m128 dx4, const float * GGML_RESTRICT dy, const __m256 acc) {
+    const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(is), _mm256_extracti128_si256(is, 1));
+    const __m128 d = _mm_mul_ps(dx4, _mm_load_ps(dy));
+    const __m128 lo = _mm_fmadd_ps(d, _mm_cvtepi32_ps(i4), _mm256_castps256_ps128(acc));
+    return _mm256_blend_ps(acc, _mm256_castps128_ps256(lo), 0x0F);
+}
+
 // The activation rows in lane order, per row and group of eight blocks: 256 bytes of quants (fimble_lanes_transpose),
 // eight scales and eight -128 * sum(quants). Kept per thread, grown as needed (never freed: ggml's threads persist),
 // and prepared once per product: every call of a product reads the same rows (src1 is quantised before its chunks
@@ -81,9 +108,9 @@ typedef struct {
     const char * vy; int nr, nb; size_t by;          // their key
     int layout;  // and which prepare wrote them (FIMBLE_ROWS_*: the kernels lay out a short group differently)
 } fimble_lanes_rows_t;
-#define FIMBLE_ROWS_VNNI 1         // fimble_lanes_prepare: every group in eight vectors, with -128 * sum(quants)
+#define FIMBLE_ROWS_VNNI 1         // fimble_lanes_prepare_vnni: every group in eight vectors, -128 * sum(quants)
 #define FIMBLE_ROWS_AVX2 2         // fimble_lanes2_prepare: a group of at most four blocks in four vectors
-#define FIMBLE_ROWS_VNNI_PACKED 3  // fimble_packed_vnni_prepare: AVX2's layout, with -128 * sum(quants)
+#define FIMBLE_ROWS_VNNI_PACKED 3  // fimble_lanes_prepare_vnni: AVX2's layout, with -128 * sum(quants)
 static __thread fimble_lanes_rows_t fimble_lanes_buf;
 
 void fimble_q8_0_lanes_forget(void) {
@@ -104,10 +131,13 @@ static void fimble_lanes_reserve(fimble_lanes_rows_t * b, const size_t groups) {
     }
 }
 
-static FIMBLE_LANES_T void fimble_lanes_prepare(const int nb, const int nr, const char * GGML_RESTRICT vy,
-                                                const size_t by) {
+// The VNNI kernels' rows: each group's quants in lane order, eight scales and each lane's -128 * sum(quants). LAYOUT
+// FIMBLE_ROWS_VNNI: every group in eight vectors; FIMBLE_ROWS_VNNI_PACKED: a group of at most four blocks in four
+// (fimble_lanes_transpose4), as packed weights hold it.
+static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_prepare_vnni(
+        const int nb, const int nr, const char * GGML_RESTRICT vy, const size_t by, const int LAYOUT) {
     fimble_lanes_rows_t * b = &fimble_lanes_buf;
-    if (b->vy == vy && b->nr == nr && b->nb == nb && b->by == by && b->layout == FIMBLE_ROWS_VNNI) {
+    if (b->vy == vy && b->nr == nr && b->nb == nb && b->by == by && b->layout == LAYOUT) {
         return;  // this product's rows, prepared by an earlier call
     }
     const int ng = (nb + 7) / 8;
@@ -119,14 +149,17 @@ static FIMBLE_LANES_T void fimble_lanes_prepare(const int nb, const int nr, cons
             const size_t at = (size_t) r*ng + g;
             const int m = nb - 8*g < 8 ? nb - 8*g : 8;
             __m256i c[8];
+            int nv = 8;
             if (m == 8) {
                 fimble_lanes_transpose(y + 8*g, 8, c);
-            } else {
+            } else if (m > 4 || LAYOUT == FIMBLE_ROWS_VNNI) {
                 fimble_lanes_transpose(y + 8*g, m, c);
+            } else {
+                fimble_lanes_transpose4(y + 8*g, m, c);
+                nv = 4;
             }
             __m256i sum = _mm256_setzero_si256();
-#pragma GCC unroll 8
-            for (int k = 0; k < 8; ++k) {
+            for (int k = 0; k < nv; ++k) {
                 _mm256_store_si256((__m256i *) (b->q + 256*at + 32*k), c[k]);
                 sum = _mm256_dpbusd_epi32(sum, ones, c[k]);
             }
@@ -135,11 +168,31 @@ static FIMBLE_LANES_T void fimble_lanes_prepare(const int nb, const int nr, cons
             _mm256_store_ps(b->d + 8*at, fimble_lanes_scales(y + 8*g, m));
         }
     }
-    b->vy = vy, b->nr = nr, b->nb = nb, b->by = by, b->layout = FIMBLE_ROWS_VNNI;
+    b->vy = vy, b->nr = nr, b->nb = nb, b->by = by, b->layout = LAYOUT;
 }
 
+// One row's exact lane sums over a group's NV (4 or 8) weight vectors c (w + 128): from the row's -128 * sum(quants)
+// start, dpbusd(w + 128, y) per vector (q: the row's quants of the group).
+static inline __attribute__((always_inline)) FIMBLE_LANES_T __m256i fimble_lanes_vnni_sums(
+        const int NV, const __m256i * c, const int8_t * GGML_RESTRICT q, const int32_t * GGML_RESTRICT start) {
+    __m256i i0 = _mm256_load_si256((const __m256i *) start);
+    __m256i i1 = _mm256_setzero_si256();
+#pragma GCC unroll 4  // (unrolled, c[] stays in registers)
+    for (int k = 0; k < NV; k += 2) {
+        i0 = _mm256_dpbusd_epi32(i0, c[k], _mm256_load_si256((const __m256i *) (q + 32*k)));
+        i1 = _mm256_dpbusd_epi32(i1, c[k + 1], _mm256_load_si256((const __m256i *) (q + 32*k + 32)));
+    }
+    return _mm256_add_epi32(i0, i1);
+}
+
+// PACKED (a constant): x's row is in fimble_q8_0_pack's layout (ggml_patch_packed.py), whose groups of eight and of
+// four blocks hold their scales and lane-order quants as this loop uses them: loaded, not gathered and transposed; the
+// rows then hold a group of at most four blocks in four vectors too (FIMBLE_ROWS_VNNI_PACKED). The same integer sums
+// and float operations lane for lane either way (a short group's FMA on lanes 0-3, where eight vectors add +0 to
+// lanes 4-7), so the same bits.
 static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_rows(
-        const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x) {
+        const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x,
+        const int PACKED) {
     const int8_t * GGML_RESTRICT bq = fimble_lanes_buf.q;  // (locals: the loop never reads thread-local memory)
     const float * GGML_RESTRICT bd = fimble_lanes_buf.d;
     const int32_t * GGML_RESTRICT bc = fimble_lanes_buf.c;
@@ -151,29 +204,54 @@ static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_ro
     }
     for (int g = 0; g < ng; ++g) {
         const int m = nb - 8*g < 8 ? nb - 8*g : 8;
-        // the weights stream from memory while the rows compute: ask for them 2 KB ahead
+        const uint8_t * gp = (const uint8_t *) (x + 8*g);
 #pragma GCC unroll 5
-        for (int p = 0; p < 5; ++p) {
-            _mm_prefetch((const char *) (x + 8*g) + 2048 + 64*p, _MM_HINT_T0);
+        for (int p = 0; p < 5; ++p) {  // the weights stream from memory while the rows compute: 2 KB ahead
+            _mm_prefetch((const char *) gp + 2048 + 64*p, _MM_HINT_T0);
         }
         __m256i c[8];
-        const __m256 dx = fimble_lanes_weights(x + 8*g, m, c);
+        if (PACKED && m <= 4) {  // a group of one to four blocks in four vectors: packed when four, else blocks
+            __m128 dx4;
+            if (m == 4) {
+                dx4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *) gp));
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; ++k) {
+                    c[k] = _mm256_loadu_si256((const __m256i *) (gp + 8 + 32*k));
+                }
+            } else {
+                fimble_lanes_transpose4(x + 8*g, m, c);
+                dx4 = _mm256_castps256_ps128(fimble_lanes_scales(x + 8*g, m));
+            }
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; ++k) {
+                c[k] = _mm256_xor_si256(c[k], sign);
+            }
+            for (int r = 0; r < NR; ++r) {
+                const size_t at = (size_t) r*ng + g;
+                const __m256i is = fimble_lanes_vnni_sums(4, c, bq + 256*at, bc + 8*at);
+                acc[r] = fimble_lanes_fma4(is, dx4, bd + 8*at, acc[r]);
+            }
+            continue;
+        }
+        __m256 dx;
+        if (PACKED && m == 8) {  // 8 scales, then the eight vectors
+            dx = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) gp));
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; ++k) {
+                c[k] = _mm256_loadu_si256((const __m256i *) (gp + 16 + 32*k));
+            }
+        } else {
+            dx = fimble_lanes_weights(x + 8*g, m, c);
+        }
 #pragma GCC unroll 8
         for (int k = 0; k < 8; ++k) {
             c[k] = _mm256_xor_si256(c[k], sign);
         }
         for (int r = 0; r < NR; ++r) {
             const size_t at = (size_t) r*ng + g;
-            const int8_t * GGML_RESTRICT q = bq + 256*at;
-            __m256i i0 = _mm256_load_si256((const __m256i *) (bc + 8*at));
-            __m256i i1 = _mm256_setzero_si256();
-#pragma GCC unroll 4  // (unrolled, c[] stays in registers)
-            for (int k = 0; k < 8; k += 2) {
-                i0 = _mm256_dpbusd_epi32(i0, c[k], _mm256_load_si256((const __m256i *) (q + 32*k)));
-                i1 = _mm256_dpbusd_epi32(i1, c[k + 1], _mm256_load_si256((const __m256i *) (q + 32*k + 32)));
-            }
             const __m256 d = _mm256_mul_ps(dx, _mm256_load_ps(bd + 8*at));
-            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), acc[r]);
+            const __m256i is = fimble_lanes_vnni_sums(8, c, bq + 256*at, bc + 8*at);
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(is), acc[r]);
         }
     }
     for (int r = 0; r < NR; ++r) {
@@ -198,9 +276,9 @@ static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_ro
 static FIMBLE_LANES_T __attribute__((noinline)) void fimble_lanes_all(
         const int nb, const int nx, const int nr, float * GGML_RESTRICT s, const size_t bs,
         const char * GGML_RESTRICT vx, const size_t bx, const char * GGML_RESTRICT vy, const size_t by) {
-    fimble_lanes_prepare(nb, nr, vy, by);
+    fimble_lanes_prepare_vnni(nb, nr, vy, by, FIMBLE_ROWS_VNNI);
     for (int i = 0; i < nx; ++i) {
-        FIMBLE_LANES_DISPATCH(fimble_lanes_rows, nr, nb, s + i, bs, (const block_q8_0 *) (vx + i*bx))
+        FIMBLE_LANES_DISPATCH(fimble_lanes_rows, nr, nb, s + i, bs, (const block_q8_0 *) (vx + i*bx), 0)
     }
 }
 

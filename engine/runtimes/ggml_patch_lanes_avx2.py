@@ -18,23 +18,6 @@ LANES_AVX2_KERNEL = (
 // about 2 cycles (bench/q8_kernel.py). The float part is the VNNI kernel's: dx*dy, one convert, one FMA per eight
 // blocks, hsum_float_8.
 
-// A group of at most four blocks (the last of a 28-block row, 896 columns: most of the default model's products)
-// is packed into four vectors, not eight: lane j (j < 4) of u[k] holds bytes 4k..4k+3 of block j, lane j + 4 bytes
-// 16+4k..16+4k+3 of block j (fimble_lanes_transpose's first two steps). Each row then adds its low and high
-// halves into the four blocks' exact sums: half the multiplies, the same sums, and the FMA leaves lanes 4-7 as the
-// eight-lane kernel's FMA with zero scales does (acc + 0 = acc: acc is never -0, it starts at +0).
-static inline __attribute__((always_inline)) void fimble_lanes_transpose4(
-        const block_q8_0 * GGML_RESTRICT x, const int m, __m256i u[4]) {
-    const __m256i z = _mm256_setzero_si256();
-#define FIMBLE_LD(j) (m > j ? _mm256_loadu_si256((const __m256i *) x[j].qs) : z)
-    const __m256i r0 = FIMBLE_LD(0), r1 = FIMBLE_LD(1), r2 = FIMBLE_LD(2), r3 = FIMBLE_LD(3);
-#undef FIMBLE_LD
-    const __m256i t0 = _mm256_unpacklo_epi32(r0, r1), t1 = _mm256_unpackhi_epi32(r0, r1);
-    const __m256i t2 = _mm256_unpacklo_epi32(r2, r3), t3 = _mm256_unpackhi_epi32(r2, r3);
-    u[0] = _mm256_unpacklo_epi64(t0, t2), u[1] = _mm256_unpackhi_epi64(t0, t2);
-    u[2] = _mm256_unpacklo_epi64(t1, t3), u[3] = _mm256_unpackhi_epi64(t1, t3);
-}
-
 static inline __attribute__((always_inline)) void fimble_lanes2_prepare(
         const int nb, const int nr, const char * GGML_RESTRICT vy, const size_t by) {
     fimble_lanes_rows_t * b = &fimble_lanes_buf;
@@ -128,11 +111,7 @@ static inline __attribute__((always_inline)) void fimble_lanes2_rows(
                 fimble_lanes2_sums(4, nc, w, bq + 256*((size_t) r0*ng + g), 256*(size_t) ng, is);
                 for (int j = 0; j < nc; ++j) {
                     const int r = r0 + j;
-                    const size_t at = (size_t) r*ng + g;
-                    const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(is[j]), _mm256_extracti128_si256(is[j], 1));
-                    const __m128 d = _mm_mul_ps(dx4, _mm_load_ps(bd + 8*at));
-                    const __m128 lo = _mm_fmadd_ps(d, _mm_cvtepi32_ps(i4), _mm256_castps256_ps128(acc[r]));
-                    acc[r] = _mm256_blend_ps(acc[r], _mm256_castps128_ps256(lo), 0x0F);
+                    acc[r] = fimble_lanes_fma4(is[j], dx4, bd + 8*((size_t) r*ng + g), acc[r]);
                 }
             }
             continue;

@@ -9,8 +9,8 @@ of four 4 scales then 128 bytes; anything else stays blocks), and runs its produ
 loads swapped (``PACKED``). The arithmetic is the lane kernel's, so every row's bits are unchanged: packed and
 unpacked products, 1-token steps and verify blocks, agree bit for bit (tests/engine/test_q8_packed.py).
 The VNNI kernel (ggml_patch_lanes.py) gathered and transposed too, and on a Zen 4 (AVX-512 VNNI) that work was not
-hidden under the weights' stream even in a 1-token step: ``fimble_packed_vnni_rows`` is its arithmetic on the same
-packed layout (2026-12-07: bench/reports/vnni-packed-2026-12-07/).
+hidden under the weights' stream even in a 1-token step: its rows function (``fimble_lanes_rows``, ``PACKED``) now
+reads the same packed layout (2026-12-07: bench/reports/vnni-packed-2026-12-07/).
 
 Where: x86 with AVX2 on either lane kernel (``fimble_q8_0_lanes() >= 1``), rows of at most FIMBLE_Q8_0_MAX_N columns.
 FIMBLE_Q8_0_PACK=0 leaves the weights as blocks (benchmarks compare the two); fimble_q8_0_packed_rows counts the rows
@@ -81,140 +81,16 @@ static __attribute__((noinline)) void fimble_packed_all(
     }
 }
 
-// On a CPU with AVX-512 VNNI: the VNNI kernel's arithmetic (ggml_patch_lanes.py) on packed weights, which it would
-// otherwise gather and transpose in every pass (~24 shuffles and eight scale loads per group of eight blocks, shared
-// by the pass's rows but not hidden under the weights' stream: in a C harness of 256 MB of weights, 1 thread, a 1-row
-// pass ~25% faster at 896 columns, ~14% at 4,864). Its rows are laid out as the AVX2 kernel's (a group of at most four
-// blocks in four vectors, as the packed weights are), each lane's integer sum starting at -128 * sum(its quants) as
-// in the VNNI kernel (weights used as w + 128). The integer sums are the same exact values and the float operations
-// the VNNI kernel's, lane for lane (a short group's FMA on lanes 0-3 only, where the VNNI kernel's adds +0 to lanes
-// 4-7), so the results are its bits.
-static FIMBLE_LANES_T void fimble_packed_vnni_prepare(const int nb, const int nr, const char * GGML_RESTRICT vy,
-                                                      const size_t by) {
-    fimble_lanes_rows_t * b = &fimble_lanes_buf;
-    if (b->vy == vy && b->nr == nr && b->nb == nb && b->by == by && b->layout == FIMBLE_ROWS_VNNI_PACKED) {
-        return;  // this product's rows, prepared by an earlier call
-    }
-    const int ng = (nb + 7) / 8;
-    fimble_lanes_reserve(b, (size_t) nr * ng);
-    const __m256i ones = _mm256_set1_epi8(1);
-    for (int r = 0; r < nr; ++r) {
-        const block_q8_0 * GGML_RESTRICT y = (const block_q8_0 *) (vy + r*by);
-        for (int g = 0; g < ng; ++g) {
-            const size_t at = (size_t) r*ng + g;
-            const int m = nb - 8*g < 8 ? nb - 8*g : 8;
-            __m256i c[8];
-            int nv = 8;
-            if (m > 4) {
-                fimble_lanes_transpose(y + 8*g, m, c);
-            } else {
-                fimble_lanes_transpose4(y + 8*g, m, c);
-                nv = 4;
-            }
-            __m256i sum = _mm256_setzero_si256();
-            for (int k = 0; k < nv; ++k) {
-                _mm256_store_si256((__m256i *) (b->q + 256*at + 32*k), c[k]);
-                sum = _mm256_dpbusd_epi32(sum, ones, c[k]);
-            }
-            _mm256_store_si256((__m256i *) (b->c + 8*at), _mm256_sub_epi32(_mm256_setzero_si256(),
-                                                                           _mm256_slli_epi32(sum, 7)));
-            _mm256_store_ps(b->d + 8*at, fimble_lanes_scales(y + 8*g, m));
-        }
-    }
-    b->vy = vy, b->nr = nr, b->nb = nb, b->by = by, b->layout = FIMBLE_ROWS_VNNI_PACKED;
-}
-
-static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_packed_vnni_rows(
-        const int NR, const int nb, float * GGML_RESTRICT s, const size_t bs, const block_q8_0 * GGML_RESTRICT x) {
-    const int8_t * GGML_RESTRICT bq = fimble_lanes_buf.q;  // (locals: the loop never reads thread-local memory)
-    const float * GGML_RESTRICT bd = fimble_lanes_buf.d;
-    const int32_t * GGML_RESTRICT bc = fimble_lanes_buf.c;
-    const int ng = (nb + 7) / 8;
-    const __m256i sign = _mm256_set1_epi8((char) 0x80);
-    __m256 acc[16];
-    for (int r = 0; r < NR; ++r) {
-        acc[r] = _mm256_setzero_ps();
-    }
-    for (int g = 0; g < ng; ++g) {
-        const int m = nb - 8*g < 8 ? nb - 8*g : 8;
-        const uint8_t * gp = (const uint8_t *) (x + 8*g);
-#pragma GCC unroll 5
-        for (int p = 0; p < 5; ++p) {  // the weights stream from memory while the rows compute: 2 KB ahead
-            _mm_prefetch((const char *) gp + 2048 + 64*p, _MM_HINT_T0);
-        }
-        __m256i c[8];
-        if (m <= 4) {  // a group of one to four blocks in four vectors: packed when four, else blocks
-            __m128 dx4;
-            if (m == 4) {
-                dx4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *) gp));
-#pragma GCC unroll 4
-                for (int k = 0; k < 4; ++k) {
-                    c[k] = _mm256_loadu_si256((const __m256i *) (gp + 8 + 32*k));
-                }
-            } else {
-                fimble_lanes_transpose4(x + 8*g, m, c);
-                dx4 = _mm256_castps256_ps128(fimble_lanes_scales(x + 8*g, m));
-            }
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; ++k) {
-                c[k] = _mm256_xor_si256(c[k], sign);
-            }
-            for (int r = 0; r < NR; ++r) {
-                const size_t at = (size_t) r*ng + g;
-                const int8_t * GGML_RESTRICT q = bq + 256*at;
-                __m256i i0 = _mm256_load_si256((const __m256i *) (bc + 8*at));
-                __m256i i1 = _mm256_setzero_si256();
-                i0 = _mm256_dpbusd_epi32(i0, c[0], _mm256_load_si256((const __m256i *) q));
-                i1 = _mm256_dpbusd_epi32(i1, c[1], _mm256_load_si256((const __m256i *) (q + 32)));
-                i0 = _mm256_dpbusd_epi32(i0, c[2], _mm256_load_si256((const __m256i *) (q + 64)));
-                i1 = _mm256_dpbusd_epi32(i1, c[3], _mm256_load_si256((const __m256i *) (q + 96)));
-                const __m256i is = _mm256_add_epi32(i0, i1);  // lane j + 4: block j's second half
-                const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(is), _mm256_extracti128_si256(is, 1));
-                const __m128 d = _mm_mul_ps(dx4, _mm_load_ps(bd + 8*at));
-                const __m128 lo = _mm_fmadd_ps(d, _mm_cvtepi32_ps(i4), _mm256_castps256_ps128(acc[r]));
-                acc[r] = _mm256_blend_ps(acc[r], _mm256_castps128_ps256(lo), 0x0F);
-            }
-            continue;
-        }
-        __m256 dx;
-        if (m == 8) {  // 8 scales, then the eight vectors
-            dx = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) gp));
-#pragma GCC unroll 8
-            for (int k = 0; k < 8; ++k) {
-                c[k] = _mm256_loadu_si256((const __m256i *) (gp + 16 + 32*k));
-            }
-        } else {
-            dx = fimble_lanes_weights(x + 8*g, m, c);
-        }
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) {
-            c[k] = _mm256_xor_si256(c[k], sign);
-        }
-        for (int r = 0; r < NR; ++r) {
-            const size_t at = (size_t) r*ng + g;
-            const int8_t * GGML_RESTRICT q = bq + 256*at;
-            __m256i i0 = _mm256_load_si256((const __m256i *) (bc + 8*at));
-            __m256i i1 = _mm256_setzero_si256();
-#pragma GCC unroll 4
-            for (int k = 0; k < 8; k += 2) {
-                i0 = _mm256_dpbusd_epi32(i0, c[k], _mm256_load_si256((const __m256i *) (q + 32*k)));
-                i1 = _mm256_dpbusd_epi32(i1, c[k + 1], _mm256_load_si256((const __m256i *) (q + 32*k + 32)));
-            }
-            const __m256 d = _mm256_mul_ps(dx, _mm256_load_ps(bd + 8*at));
-            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), acc[r]);
-        }
-    }
-    for (int r = 0; r < NR; ++r) {
-        s[r*bs] = hsum_float_8(acc[r]);
-    }
-}
-
+// On a CPU with AVX-512 VNNI: the VNNI kernel (ggml_patch_lanes.py, fimble_lanes_rows with PACKED) on packed weights,
+// which it would otherwise gather and transpose in every pass (~24 shuffles and eight scale loads per group of eight
+// blocks, shared by the pass's rows but not hidden under the weights' stream: in a C harness of 256 MB of weights,
+// 1 thread, a 1-row pass ~25% faster at 896 columns, ~14% at 4,864).
 static FIMBLE_LANES_T __attribute__((noinline)) void fimble_packed_vnni_all(
         const int nb, const int nx, const int nr, float * GGML_RESTRICT s, const size_t bs,
         const char * GGML_RESTRICT vx, const size_t bx, const char * GGML_RESTRICT vy, const size_t by) {
-    fimble_packed_vnni_prepare(nb, nr, vy, by);
+    fimble_lanes_prepare_vnni(nb, nr, vy, by, FIMBLE_ROWS_VNNI_PACKED);
     for (int i = 0; i < nx; ++i) {
-        FIMBLE_LANES_DISPATCH(fimble_packed_vnni_rows, nr, nb, s + i, bs, (const block_q8_0 *) (vx + i*bx))
+        FIMBLE_LANES_DISPATCH(fimble_lanes_rows, nr, nb, s + i, bs, (const block_q8_0 *) (vx + i*bx), 1)
     }
 }
 
