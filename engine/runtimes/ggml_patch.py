@@ -16,7 +16,8 @@ fimble's own lane order at every row count (item 3), faster, blocks still equal 
    head at once: Qwen's query heads of one key/value head (GQA) and a verify block's rows. A key row (one or
    two SIMD steps: a head's 64 keys) is loaded and converted once for all of them; a value row (n_kv long)
    once for two of them. Each sum in ggml_vec_dot_f16's order, so the results are stock's bit for bit
-   (ggml_patch_heads.py).
+   (ggml_patch_heads.py). A block's keys (64 halves each, AVX2) are converted once and met by each query row held in
+   registers, the last horizontal adds of eight sums done as vectors; the rows' indices are stepped, not divided out.
 3. quants.h, arch/x86/quants.c, ggml-cpu.c: q8_0 weights against the q8_0 rows ggml quantises the
    activations to.
    - On every AVX2 CPU, every such product, 1-token steps and prefills included (tinyBLAS declines q8_0),
@@ -46,11 +47,14 @@ fimble's own lane order at every row count (item 3), faster, blocks still equal 
 5. repack.cpp (ggml_patch_packed.py): on either lane kernel, q8_0 weights are packed in the lane order when the
    model loads (ggml's CPU_REPACK buffer type, asked for transparent huge pages), so the kernel loads each group's
    scales and quants instead of gathering and transposing them in every pass; the same arithmetic, the same bits.
+6. ops.cpp (ggml_patch_softmax.py): attention's softmax copies, scales and masks a row of scores and finds its
+   maximum in one vectorised pass (stock: four loops, two of them scalar), with the same operations on each element:
+   the same probabilities, bit for bit.
 """
 
 from __future__ import annotations
 
-from engine.runtimes import ggml_patch_packed
+from engine.runtimes import ggml_patch_packed, ggml_patch_softmax
 from engine.runtimes.ggml_patch_heads import HEADS_KERNEL, HEADS_LOOP
 from engine.runtimes.ggml_patch_lanes import LANES_KERNEL
 from engine.runtimes.ggml_patch_lanes_avx2 import LANES_AVX2_KERNEL
@@ -532,4 +536,5 @@ PATCHES: tuple[tuple[str, str, str], ...] = (
     (QUANTS_H, Q8_DECL_OLD, Q8_DECL_NEW),
     (QUANTS_X86, Q8_KERNEL_BEFORE, Q8_KERNEL + Q8_KERNEL_BEFORE),
     *ggml_patch_packed.PATCHES,
+    *ggml_patch_softmax.PATCHES,
 )
