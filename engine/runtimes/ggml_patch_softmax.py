@@ -52,7 +52,8 @@ static void fimble_soft_max_prep(const int n, float * w, const float * s, const 
 
 """
 
-LOOPS_OLD = """                ggml_vec_cpy_f32  (ne00, wp, sp);
+# Stock's loops, kept as they are for the rows the one pass does not take.
+STOCK_PREP = """                ggml_vec_cpy_f32  (ne00, wp, sp);
                 ggml_vec_scale_f32(ne00, wp, scale);
                 if (mp_f32) {
                     if (use_f16) {
@@ -72,41 +73,29 @@ LOOPS_OLD = """                ggml_vec_cpy_f32  (ne00, wp, sp);
                     assert(!isnan(wp[i]));
                 }
 #endif // NDEBUG
-
+"""
+LOOPS_OLD = (
+    STOCK_PREP
+    + """
                 float max = -INFINITY;
                 ggml_vec_max_f32(ne00, &max, wp);
 """
-LOOPS_NEW = """                float max = -INFINITY;
+)
+LOOPS_NEW = (
+    """                float max = -INFINITY;
 #if defined(__AVX2__)
                 if (slope == 1.0f && !use_f16) {  // fimble: one pass (ggml_patch_softmax.py)
                     fimble_soft_max_prep((int) ne00, wp, sp, scale, mp_f32, &max);
                 } else
 #endif
                 {
-                ggml_vec_cpy_f32  (ne00, wp, sp);
-                ggml_vec_scale_f32(ne00, wp, scale);
-                if (mp_f32) {
-                    if (use_f16) {
-                        for (int i = 0; i < ne00; ++i) {
-                            wp[i] += slope*GGML_CPU_FP16_TO_FP32(mp_f16[i]);
-                        }
-                    } else {
-                        for (int i = 0; i < ne00; ++i) {
-                            wp[i] += slope*mp_f32[i];
-                        }
-                    }
-                }
-
-#ifndef NDEBUG
-                for (int i = 0; i < ne00; ++i) {
-                    //printf("p[%d] = %f\\n", i, p[i]);
-                    assert(!isnan(wp[i]));
-                }
-#endif // NDEBUG
-
+"""
+    + STOCK_PREP
+    + """
                 ggml_vec_max_f32(ne00, &max, wp);
                 }
 """
+)
 
 PATCHES: tuple[tuple[str, str, str], ...] = (
     (OPS, PREP_BEFORE, PREP + PREP_BEFORE),
