@@ -88,6 +88,23 @@ static inline __attribute__((always_inline)) __m256 fimble_lanes_weights(
     return fimble_lanes_scales(x, m);
 }
 
+// A group of one to four blocks in four vectors (fimble_lanes_transpose4's layout) and its scales: loaded where PACKED
+// and the group is four (fimble_q8_0_pack wrote 4 scales, then the vectors), else gathered and transposed from blocks.
+// (Both lane kernels read a row's last, short group through this.)
+static inline __attribute__((always_inline)) __m128 fimble_lanes_group4(
+        const block_q8_0 * GGML_RESTRICT x, const int m, const int PACKED, __m256i c[4]) {
+    if (PACKED && m == 4) {
+        const uint8_t * gp = (const uint8_t *) x;
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+            c[k] = _mm256_loadu_si256((const __m256i *) (gp + 8 + 32*k));
+        }
+        return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *) gp));
+    }
+    fimble_lanes_transpose4(x, m, c);
+    return _mm256_castps256_ps128(fimble_lanes_scales(x, m));
+}
+
 // The float part of a group of at most four blocks in four vectors (fimble_lanes_transpose4): lanes j and j + 4 of is
 // hold block j's two halves' exact sums; their sum's FMA goes to lanes 0-3 of acc, lanes 4-7 stay as they are.
 static inline __attribute__((always_inline)) __m256 fimble_lanes_fma4(
@@ -211,17 +228,7 @@ static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_ro
         }
         __m256i c[8];
         if (PACKED && m <= 4) {  // a group of one to four blocks in four vectors: packed when four, else blocks
-            __m128 dx4;
-            if (m == 4) {
-                dx4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *) gp));
-#pragma GCC unroll 4
-                for (int k = 0; k < 4; ++k) {
-                    c[k] = _mm256_loadu_si256((const __m256i *) (gp + 8 + 32*k));
-                }
-            } else {
-                fimble_lanes_transpose4(x + 8*g, m, c);
-                dx4 = _mm256_castps256_ps128(fimble_lanes_scales(x + 8*g, m));
-            }
+            const __m128 dx4 = fimble_lanes_group4(x + 8*g, m, PACKED, c);
 #pragma GCC unroll 4
             for (int k = 0; k < 4; ++k) {
                 c[k] = _mm256_xor_si256(c[k], sign);

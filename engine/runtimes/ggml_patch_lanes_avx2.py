@@ -93,18 +93,7 @@ static inline __attribute__((always_inline)) void fimble_lanes2_rows(
             _mm_prefetch((const char *) (x + 8*g) + 2048 + 64*p, _MM_HINT_T0);
         }
         if (m <= 4) {  // the packed group of one to four blocks (only a row's last group can be one)
-            const uint8_t * gp = (const uint8_t *) (x + 8*g);
-            __m128 dx4;
-            if (PACKED && m == 4) {  // 4 scales, then the four vectors
-                dx4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *) gp));
-#pragma GCC unroll 4
-                for (int k = 0; k < 4; ++k) {
-                    w[k] = _mm256_loadu_si256((const __m256i *) (gp + 8 + 32*k));
-                }
-            } else {
-                fimble_lanes_transpose4(x + 8*g, m, w);
-                dx4 = _mm256_castps256_ps128(fimble_lanes_scales(x + 8*g, m));
-            }
+            const __m128 dx4 = fimble_lanes_group4(x + 8*g, m, PACKED, w);
             for (int r0 = 0; r0 < NR; r0 += 8) {
                 const int nc = NR - r0 < 8 ? NR - r0 : 8;
                 __m256i is[8];
