@@ -89,9 +89,7 @@ static FIMBLE_LANES_T __attribute__((noinline)) void fimble_packed_vnni_all(
         const int nb, const int nx, const int nr, float * GGML_RESTRICT s, const size_t bs,
         const char * GGML_RESTRICT vx, const size_t bx, const char * GGML_RESTRICT vy, const size_t by) {
     fimble_lanes_prepare_vnni(nb, nr, vy, by, FIMBLE_ROWS_VNNI_PACKED);
-    for (int i = 0; i < nx; ++i) {
-        FIMBLE_LANES_DISPATCH(fimble_lanes_rows, nr, nb, s + i, bs, (const block_q8_0 *) (vx + i*bx), 1)
-    }
+    fimble_lanes_vnni_rows(nb, nx, nr, s, bs, vx, bx, 1);
 }
 
 void fimble_vec_dot_q8_0_q8_0_packed(int n, int nx, int nr, float * GGML_RESTRICT s, size_t bs,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.api import CompletionRequest
+from engine.decoding import spec_policy
 from engine.decoding.drafters import ModelDrafter, NgramDrafter
 from engine.decoding.speculative import DecodeOptions, SpeculativeDecoder
 from engine.local import LocalEngine
@@ -76,7 +77,25 @@ class Comparison:
 
 
 def compare_drafters(target, draft, prompts: list[tuple[str, str]]) -> Comparison:
-    """Plain greedy against the model, n-gram and auto drafters on each (prefix, suffix), healing on."""
+    """Plain greedy against the model, n-gram and auto drafters on each (prefix, suffix), healing on.
+
+    The policy drafts by the verify passes' measured costs (spec_policy.verify_costs), which move with the
+    machine's load and are measured once per library: a probe taken on a busy machine drafted less, and the
+    model drafter's tokens per verify step fell below what the callers assert. So the costs are pinned flat
+    here (every pass one step: the longest drafts) and the counts depend on outputs alone. Losslessness does
+    not depend on the policy either way."""
+    pinned = spec_policy._COSTS.get(target.runtime)
+    spec_policy._COSTS[target.runtime] = spec_policy.FLAT
+    try:
+        return _compare_drafters(target, draft, prompts)
+    finally:
+        if pinned is None:
+            spec_policy._COSTS.pop(target.runtime, None)
+        else:
+            spec_policy._COSTS[target.runtime] = pinned
+
+
+def _compare_drafters(target, draft, prompts: list[tuple[str, str]]) -> Comparison:
     engine = LocalEngine(target, None, start_thread=False)  # only for its prompt builder
     cache = target.runtime.new_cache(target.max_len)
     model_drafter = ModelDrafter(draft.runtime, draft.max_len)

@@ -105,8 +105,9 @@ def test_lane_kernel_rows_equal_its_one_row_products_bit_for_bit():
     lanes_fn.argtypes = [i, i, i, vp, sz, vp, sz, vp, sz]
     assert cpu.fimble_q8_0_lanes() == (1 if os.environ.get("FIMBLE_Q8_0_LANES") == "avx2" or not _has_vnni() else 2)
     rng = np.random.default_rng(1)
-    # tails past the last 8 blocks: 4 (896), 0, 1, 7, 1, 0, 3, 5
-    for n, nx in ((896, 16), (4864, 5), (32, 3), (224, 4), (288, 2), (9728, 2), (96, 3), (160, 2)):
+    # tails past the last 8 blocks: 4 (896), 0, 1, 7, 1, 0, 3, 5. With VNNI, 6-16 rows over 4,864 and 9,728 columns
+    # take the group spans (fimble_lanes_vnni_rows); 70 weight rows: past the spans' 64-row pieces.
+    for n, nx in ((896, 16), (4864, 5), (32, 3), (224, 4), (288, 2), (9728, 2), (96, 3), (160, 2), (4864, 70)):
         nb = n // 32
         x, y = _blocks(rng, nx, nb), _blocks(rng, ROWS_MAX, nb)
         # The activations as ggml quantises them (|y| <= 127; the AVX2 kernel's sign trick needs it, as ggml's own
@@ -119,15 +120,16 @@ def test_lane_kernel_rows_equal_its_one_row_products_bit_for_bit():
             lanes_fn(n, nx, 1, one[r].ctypes.data, 1, x.ctypes.data, x.strides[0], y[r].ctypes.data, y.strides[0])
         ref = np.array([[_lanes_reference(x[k], y[r]) for k in range(nx)] for r in range(ROWS_MAX)])
         assert np.abs(one).max() > 0 and np.allclose(one, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max()), n
+        width = max(16, nx + 2)  # the output rows' stride: room past nx to see nothing written there
         for nr in range(1, ROWS_MAX + 1):
             forget()
-            got = np.full((ROWS_MAX, 16), np.nan, np.float32)
-            lanes_fn(n, nx, nr, got.ctypes.data, 16, x.ctypes.data, x.strides[0], y.ctypes.data, y.strides[0])
+            got = np.full((ROWS_MAX, width), np.nan, np.float32)
+            lanes_fn(n, nx, nr, got.ctypes.data, width, x.ctypes.data, x.strides[0], y.ctypes.data, y.strides[0])
             assert np.array_equal(got[:nr, :nx].view(np.uint32), one[:nr].view(np.uint32)), (n, nr)
             assert np.isnan(got[nr:]).all() and np.isnan(got[:nr, nx:]).all()  # nothing written past its rows
             # a second call of the same product (ggml's next chunk) reuses the prepared rows: same values
-            again = np.full((ROWS_MAX, 16), np.nan, np.float32)
-            lanes_fn(n, nx, nr, again.ctypes.data, 16, x.ctypes.data, x.strides[0], y.ctypes.data, y.strides[0])
+            again = np.full((ROWS_MAX, width), np.nan, np.float32)
+            lanes_fn(n, nx, nr, again.ctypes.data, width, x.ctypes.data, x.strides[0], y.ctypes.data, y.strides[0])
             assert np.array_equal(again[:nr, :nx].view(np.uint32), got[:nr, :nx].view(np.uint32))
 
 
