@@ -225,9 +225,11 @@ static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_ro
     for (int g = g0; g < g1; ++g) {
         const int m = nb - 8*g < 8 ? nb - 8*g : 8;
         const uint8_t * gp = (const uint8_t *) (x + 8*g);
+        if (NR >= 5) {  // the weights stream from memory while many rows compute: prefetched `ahead` bytes on
 #pragma GCC unroll 5
-        for (int p = 0; p < 5; ++p) {  // the weights stream from memory while the rows compute: `ahead` bytes on
-            _mm_prefetch((const char *) gp + ahead + 64*p, _MM_HINT_T0);
+            for (int p = 0; p < 5; ++p) {
+                _mm_prefetch((const char *) gp + ahead + 64*p, _MM_HINT_T0);
+            }
         }
         __m256i c[8];
         if (PACKED && m <= 4) {  // a group of one to four blocks in four vectors: packed when four, else blocks
@@ -287,23 +289,24 @@ static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_ro
         case 13: ROWS(13, __VA_ARGS__); break; case 14: ROWS(14, __VA_ARGS__); break; \
         case 15: ROWS(15, __VA_ARGS__); break; default: ROWS(16, __VA_ARGS__); break; }
 
-// nx weight rows of vx (bx bytes apart) against nr (1..16) activation rows of vy (by bytes apart) in the lane order:
-// s[i + r*bs].
-// The rows kernel over nx weight rows. Six or more activation rows over long weight rows (the 4,864-column down
-// projection) outgrow L1: nr x 320 bytes of prepared rows a group, re-read for every weight row, came from L2 at ~2x
-// the in-L1 cost (an 8-row pass of 4,864-column weights took as long as a 16-row pass of 896-column ones). So their
-// groups are taken in spans whose rows fit L1 (15-20 KB), every weight row one span at a time, its accumulators kept
-// in fimble_lanes_io between spans: each lane's FMAs run in the same order, so the same bits. The weights are then
-// read in span-long pieces a row apart, so each is prefetched three rows ahead. Fewer rows keep one pass a row: the
-// strided stream cost more there than L1 saved (C harness, 256 MB, 1 thread: 3-4 rows 15-20% slower, 8 rows 30%
-// faster).
+// The rows kernel over nx weight rows (C harness figures: 256 MB of packed weights, 1 thread, this Zen 4).
+// - Up to four activation rows leave the weights' stream to the hardware's prefetcher. A software prefetch 2 KB
+//   ahead made 1-4-row passes 10-25% slower (a plain stream of loads read 30.6 GB/s, 24.7 GB/s with it); from five
+//   rows on, where the rows' multiplies outrun the stream, it saves 10-30%.
+// - Five or more rows over long weight rows (the 4,864-column down projection) outgrow L1: nr x 320 bytes of
+//   prepared rows a group, re-read for every weight row, came from L2 at ~2x the in-L1 cost (8 rows of 4,864-column
+//   weights took 35 ms, of 896-column ones 18-21). So their groups are taken in spans whose rows fit L1 (15-20 KB),
+//   every weight row one span at a time, its accumulators kept in fimble_lanes_io between spans: each lane's FMAs
+//   run in the same order, so the same bits (8 rows: 25 ms). The weights are then read in span-long pieces a row
+//   apart, so each is prefetched three rows ahead. Fewer rows keep one pass a row: the strided stream cost more
+//   there than L1 saved (3-4 rows 15-25% slower).
 static __thread __m256 fimble_lanes_io[64 * 16];
 static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_vnni_rows(
         const int nb, const int nx, const int nr, float * GGML_RESTRICT s, const size_t bs,
         const char * GGML_RESTRICT vx, const size_t bx, const int PACKED) {
     const int ng = (nb + 7) / 8;
     const int span = nr <= 12 ? 48 / nr : 4;  // groups whose rows take 15-20 KB (320 bytes a row and group)
-    if (nr < 6 || nr * ng * 320 <= 24 * 1024) {
+    if (nr < 5 || nr * ng * 320 <= 24 * 1024) {
         for (int i = 0; i < nx; ++i) {
             FIMBLE_LANES_DISPATCH(fimble_lanes_rows, nr, nb, s + i, bs, (const block_q8_0 *) (vx + i*bx), PACKED,
                                   0, ng, NULL, 2048)
@@ -322,6 +325,8 @@ static inline __attribute__((always_inline)) FIMBLE_LANES_T void fimble_lanes_vn
     }
 }
 
+// nx weight rows of vx (bx bytes apart) against nr (1..16) activation rows of vy (by bytes apart) in the lane order:
+// s[i + r*bs].
 static FIMBLE_LANES_T __attribute__((noinline)) void fimble_lanes_all(
         const int nb, const int nx, const int nr, float * GGML_RESTRICT s, const size_t bs,
         const char * GGML_RESTRICT vx, const size_t bx, const char * GGML_RESTRICT vy, const size_t by) {
