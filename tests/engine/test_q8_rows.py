@@ -105,7 +105,7 @@ def test_lane_kernel_rows_equal_its_one_row_products_bit_for_bit():
     lanes_fn.argtypes = [i, i, i, vp, sz, vp, sz, vp, sz]
     assert cpu.fimble_q8_0_lanes() == (1 if os.environ.get("FIMBLE_Q8_0_LANES") == "avx2" or not _has_vnni() else 2)
     rng = np.random.default_rng(1)
-    # tails past the last 8 blocks: 4 (896), 0, 1, 7, 1, 0, 3, 5. With VNNI, 6-16 rows over 4,864 and 9,728 columns
+    # tails past the last 8 blocks: 4 (896), 0, 1, 7, 1, 0, 3, 5. With VNNI, 5-16 rows over 4,864 and 9,728 columns
     # take the group spans (fimble_lanes_vnni_rows); 70 weight rows: past the spans' 64-row pieces.
     for n, nx in ((896, 16), (4864, 5), (32, 3), (224, 4), (288, 2), (9728, 2), (96, 3), (160, 2), (4864, 70)):
         nb = n // 32
